@@ -1,0 +1,78 @@
+"""Shared fixtures: the bundled sample checkpoints and their DeepSpeed reference outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_ckpts"
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    folder: Path
+    meta: dict
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.folder / self.meta.get("checkpoint", "checkpoint")
+
+    @property
+    def reference_file(self) -> Path:
+        return self.folder / "reference" / "zero_to_fp32" / "pytorch_model.bin"
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        """DeepSpeed zero_to_fp32.py's output (plain tensors, safe to load weights_only)."""
+        return torch.load(self.reference_file, weights_only=True)
+
+    def live(self) -> dict[str, torch.Tensor]:
+        """fp32 masters, frozen params and buffers read from the live engine before saving."""
+        from safetensors.torch import load_file
+
+        return load_file(self.folder / "reference" / "live.safetensors")
+
+
+def load_samples() -> list[Sample]:
+    samples = []
+    for meta_file in sorted(SAMPLES.glob("*/meta.json")):
+        samples.append(Sample(meta_file.parent.name, meta_file.parent, json.loads(meta_file.read_text())))
+    return samples
+
+
+SAMPLE_LIST = load_samples()
+
+
+def sample(name: str) -> Sample:
+    return next(s for s in SAMPLE_LIST if s.name == name)
+
+
+@pytest.fixture(params=SAMPLE_LIST, ids=lambda s: s.name)
+def any_sample(request: pytest.FixtureRequest) -> Sample:
+    return request.param
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path: Path):
+    """Copy a sample's checkpoint folder somewhere it may be damaged."""
+
+    def make(name: str) -> Path:
+        target = tmp_path / name
+        shutil.copytree(sample(name).checkpoint, target)
+        return target
+
+    return make
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and every bit (NaNs included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous(), b.contiguous()
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))) if a.numel() else True

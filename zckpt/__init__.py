@@ -1,0 +1,46 @@
+"""zckpt: read, consolidate and inspect DeepSpeed ZeRO checkpoints without DeepSpeed.
+
+Python API::
+
+    import zckpt
+    state = zckpt.load_state_dict("runs/ckpt")                  # dict of fp32 tensors
+    for name, tensor in zckpt.iter_tensors("runs/ckpt", dtype="bf16"):
+        ...                                                      # one tensor in memory at a time
+    zckpt.load_into_module(model, "runs/ckpt")                   # strict key check
+    zckpt.consolidate("runs/ckpt", "out/")                       # model.safetensors
+    zckpt.inspect_path("runs/ckpt")                              # the `zckpt inspect --json` report
+"""
+
+from .api import iter_tensors, load_into_module, load_state_dict
+from .consolidate import consolidate, plan_consolidation
+from .deepspeed.reader import open_checkpoint, survey
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptFileError,
+    LayoutError,
+    OutputError,
+    UnsafePickleError,
+    UsageError,
+    ZckptError,
+)
+from .inspect import inspect_path
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "CorruptFileError",
+    "LayoutError",
+    "OutputError",
+    "UnsafePickleError",
+    "UsageError",
+    "ZckptError",
+    "consolidate",
+    "inspect_path",
+    "iter_tensors",
+    "load_into_module",
+    "load_state_dict",
+    "open_checkpoint",
+    "plan_consolidation",
+    "survey",
+]

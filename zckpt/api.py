@@ -1,0 +1,92 @@
+"""The Python API: consolidated state dicts in memory, lazily, or straight into a module."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Iterator
+
+from .consolidate import output_dtype
+from .deepspeed.reader import open_checkpoint
+from .errors import LayoutError
+from .index import CheckpointIndex, Entry
+from .materialize import read_tensor
+from .reading import FileReader
+
+if TYPE_CHECKING:
+    import torch
+
+PathLike = str | os.PathLike[str]
+
+
+def _selected(index: CheckpointIndex, exclude_frozen: bool) -> list[Entry]:
+    kept = [e for e in index.entries if not (exclude_frozen and e.kind == "frozen")]
+    names = {e.name for e in kept}
+    return [e for e in kept if e.alias_of is None or e.alias_of in names]
+
+
+def iter_tensors(
+    checkpoint: PathLike, *, tag: str | None = None, dtype: str = "fp32", exclude_frozen: bool = False
+) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Yield ``(name, tensor)`` one at a time; only one tensor is in memory at once.
+
+    Floating tensors come in `dtype` (``fp32``, ``bf16`` or ``fp16``); integer buffers keep
+    their own. A tied alias is yielded as a fresh copy of its source.
+    """
+    target = output_dtype(dtype)
+    index = open_checkpoint(checkpoint, tag)
+    with FileReader() as reader:
+        for entry in _selected(index, exclude_frozen):
+            out = target if entry.source.dtype.is_floating else entry.source.dtype
+            yield entry.name, read_tensor(reader, entry.source, out)
+
+
+def load_state_dict(
+    checkpoint: PathLike, *, tag: str | None = None, dtype: str = "fp32", exclude_frozen: bool = False
+) -> dict[str, "torch.Tensor"]:
+    """The whole consolidated state dict, as zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint
+    returns it, plus frozen params; tied aliases share their source's tensor."""
+    target = output_dtype(dtype)
+    index = open_checkpoint(checkpoint, tag)
+    state: dict[str, torch.Tensor] = {}
+    with FileReader() as reader:
+        for entry in _selected(index, exclude_frozen):
+            if entry.alias_of is not None:
+                state[entry.name] = state[entry.alias_of]
+                continue
+            out = target if entry.source.dtype.is_floating else entry.source.dtype
+            state[entry.name] = read_tensor(reader, entry.source, out)
+    return state
+
+
+def load_into_module(
+    module: "torch.nn.Module", checkpoint: PathLike, *, tag: str | None = None, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """Copy a checkpoint's weights into `module` in place, one tensor at a time.
+
+    Each tensor is cast to the dtype of the module's own tensor. With `strict`, keys the
+    module has and the checkpoint lacks (missing) or the reverse (unexpected) are an error;
+    without it they are returned as ``(missing, unexpected)``.
+    """
+    import torch
+
+    index = open_checkpoint(checkpoint, tag)
+    targets = module.state_dict(keep_vars=True)
+    names = set(index.names())
+    missing = sorted(set(targets) - names)
+    unexpected = sorted(names - set(targets))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"not in the module: {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
+        raise LayoutError(index.tag_dir, "; ".join(parts) + " (pass strict=False to load the rest)")
+    with FileReader() as reader, torch.no_grad():
+        for entry in index.entries:
+            target = targets.get(entry.name)
+            if target is None:
+                continue
+            if tuple(target.shape) != entry.source.shape:
+                raise LayoutError(index.tag_dir, f"{entry.name}: checkpoint shape {list(entry.source.shape)} != module shape {list(target.shape)}")
+            target.copy_(read_tensor(reader, entry.source))
+    return missing, unexpected

@@ -1,0 +1,166 @@
+"""The ``zckpt`` command line: parse options, call one library function, print.
+
+Exit codes: 0 success; 1 bad input or a failed write (one line on stderr naming the file and
+the problem; ``ZCKPT_DEBUG=1`` shows the traceback); 2 bad usage (unknown option, bad value);
+3 ``inspect`` found the checkpoint incomplete or inconsistent; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from .errors import UsageError, ZckptError
+
+EXIT_BAD_INPUT = 1
+EXIT_USAGE = 2
+EXIT_INCOMPLETE = 3
+
+app = typer.Typer(
+    name="zckpt",
+    help="Read, consolidate and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class DType(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Format(str, enum.Enum):
+    safetensors = "safetensors"
+    torch = "torch"
+
+
+TagOption = Annotated[
+    Optional[str],
+    typer.Option("--tag", "-t", help="Tag folder to read, e.g. global_step1000. Default: the one named in 'latest'."),
+]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"zckpt: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _guarded(action: Callable[[], Any]) -> Any:
+    """Run a library call; turn its errors into one line and an exit code."""
+    if os.environ.get("ZCKPT_DEBUG"):
+        return action()
+    try:
+        return action()
+    except UsageError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except ZckptError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        _fail("interrupted; nothing was written", 130)
+    except MemoryError:
+        _fail("out of memory", EXIT_BAD_INPUT)
+    except Exception as exc:  # a bug, or bad input we failed to classify: still one line
+        _fail(f"internal error: {type(exc).__name__}: {exc} (run with ZCKPT_DEBUG=1 for the traceback)", EXIT_BAD_INPUT)
+
+
+def _progress_bar(quiet: bool, description: str) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    """A (callback, close) pair driving a tqdm bar on stderr, silent when quiet or not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        return (lambda done, total: None), (lambda: None)
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc=description, leave=False, file=sys.stderr)
+
+    def update(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    return update, bar.close
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  zckpt consolidate runs/ckpt out/                       # fp32 model.safetensors from the tag in runs/ckpt/latest\n\n"
+        "  zckpt consolidate runs/ckpt out/ --dtype bf16 --max-shard-size 2GB\n\n"
+        "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch   # pytorch_model.bin"
+    )
+)
+def consolidate(
+    checkpoint: Annotated[Path, typer.Argument(help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it.")],
+    output_dir: Annotated[Path, typer.Argument(help="Folder for the weights (created if missing). Files appear only when all are complete.")],
+    tag: TagOption = None,
+    dtype: Annotated[DType, typer.Option(help="Dtype of floating tensors: fp32 (the exact masters), or bf16/fp16 (rounded to nearest). Integer buffers keep their dtype.")] = DType.fp32,
+    format: Annotated[Format, typer.Option("--format", "-f", help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).")] = Format.safetensors,
+    max_shard_size: Annotated[str, typer.Option(help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    exclude_frozen: Annotated[bool, typer.Option(help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace weights files already in OUTPUT_DIR (stale shards are removed).")] = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
+
+    Frozen params are kept, tied weights are written under every name, and the config and
+    tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along.
+    """
+    from .consolidate import consolidate as run_consolidate
+
+    update, close = _progress_bar(quiet, "consolidating")
+    try:
+        result = _guarded(
+            lambda: run_consolidate(
+                checkpoint,
+                output_dir,
+                tag=tag,
+                dtype=dtype.value,
+                format=format.value,
+                max_shard_size=max_shard_size,
+                exclude_frozen=exclude_frozen,
+                overwrite=overwrite,
+                progress=update,
+            )
+        )
+    finally:
+        close()
+    if not quiet:
+        index = result.index
+        typer.echo(
+            f"wrote {result.tensors} tensors ({result.bytes_written / 1e6:.1f} MB, {dtype.value}) from "
+            f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {', '.join(result.files)}"
+        )
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  zckpt inspect runs/ckpt                  # summary of the tag in 'latest'\n\n"
+        "  zckpt inspect runs/ckpt --json | jq .complete\n\n"
+        "  zckpt inspect out/model.safetensors.index.json"
+    )
+)
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A DeepSpeed checkpoint folder or tag folder, a consolidated folder, a .safetensors file, an .index.json, or a torch .bin/.pt file.")],
+    tag: TagOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+) -> None:
+    """Tell what a checkpoint or weights file holds and whether it is complete (exit 3 if not)."""
+    from .inspect import inspect_path, render
+
+    report = _guarded(lambda: inspect_path(path, tag))
+    typer.echo(json.dumps(report, indent=2) if as_json else render(report))
+    if not report["complete"]:
+        raise typer.Exit(EXIT_INCOMPLETE)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,214 @@
+"""Consolidate a ZeRO checkpoint into full weights (safetensors or torch), like zero_to_fp32.py.
+
+Two steps: :func:`plan_consolidation` decides, from the checkpoint index alone, which tensor
+goes into which file in which dtype (pure, no I/O); :func:`write_consolidated` then streams
+the bytes, one tensor at a time, into staged files that appear together when all are done.
+
+Differences from DeepSpeed's tool, all deliberate: frozen params are always kept (unless
+excluded), including those ZeRO-1 records only in the module state dict; tied weights are
+written under every name in safetensors too (the metadata says which name aliases which);
+NVMe-offloaded checkpoints are read where the tool fails. Every tensor the tool writes comes
+out with the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from . import hf
+from .deepspeed.reader import open_checkpoint
+from .dtypes import OUTPUT_DTYPES, DType
+from .errors import UsageError
+from .index import CheckpointIndex, TensorSource
+from .materialize import StreamWriter, read_tensor
+from .output import StagedOutput, output_error
+from .reading import FileReader
+from .safetensors_format import TIED_METADATA_KEY, build_header
+from .shards import ShardItem, parse_size, plan_shards
+
+OutputFormat = Literal["safetensors", "torch"]
+Progress = Callable[[int, int], None]  # (bytes done so far, total bytes)
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: DType  # output dtype
+    shape: tuple[int, ...]
+    source: TensorSource
+    alias_of: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    name: str
+    tensors: tuple[PlannedTensor, ...]
+
+
+@dataclass(frozen=True)
+class ConsolidationPlan:
+    format: OutputFormat
+    files: tuple[PlannedFile, ...]
+    index_file: str | None  # written when sharded
+    weight_map: dict[str, str]
+    total_size: int  # bytes of distinct tensors (the index's metadata.total_size)
+    tied: dict[str, str]  # alias -> source
+    extra_files: tuple[str, ...]  # Hugging Face config/tokenizer files to copy along
+
+    @property
+    def bytes_to_write(self) -> int:
+        """Tensor bytes the writer produces (tied copies counted for safetensors)."""
+        if self.format == "torch":
+            return self.total_size
+        return sum(t.nbytes for f in self.files for t in f.tensors)
+
+
+@dataclass(frozen=True)
+class ConsolidationResult:
+    output_dir: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes_written: int
+    index: CheckpointIndex
+
+
+def output_dtype(name: str) -> DType:
+    try:
+        return OUTPUT_DTYPES[name]
+    except KeyError:
+        raise UsageError(None, f"unknown dtype {name!r}: choose one of {', '.join(OUTPUT_DTYPES)}") from None
+
+
+def plan_consolidation(
+    index: CheckpointIndex,
+    *,
+    dtype: str = "fp32",
+    format: OutputFormat = "safetensors",
+    max_shard_size: str | int = "5GB",
+    exclude_frozen: bool = False,
+) -> ConsolidationPlan:
+    """Decide every output file and tensor; reads nothing."""
+    target = output_dtype(dtype)
+    if format not in ("safetensors", "torch"):
+        raise UsageError(None, f"unknown format {format!r}: choose safetensors or torch")
+    limit = parse_size(max_shard_size)
+    kept = [e for e in index.entries if not (exclude_frozen and e.kind == "frozen")]
+    names = {e.name for e in kept}
+    kept = [e for e in kept if e.alias_of is None or e.alias_of in names]
+    tensors = {
+        e.name: PlannedTensor(e.name, target if e.source.dtype.is_floating else e.source.dtype, e.source.shape, e.source, e.alias_of)
+        for e in kept
+    }
+    items = [ShardItem(t.name, t.nbytes, t.alias_of) for t in tensors.values()]
+    pattern = hf.SAFETENSORS_PATTERN if format == "safetensors" else hf.TORCH_PATTERN
+    shards = plan_shards(items, limit, pattern)
+    files = []
+    for filename, members in shards.files:
+        planned = [tensors[n] for n in members]
+        if format == "safetensors":  # widest dtypes first keeps every tensor aligned, as safetensors does
+            planned.sort(key=lambda t: -t.dtype.itemsize)
+        files.append(PlannedFile(filename, tuple(planned)))
+    extra = tuple(
+        os.path.join(index.checkpoint_dir, n) for n in hf.MODEL_FILES if os.path.isfile(os.path.join(index.checkpoint_dir, n))
+    )
+    return ConsolidationPlan(
+        format=format,
+        files=tuple(files),
+        index_file=(hf.SAFETENSORS_INDEX if format == "safetensors" else hf.TORCH_INDEX) if shards.is_sharded else None,
+        weight_map=shards.weight_map(),
+        total_size=shards.total_size,
+        tied={t.name: t.alias_of for t in tensors.values() if t.alias_of},
+        extra_files=extra,
+    )
+
+
+def consolidate(
+    checkpoint: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    dtype: str = "fp32",
+    format: OutputFormat = "safetensors",
+    max_shard_size: str | int = "5GB",
+    exclude_frozen: bool = False,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConsolidationResult:
+    """Read a ZeRO checkpoint and write its consolidated weights into `output_dir`."""
+    index = open_checkpoint(checkpoint, tag)
+    plan = plan_consolidation(index, dtype=dtype, format=format, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen)
+    return write_consolidated(index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress)
+
+
+def write_consolidated(
+    index: CheckpointIndex, plan: ConsolidationPlan, output_dir: str, *, overwrite: bool = False, progress: Progress | None = None
+) -> ConsolidationResult:
+    """Execute a plan: stream every tensor into staged files, then move them into place."""
+    names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
+    names += [os.path.basename(p) for p in plan.extra_files]
+    total = plan.bytes_to_write
+    done = 0
+
+    def advance(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress:
+            progress(done, total)
+
+    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader() as reader:
+        for planned in plan.files:
+            temp = staged.temp_path(planned.name)
+            try:
+                if plan.format == "safetensors":
+                    _write_safetensors(temp, planned, plan.tied, reader, advance)
+                else:
+                    _write_torch(temp, planned, reader, advance)
+            except OSError as exc:
+                raise output_error(os.path.join(output_dir, planned.name), exc) from None
+        try:
+            if plan.index_file:
+                with open(staged.temp_path(plan.index_file), "w", encoding="utf-8") as handle:
+                    content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
+                    handle.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+            for source in plan.extra_files:
+                shutil.copyfile(source, staged.temp_path(os.path.basename(source)))
+        except OSError as exc:
+            raise output_error(output_dir, exc) from None
+        staged.commit()
+    return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index)
+
+
+def _write_safetensors(path: str, planned: PlannedFile, tied: dict[str, str], reader: FileReader, advance: Callable[[int], None]) -> None:
+    metadata = {"format": "pt"}
+    if tied:
+        metadata[TIED_METADATA_KEY] = json.dumps(tied, sort_keys=True)
+    header, _ = build_header([(t.name, t.dtype, t.shape) for t in planned.tensors], metadata)
+    writer = StreamWriter(reader, advance)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, header)
+        for tensor in planned.tensors:
+            writer.write(fd, tensor.source, tensor.dtype)
+    finally:
+        os.close(fd)
+
+
+def _write_torch(path: str, planned: PlannedFile, reader: FileReader, advance: Callable[[int], None]) -> None:
+    import torch
+
+    shard: dict[str, torch.Tensor] = {}
+    for tensor in planned.tensors:
+        if tensor.alias_of is not None and tensor.alias_of in shard:
+            shard[tensor.name] = shard[tensor.alias_of]  # one storage, as in the model
+            continue
+        shard[tensor.name] = read_tensor(reader, tensor.source, tensor.dtype)
+        advance(tensor.nbytes)
+    torch.save(shard, path)

@@ -1,0 +1,68 @@
+"""DeepSpeed's file names and state-dict keys: the one place zckpt spells them.
+
+Read from DeepSpeed 0.14 - 0.19 (``deepspeed/checkpoint/constants.py``, ``runtime/engine.py``)
+and checked against files it wrote (see sample_ckpts/FORMAT_OBSERVED.md).
+"""
+
+from __future__ import annotations
+
+import re
+
+# --- files -------------------------------------------------------------------------------------
+LATEST_FILE = "latest"
+BF16_PREFIX = "bf16_"
+OFFLOADED_TENSORS_DIR = "offloaded_tensors"
+
+
+MODEL_STATES_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
+OPTIM_STATES_RE = re.compile(r"^(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+
+def model_states_name(zero_stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:
+    """ZeRO-1/2 keep one model-states file per model-parallel rank; ZeRO-3 one per dp rank too."""
+    if zero_stage >= 3:
+        return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
+    return f"{BF16_PREFIX if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def offloaded_rank_dir(dp_rank: int) -> str:
+    """``rank00``-style folder of one rank's NVMe swap files inside offloaded_tensors/."""
+    return f"rank{dp_rank:02d}"
+
+
+# --- model_states keys -------------------------------------------------------------------------
+MODULE = "module"
+BUFFER_NAMES = "buffer_names"
+PARAM_SHAPES = "param_shapes"
+FROZEN_PARAM_SHAPES = "frozen_param_shapes"
+FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
+SHARED_PARAMS = "shared_params"
+DS_CONFIG = "ds_config"
+DS_VERSION = "ds_version"
+DP_WORLD_SIZE = "dp_world_size"
+MP_WORLD_SIZE = "mp_world_size"
+GLOBAL_STEPS = "global_steps"
+
+# --- optim_states keys -------------------------------------------------------------------------
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+ZERO_STAGE = "zero_stage"
+PARTITION_COUNT = "partition_count"
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # ZeRO-1/2
+FP32_FLAT_GROUPS = "fp32_flat_groups"  # ZeRO-3
+BASE_OPTIMIZER_STATE = "base_optimizer_state"  # ZeRO-1/2
+GROUP_PADDINGS = "group_paddings"
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # DeepSpeed >= 0.18
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+LOSS_SCALER = "loss_scaler"
+
+# --- ds_config keys ----------------------------------------------------------------------------
+CONFIG_ZERO = "zero_optimization"
+CONFIG_STAGE = "stage"
+CONFIG_OFFLOAD_OPTIMIZER = "offload_optimizer"
+CONFIG_OFFLOAD_PARAM = "offload_param"
+CONFIG_LEGACY_CPU_OFFLOAD = "cpu_offload"
+CONFIG_BF16 = ("bf16", "bfloat16")
+CONFIG_FP16 = "fp16"

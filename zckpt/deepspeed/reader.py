@@ -1,0 +1,584 @@
+"""Read a DeepSpeed ZeRO checkpoint folder into zckpt's :class:`~zckpt.index.CheckpointIndex`.
+
+Only small pickles are parsed (no tensor data is read, bar a few step counters used to tell
+rank files of different runs apart), the whole layout is validated, and every param's bytes
+are located as file segments. :func:`survey` reports every problem it finds instead of
+stopping (``zckpt inspect``); :func:`open_checkpoint` raises the first (``consolidate``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .. import torchfile
+from ..dtypes import BF16, FP16, FP32, DType
+from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
+from ..index import CheckpointIndex, Entry, Segment, TensorSource
+from ..reading import FileReader, read_ref, source_of
+from ..torchfile import TensorRef
+from . import names as N
+from .partition import split_range, zero2_align, zero3_param_offsets, zero3_partition, zero12_group_numel, zero12_param_offsets
+
+
+def _natural_key(text: str) -> list[int | str]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _is_tag_dir(path: str) -> bool:
+    try:
+        return any(N.MODEL_STATES_RE.match(name) for name in os.listdir(path))
+    except OSError:
+        return False
+
+
+def list_tags(checkpoint_dir: str) -> list[str]:
+    """Tag folders (those holding a *_model_states.pt) in a checkpoint folder, in natural order."""
+    try:
+        children = os.listdir(checkpoint_dir)
+    except OSError:
+        return []
+    tags = [c for c in children if _is_tag_dir(os.path.join(checkpoint_dir, c))]
+    return sorted(tags, key=_natural_key)
+
+
+@dataclass(frozen=True)
+class Location:
+    checkpoint_dir: str
+    tag: str
+    tags: tuple[str, ...]
+
+    @property
+    def tag_dir(self) -> str:
+        return os.path.join(self.checkpoint_dir, self.tag)
+
+
+def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
+    """Resolve a checkpoint folder (with `latest`), a tag folder, or a folder plus `tag`."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(path, "no such file or directory")
+    if not os.path.isdir(path):
+        raise UsageError(path, "expected a DeepSpeed checkpoint folder (the one holding 'latest'), got a file")
+    if _is_tag_dir(path):
+        parent, own_tag = os.path.split(os.path.normpath(path))
+        if tag is not None and tag != own_tag:
+            raise UsageError(path, f"is the folder of tag '{own_tag}', but --tag {tag} was given")
+        parent = parent or "."
+        return Location(parent, own_tag, tuple(list_tags(parent)) or (own_tag,))
+    tags = tuple(list_tags(path))
+    listed = ", ".join(tags) if tags else "none"
+    if tag is not None:
+        if not os.path.isdir(os.path.join(path, tag)):
+            raise CheckpointNotFoundError(os.path.join(path, tag), f"tag folder not found (tags here: {listed})")
+        return Location(path, tag, tags)
+    latest = os.path.join(path, N.LATEST_FILE)
+    if os.path.isfile(latest):
+        try:
+            with open(latest, encoding="utf-8") as handle:
+                named = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CorruptFileError(latest, f"cannot read the tag it names ({exc})") from None
+        if not named:
+            raise CorruptFileError(latest, "is empty; it should name a tag such as global_step100")
+        if not os.path.isdir(os.path.join(path, named)):
+            raise CheckpointNotFoundError(latest, f"names tag '{named}', but folder {os.path.join(path, named)} is missing (tags here: {listed})")
+        return Location(path, named, tags)
+    if len(tags) == 1:
+        return Location(path, tags[0], tags)
+    if tags:
+        raise UsageError(path, f"no 'latest' file and {len(tags)} tags ({listed}); pass --tag")
+    raise CheckpointNotFoundError(path, "no DeepSpeed checkpoint here (no 'latest' file, no tag folder holding *_model_states.pt)")
+
+
+@dataclass
+class Survey:
+    """What a look at a checkpoint found: the index when the checkpoint is complete, and every
+    problem seen (each a ZckptError naming a file)."""
+
+    path: str
+    location: Location | None = None
+    zero_stage: int | None = None
+    world_size: int | None = None
+    dtype: DType | None = None
+    ds_version: str | None = None
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    files: list[str] = field(default_factory=list)
+    index: CheckpointIndex | None = None
+    problems: list[ZckptError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # What the model-states file declares, known even when the index cannot be built.
+    declared: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, kind)
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.index is not None and not self.problems
+
+
+def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> CheckpointIndex:
+    """Read and validate a checkpoint; raise the first problem found."""
+    result = survey(path, tag)
+    if result.problems:
+        first = result.problems[0]
+        more = len(result.problems) - 1
+        if more:
+            raise type(first)(first.path, f"{first.problem} (and {more} more problem{'s' * (more > 1)}; see zckpt inspect)")
+        raise first
+    assert result.index is not None
+    return result.index
+
+
+def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
+    """Look at a checkpoint and report what it holds and what is wrong with it."""
+    result = Survey(os.fspath(path))
+    try:
+        result.location = locate(path, tag)
+    except CheckpointNotFoundError as exc:
+        if exc.path == os.fspath(path):
+            raise
+        result.problems.append(exc)
+        return result
+    except UsageError:
+        raise
+    except ZckptError as exc:
+        result.problems.append(exc)
+        return result
+    _Reader(result).run()
+    return result
+
+
+def _product(shape: Any) -> int:
+    return math.prod(shape)
+
+
+def _as_shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+class _Reader:
+    """One pass over a tag folder, filling a Survey."""
+
+    def __init__(self, result: Survey) -> None:
+        assert result.location is not None
+        self.result = result
+        self.tag_dir = result.location.tag_dir
+        self.problems = result.problems
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _problem(self, error: type[ZckptError], path: str | None, text: str) -> None:
+        self.problems.append(error(path, text))
+
+    def _load(self, path: str) -> Any | None:
+        try:
+            return torchfile.load(path)
+        except ZckptError as exc:
+            self.problems.append(exc)
+            return None
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.tag_dir, name)
+
+    # --- main --------------------------------------------------------------------------------
+    def run(self) -> None:
+        model_files, optim_files = self._list_rank_files()
+        if model_files is None:
+            return
+        zero3 = any(dp is not None for dp in model_files)
+        model_paths = self._model_paths(model_files, zero3)
+        self.result.files = sorted(model_paths.values()) + sorted(p for _, p in optim_files.values())
+        models = {rank: self._load(p) for rank, p in model_paths.items()}
+        optims = {rank: self._load(p) for rank, (_, p) in sorted(optim_files.items())}
+        first_model = models.get(0 if zero3 else None)
+        if isinstance(first_model, dict):
+            self._declare(first_model)
+        if any(v is None for v in list(models.values()) + list(optims.values())):
+            return
+        if not self._check_shapes_of_files(models, optims, model_paths, optim_files):
+            return
+        model0 = models[0 if zero3 else None]
+        inner = {rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims}
+        self._describe(model0, inner[0], optim_files[0][0], zero3)
+        if not self._check_world(models, inner, model_paths, optim_files, zero3):
+            return
+        self._check_same_run(models, optims, model_paths, optim_files)
+        with FileReader() as reader:
+            self._check_steps(reader, inner, optim_files)
+        if self.problems:
+            return
+        entries = self._entries(models, inner, model_paths, optim_files, zero3)
+        if entries is None or self.problems:
+            return
+        location = self.result.location
+        assert location is not None and self.result.dtype is not None
+        self.result.index = CheckpointIndex(
+            checkpoint_dir=location.checkpoint_dir,
+            tag=location.tag,
+            tag_dir=self.tag_dir,
+            tags=location.tags,
+            zero_stage=self.result.zero_stage or 0,
+            world_size=self.result.world_size or 0,
+            dtype=self.result.dtype,
+            ds_version=self.result.ds_version,
+            offload=self.result.offload,
+            entries=tuple(entries),
+            files=tuple(self.result.files),
+            notes=tuple(self.result.notes),
+        )
+
+    def _list_rank_files(self) -> tuple[dict[int | None, str] | None, dict[int, tuple[str, str]]]:
+        try:
+            listing = sorted(os.listdir(self.tag_dir), key=_natural_key)
+        except OSError as exc:
+            self._problem(CheckpointNotFoundError, self.tag_dir, f"cannot list tag folder ({exc.strerror})")
+            return None, {}
+        model_files: dict[int | None, str] = {}
+        optim_files: dict[int, tuple[str, str]] = {}
+        for name in listing:
+            if match := N.MODEL_STATES_RE.match(name):
+                if int(match["mp"]) != 0:
+                    self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
+                    continue
+                model_files[int(match["dp"]) if match["dp"] is not None else None] = name
+            elif match := N.OPTIM_STATES_RE.match(name):
+                if int(match["mp"]) != 0:
+                    self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
+                    continue
+                rank = int(match["dp"])
+                prefix = match["prefix"] or ""
+                if rank in optim_files:
+                    other = optim_files[rank][1]
+                    self._problem(LayoutError, self._path(name), f"two optimizer files for rank {rank} (also {os.path.basename(other)}): files of a bf16 and a non-bf16 run are mixed")
+                    continue
+                optim_files[rank] = (prefix, self._path(name))
+        if not model_files:
+            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_model_states.pt file in the tag folder")
+            return None, optim_files
+        if not optim_files:
+            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from")
+            return None, optim_files
+        if None in model_files and len(model_files) > 1:
+            self._problem(LayoutError, self.tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed")
+            return None, optim_files
+        return model_files, optim_files
+
+    def _model_paths(self, model_files: dict[int | None, str], zero3: bool) -> dict[int | None, str]:
+        return {rank: self._path(name) for rank, name in sorted(model_files.items(), key=lambda kv: kv[0] or 0)}
+
+    def _declare(self, model0: dict) -> None:
+        """Record the params, buffers and tied names rank 0's model states declare."""
+        declared = self.result.declared
+        module = model0.get(N.MODULE) if isinstance(model0.get(N.MODULE), dict) else {}
+        for name in model0.get(N.BUFFER_NAMES) or []:
+            ref = module.get(name)
+            if isinstance(ref, TensorRef):
+                declared.append((name, ref.shape, "buffer"))
+        for name, shape in (model0.get(N.FROZEN_PARAM_SHAPES) or {}).items():
+            declared.append((name, _as_shape(shape), "frozen"))
+        shapes = model0.get(N.PARAM_SHAPES) or []
+        for group in [shapes] if isinstance(shapes, dict) else shapes:
+            for name, shape in group.items():
+                declared.append((name, _as_shape(shape), "param"))
+        self.result.tied = {str(k): str(v) for k, v in (model0.get(N.SHARED_PARAMS) or {}).items()}
+
+    def _check_shapes_of_files(self, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> bool:
+        ok = True
+        for rank, state in models.items():
+            if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
+                self._problem(CorruptFileError, model_paths[rank], "not a DeepSpeed model-states file (no 'module'/'param_shapes')")
+                ok = False
+        for rank, state in optims.items():
+            inner = state.get(N.OPTIMIZER_STATE_DICT) if isinstance(state, dict) else None
+            if not isinstance(inner, dict) or not (N.FP32_FLAT_GROUPS in inner or N.SINGLE_PARTITION_OF_FP32_GROUPS in inner):
+                self._problem(CorruptFileError, optim_files[rank][1], "not a DeepSpeed ZeRO optimizer-states file (no fp32 partitions)")
+                ok = False
+        if 0 not in optims:
+            self._problem(CheckpointNotFoundError, self._path(N.optim_states_name(0, bf16=any(p for p, _ in optim_files.values()))), "missing (rank 0 optimizer states)")
+            ok = False
+        return ok
+
+    def _describe(self, model0: dict, inner0: dict, prefix: str, zero3: bool) -> None:
+        """Fill stage, world size, dtype, version and offload from rank 0's files."""
+        config = model0.get(N.DS_CONFIG) or {}
+        zero_config = config.get(N.CONFIG_ZERO) or {}
+        stage = inner0.get(N.ZERO_STAGE)
+        if stage is None:  # BF16_Optimizer layout (bf16 + ZeRO-1 in some releases) has no stage key
+            stage = int(zero_config.get(N.CONFIG_STAGE, 1) or 1)
+            self.result.notes.append("optimizer state written by DeepSpeed's BF16_Optimizer (ZeRO-1 layout)")
+        self.result.zero_stage = 3 if zero3 else int(stage)
+        count = inner0.get(N.PARTITION_COUNT)
+        self.result.world_size = max(count) if isinstance(count, (list, tuple)) else int(count) if count is not None else None
+        self.result.ds_version = str(model0.get(N.DS_VERSION)) if model0.get(N.DS_VERSION) is not None else None
+        bf16_config = next((config[k] for k in N.CONFIG_BF16 if k in config), {}) or {}
+        fp16_config = config.get(N.CONFIG_FP16) or {}
+        if prefix == N.BF16_PREFIX or bf16_config.get("enabled"):
+            self.result.dtype = BF16
+        elif fp16_config.get("enabled"):
+            self.result.dtype = FP16
+        else:
+            self.result.dtype = FP32
+        devices = set()
+        for key in (N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_OFFLOAD_PARAM):
+            device = (zero_config.get(key) or {}).get("device")
+            if device in ("cpu", "nvme"):
+                devices.add(device)
+        if zero_config.get(N.CONFIG_LEGACY_CPU_OFFLOAD):
+            devices.add("cpu")
+        self.result.offload = "nvme" if "nvme" in devices else "cpu" if devices else "none"
+
+    def _check_world(self, models: dict, inner: dict, model_paths: dict, optim_files: dict, zero3: bool) -> bool:
+        world = self.result.world_size
+        path0 = optim_files[0][1]
+        if not isinstance(world, int) or world < 1:
+            self._problem(CorruptFileError, path0, f"bad partition_count {world!r}")
+            return False
+        ok = True
+        for rank, state in inner.items():
+            count = state.get(N.PARTITION_COUNT)
+            count = max(count) if isinstance(count, (list, tuple)) else count
+            if count != world:
+                self._problem(LayoutError, optim_files[rank][1], f"was written by a run of world size {count}, rank 0's by one of world size {world}: files of different runs are mixed")
+                ok = False
+        missing = [r for r in range(world) if r not in inner]
+        bf16 = optim_files[0][0] == N.BF16_PREFIX
+        for rank in missing:
+            self._problem(CheckpointNotFoundError, self._path(N.optim_states_name(rank, bf16=bf16)), f"missing (world size {world} needs ranks 0-{world - 1})")
+            ok = False
+        for rank in sorted(set(inner) - set(range(world))):
+            self._problem(LayoutError, optim_files[rank][1], f"rank {rank} does not belong to a checkpoint of world size {world}: files of different runs are mixed")
+            ok = False
+        prefixes = {prefix for prefix, _ in optim_files.values()}
+        if len(prefixes) > 1:
+            odd = next(p for r, (pre, p) in sorted(optim_files.items()) if pre != optim_files[0][0])
+            self._problem(LayoutError, odd, "bf16_ and plain optimizer files are mixed: files of different runs")
+            ok = False
+        if zero3:
+            for rank in range(world):
+                if rank not in models:
+                    self._problem(CheckpointNotFoundError, self._path(N.model_states_name(3, rank)), f"missing (world size {world} needs ranks 0-{world - 1})")
+                    ok = False
+            for rank in sorted(r for r in models if r >= world):
+                self._problem(LayoutError, model_paths[rank], f"rank {rank} does not belong to a checkpoint of world size {world}")
+                ok = False
+        for rank, state in models.items():
+            dp = state.get(N.DP_WORLD_SIZE)
+            if dp is not None and dp != world:
+                self._problem(LayoutError, model_paths[rank], f"says dp_world_size {dp}, optimizer files say {world}: files of different runs are mixed")
+                ok = False
+            mp = state.get(N.MP_WORLD_SIZE)
+            if mp not in (None, 1):
+                self._problem(LayoutError, model_paths[rank], f"model-parallel world size {mp} is not supported")
+                ok = False
+        return ok
+
+    def _check_same_run(self, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> None:
+        """Every file of one save carries the same ds_config, version and step counter."""
+        first_model = next(iter(models))
+        reference = models[first_model]
+        reference_path = model_paths[first_model]
+        for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version"), (N.GLOBAL_STEPS, "global step"), (N.PARAM_SHAPES, "param shapes")):
+            for rank, state in models.items():
+                if key in state and key in reference and state[key] != reference[key]:
+                    self._problem(LayoutError, model_paths[rank], f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed")
+        for rank, state in sorted(optims.items()):
+            for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version")):
+                if key in state and key in reference and state[key] != reference[key]:
+                    self._problem(LayoutError, optim_files[rank][1], f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed")
+
+    def _check_steps(self, reader: FileReader, inner: dict, optim_files: dict) -> None:
+        """Adam step counters must agree across ranks (cheap: a few scalars)."""
+        steps: dict[int, Any] = {}
+        for rank, state in sorted(inner.items()):
+            step = _first_step(reader, state)
+            if step is not None:
+                steps[rank] = step
+        if len(set(steps.values())) > 1:
+            rank0_step = steps.get(0)
+            for rank, step in steps.items():
+                if step != rank0_step:
+                    self._problem(LayoutError, optim_files[rank][1], f"optimizer is at step {step}, rank 0's at step {rank0_step}: files of different runs or saves are mixed")
+
+    # --- entries -----------------------------------------------------------------------------
+    def _entries(self, models: dict, inner: dict, model_paths: dict, optim_files: dict, zero3: bool) -> list[Entry] | None:
+        model0 = models[0 if zero3 else None]
+        model0_path = model_paths[0 if zero3 else None]
+        module = model0[N.MODULE]
+        world = self.result.world_size
+        assert world is not None
+        entries: list[Entry] = []
+
+        buffer_names = list(model0.get(N.BUFFER_NAMES) or [])
+        for name in buffer_names:
+            if name in module:
+                ref = module[name]
+                if isinstance(ref, TensorRef):
+                    entries.append(Entry(name, "buffer", self._whole(ref)))
+
+        param_shapes = model0[N.PARAM_SHAPES]
+        if isinstance(param_shapes, dict):
+            param_shapes = [param_shapes]
+        trainable = [(name, _as_shape(shape)) for group in param_shapes for name, shape in group.items()]
+        trainable_names = {name for name, _ in trainable}
+        shared = dict(model0.get(N.SHARED_PARAMS) or {})
+
+        frozen_shapes = model0.get(N.FROZEN_PARAM_SHAPES)
+        if frozen_shapes:
+            for name, shape in frozen_shapes.items():
+                source = self._frozen_source(name, _as_shape(shape), models, model_paths, zero3, world)
+                if source is None:
+                    return None
+                entries.append(Entry(name, "frozen", source))
+        else:
+            # ZeRO-1 runs record no frozen_param_shapes; the values are only in `module`.
+            known = trainable_names | set(buffer_names) | set(shared)
+            recovered = [n for n, ref in module.items() if n not in known and isinstance(ref, TensorRef)]
+            for name in recovered:
+                ref = module[name]
+                if zero3 or ref.numel == 0:
+                    self._problem(LayoutError, model0_path, f"param {name} is in the module but neither trainable nor recorded as frozen")
+                    return None
+                entries.append(Entry(name, "frozen", self._whole(ref)))
+            if recovered:
+                self.result.notes.append(f"{len(recovered)} frozen params read from the module state dict (zero_to_fp32.py drops them)")
+
+        if zero3:
+            params = self._zero3_params(trainable, inner, optim_files, world)
+        else:
+            params = self._zero12_params(param_shapes, inner, optim_files, world)
+        if params is None:
+            return None
+        entries.extend(params)
+
+        present = {e.name: e for e in entries}
+        for alias, source_name in shared.items():
+            if source_name in present:
+                entries.append(Entry(alias, "tied", present[source_name].source, alias_of=source_name))
+        return entries
+
+    def _whole(self, ref: TensorRef) -> TensorSource:
+        try:
+            return source_of(ref)
+        except ZckptError as exc:
+            self.problems.append(exc)
+            return TensorSource(ref.dtype, ref.shape, ())
+
+    def _frozen_source(self, name: str, shape: tuple[int, ...], models: dict, model_paths: dict, zero3: bool, world: int) -> TensorSource | None:
+        numel = _product(shape)
+        if not zero3:
+            model0 = models[None]
+            ref = (model0.get(N.FROZEN_PARAM_FRAGMENTS) or {}).get(name)
+            if not isinstance(ref, TensorRef) or ref.numel != numel:
+                self._problem(LayoutError, model_paths[None], f"frozen param {name} has no full fragment of {numel} elements")
+                return None
+            return TensorSource(ref.dtype, shape, self._whole(ref).segments)
+        segments: list[Segment] = []
+        dtype = None
+        share = zero3_partition(numel, world)[0]
+        for rank in range(world):
+            ref = (models[rank].get(N.FROZEN_PARAM_FRAGMENTS) or {}).get(name)
+            if not isinstance(ref, TensorRef) or ref.numel != share:
+                self._problem(LayoutError, model_paths[rank], f"frozen param {name}: expected a partition of {share} elements")
+                return None
+            dtype = ref.dtype
+            segments.extend(self._whole(ref).segments)
+        assert dtype is not None
+        return TensorSource(dtype, shape, tuple(_truncate(segments, numel)))
+
+    def _zero12_params(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int) -> list[Entry] | None:
+        entries: list[Entry] = []
+        paddings = inner[0].get(N.PARAM_ALIGNMENT_PADDINGS)
+        groups = {rank: inner[rank][N.SINGLE_PARTITION_OF_FP32_GROUPS] for rank in range(world)}
+        for rank, refs in groups.items():
+            if len(refs) != len(param_shapes):
+                self._problem(LayoutError, optim_files[rank][1], f"holds {len(refs)} param groups, the model states list {len(param_shapes)}")
+                return None
+        for g, shapes in enumerate(param_shapes):
+            pieces: list[TensorRef] = [groups[rank][g] for rank in range(world)]
+            sizes = [p.numel for p in pieces]
+            numels = [_product(s) for s in shapes.values()]
+            pads = list(paddings[g]) if paddings is not None else None
+            if pads is not None and len(pads) != len(numels):
+                self._problem(LayoutError, optim_files[0][1], f"param group {g}: {len(pads)} alignment paddings for {len(numels)} params")
+                return None
+            needed = zero12_group_numel(numels, pads)
+            if zero2_align(needed, world) != zero2_align(sum(sizes), world):
+                culprit = optim_files[world - 1][1]
+                self._problem(LayoutError, culprit, f"param group {g}: params need {needed} fp32 elements, the {world} rank files hold {sum(sizes)} (sizes {sizes}): truncated or mixed files")
+                return None
+            for (name, shape), offset in zip(shapes.items(), zero12_param_offsets(numels, pads)):
+                shape = _as_shape(shape)
+                parts = split_range(sizes, offset, _product(shape))
+                segments = tuple(_segment(pieces[p.index], p.start, p.length) for p in parts)
+                entries.append(Entry(name, "param", TensorSource(pieces[0].dtype, shape, segments)))
+        return entries
+
+    def _zero3_params(self, trainable: list[tuple[str, tuple[int, ...]]], inner: dict, optim_files: dict, world: int) -> list[Entry] | None:
+        numels = [_product(shape) for _, shape in trainable]
+        offsets = zero3_param_offsets(numels, world)
+        needed = sum(zero3_partition(n, world)[0] for n in numels)
+        flat: dict[int, list[TensorRef]] = {}
+        for rank in range(world):
+            refs = list(inner[rank][N.FP32_FLAT_GROUPS])
+            held = sum(r.numel for r in refs)
+            if held == 0 and needed > 0 and self.result.offload == "nvme":
+                self._problem(LayoutError, optim_files[rank][1], "fp32 partitions were offloaded to NVMe (offloaded_tensors/) and are empty here; reading NVMe-offloaded checkpoints is not supported yet")
+                return None
+            if held != needed:
+                self._problem(LayoutError, optim_files[rank][1], f"holds {held} fp32 elements, the params need {needed} per rank: truncated or mixed files")
+                return None
+            flat[rank] = refs
+        entries: list[Entry] = []
+        for (name, shape), numel, offset in zip(trainable, numels, offsets):
+            share = zero3_partition(numel, world)[0]
+            segments: list[Segment] = []
+            for rank in range(world):
+                refs = flat[rank]
+                for part in split_range([r.numel for r in refs], offset, share):
+                    segments.append(_segment(refs[part.index], part.start, part.length))
+            entries.append(Entry(name, "param", TensorSource(flat[0][0].dtype, shape, tuple(_truncate(segments, numel)))))
+        return entries
+
+
+def _segment(ref: TensorRef, start: int, length: int) -> Segment:
+    if not ref.is_contiguous or len(ref.shape) != 1:
+        raise CorruptFileError(ref.path, "fp32 partition is not a flat contiguous tensor")
+    return Segment(ref.path, ref.offset + start * ref.dtype.itemsize, length)
+
+
+def _truncate(segments: list[Segment], numel: int) -> list[Segment]:
+    """The first `numel` elements of a run of segments (drops ZeRO-3 padding)."""
+    kept: list[Segment] = []
+    remaining = numel
+    for segment in segments:
+        if remaining <= 0:
+            break
+        take = min(segment.numel, remaining)
+        kept.append(Segment(segment.path, segment.offset, take))
+        remaining -= take
+    if remaining:
+        raise LayoutError(segments[0].path if segments else None, f"only {numel - remaining} of {numel} elements available")
+    return kept
+
+
+def _first_step(reader: FileReader, inner: dict) -> Any:
+    """The Adam step of the first param (group) with state, or None."""
+    for key in (N.BASE_OPTIMIZER_STATE, N.OPTIMIZER_STATE_DICT):
+        state = inner.get(key)
+        if isinstance(state, dict) and isinstance(state.get("state"), dict):
+            for per_param in state["state"].values():
+                if isinstance(per_param, dict) and "step" in per_param:
+                    step = per_param["step"]
+                    if isinstance(step, TensorRef):
+                        if step.numel != 1:
+                            return None
+                        return read_ref(reader, step).reshape(-1)[0].item()
+                    return step
+        if isinstance(state, list):  # ZeRO-1/2 elastic layout: one state dict per group
+            for group in state:
+                if isinstance(group, dict) and "step" in group:
+                    step = group["step"]
+                    return read_ref(reader, step).reshape(-1)[0].item() if isinstance(step, TensorRef) else step
+    return None

@@ -1,0 +1,221 @@
+"""``zckpt inspect``: what a checkpoint folder or weights file holds, and whether it is complete.
+
+Reports are plain dicts (the ``--json`` output); :func:`render` turns one into the readable
+summary. Problems of an incomplete or inconsistent input are listed in the report, never
+raised, so a user learns everything that is wrong in one run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from . import hf, torchfile
+from .deepspeed.reader import survey
+from .errors import CheckpointNotFoundError, CorruptFileError, ZckptError
+from .safetensors_format import TIED_METADATA_KEY, read_header
+from .torchfile import TensorRef
+
+
+def inspect_path(path: str | os.PathLike[str], tag: str | None = None) -> dict[str, Any]:
+    """Report on a DeepSpeed checkpoint folder, a consolidated output folder, or a weights file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(path, "no such file or directory")
+    if os.path.isdir(path):
+        for name in (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, "model.safetensors", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(path, name)) and not os.path.exists(os.path.join(path, "latest")):
+                return inspect_path(os.path.join(path, name))
+        return inspect_checkpoint(path, tag)
+    if path.endswith(".index.json"):
+        return _inspect_index(path)
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic == b"PK\x03\x04":
+        return _inspect_torch(path)
+    return _inspect_safetensors(path)
+
+
+def _param(name: str, shape: tuple[int, ...], dtype: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "shape": list(shape), "numel": math.prod(shape), "dtype": dtype, **extra}
+
+
+def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
+    found = survey(path, tag)
+    location = found.location
+    report: dict[str, Any] = {
+        "kind": "deepspeed_checkpoint",
+        "path": path,
+        "tag": location.tag if location else None,
+        "tags": list(location.tags) if location else [],
+        "zero_stage": found.zero_stage,
+        "world_size": found.world_size,
+        "dtype": found.dtype.short if found.dtype else None,
+        "ds_version": found.ds_version,
+        "offload": found.offload,
+    }
+    index = found.index
+    if index is not None:
+        entries = [(e.name, e.source.shape, e.kind, e.source.dtype.short) for e in index.entries]
+        tied = {e.name: e.alias_of for e in index.entries if e.kind == "tied"}
+    else:
+        master = "fp32"
+        entries = [(n, s, k, master if k == "param" else (found.dtype.short if found.dtype else "?")) for n, s, k in found.declared]
+        tied = dict(found.tied)
+        shapes = {n: (s, d) for n, s, _, d in entries}
+        entries += [(alias, shapes[source][0], "tied", shapes[source][1]) for alias, source in tied.items() if source in shapes]
+    params = [e for e in entries if e[2] in ("param", "frozen")]
+    report.update(
+        {
+            "params": len(params),
+            "trainable_numel": sum(math.prod(s) for _, s, k, _ in entries if k == "param"),
+            "frozen_numel": sum(math.prod(s) for _, s, k, _ in entries if k == "frozen"),
+            "frozen": [n for n, _, k, _ in entries if k == "frozen"],
+            "tied": tied,
+            "buffers": [n for n, _, k, _ in entries if k == "buffer"],
+            "complete": found.complete,
+            "problems": [str(p) for p in found.problems],
+            "notes": list(found.notes),
+            "files": [os.path.relpath(f, location.checkpoint_dir) if location else f for f in found.files],
+            "parameters": [_param(n, s, d, kind=k, **({"alias_of": tied[n]} if k == "tied" else {})) for n, s, k, d in entries],
+        }
+    )
+    return report
+
+
+def _inspect_safetensors(path: str) -> dict[str, Any]:
+    report: dict[str, Any] = {"kind": "safetensors", "path": path}
+    try:
+        header = read_header(path)
+    except ZckptError as exc:
+        return {**report, "complete": False, "problems": [str(exc)], "parameters": []}
+    return {**report, **_summary([(t.name, t.shape, t.dtype.short, os.path.basename(path)) for t in header.tensors], header.metadata), "complete": True, "problems": []}
+
+
+def _summary(tensors: list[tuple[str, tuple[int, ...], str, str]], metadata: dict[str, str]) -> dict[str, Any]:
+    tied: dict[str, str] = {}
+    if TIED_METADATA_KEY in metadata:
+        try:
+            tied = json.loads(metadata[TIED_METADATA_KEY])
+        except json.JSONDecodeError:
+            tied = {}
+    from .dtypes import BY_SHORT
+
+    return {
+        "tensors": len(tensors),
+        "total_bytes": sum(math.prod(s) * BY_SHORT[d].itemsize for _, s, d, _ in tensors if d in BY_SHORT),
+        "metadata": metadata,
+        "tied": tied,
+        "parameters": [_param(n, s, d, file=f) for n, s, d, f in tensors],
+    }
+
+
+def _inspect_index(path: str) -> dict[str, Any]:
+    folder = os.path.dirname(path)
+    kind = "safetensors_index" if path.endswith(hf.SAFETENSORS_INDEX) else "torch_index"
+    report: dict[str, Any] = {"kind": kind, "path": path}
+    problems: list[str] = []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            index = json.load(handle)
+        weight_map: dict[str, str] = index["weight_map"]
+        declared_total = index.get("metadata", {}).get("total_size")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return {**report, "complete": False, "problems": [f"{path}: not a weights index ({exc})"], "parameters": []}
+    tensors: list[tuple[str, tuple[int, ...], str, str]] = []
+    metadata: dict[str, str] = {}
+    files = sorted(set(weight_map.values()))
+    for name in files:
+        file_path = os.path.join(folder, name)
+        try:
+            if kind == "safetensors_index":
+                header = read_header(file_path)
+                metadata = metadata or header.metadata
+                held = [(t.name, t.shape, t.dtype.short, name) for t in header.tensors]
+            else:
+                held = [(n, r.shape, r.dtype.short, name) for n, r in _torch_tensors(file_path)]
+        except ZckptError as exc:
+            problems.append(str(exc))
+            continue
+        tensors.extend(held)
+        for tensor_name, *_ in held:
+            if weight_map.get(tensor_name) != name:
+                problems.append(f"{file_path}: holds {tensor_name}, which the index does not map to it")
+    present = {n for n, *_ in tensors}
+    for tensor_name, name in weight_map.items():
+        if tensor_name not in present and os.path.isfile(os.path.join(folder, name)):
+            problems.append(f"{os.path.join(folder, name)}: lacks {tensor_name}, which the index maps to it")
+    summary = _summary(tensors, metadata)
+    return {**report, "files": files, "declared_total_size": declared_total, **summary, "complete": not problems, "problems": problems}
+
+
+def _torch_tensors(path: str) -> list[tuple[str, TensorRef]]:
+    state = torchfile.load(path)
+    if not isinstance(state, dict):
+        raise CorruptFileError(path, "is not a state dict (a dict of tensors)")
+    found: list[tuple[str, TensorRef]] = []
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, TensorRef):
+            found.append((prefix, obj))
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), value)
+
+    walk("", state)
+    return found
+
+
+def _inspect_torch(path: str) -> dict[str, Any]:
+    report: dict[str, Any] = {"kind": "torch", "path": path}
+    try:
+        tensors = _torch_tensors(path)
+    except ZckptError as exc:
+        return {**report, "complete": False, "problems": [str(exc)], "parameters": []}
+    return {**report, **_summary([(n, r.shape, r.dtype.short, os.path.basename(path)) for n, r in tensors], {}), "complete": True, "problems": []}
+
+
+def _human(numel: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if numel >= size:
+            return f"{numel / size:.2f}{unit}"
+    return str(numel)
+
+
+def render(report: dict[str, Any], max_rows: int = 40) -> str:
+    """The readable summary of a report."""
+    lines = []
+    if report["kind"] == "deepspeed_checkpoint":
+        lines.append(f"DeepSpeed ZeRO checkpoint: {report['path']}")
+        tags = ", ".join(report["tags"]) or "none"
+        lines.append(f"  tag            {report['tag']} (tags present: {tags})")
+        lines.append(f"  ZeRO stage     {report['zero_stage']}   world size {report['world_size']}   dtype {report['dtype']}   offload {report['offload']}")
+        lines.append(f"  DeepSpeed      {report['ds_version']}")
+        lines.append(f"  params         {report['params']} ({_human(report['trainable_numel'])} trainable elements, {_human(report['frozen_numel'])} frozen)")
+        if report["frozen"]:
+            lines.append(f"  frozen         {', '.join(report['frozen'][:8])}{' ...' if len(report['frozen']) > 8 else ''}")
+        if report["buffers"]:
+            lines.append(f"  buffers        {', '.join(report['buffers'][:8])}{' ...' if len(report['buffers']) > 8 else ''}")
+    else:
+        lines.append(f"{report['kind']} weights: {report['path']}")
+        if "tensors" in report:
+            lines.append(f"  tensors        {report['tensors']} ({report['total_bytes'] / 1e6:.2f} MB)")
+    for alias, source in report.get("tied", {}).items():
+        lines.append(f"  tied           {alias} -> {source}")
+    for note in report.get("notes", []):
+        lines.append(f"  note           {note}")
+    lines.append(f"  complete       {'yes' if report['complete'] else 'NO'}")
+    for problem in report["problems"]:
+        lines.append(f"  problem        {problem}")
+    params = report.get("parameters", [])
+    if params:
+        lines.append("")
+        width = min(60, max(len(p["name"]) for p in params))
+        for p in params[:max_rows]:
+            kind = f"  [{p['kind']}]" if p.get("kind") not in (None, "param") else ""
+            lines.append(f"  {p['name']:<{width}}  {str(p['shape']):<16} {p['dtype']:<6}{kind}")
+        if len(params) > max_rows:
+            lines.append(f"  ... {len(params) - max_rows} more (--json lists all)")
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Turn a TensorSource into bytes in a file, or into a torch tensor, in a chosen dtype.
+
+Streaming keeps memory bounded: same-dtype copies move file to file in the kernel
+(``copy_file_range``) or through one reused buffer; dtype conversions work chunk by chunk,
+which gives the same bits as converting the whole tensor (conversion is elementwise).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from .dtypes import BF16, DType
+from .index import TensorSource
+from .reading import FileReader
+
+if TYPE_CHECKING:
+    import torch
+
+CHUNK_BYTES = 64 * 1024 * 1024
+_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
+
+
+def numpy_to_torch(raw: np.ndarray, dtype: DType) -> "torch.Tensor":
+    """A torch tensor sharing `raw`'s memory (bf16 arrives as raw uint16)."""
+    import torch
+
+    if dtype == BF16:
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(raw)
+
+
+def convert(raw: np.ndarray, source: DType, target: DType) -> np.ndarray:
+    """Cast raw elements from `source` to `target` with torch's rounding (round to nearest even)."""
+    if source == target:
+        return raw
+    converted = numpy_to_torch(raw, source).to(target.torch())
+    if target == BF16:
+        return converted.view(__import__("torch").int16).numpy().view(np.uint16)
+    return converted.numpy()
+
+
+def read_tensor(reader: FileReader, source: TensorSource, dtype: DType | None = None) -> "torch.Tensor":
+    """The whole tensor in memory, shaped, in `dtype` (default: as stored)."""
+    raw = reader.read_source(source)
+    target = dtype or source.dtype
+    return numpy_to_torch(convert(raw, source.dtype, target), target).reshape(source.shape)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+class StreamWriter:
+    """Writes TensorSources into an open file descriptor at its current position."""
+
+    def __init__(self, reader: FileReader, progress: Callable[[int], None] | None = None) -> None:
+        self.reader = reader
+        self.progress = progress or (lambda _n: None)
+        self._buffer: np.ndarray | None = None
+        self._kernel_copy = hasattr(os, "copy_file_range")
+
+    def _scratch(self, nbytes: int) -> memoryview:
+        if self._buffer is None or self._buffer.nbytes < nbytes:
+            self._buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return memoryview(self._buffer)[:nbytes]
+
+    def write(self, fd: int, source: TensorSource, dtype: DType) -> None:
+        """Append `source`'s elements to `fd`, converted to `dtype`."""
+        same = dtype == source.dtype
+        in_size = source.dtype.itemsize
+        chunk = CHUNK_BYTES // max(in_size, dtype.itemsize)
+        for segment in source.segments:
+            if same and self._kernel_copy and self._copy(fd, segment.path, segment.offset, segment.numel * in_size):
+                continue
+            done = 0
+            while done < segment.numel:
+                count = min(chunk, segment.numel - done)
+                view = self._scratch(count * in_size)
+                self.reader.read_into(segment.path, segment.offset + done * in_size, view)
+                raw = np.frombuffer(view, dtype=np.dtype(source.dtype.numpy_raw))
+                out = convert(raw, source.dtype, dtype)
+                _write_all(fd, memoryview(out).cast("B"))
+                self.progress(count * dtype.itemsize)
+                done += count
+
+    def _copy(self, fd: int, path: str, offset: int, nbytes: int) -> bool:
+        """Kernel-side copy; False (nothing written) when the filesystem cannot do it."""
+        src = self.reader._fd(path)
+        done = 0
+        try:
+            while done < nbytes:
+                count = os.copy_file_range(src, fd, min(nbytes - done, 1 << 30), offset + done)
+                if count == 0:
+                    from .errors import CorruptFileError
+
+                    raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+                done += count
+                self.progress(count)
+        except OSError as exc:
+            if done == 0 and exc.errno in _NO_COPY_FILE_RANGE:
+                self._kernel_copy = False
+                return False
+            raise
+        return True

@@ -1,0 +1,121 @@
+"""Writing an output folder all-or-nothing.
+
+Files are written under temporary names in the output folder itself (same filesystem, so the
+final rename is atomic), fsynced, and renamed into place only when every one of them is
+complete; the index file goes last, so a reader never sees an index naming missing shards.
+On any error the temporary files are removed and a folder we created is removed again.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from types import TracebackType
+
+from .errors import OutputError
+
+# Weights files a previous run may have left; replaced only with overwrite=True.
+_WEIGHTS_FILE_RE = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+    r"|pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$"
+)
+
+
+def output_error(path: str, exc: OSError) -> OutputError:
+    if exc.errno == errno.ENOSPC:
+        return OutputError(path, "no space left on device; nothing was written")
+    return OutputError(path, f"cannot write: {exc.strerror or exc}; nothing was written")
+
+
+class StagedOutput:
+    """An output folder whose files appear together, or not at all."""
+
+    def __init__(self, output_dir: str, final_names: list[str], overwrite: bool = False, needed_bytes: int = 0) -> None:
+        self.output_dir = output_dir
+        self.final_names = list(final_names)
+        self.overwrite = overwrite
+        self._created_dir = False
+        self._temps: dict[str, str] = {}
+        self._stale: list[str] = []
+        self._check(needed_bytes)
+
+    def _check(self, needed_bytes: int) -> None:
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise OutputError(self.output_dir, "exists and is not a folder")
+        if os.path.isdir(self.output_dir):
+            existing = [n for n in sorted(os.listdir(self.output_dir)) if _WEIGHTS_FILE_RE.match(n) or n in self.final_names]
+            if existing and not self.overwrite:
+                raise OutputError(os.path.join(self.output_dir, existing[0]), "already exists; pass --overwrite to replace the weights in this folder")
+            self._stale = [n for n in existing if n not in self.final_names and _WEIGHTS_FILE_RE.match(n)]
+        probe = self.output_dir
+        while not os.path.isdir(probe):
+            probe = os.path.dirname(os.path.abspath(probe))
+        free = shutil.disk_usage(probe).free
+        if needed_bytes > free:
+            raise OutputError(self.output_dir, f"needs {needed_bytes / 1e9:.2f} GB but only {free / 1e9:.2f} GB is free; nothing was written")
+
+    def __enter__(self) -> "StagedOutput":
+        if not os.path.isdir(self.output_dir):
+            try:
+                os.makedirs(self.output_dir)
+            except OSError as exc:
+                raise output_error(self.output_dir, exc) from None
+            self._created_dir = True
+        return self
+
+    def temp_path(self, name: str) -> str:
+        """Where to write `name` until commit."""
+        path = os.path.join(self.output_dir, f".{name}.zckpt-tmp-{os.getpid()}")
+        self._temps[name] = path
+        return path
+
+    def commit(self) -> None:
+        """fsync every temp file, then rename them into place (index files last)."""
+        for name, temp in self._temps.items():
+            try:
+                fd = os.open(temp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise output_error(os.path.join(self.output_dir, name), exc) from None
+        ordered = sorted(self._temps.items(), key=lambda kv: kv[0].endswith(".index.json"))
+        for name, temp in ordered:
+            os.replace(temp, os.path.join(self.output_dir, name))
+        self._temps.clear()
+        for name in self._stale:
+            os.remove(os.path.join(self.output_dir, name))
+        _fsync_dir(self.output_dir)
+
+    def abort(self) -> None:
+        for temp in self._temps.values():
+            try:
+                os.remove(temp)
+            except FileNotFoundError:
+                pass
+        self._temps.clear()
+        if self._created_dir:
+            try:
+                os.rmdir(self.output_dir)
+            except OSError:
+                pass
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,89 @@
+"""Moving bytes from files into buffers: positional reads into caller-owned memory.
+
+Why pread and not mmap: mapped pages count towards a process's resident memory until they are
+unmapped, so touching a 100 GB optimizer file through mmap inflates RSS by what was read; a
+pread into a reused buffer keeps memory bounded by the buffer and still reads only the bytes
+that are needed.
+"""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+
+import numpy as np
+
+from .dtypes import DType, numpy_view
+from .errors import CorruptFileError
+from .index import Segment, TensorSource
+from .torchfile import TensorRef
+
+
+class FileReader:
+    """Keeps one read-only descriptor per file open while a job runs."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CorruptFileError(path, f"cannot open: {exc.strerror}") from None
+            self._fds[path] = fd
+        return fd
+
+    def read_into(self, path: str, offset: int, dest: memoryview) -> None:
+        """Fill `dest` with the bytes of `path` at `offset`; a short file is an error."""
+        fd = self._fd(path)
+        done, total = 0, len(dest)
+        while done < total:
+            count = os.preadv(fd, [dest[done:]], offset + done)
+            if count == 0:
+                raise CorruptFileError(path, f"truncated: {total} bytes expected at offset {offset}, file ends sooner")
+            done += count
+
+    def read_segments(self, dtype: DType, segments: tuple[Segment, ...] | list[Segment], dest: np.ndarray) -> None:
+        """Read the concatenation of `segments` into the raw array `dest` (exactly as long)."""
+        raw = memoryview(dest.view(np.uint8).reshape(-1))
+        position = 0
+        for segment in segments:
+            nbytes = segment.numel * dtype.itemsize
+            self.read_into(segment.path, segment.offset, raw[position : position + nbytes])
+            position += nbytes
+        if position != raw.nbytes:
+            raise ValueError(f"segments hold {position} bytes, buffer has {raw.nbytes}")
+
+    def read_source(self, source: TensorSource) -> np.ndarray:
+        """A fresh raw numpy array (bf16 as uint16) holding the whole tensor, flat."""
+        out = np.empty(source.numel, dtype=np.dtype(source.dtype.numpy_raw))
+        self.read_segments(source.dtype, source.segments, out)
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "FileReader":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def source_of(ref: TensorRef) -> TensorSource:
+    """The TensorSource of a tensor stored whole in one file (it must be contiguous)."""
+    if not ref.is_contiguous:
+        raise CorruptFileError(ref.path, f"non-contiguous tensor of shape {list(ref.shape)} is not supported")
+    return TensorSource(ref.dtype, ref.shape, (Segment(ref.path, ref.offset, ref.numel),) if ref.numel else ())
+
+
+def read_ref(reader: FileReader, ref: TensorRef) -> np.ndarray:
+    """Read a small whole tensor (a buffer, a step counter) as a raw numpy array of its shape."""
+    return reader.read_source(source_of(ref)).reshape(ref.shape)
+
+
+__all__ = ["FileReader", "numpy_view", "read_ref", "source_of"]
