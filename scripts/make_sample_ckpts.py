@@ -1,0 +1,670 @@
+#!/usr/bin/env python3
+"""Regenerate the DeepSpeed ZeRO checkpoint fixtures under ``sample_ckpts/``.
+
+This one file is both
+
+* the **driver** (default mode, stdlib only): for every case it launches
+  ``python -m torch.distributed.run`` with the right virtualenv's python, removes the
+  DeepSpeed code DeepSpeed copies into the checkpoint folder, runs DeepSpeed 0.19's own
+  ``zero_to_fp32`` on the result and writes ``meta.json``; and
+* the **per-rank worker** (``--worker --case NAME --outdir DIR``, started by torchrun):
+  builds a tiny seeded model, trains a few optimizer steps with real DeepSpeed (CPU, gloo),
+  captures the live fp32 masters / Adam states / frozen params / buffers and saves the
+  checkpoint.
+
+Usage::
+
+    python scripts/make_sample_ckpts.py                       # every case
+    python scripts/make_sample_ckpts.py --only z2_fp32_ws1    # just some
+    python scripts/make_sample_ckpts.py --describe FILE.pt    # print pickle GLOBALs + keys
+
+The ``--describe`` mode needs torch and deepspeed, so run it with a venv's python.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickletools
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PY = {"ds19": "/work/venv-ds19/bin/python", "ds14": "/work/venv-ds14/bin/python"}
+SEED = 1234
+MICRO_BATCH = 2
+SEQ_LEN = 5
+VOCAB = 23
+DIM = 37
+HIDDEN = 19
+
+
+# --------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One fixture: a DeepSpeed release, a ZeRO configuration and optional model features."""
+
+    name: str
+    release: str  # "ds19" | "ds14"
+    stage: int
+    dtype: str  # "fp32" | "bf16" | "fp16"
+    world_size: int
+    tied: bool = False  # lm_head.weight is embed.weight
+    frozen: bool = False  # the `adapter` sub-module has requires_grad=False
+    groups: bool = False  # two param groups (decay / no-decay, different lr)
+    sub_group_size: int | None = None  # ZeRO-3 sub_group_size (None: DeepSpeed default)
+    persistence_threshold: int | None = 0  # ZeRO-3 stage3_param_persistence_threshold
+    save_steps: tuple[int, ...] = (3,)  # save a checkpoint after each of these steps
+    checkpoint: str = "checkpoint"  # folder (inside the case dir) given to save_checkpoint
+    hf_trainer: bool = False  # write HF Trainer-like extras next to the DeepSpeed files
+    scheduler: bool = False  # configure a DeepSpeed WarmupLR scheduler
+    zero_extra: tuple[tuple[str, Any], ...] = ()  # extra zero_optimization options
+    # take live trainable values from the module params instead of safe_get_full_fp32_param
+    # (only exact for fp32 runs) and skip the live optimizer states
+    live_from_module: str = ""  # non-empty: the reason
+    notes: str = ""
+
+    @property
+    def steps(self) -> int:
+        """Number of optimizer steps trained in total."""
+        return max(self.save_steps)
+
+
+CASES: list[Case] = [
+    # ---- DeepSpeed 0.19.8 ----
+    Case("z1_fp32_ws2_frozen_tied", "ds19", 1, "fp32", 2, tied=True, frozen=True,
+         notes="ZeRO-1 writes frozen_param_shapes/frozen_param_fragments as None: the frozen "
+               "values are only in the model_states 'module' dict, and DeepSpeed's zero_to_fp32 "
+               "output lacks them (live.safetensors has them)"),
+    Case("z1_bf16_ws3_groups", "ds19", 1, "bf16", 3, groups=True),
+    Case("z2_fp32_ws1", "ds19", 2, "fp32", 1),
+    Case("z2_bf16_ws3_frozen_groups", "ds19", 2, "bf16", 3, frozen=True, groups=True),
+    Case("z2_fp16_ws4_tied", "ds19", 2, "fp16", 4, tied=True),
+    Case("z2_bf16_ws3_paramalign", "ds19", 2, "bf16", 3,
+         zero_extra=(("parameter_alignment", True),),
+         notes="zero_optimization.parameter_alignment=true: each param starts 16-byte aligned "
+               "in the flat buffer, so optim_states' param_alignment_paddings are non-zero"),
+    Case("z1_fp32_ws2_roundrobin", "ds19", 1, "fp32", 2,
+         zero_extra=(("round_robin_gradients", True),),
+         live_from_module=(
+             "DeepSpeed 0.19.8 bug: with round_robin_gradients the flat buffers and param_shapes "
+             "follow the round-robin param order, but the fp32<->param links (used by "
+             "safe_get_full_fp32_param / safe_get_full_optimizer_state and written as "
+             "param_slice_mappings) assume the original order, so they point at the wrong "
+             "elements. live.safetensors therefore holds the module's own fp32 params (equal to "
+             "the fp32 masters in an fp32 run, and to zero_to_fp32's output); no "
+             "live_optimizer.safetensors. The checkpoint's param_slice_mappings are WRONG here."),
+         notes="zero_optimization.round_robin_gradients=true: params are laid out in the flat "
+               "buffer in round-robin order across ranks (param_shapes lists them in that order)"),
+    Case("z2_fp32_ws2_twotags", "ds19", 2, "fp32", 2, save_steps=(2, 3),
+         notes="checkpoint holds two tags (global_step2, global_step3); latest -> global_step3; "
+               "reference/ is for the latest tag"),
+    Case("z3_fp32_ws2_tied_frozen", "ds19", 3, "fp32", 2, tied=True, frozen=True,
+         persistence_threshold=None,
+         notes="stage3_param_persistence_threshold left at DeepSpeed's default (1e5), so every "
+               "param of this tiny model is persistent; the model_states 'module' tensors are "
+               "still empty placeholders"),
+    Case("z3_bf16_ws3_subgroups_groups", "ds19", 3, "bf16", 3, groups=True, sub_group_size=500),
+    Case("z3_fp16_ws4_subgroups_frozen", "ds19", 3, "fp16", 4, frozen=True, sub_group_size=500),
+    Case("z3_bf16_ws1", "ds19", 3, "bf16", 1),
+    Case("hf_trainer", "ds19", 3, "bf16", 2, tied=True, checkpoint="checkpoint-3",
+         hf_trainer=True, scheduler=True,
+         notes="laid out like a Hugging Face Trainer output folder (checkpoint-3/ with "
+               "config/tokenizer/trainer_state JSON files beside latest and global_step3/)"),
+    # ---- DeepSpeed 0.14.4 ----
+    Case("ds14_z1_fp16_ws2", "ds14", 1, "fp16", 2),
+    Case("ds14_z2_bf16_ws3_frozen_tied", "ds14", 2, "bf16", 3, frozen=True, tied=True),
+    Case("ds14_z3_fp32_ws2_subgroups_groups", "ds14", 3, "fp32", 2, groups=True,
+         sub_group_size=500),
+]
+CASES_BY_NAME = {c.name: c for c in CASES}
+
+
+# --------------------------------------------------------------------------------------
+# Worker (runs under torchrun, one process per rank)
+# --------------------------------------------------------------------------------------
+def build_model(case: Case) -> Any:
+    """Build the tiny seeded model used by every case (odd sizes so padding shows up)."""
+    import torch
+    from torch import nn
+
+    class TinyLM(nn.Module):
+        """Embedding -> LayerNorm -> MLP with BatchNorm -> adapter -> lm_head."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.norm = nn.LayerNorm(DIM)
+            self.fc1 = nn.Linear(DIM, HIDDEN)
+            self.bn = nn.BatchNorm1d(HIDDEN)
+            self.fc2 = nn.Linear(HIDDEN, DIM)
+            self.adapter = nn.Sequential(nn.Linear(DIM, 11), nn.Tanh(), nn.Linear(11, DIM))
+            self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+            self.register_buffer("position_ids", torch.arange(SEQ_LEN, dtype=torch.int64)[None])
+            self.pos = nn.Embedding(SEQ_LEN, DIM)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.embed(tokens) + self.pos(self.position_ids[:, : tokens.shape[1]])
+            h = self.norm(h) * self.scale.to(h.dtype)
+            b, t, d = h.shape
+            m = self.batch_norm_fp32(torch.relu(self.fc1(h)).reshape(b * t, HIDDEN))
+            m = m.reshape(b, t, HIDDEN)
+            h = h + self.fc2(m)
+            h = h + self.adapter(h)
+            return self.lm_head(h)
+
+        def batch_norm_fp32(self, x: torch.Tensor) -> torch.Tensor:
+            """self.bn computed in fp32: on CPU batch_norm refuses mixed bf16/fp16/fp32 inputs,
+            and DeepSpeed casts params (not necessarily buffers) to the 16-bit dtype."""
+            bn = self.bn
+            # clones: batch_norm updates them in place and autograd saves them
+            mean = bn.running_mean.detach().float().clone()
+            var = bn.running_var.detach().float().clone()
+            out = nn.functional.batch_norm(x.float(), mean, var, bn.weight.float(),
+                                           bn.bias.float(), self.training, bn.momentum, bn.eps)
+            if self.training:
+                with torch.no_grad():
+                    bn.running_mean.copy_(mean)
+                    bn.running_var.copy_(var)
+                    bn.num_batches_tracked.add_(1)
+            return out.to(x.dtype)
+
+    torch.manual_seed(SEED)
+    model = TinyLM()
+    if case.tied:
+        model.lm_head.weight = model.embed.weight
+    if case.frozen:
+        for p in model.adapter.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def ds_config(case: Case) -> dict[str, Any]:
+    """DeepSpeed config for a case."""
+    zero: dict[str, Any] = {"stage": case.stage, **dict(case.zero_extra)}
+    if case.stage == 3:
+        if case.persistence_threshold is not None:
+            zero["stage3_param_persistence_threshold"] = case.persistence_threshold
+        if case.sub_group_size is not None:
+            zero["sub_group_size"] = case.sub_group_size
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": zero,
+        "wall_clock_breakdown": False,
+    }
+    if case.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif case.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}
+    if case.scheduler:
+        cfg["scheduler"] = {"type": "WarmupLR",
+                            "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                       "warmup_num_steps": 2}}
+    return cfg
+
+
+def param_groups(model: Any, case: Case) -> list[Any]:
+    """Trainable params, either as one list or as decay / no-decay groups."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not case.groups:
+        return [p for _, p in named]
+    decay = [p for n, p in named if p.ndim >= 2]
+    no_decay = [p for n, p in named if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.01, "lr": 1e-2},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def allow_fp16_on_cpu() -> None:
+    """The CPU accelerator refuses fp16 although torch computes it; lift that refusal."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    acc.is_fp16_supported = lambda: True  # type: ignore[method-assign]
+    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]  # type: ignore
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """True when `ok` holds on every rank (a MIN all-reduce)."""
+    import torch
+    import deepspeed.comm as dist
+
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def optimizer_state_readable(model: Any, stage: int, key: str) -> tuple[bool, str]:
+    """Whether safe_get_full_optimizer_state(param, key) can run for every param on every rank.
+
+    For ZeRO-1/2 the call goes through ``param._hp_mapping.optim_fragment``. DeepSpeed 0.19.8
+    links those once, right after the first param group's first optimizer step, when later
+    groups have no Adam state yet, so with several groups they stay empty. A rank without a
+    fragment of a param would wait in the all-reduce while another raises, so check first,
+    collectively.
+    """
+    reason = ""
+    ok = True
+    if stage in (1, 2):
+        for n, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            hp = getattr(p, "_hp_mapping", None)
+            if hp is None:
+                continue
+            frag = getattr(hp, "optim_fragment", None)
+            if frag is None or key not in frag:
+                ok = False
+                reason = (f"param {n}: _hp_mapping.optim_fragment is {type(frag).__name__}"
+                          f"{'' if frag is None else ' without ' + key} (DeepSpeed links the "
+                          "fragments once, after the first param group's first step, before "
+                          "later groups have optimizer state)")
+                break
+    return all_ranks_ok(ok), reason
+
+
+def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """Read the live truth from the engine (collective). Returns (weights, optim|None, note)."""
+    import torch
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    model = engine.module
+    # every name under which each param object appears in state_dict (tied -> several)
+    names_of: dict[int, list[str]] = {}
+    params: dict[int, Any] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+
+    live: dict[str, Any] = {}
+    for pid, p in params.items():
+        if p.requires_grad and case.live_from_module:
+            assert case.dtype == "fp32" and case.stage in (1, 2)
+            v = p.data.detach().cpu().clone()
+        elif p.requires_grad:
+            v = safe_get_full_fp32_param(p)
+            assert v is not None, names_of[pid]
+            v = v.detach().cpu().float()
+        elif case.stage == 3:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                v = p.data.detach().cpu().clone()
+        else:
+            v = p.data.detach().cpu().clone()
+        for n in names_of[pid]:
+            live[n] = v.clone().contiguous()
+    for n, b in model.named_buffers():
+        live[n] = b.detach().cpu().clone().contiguous()
+
+    optim: dict[str, Any] | None = {}
+    note = "safe_get_full_optimizer_state worked"
+    if case.live_from_module:
+        return live, None, "skipped: " + case.live_from_module
+    for key in ("exp_avg", "exp_avg_sq"):
+        readable, reason = optimizer_state_readable(model, case.stage, key)
+        if not readable:
+            optim = None
+            note = f"safe_get_full_optimizer_state(param, {key!r}) not usable: {reason or 'on another rank'}"
+            break
+        for pid, p in params.items():
+            if not p.requires_grad:
+                continue
+            v = safe_get_full_optimizer_state(p, key)
+            assert v is not None, names_of[pid]
+            v = v.detach().cpu().float()
+            for n in names_of[pid]:
+                optim[f"{n}.{key}"] = v.clone().contiguous()
+    return live, optim, note
+
+
+def write_hf_extras(ckpt_dir: Path, case: Case, steps: int) -> None:
+    """Small plausible Hugging Face Trainer side files (transformers is not needed)."""
+    files: dict[str, Any] = {
+        "config.json": {
+            "architectures": ["TinyLM"], "model_type": "tiny_lm", "vocab_size": VOCAB,
+            "hidden_size": DIM, "intermediate_size": HIDDEN, "max_position_embeddings": SEQ_LEN,
+            "tie_word_embeddings": case.tied, "torch_dtype": "bfloat16",
+            "transformers_version": "4.46.0"},
+        "generation_config.json": {"_from_model_config": True, "bos_token_id": 1,
+                                   "eos_token_id": 2, "transformers_version": "4.46.0"},
+        "tokenizer.json": {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": 0, "content": "<pad>", "special": True},
+                             {"id": 1, "content": "<s>", "special": True},
+                             {"id": 2, "content": "</s>", "special": True}],
+            "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+            "model": {"type": "WordLevel", "unk_token": "<pad>",
+                      "vocab": {**{"<pad>": 0, "<s>": 1, "</s>": 2},
+                                **{f"w{i}": i for i in range(3, VOCAB)}}}},
+        "tokenizer_config.json": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+                                  "model_max_length": SEQ_LEN,
+                                  "tokenizer_class": "PreTrainedTokenizerFast"},
+        "special_tokens_map.json": {"bos_token": "<s>", "eos_token": "</s>",
+                                    "pad_token": "<pad>"},
+        "trainer_state.json": {
+            "best_metric": None, "best_model_checkpoint": None, "epoch": 0.3,
+            "eval_steps": 500, "global_step": steps, "is_hyper_param_search": False,
+            "is_local_process_zero": True, "is_world_process_zero": True,
+            "log_history": [], "logging_steps": 500, "max_steps": 10,
+            "num_train_epochs": 1, "save_steps": steps, "total_flos": 0.0,
+            "train_batch_size": MICRO_BATCH, "trial_name": None, "trial_params": None},
+    }
+    for fname, content in files.items():
+        (ckpt_dir / fname).write_text(json.dumps(content, indent=2) + "\n")
+
+
+def worker(case: Case, casedir: Path) -> None:
+    """Per-rank entry point: train, capture live values, save checkpoint(s)."""
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from safetensors.torch import save_file
+
+    if case.dtype == "fp16":
+        allow_fp16_on_cpu()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == case.world_size, (world, case.world_size)
+
+    model = build_model(case)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case),
+                                           config=ds_config(case))
+    ckpt_dir = casedir / case.checkpoint
+    gen = torch.Generator().manual_seed(SEED + 1000 * rank)
+    tags: list[str] = []
+    for step in range(1, case.steps + 1):
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+        target = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+        logits = engine(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB),
+                                                 target.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        if step in case.save_steps:
+            if step == case.steps:
+                live, optim, optim_note = capture_live(engine, case)
+                if rank == 0:
+                    ref = casedir / "reference"
+                    ref.mkdir(parents=True, exist_ok=True)
+                    save_file(live, str(ref / "live.safetensors"), metadata={"format": "pt"})
+                    if optim is not None:
+                        save_file(optim, str(ref / "live_optimizer.safetensors"),
+                                  metadata={"format": "pt"})
+            engine.save_checkpoint(str(ckpt_dir))
+            dist.barrier()
+            tags.append((ckpt_dir / "latest").read_text().strip())
+
+    if rank == 0:
+        model = engine.module
+        opt = engine.optimizer
+        n_sub_groups = None
+        if case.stage == 3:
+            n_sub_groups = len(getattr(opt, "fp32_partitioned_groups_flat", []) or [])
+        tied = {}
+        seen: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                tied[n] = seen[id(p)]
+            else:
+                seen[id(p)] = n
+        loss_scale = None
+        if case.dtype == "fp16":
+            loss_scale = float(getattr(opt, "loss_scale", None) or getattr(opt, "cur_scale", 0))
+        info = {
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "tags": tags,
+            "tag": tags[-1],
+            "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
+            "tied": tied,
+            "param_groups": len(opt.param_groups),
+            "buffers": [n for n, _ in model.named_buffers()],
+            "n_fp32_sub_groups": n_sub_groups,
+            "final_loss_scale": loss_scale,
+            "live_optimizer": optim_note,
+            "ds_config": ds_config(case),
+        }
+        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
+        if case.hf_trainer:
+            write_hf_extras(ckpt_dir, case, case.steps)
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A currently free TCP port for torchrun's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(cmd: list[str], cwd: Path, log: Path, env: dict[str, str]) -> None:
+    """Run a command, appending its output to `log`; raise with the log tail on failure."""
+    with log.open("a") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                              timeout=900)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+
+
+def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> float:
+    """Generate one case from scratch; returns the seconds it took."""
+    t0 = time.time()
+    casedir = out / case.name
+    if casedir.exists():
+        shutil.rmtree(casedir)
+    casedir.mkdir(parents=True)
+    log = logdir / f"{case.name}.log"
+    log.write_text("")
+    # LOCAL_SIZE: the deepspeed launcher sets it; without it DeepSpeed 0.14's CPU accelerator
+    # runs `numactl --hardware` to count devices (ZeRO-3 grad reduce).
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONHASHSEED": "0", "LOCAL_SIZE": str(case.world_size)}
+
+    run([pythons[case.release], "-m", "torch.distributed.run", "--nproc_per_node",
+         str(case.world_size), "--master_port", str(free_port()), str(Path(__file__).resolve()),
+         "--worker", "--case", case.name, "--outdir", str(casedir.resolve())],
+        cwd=REPO, log=log, env=env)
+
+    ckpt = casedir / case.checkpoint
+    for fname in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (ckpt / fname).unlink(missing_ok=True)
+    for f in (casedir / "reference").glob("*.safetensors"):
+        f.chmod(0o644)  # safetensors writes 0600
+
+    ref_args = ["-m", "deepspeed.utils.zero_to_fp32", case.checkpoint, "reference/zero_to_fp32"]
+    run([pythons["ds19"], *ref_args], cwd=casedir, log=log, env=env)
+
+    info = json.loads((casedir / "_worker_info.json").read_text())
+    (casedir / "_worker_info.json").unlink()
+    ref_ver = subprocess.run([pythons["ds19"], "-c", "import importlib.metadata as m; "
+                              "print(m.version('deepspeed'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    notes = [case.notes] if case.notes else []
+    if info["skipped_steps"]:
+        notes.append(f"{info['skipped_steps']} step(s) skipped by the fp16 loss scaler")
+    meta = {
+        "case": case.name,
+        "deepspeed_version": info["deepspeed_version"],
+        "torch_version": info["torch_version"],
+        "zero_stage": case.stage,
+        "dtype": case.dtype,
+        "world_size": case.world_size,
+        "checkpoint": case.checkpoint,
+        "tag": info["tag"],
+        "tags": info["tags"],
+        "steps": case.steps,
+        "skipped_steps": info["skipped_steps"],
+        "frozen": info["frozen"],
+        "tied": info["tied"],
+        "param_groups": info["param_groups"],
+        "sub_group_size": case.sub_group_size if case.stage == 3 else None,
+        "n_fp32_sub_groups": info["n_fp32_sub_groups"],
+        "stage3_param_persistence_threshold": (
+            (case.persistence_threshold if case.persistence_threshold is not None
+             else "default") if case.stage == 3 else None),
+        "buffers": info["buffers"],
+        "final_loss_scale": info["final_loss_scale"],
+        "live_source": ("module parameters (see live_optimizer)" if case.live_from_module
+                        else "deepspeed.utils.safe_get_full_fp32_param (trainable), full "
+                             "16-bit/fp32 value (frozen), module buffers"),
+        "live_optimizer": info["live_optimizer"],
+        "live_optimizer_file": (casedir / "reference/live_optimizer.safetensors").exists(),
+        "notes": "; ".join(notes),
+        "reference_command": "python " + " ".join(ref_args),
+        "reference_cwd": "the case directory (sample_ckpts/%s)" % case.name,
+        "reference_deepspeed_version": ref_ver,
+        "model": {"vocab": VOCAB, "dim": DIM, "hidden": HIDDEN, "seq_len": SEQ_LEN,
+                  "micro_batch": MICRO_BATCH, "seed": SEED},
+        "ds_config": info["ds_config"],
+    }
+    (casedir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return time.time() - t0
+
+
+# --------------------------------------------------------------------------------------
+# --describe: what a checkpoint file's pickle references and holds
+# --------------------------------------------------------------------------------------
+def pickle_globals(path: Path) -> list[str]:
+    """GLOBAL / STACK_GLOBAL ``module.name`` pairs referenced by a torch zip file's data.pkl."""
+    with zipfile.ZipFile(path) as zf:
+        name = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+        data = zf.read(name)
+    string_ops = {"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"}
+    found: set[str] = set()
+    pushed: list[Any] = []  # what each pushing op put on the stack (strings only, else None)
+    memo: dict[int, Any] = {}
+    for op, arg, _pos in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            mod, _, nm = arg.partition(" ")
+            found.add(f"{mod}.{nm}")
+            pushed.append(None)
+        elif op.name == "STACK_GLOBAL":
+            found.add(f"{pushed[-2]}.{pushed[-1]}")
+            pushed.append(None)
+        elif op.name in string_ops:
+            pushed.append(arg)
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            pushed.append(memo.get(arg))
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None
+        elif op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[arg] = pushed[-1] if pushed else None
+        else:
+            pushed.append(None)
+    return sorted(found)
+
+
+def _short(v: Any) -> str:
+    """One-line repr; plain objects (e.g. DeepSpeed loss scalers) via their attributes."""
+    if hasattr(v, "__dict__") and not isinstance(v, type) and type(v).__module__ != "builtins":
+        r = f"{type(v).__name__}({', '.join(f'{k}={a!r}' for k, a in vars(v).items())})"
+    else:
+        r = repr(v)
+    return r if len(r) < 110 else r[:107] + "..."
+
+
+def describe_obj(obj: Any, indent: int = 0, depth: int = 3) -> list[str]:
+    """Short structural description (keys, types, tensor shapes/dtypes) of a loaded object."""
+    import torch
+
+    pad = "  " * indent
+    lines: list[str] = []
+    items = list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj[:4]))
+    for k, v in items:
+        label = repr(k) if isinstance(obj, dict) else f"[{k}]"
+        if isinstance(v, torch.Tensor):
+            lines.append(f"{pad}{label}: {type(v).__name__}{tuple(v.shape)} {v.dtype}")
+        elif (isinstance(v, (dict, list, tuple)) and not isinstance(v, torch.Size)
+              and depth > 0 and k != "ds_config"):
+            lines.append(f"{pad}{label}: {type(v).__name__}[{len(v)}]")
+            lines.extend(describe_obj(v, indent + 1, depth - 1))
+        else:
+            lines.append(f"{pad}{label}: {type(v).__name__} {_short(v)}")
+    if isinstance(obj, (list, tuple)) and len(obj) > 4:
+        lines.append(f"{pad}... ({len(obj)} items)")
+    return lines
+
+
+def describe(path: Path) -> None:
+    """Print the pickle GLOBALs and the key structure of one checkpoint file."""
+    import torch
+
+    print(f"## {path}")
+    print("GLOBALs:", ", ".join(pickle_globals(path)))
+    obj = torch.load(path, map_location="cpu", weights_only=False)
+    print("\n".join(describe_obj(obj)))
+
+
+# --------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (driver, worker or describe mode)."""
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / "sample_ckpts")
+    ap.add_argument("--only", nargs="+", metavar="CASE", choices=sorted(CASES_BY_NAME))
+    ap.add_argument("--python-ds19", default=DEFAULT_PY["ds19"])
+    ap.add_argument("--python-ds14", default=DEFAULT_PY["ds14"])
+    ap.add_argument("--logdir", type=Path, default=Path("/tmp/make_sample_ckpts_logs"))
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--outdir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--describe", nargs="+", type=Path, metavar="FILE")
+    args, _unknown = ap.parse_known_args(argv)  # the deepspeed launcher appends --local_rank
+
+    if args.worker:
+        worker(CASES_BY_NAME[args.case], args.outdir)
+        return 0
+    if args.describe:
+        for p in args.describe:
+            describe(p)
+            print()
+        return 0
+    if args.list:
+        for c in CASES:
+            print(json.dumps(asdict(c)))
+        return 0
+
+    pythons = {"ds19": args.python_ds19, "ds14": args.python_ds14}
+    args.logdir.mkdir(parents=True, exist_ok=True)
+    selected = [CASES_BY_NAME[n] for n in args.only] if args.only else CASES
+    failures: list[str] = []
+    t_all = time.time()
+    for case in selected:
+        print(f"[{case.name}] {case.release} zero{case.stage} {case.dtype} ws{case.world_size} ...",
+              flush=True)
+        try:
+            dt = generate(case, args.out, pythons, args.logdir)
+            print(f"[{case.name}] done in {dt:.0f}s", flush=True)
+        except Exception as exc:  # keep going, report at the end
+            failures.append(case.name)
+            print(f"[{case.name}] FAILED: {exc}", flush=True)
+    print(f"total {time.time() - t_all:.0f}s; {len(selected) - len(failures)} ok, "
+          f"{len(failures)} failed {failures if failures else ''}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
