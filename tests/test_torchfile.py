@@ -21,6 +21,24 @@ from zckpt.reading import FileReader, read_ref
 from zckpt.torchfile import PickledObject, TensorRef, ZeroStageEnum
 
 
+def rewrite_archive(source: Path, target: Path, edit=lambda records: records, compression: int = zipfile.ZIP_STORED) -> None:
+    """Copy a torch archive record by record, letting `edit` change the records on the way."""
+    with zipfile.ZipFile(source) as archive:
+        records = {i.filename: archive.read(i) for i in archive.infolist()}
+    with zipfile.ZipFile(target, "w", compression=compression) as archive:
+        for name, data in edit(records).items():
+            archive.writestr(name, data)
+
+
+def edit_record(part: str, change):
+    """An `edit` for rewrite_archive changing the one record whose name contains `part`."""
+    def edit(records: dict[str, bytes]) -> dict[str, bytes]:
+        name = next(n for n in records if part in n)
+        return {**records, name: change(records[name])}
+
+    return edit
+
+
 def read(ref: TensorRef) -> torch.Tensor:
     with FileReader() as reader:
         return numpy_to_torch(read_ref(reader, ref), ref.dtype)
@@ -94,13 +112,7 @@ def test_unknown_globals_are_refused_and_nothing_runs(tmp_path: Path, payload, c
 def test_payload_in_a_storage_type_is_refused(tmp_path: Path) -> None:
     """A hand-written pickle that puts os.system where torch's storage class would be."""
     torch.save({"w": torch.ones(2)}, tmp_path / "ok.pt")
-    with zipfile.ZipFile(tmp_path / "ok.pt") as archive:
-        records = {i.filename: archive.read(i) for i in archive.infolist()}
-    pkl = next(n for n in records if n.endswith("data.pkl"))
-    records[pkl] = records[pkl].replace(b"ctorch\nFloatStorage\n", b"cos\nsystem\n")
-    with zipfile.ZipFile(tmp_path / "bad.pt", "w") as archive:
-        for name, data in records.items():
-            archive.writestr(name, data)
+    rewrite_archive(tmp_path / "ok.pt", tmp_path / "bad.pt", edit_record("data.pkl", lambda d: d.replace(b"ctorch\nFloatStorage\n", b"cos\nsystem\n")))
     with pytest.raises(UnsafePickleError, match="system"):
         torchfile.load(tmp_path / "bad.pt")
 
@@ -121,31 +133,17 @@ def test_truncated_garbled_and_missing_files(tmp_path: Path) -> None:
 
 def test_corrupted_pickle_bytes(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(3)}, tmp_path / "ok.pt")
-    with zipfile.ZipFile(tmp_path / "ok.pt") as archive:
-        records = {i.filename: archive.read(i) for i in archive.infolist()}
-    pkl = next(n for n in records if n.endswith("data.pkl"))
-    records[pkl] = records[pkl][:-5] + b"\xff\xfe\x00\x01"
-    with zipfile.ZipFile(tmp_path / "bad.pt", "w") as archive:
-        for name, data in records.items():
-            archive.writestr(name, data)
+    rewrite_archive(tmp_path / "ok.pt", tmp_path / "bad.pt", edit_record("data.pkl", lambda d: d[:-5] + b"\xff\xfe\x00\x01"))
     with pytest.raises(CorruptFileError, match="corrupted pickle"):
         torchfile.load(tmp_path / "bad.pt")
 
 
 def test_storage_size_mismatch_and_compression_are_refused(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(8)}, tmp_path / "ok.pt")
-    with zipfile.ZipFile(tmp_path / "ok.pt") as archive:
-        records = {i.filename: archive.read(i) for i in archive.infolist()}
-    storage = next(n for n in records if "/data/" in n)
-    short = dict(records, **{storage: records[storage][:16]})
-    with zipfile.ZipFile(tmp_path / "short.pt", "w") as archive:
-        for name, data in short.items():
-            archive.writestr(name, data)
+    rewrite_archive(tmp_path / "ok.pt", tmp_path / "short.pt", edit_record("/data/", lambda d: d[:16]))
     with pytest.raises(CorruptFileError, match="holds 16 bytes"):
         torchfile.load(tmp_path / "short.pt")
-    with zipfile.ZipFile(tmp_path / "deflated.pt", "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for name, data in records.items():
-            archive.writestr(name, data)
+    rewrite_archive(tmp_path / "ok.pt", tmp_path / "deflated.pt", compression=zipfile.ZIP_DEFLATED)
     with pytest.raises(CorruptFileError, match="compressed"):
         torchfile.load(tmp_path / "deflated.pt")
 

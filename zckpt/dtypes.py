@@ -64,7 +64,3 @@ def from_torch(dtype: "torch.dtype") -> DType:
     """The DType of a torch dtype (``torch.float32`` -> FP32)."""
     return BY_NAME[str(dtype).removeprefix("torch.")]
 
-
-def numpy_view(buffer: bytes | bytearray | memoryview | np.ndarray, dtype: DType) -> np.ndarray:
-    """A numpy array over raw little-endian bytes (bf16 as uint16)."""
-    return np.frombuffer(buffer, dtype=np.dtype(dtype.numpy_raw))

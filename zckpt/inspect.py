@@ -34,8 +34,8 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None) -> dict[s
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic == b"PK\x03\x04":
-        return _inspect_torch(path)
-    return _inspect_safetensors(path)
+        return _inspect_file(path, "torch", _torch_file_tensors)
+    return _inspect_file(path, "safetensors", _safetensors_tensors)
 
 
 def _param(name: str, shape: tuple[int, ...], dtype: str, **extra: Any) -> dict[str, Any]:
@@ -85,13 +85,24 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
     return report
 
 
-def _inspect_safetensors(path: str) -> dict[str, Any]:
-    report: dict[str, Any] = {"kind": "safetensors", "path": path}
+def _inspect_file(path: str, kind: str, list_tensors: Any) -> dict[str, Any]:
+    """Report on one weights file; `list_tensors(path)` gives (name, shape, dtype, metadata)."""
+    report: dict[str, Any] = {"kind": kind, "path": path}
     try:
-        header = read_header(path)
+        tensors, metadata = list_tensors(path)
     except ZckptError as exc:
         return {**report, "complete": False, "problems": [str(exc)], "parameters": []}
-    return {**report, **_summary([(t.name, t.shape, t.dtype.short, os.path.basename(path)) for t in header.tensors], header.metadata), "complete": True, "problems": []}
+    listed = [(name, shape, dtype, os.path.basename(path)) for name, shape, dtype in tensors]
+    return {**report, **_summary(listed, metadata), "complete": True, "problems": []}
+
+
+def _safetensors_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], str]], dict[str, str]]:
+    header = read_header(path)
+    return [(t.name, t.shape, t.dtype.short) for t in header.tensors], header.metadata
+
+
+def _torch_file_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], str]], dict[str, str]]:
+    return [(n, r.shape, r.dtype.short) for n, r in _torch_tensors(path)], {}
 
 
 def _summary(tensors: list[tuple[str, tuple[int, ...], str, str]], metadata: dict[str, str]) -> dict[str, Any]:
@@ -166,15 +177,6 @@ def _torch_tensors(path: str) -> list[tuple[str, TensorRef]]:
 
     walk("", state)
     return found
-
-
-def _inspect_torch(path: str) -> dict[str, Any]:
-    report: dict[str, Any] = {"kind": "torch", "path": path}
-    try:
-        tensors = _torch_tensors(path)
-    except ZckptError as exc:
-        return {**report, "complete": False, "problems": [str(exc)], "parameters": []}
-    return {**report, **_summary([(n, r.shape, r.dtype.short, os.path.basename(path)) for n, r in tensors], {}), "complete": True, "problems": []}
 
 
 def _human(numel: int) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from .dtypes import BF16, DType
+from .errors import CorruptFileError
 from .index import TensorSource
 from .reading import FileReader
 
@@ -37,9 +38,11 @@ def convert(raw: np.ndarray, source: DType, target: DType) -> np.ndarray:
     """Cast raw elements from `source` to `target` with torch's rounding (round to nearest even)."""
     if source == target:
         return raw
+    import torch
+
     converted = numpy_to_torch(raw, source).to(target.torch())
     if target == BF16:
-        return converted.view(__import__("torch").int16).numpy().view(np.uint16)
+        return converted.view(torch.int16).numpy().view(np.uint16)
     return converted.numpy()
 
 
@@ -97,8 +100,6 @@ class StreamWriter:
             while done < nbytes:
                 count = os.copy_file_range(src, fd, min(nbytes - done, 1 << 30), offset + done)
                 if count == 0:
-                    from .errors import CorruptFileError
-
                     raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
                 done += count
                 self.progress(count)

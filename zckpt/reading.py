@@ -13,7 +13,7 @@ from types import TracebackType
 
 import numpy as np
 
-from .dtypes import DType, numpy_view
+from .dtypes import DType
 from .errors import CorruptFileError
 from .index import Segment, TensorSource
 from .torchfile import TensorRef
@@ -85,5 +85,3 @@ def read_ref(reader: FileReader, ref: TensorRef) -> np.ndarray:
     """Read a small whole tensor (a buffer, a step counter) as a raw numpy array of its shape."""
     return reader.read_source(source_of(ref)).reshape(ref.shape)
 
-
-__all__ = ["FileReader", "numpy_view", "read_ref", "source_of"]

@@ -128,21 +128,3 @@ def split_range(piece_sizes: Sequence[int], start: int, length: int) -> list[Pie
         raise ValueError(f"range [{start}, {end}) reaches past the {sum(piece_sizes)} elements available")
     return parts
 
-
-def truncate(parts: Sequence[Piece], length: int) -> list[Piece]:
-    """The first `length` elements of a list of pieces (drops ZeRO-3 tail padding).
-
-    >>> truncate([Piece(0, 0, 2), Piece(1, 0, 2)], 3)
-    [Piece(index=0, start=0, length=2), Piece(index=1, start=0, length=1)]
-    """
-    kept: list[Piece] = []
-    remaining = length
-    for part in parts:
-        if remaining <= 0:
-            break
-        take = min(part.length, remaining)
-        kept.append(Piece(part.index, part.start, take))
-        remaining -= take
-    if remaining > 0:
-        raise ValueError(f"only {length - remaining} of {length} elements available")
-    return kept
