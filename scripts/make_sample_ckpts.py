@@ -68,6 +68,7 @@ class Case:
     hf_trainer: bool = False  # write HF Trainer-like extras next to the DeepSpeed files
     scheduler: bool = False  # configure a DeepSpeed WarmupLR scheduler
     zero_extra: tuple[tuple[str, Any], ...] = ()  # extra zero_optimization options
+    config_extra: tuple[tuple[str, Any], ...] = ()  # extra top-level DeepSpeed config options
     # take live trainable values from the module params instead of safe_get_full_fp32_param
     # (only exact for fp32 runs) and skip the live optimizer states
     live_from_module: str = ""  # non-empty: the reason
@@ -122,6 +123,14 @@ CASES: list[Case] = [
     Case("z3_bf16_ws3_subgroups_groups", "ds19", 3, "bf16", 3, groups=True, sub_group_size=500),
     Case("z3_fp16_ws4_subgroups_frozen", "ds19", 3, "fp16", 4, frozen=True, sub_group_size=500),
     Case("z3_bf16_ws1", "ds19", 3, "bf16", 1),
+    Case("z3_fp32_ws2_cpuoffload_tied", "ds19", 3, "fp32", 2, tied=True,
+         zero_extra=(("offload_optimizer", {"device": "cpu"}), ("offload_param", {"device": "cpu"})),
+         config_extra=(("zero_force_ds_cpu_optimizer", False),),
+         notes="ZeRO-3 with optimizer and params offloaded to CPU (torch AdamW, not DeepSpeedCPUAdam)"),
+    Case("z2_bf16_ws2_cpuoffload_frozen", "ds19", 2, "bf16", 2, frozen=True,
+         zero_extra=(("offload_optimizer", {"device": "cpu"}),),
+         config_extra=(("zero_force_ds_cpu_optimizer", False),),
+         notes="ZeRO-2 with the optimizer offloaded to CPU (torch AdamW, not DeepSpeedCPUAdam)"),
     Case("z1_bf16_ws3_bf16optimizer_frozen", "ds19", 1, "bf16", 3, frozen=True, grad_accum_fp32=True,
          notes="data_types.grad_accum_dtype=fp32: DeepSpeed uses BF16_Optimizer, whose optimizer files "
                "have no zero_stage key and keep the group padding; zero_to_fp32.py refuses them"),
@@ -219,6 +228,7 @@ def ds_config(case: Case) -> dict[str, Any]:
         cfg["bf16"] = {"enabled": True}
     elif case.dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}
+    cfg.update(dict(case.config_extra))
     if case.grad_accum_fp32:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if case.scheduler:
@@ -655,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         fields = json.loads(args.case_json)
         fields["save_steps"] = tuple(fields["save_steps"])
         fields["zero_extra"] = tuple(tuple(item) for item in fields["zero_extra"])
+        fields["config_extra"] = tuple(tuple(item) for item in fields["config_extra"])
         worker(Case(**fields), args.outdir)
         return 0
     if args.describe:

@@ -50,7 +50,9 @@ def test_inspect_json_describes_the_checkpoint(any_sample: Sample) -> None:
     assert report["dtype"] == meta["dtype"]
     assert report["tag"] == meta["tag"] and report["tags"] == meta["tags"]
     assert report["ds_version"] == meta["deepspeed_version"]
-    assert report["offload"] == "none"
+    zero = meta["ds_config"]["zero_optimization"]
+    devices = {(zero.get(k) or {}).get("device") for k in ("offload_optimizer", "offload_param")}
+    assert report["offload"] == ("nvme" if "nvme" in devices else "cpu" if "cpu" in devices else "none")
     assert sorted(report["frozen"]) == sorted(meta["frozen"])
     assert report["tied"] == meta["tied"]
     assert report["complete"] is True and report["problems"] == []
