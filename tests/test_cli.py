@@ -93,3 +93,42 @@ def test_inspect_text_summary() -> None:
     result = runner.invoke(app, ["inspect", str(sample("z3_fp32_ws2_tied_frozen").checkpoint)])
     assert result.exit_code == 0
     assert "ZeRO stage     3" in result.output and "complete       yes" in result.output
+
+
+def _run_in_terminal(*args: str) -> str:
+    """Run the CLI with stdout/stderr on a 120-column pseudo-terminal; return what it showed."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from conftest import ROOT
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TQDM_MININTERVAL="0")
+    process = subprocess.Popen([sys.executable, "-m", "zckpt", *args], stdin=follower, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    process.wait(timeout=60)
+    os.close(leader)
+    return shown.decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_only_without_quiet(tmp_path: Path) -> None:
+    case = sample("z3_fp32_ws2_tied_frozen")
+    shown = _run_in_terminal("consolidate", str(case.checkpoint), str(tmp_path / "a"))
+    assert "consolidating" in shown and "%|" in shown
+    quiet = _run_in_terminal("consolidate", str(case.checkpoint), str(tmp_path / "b"), "--quiet")
+    assert "consolidating" not in quiet and "wrote" not in quiet

@@ -50,6 +50,13 @@ TagOption = Annotated[
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def _fail(message: str, code: int) -> None:
     typer.echo(f"zckpt: error: {message}", err=True)
     raise typer.Exit(code)
@@ -135,7 +142,7 @@ def consolidate(
     if not quiet:
         index = result.index
         typer.echo(
-            f"wrote {result.tensors} tensors ({result.bytes_written / 1e6:.1f} MB, {dtype.value}) from "
+            f"wrote {result.tensors} tensors ({_size(result.bytes_written)}, {dtype.value}) from "
             f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {', '.join(result.files)}"
         )
 
