@@ -28,6 +28,15 @@ def optim_states_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str
     return f"{BF16_PREFIX if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
+SWAP_SUFFIX = ".tensor.swp"
+
+
+def swap_file_name(first_ds_id: int, last_ds_id: int, state: str | None = None) -> str:
+    """NVMe swap file of a ZeRO-3 optimizer sub-group, named by the ds_id of its first and last
+    param: ``3_7.tensor.swp`` (fp32 master), ``exp_avg-3_7.tensor.swp`` (an Adam state)."""
+    return f"{state + '-' if state else ''}{first_ds_id}_{last_ds_id}{SWAP_SUFFIX}"
+
+
 def offloaded_rank_dir(dp_rank: int) -> str:
     """``rank00``-style folder of one rank's NVMe swap files inside offloaded_tensors/."""
     return f"rank{dp_rank:02d}"
@@ -64,5 +73,7 @@ CONFIG_STAGE = "stage"
 CONFIG_OFFLOAD_OPTIMIZER = "offload_optimizer"
 CONFIG_OFFLOAD_PARAM = "offload_param"
 CONFIG_LEGACY_CPU_OFFLOAD = "cpu_offload"
+CONFIG_SUB_GROUP_SIZE = "sub_group_size"
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig's default
 CONFIG_BF16 = ("bf16", "bfloat16")
 CONFIG_FP16 = "fp16"

@@ -128,3 +128,35 @@ def split_range(piece_sizes: Sequence[int], start: int, length: int) -> list[Pie
         raise ValueError(f"range [{start}, {end}) reaches past the {sum(piece_sizes)} elements available")
     return parts
 
+
+
+def zero3_sub_groups(group_numels: Sequence[Sequence[int]], world_size: int, sub_group_size: int) -> list[list[int]]:
+    """The params (indices counted across all param groups) of each ZeRO-3 optimizer sub-group.
+
+    Mirrors ``stage3._create_fp16_sub_groups``: within each param group, params are taken in
+    order and a sub-group is closed once its per-rank partition reaches `sub_group_size`
+    elements (or at the group's last param); a group smaller than that is one sub-group.
+
+    >>> zero3_sub_groups([[10, 10, 10], [4]], 2, 9)
+    [[0, 1], [2], [3]]
+    >>> zero3_sub_groups([[10, 10, 10]], 2, 100)
+    [[0, 1, 2]]
+    """
+    sub_groups: list[list[int]] = []
+    base = 0
+    for numels in group_numels:
+        indices = list(range(base, base + len(numels)))
+        base += len(numels)
+        shares = [zero3_partition(n, world_size)[0] for n in numels]
+        if sub_group_size >= sum(shares):
+            sub_groups.append(indices)
+            continue
+        current: list[int] = []
+        filled = 0
+        for position, (index, share) in enumerate(zip(indices, shares)):
+            current.append(index)
+            filled += share
+            if filled >= sub_group_size or position == len(indices) - 1:
+                sub_groups.append(current)
+                current, filled = [], 0
+    return sub_groups

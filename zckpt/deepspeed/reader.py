@@ -21,7 +21,7 @@ from ..index import CheckpointIndex, Entry, Segment, TensorSource
 from ..reading import FileReader, read_ref, source_of
 from ..torchfile import TensorRef
 from . import names as N
-from .partition import split_range, zero2_align, zero3_param_offsets, zero3_partition, zero12_group_numel, zero12_param_offsets
+from .partition import split_range, zero2_align, zero3_param_offsets, zero3_partition, zero3_sub_groups, zero12_group_numel, zero12_param_offsets
 
 
 def _natural_key(text: str) -> list[int | str]:
@@ -167,6 +167,7 @@ class _Reader:
         self.result = result
         self.tag_dir = result.location.tag_dir
         self.problems = result.problems
+        self.config: dict = {}
 
     # --- helpers ------------------------------------------------------------------------------
     def _problem(self, error: type[ZckptError], path: str | None, text: str) -> None:
@@ -303,6 +304,7 @@ class _Reader:
     def _describe(self, model0: dict, inner0: dict, prefix: str, zero3: bool) -> None:
         """Fill stage, world size, dtype, version and offload from rank 0's files."""
         config = model0.get(N.DS_CONFIG) or {}
+        self.config = config
         zero_config = config.get(N.CONFIG_ZERO) or {}
         stage = inner0.get(N.ZERO_STAGE)
         if stage is None:  # BF16_Optimizer layout (bf16 + ZeRO-1 in some releases) has no stage key
@@ -445,7 +447,7 @@ class _Reader:
                 self.result.notes.append(f"{len(recovered)} frozen params read from the module state dict (zero_to_fp32.py drops them)")
 
         if zero3:
-            params = self._zero3_params(trainable, inner, optim_files, world)
+            params = self._zero3_params(param_shapes, inner, optim_files, world, _ds_ids(model0))
         else:
             params = self._zero12_params(param_shapes, inner, optim_files, world)
         if params is None:
@@ -515,17 +517,20 @@ class _Reader:
                 entries.append(Entry(name, "param", TensorSource(pieces[0].dtype, shape, segments)))
         return entries
 
-    def _zero3_params(self, trainable: list[tuple[str, tuple[int, ...]]], inner: dict, optim_files: dict, world: int) -> list[Entry] | None:
+    def _zero3_params(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, ds_ids: dict[str, int]) -> list[Entry] | None:
+        trainable = [(name, _as_shape(shape)) for group in param_shapes for name, shape in group.items()]
         numels = [_product(shape) for _, shape in trainable]
         offsets = zero3_param_offsets(numels, world)
         needed = sum(zero3_partition(n, world)[0] for n in numels)
         flat: dict[int, list[TensorRef]] = {}
         for rank in range(world):
             refs = list(inner[rank][N.FP32_FLAT_GROUPS])
+            if self.result.offload == "nvme" and any(r.numel == 0 for r in refs):
+                swapped = self._swapped_flat_groups(rank, refs, param_shapes, [n for n, _ in trainable], ds_ids, optim_files[rank][1])
+                if swapped is None:
+                    return None
+                refs = swapped
             held = sum(r.numel for r in refs)
-            if held == 0 and needed > 0 and self.result.offload == "nvme":
-                self._problem(LayoutError, optim_files[rank][1], "fp32 partitions were offloaded to NVMe (offloaded_tensors/) and are empty here; reading NVMe-offloaded checkpoints is not supported yet")
-                return None
             if held != needed:
                 self._problem(LayoutError, optim_files[rank][1], f"holds {held} fp32 elements, the params need {needed} per rank: truncated or mixed files")
                 return None
@@ -540,6 +545,43 @@ class _Reader:
                     segments.append(_segment(refs[part.index], part.start, part.length))
             entries.append(Entry(name, "param", TensorSource(flat[0][0].dtype, shape, tuple(_truncate(segments, numel)))))
         return entries
+
+    def _swapped_flat_groups(
+        self, rank: int, refs: list[TensorRef], param_shapes: list[dict], names: list[str], ds_ids: dict[str, int], optim_path: str
+    ) -> list[TensorRef] | None:
+        """Point the sub-groups whose fp32 masters were offloaded to NVMe (saved empty in the
+        optimizer file) at their swap files in <tag>/offloaded_tensors/rankRR/."""
+        config = self.config.get(N.CONFIG_ZERO) or {}
+        size = int(config.get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE)
+        world = self.result.world_size or 1
+        group_numels = [[_product(shape) for shape in group.values()] for group in param_shapes]
+        sub_groups = zero3_sub_groups(group_numels, world, size)
+        if len(sub_groups) != len(refs):
+            self._problem(LayoutError, optim_path, f"holds {len(refs)} fp32 sub-groups, but sub_group_size {size} gives {len(sub_groups)}")
+            return None
+        all_numels = [n for group in group_numels for n in group]
+        folder = os.path.join(self.tag_dir, N.OFFLOADED_TENSORS_DIR, N.offloaded_rank_dir(rank))
+        located: list[TensorRef] = []
+        for index, (ref, members) in enumerate(zip(refs, sub_groups)):
+            numel = sum(zero3_partition(all_numels[i], world)[0] for i in members)
+            if ref.numel or not numel:
+                located.append(ref)
+                continue
+            first, last = ds_ids.get(names[members[0]]), ds_ids.get(names[members[-1]])
+            if first is None or last is None:
+                self._problem(LayoutError, optim_path, f"cannot name the swap file of sub-group {index}: its params are not in the module state dict")
+                return None
+            path = os.path.join(folder, N.swap_file_name(first, last))
+            if not os.path.isfile(path):
+                self._problem(CheckpointNotFoundError, path, f"missing: sub-group {index}'s fp32 masters were offloaded to NVMe and belong here")
+                return None
+            if os.path.getsize(path) < numel * ref.dtype.itemsize:
+                self._problem(CorruptFileError, path, f"truncated: holds {os.path.getsize(path)} bytes, sub-group {index} needs {numel * ref.dtype.itemsize}")
+                return None
+            located.append(TensorRef.flat(path, 0, ref.dtype, numel))
+        if swapped_count := sum(1 for a, b in zip(refs, located) if a is not b):
+            self.result.notes.append(f"rank {rank}: fp32 masters of {swapped_count} sub-group(s) read from NVMe swap files")
+        return located
 
 
 def _segment(ref: TensorRef, start: int, length: int) -> Segment:
@@ -561,6 +603,14 @@ def _truncate(segments: list[Segment], numel: int) -> list[Segment]:
     if remaining:
         raise LayoutError(segments[0].path if segments else None, f"only {numel - remaining} of {numel} elements available")
     return kept
+
+
+def _ds_ids(model0: dict) -> dict[str, int]:
+    """DeepSpeed's param ids: params numbered in module order, each tied param once (the
+    order of model.named_parameters(), which is the state dict's order less buffers and aliases)."""
+    skip = set(model0.get(N.BUFFER_NAMES) or []) | set(model0.get(N.SHARED_PARAMS) or {})
+    params = [name for name in model0.get(N.MODULE) or {} if name not in skip]
+    return {name: index for index, name in enumerate(params)}
 
 
 def _first_step(reader: FileReader, inner: dict) -> Any:

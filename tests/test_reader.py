@@ -1,0 +1,64 @@
+"""The DeepSpeed reader: finding the tag, and DeepSpeed's layout rules checked against files
+real DeepSpeed wrote."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import SAMPLE_LIST, Sample, sample
+from zckpt import CheckpointNotFoundError, UsageError, torchfile
+from zckpt.deepspeed import names as N
+from zckpt.deepspeed.partition import zero3_partition, zero3_sub_groups
+from zckpt.deepspeed.reader import locate, open_checkpoint
+
+ZERO3 = [s for s in SAMPLE_LIST if s.meta["zero_stage"] == 3]
+
+
+@pytest.mark.parametrize("case", ZERO3, ids=lambda s: s.name)
+def test_sub_group_math_matches_deepspeed(case: Sample) -> None:
+    """The sub-groups zckpt computes (needed for NVMe swap files) are the ones DeepSpeed made."""
+    tag_dir = case.checkpoint / case.meta["tag"]
+    model = torchfile.load(tag_dir / N.model_states_name(3, 0))
+    config = model[N.DS_CONFIG][N.CONFIG_ZERO]
+    group_numels = [[math.prod(s) for s in group.values()] for group in model[N.PARAM_SHAPES]]
+    world = case.meta["world_size"]
+    sub_groups = zero3_sub_groups(group_numels, world, int(config.get(N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE)))
+    flat = [n for g in group_numels for n in g]
+    expected = [sum(zero3_partition(flat[i], world)[0] for i in members) for members in sub_groups]
+    for rank in range(world):
+        optim = next(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        groups = torchfile.load(optim)[N.OPTIMIZER_STATE_DICT][N.FP32_FLAT_GROUPS]
+        assert [g.numel for g in groups] == expected, optim.name
+
+
+def test_locate_variants(tmp_path: Path) -> None:
+    case = sample("z2_fp32_ws2_twotags")
+    latest, older = case.meta["tag"], [t for t in case.meta["tags"] if t != case.meta["tag"]][0]
+    assert locate(case.checkpoint).tag == latest
+    assert locate(case.checkpoint, older).tag == older
+    assert locate(case.checkpoint / older).tag == older
+    assert locate(case.checkpoint / older).tags == tuple(case.meta["tags"])
+    with pytest.raises(UsageError, match="is the folder of tag"):
+        locate(case.checkpoint / older, latest)
+    copy = tmp_path / "ckpt"
+    shutil.copytree(case.checkpoint, copy)
+    (copy / "latest").unlink()
+    with pytest.raises(UsageError, match="pass --tag"):
+        locate(copy)
+    shutil.rmtree(copy / older)
+    assert locate(copy).tag == latest  # the only tag is used
+    with pytest.raises(CheckpointNotFoundError):
+        locate(tmp_path / "nothing")
+
+
+def test_index_segments_lie_inside_their_files() -> None:
+    for case in SAMPLE_LIST:
+        index = open_checkpoint(case.checkpoint)
+        for entry in index.entries:
+            assert sum(s.numel for s in entry.source.segments) == entry.source.numel
+            for segment in entry.source.segments:
+                assert segment.offset + segment.numel * entry.source.dtype.itemsize <= Path(segment.path).stat().st_size
