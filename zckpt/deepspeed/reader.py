@@ -189,18 +189,17 @@ class _Reader:
         if model_files is None:
             return
         zero3 = any(dp is not None for dp in model_files)
-        model_paths = self._model_paths(model_files, zero3)
+        model_paths = {rank: self._path(name) for rank, name in sorted(model_files.items(), key=lambda kv: kv[0] or 0)}
         self.result.files = sorted(model_paths.values()) + sorted(p for _, p in optim_files.values())
         models = {rank: self._load(p) for rank, p in model_paths.items()}
         optims = {rank: self._load(p) for rank, (_, p) in sorted(optim_files.items())}
-        first_model = models.get(0 if zero3 else None)
-        if isinstance(first_model, dict):
-            self._declare(first_model)
+        model0 = models.get(0 if zero3 else None)
+        if isinstance(model0, dict):
+            self._declare(model0)
         if any(v is None for v in list(models.values()) + list(optims.values())):
             return
-        if not self._check_shapes_of_files(models, optims, model_paths, optim_files):
+        if not self._check_file_kinds(models, optims, model_paths, optim_files):
             return
-        model0 = models[0 if zero3 else None]
         inner = {rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims}
         self._describe(model0, inner[0], optim_files[0][0], zero3)
         if not self._check_world(models, inner, model_paths, optim_files, zero3):
@@ -239,17 +238,15 @@ class _Reader:
         model_files: dict[int | None, str] = {}
         optim_files: dict[int, tuple[str, str]] = {}
         for name in listing:
-            if match := N.MODEL_STATES_RE.match(name):
-                if int(match["mp"]) != 0:
-                    self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
-                    continue
-                model_files[int(match["dp"]) if match["dp"] is not None else None] = name
-            elif match := N.OPTIM_STATES_RE.match(name):
-                if int(match["mp"]) != 0:
-                    self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
-                    continue
-                rank = int(match["dp"])
-                prefix = match["prefix"] or ""
+            model_match, optim_match = N.MODEL_STATES_RE.match(name), N.OPTIM_STATES_RE.match(name)
+            match = model_match or optim_match
+            if match and int(match["mp"]) != 0:
+                self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
+            elif model_match:
+                model_files[int(model_match["dp"]) if model_match["dp"] is not None else None] = name
+            elif optim_match:
+                rank = int(optim_match["dp"])
+                prefix = optim_match["prefix"] or ""
                 if rank in optim_files:
                     other = optim_files[rank][1]
                     self._problem(LayoutError, self._path(name), f"two optimizer files for rank {rank} (also {os.path.basename(other)}): files of a bf16 and a non-bf16 run are mixed")
@@ -265,9 +262,6 @@ class _Reader:
             self._problem(LayoutError, self.tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed")
             return None, optim_files
         return model_files, optim_files
-
-    def _model_paths(self, model_files: dict[int | None, str], zero3: bool) -> dict[int | None, str]:
-        return {rank: self._path(name) for rank, name in sorted(model_files.items(), key=lambda kv: kv[0] or 0)}
 
     def _declare(self, model0: dict) -> None:
         """Record the params, buffers and tied names rank 0's model states declare."""
@@ -285,7 +279,7 @@ class _Reader:
                 declared.append((name, _as_shape(shape), "param"))
         self.result.tied = {str(k): str(v) for k, v in (model0.get(N.SHARED_PARAMS) or {}).items()}
 
-    def _check_shapes_of_files(self, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> bool:
+    def _check_file_kinds(self, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> bool:
         ok = True
         for rank, state in models.items():
             if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
