@@ -30,6 +30,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import asdict, dataclass
@@ -44,6 +45,9 @@ SEQ_LEN = 5
 VOCAB = 23
 DIM = 37
 HIDDEN = 19
+# stands for the NVMe swap folder in a case's config; the driver makes a temp dir per run
+# (outside the repository), passes it to the workers in $ZCKPT_NVME_PATH and removes it after
+NVME_PATH = "@NVME_PATH@"
 
 
 # --------------------------------------------------------------------------------------
@@ -127,6 +131,21 @@ CASES: list[Case] = [
          zero_extra=(("offload_optimizer", {"device": "cpu"}), ("offload_param", {"device": "cpu"})),
          config_extra=(("zero_force_ds_cpu_optimizer", False),),
          notes="ZeRO-3 with optimizer and params offloaded to CPU (torch AdamW, not DeepSpeedCPUAdam)"),
+    # ZeRO-3, optimizer offloaded to NVMe. DeepSpeed swaps a sub-group only when its fp32
+    # partition is >= 1 MiB (262144 elements per rank), so this model is bigger: with
+    # sub_group_size 200000 the decay group splits into [embed, fc1.weight, fc2.weight]
+    # (262176 per rank: swapped, "0_7") and [pos.weight] (158: in memory, "13_13"); the
+    # no-decay group (6318 per rank) is one in-memory sub-group ("1_8").
+    Case("z3_bf16_ws2_nvmeoffload_frozen_tied_groups", "ds19", 3, "bf16", 2, frozen=True,
+         tied=True, groups=True, sub_group_size=200_000, vocab=29, dim=63, hidden=4147,
+         zero_extra=(("offload_optimizer", {"device": "nvme", "nvme_path": NVME_PATH}),),
+         config_extra=(("zero_force_ds_cpu_optimizer", False),),
+         notes="ZeRO-3 with the optimizer offloaded to NVMe (torch AdamW): sub-groups whose fp32 "
+               "partition is >= 1 MiB are swapped and saved as raw files under "
+               "<tag>/offloaded_tensors/rankRR/ (their fp32_flat_groups entries and Adam states "
+               "in the optim files are empty); smaller sub-groups stay in the optim files. "
+               "nvme_path in ds_config was a temp dir, gone. DeepSpeed's zero_to_fp32 fails on "
+               "it (reference_error). Bigger model: vocab 29, dim 63, hidden 4147"),
     Case("z2_bf16_ws2_cpuoffload_frozen", "ds19", 2, "bf16", 2, frozen=True,
          zero_extra=(("offload_optimizer", {"device": "cpu"}),),
          config_extra=(("zero_force_ds_cpu_optimizer", False),),
@@ -207,9 +226,17 @@ def build_model(case: Case) -> Any:
     return model
 
 
+def uses_nvme(case: Case) -> bool:
+    """Whether the case's config offloads to NVMe (and so needs a swap folder)."""
+    return NVME_PATH in json.dumps(asdict(case))
+
+
 def ds_config(case: Case) -> dict[str, Any]:
     """DeepSpeed config for a case."""
     zero: dict[str, Any] = {"stage": case.stage, **dict(case.zero_extra)}
+    for key in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(key), dict) and zero[key].get("nvme_path") == NVME_PATH:
+            zero[key] = {**zero[key], "nvme_path": os.environ["ZCKPT_NVME_PATH"]}
     if case.stage == 3:
         if case.persistence_threshold is not None:
             zero["stage3_param_persistence_threshold"] = case.persistence_threshold
@@ -407,6 +434,7 @@ def worker(case: Case, casedir: Path) -> None:
     ckpt_dir = casedir / case.checkpoint
     gen = torch.Generator().manual_seed(case.seed + 1000 * rank)
     tags: list[str] = []
+    nvme_listing: dict[str, int] | None = None
     for step in range(1, case.steps + 1):
         tokens = torch.randint(0, case.vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
         target = torch.randint(0, case.vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
@@ -428,13 +456,29 @@ def worker(case: Case, casedir: Path) -> None:
             engine.save_checkpoint(str(ckpt_dir))
             dist.barrier()
             tags.append((ckpt_dir / "latest").read_text().strip())
+            if rank == 0 and os.environ.get("ZCKPT_NVME_PATH"):
+                # the live swap folder (all ranks) right after the save, for comparison with
+                # what save_checkpoint copied; DeepSpeed empties it when the run ends
+                root = Path(os.environ["ZCKPT_NVME_PATH"])
+                nvme_listing = {str(f.relative_to(root)): f.stat().st_size
+                                for f in sorted(root.rglob("*")) if f.is_file()}
 
     if rank == 0:
         model = engine.module
         opt = engine.optimizer
         n_sub_groups = None
+        ds_ids = sub_groups = None
         if case.stage == 3:
             n_sub_groups = len(getattr(opt, "fp32_partitioned_groups_flat", []) or [])
+            # DeepSpeed's param ids (name the NVMe swap files), every name incl. tied aliases
+            ds_ids = {n: p.ds_id for n, p in model.named_parameters(remove_duplicate=False)}
+            name_of = {id(p): n for n, p in model.named_parameters()}
+            swapped = getattr(opt, "_swappable_optimizer_subgroup", lambda i: False)
+            sub_groups = [{"ds_id": opt.fp32_partitioned_groups_flat[i].ds_id,
+                           "params": [name_of[id(p)] for p in opt.fp16_groups[i]],
+                           "partition_numel": opt.fp16_partitioned_groups_flat_numel[i],
+                           "swapped_to_nvme": bool(swapped(i))}
+                          for i in range(n_sub_groups)]
         tied = {}
         seen: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -457,6 +501,9 @@ def worker(case: Case, casedir: Path) -> None:
             "param_groups": len(opt.param_groups),
             "buffers": [n for n, _ in model.named_buffers()],
             "n_fp32_sub_groups": n_sub_groups,
+            "fp32_sub_groups": sub_groups,
+            "ds_ids": ds_ids,
+            "nvme_swap_folder": nvme_listing,
             "final_loss_scale": loss_scale,
             "live_optimizer": optim_note,
             "ds_config": ds_config(case),
@@ -489,6 +536,15 @@ def run(cmd: list[str], cwd: Path, log: Path, env: dict[str, str]) -> None:
         raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
 
 
+def offloaded_tensors(tag_dir: Path) -> dict[str, dict[str, int]] | None:
+    """NVMe swap files saved with a checkpoint: {rank folder: {file name: size in bytes}}."""
+    root = tag_dir / "offloaded_tensors"
+    if not root.is_dir():
+        return None
+    return {d.name: {f.name: f.stat().st_size for f in sorted(d.iterdir())}
+            for d in sorted(root.iterdir())}
+
+
 def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> float:
     """Generate one case from scratch; returns the seconds it took."""
     t0 = time.time()
@@ -500,13 +556,30 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
     log.write_text("")
     # LOCAL_SIZE: the deepspeed launcher sets it; without it DeepSpeed 0.14's CPU accelerator
     # runs `numactl --hardware` to count devices (ZeRO-3 grad reduce).
+    # TORCH_EXTENSIONS_DIR: DeepSpeed JIT-builds ops (deepspeed_shm_comm, async_io) into torch's
+    # extension cache, which two releases on the same torch would share; a build by the other
+    # release can then be loaded ("module 'deepspeed_shm_comm' has no attribute ...").
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONHASHSEED": "0", "LOCAL_SIZE": str(case.world_size)}
+           "PYTHONHASHSEED": "0", "LOCAL_SIZE": str(case.world_size),
+           "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / f"torch_extensions_{case.release}")}
 
-    run([pythons[case.release], "-m", "torch.distributed.run", "--nproc_per_node",
-         str(case.world_size), "--master_port", str(free_port()), str(Path(__file__).resolve()),
-         "--worker", "--case-json", json.dumps(asdict(case)), "--outdir", str(casedir.resolve())],
-        cwd=REPO, log=log, env=env)
+    # a fixed name (not mkdtemp's random one): it is written into ds_config in every .pt file
+    nvme_dir = Path(tempfile.gettempdir()) / f"zckpt_nvme_{case.name}" if uses_nvme(case) else None
+    try:
+        if nvme_dir is not None:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+            nvme_dir.mkdir(parents=True)
+            env["ZCKPT_NVME_PATH"] = str(nvme_dir)
+        run([pythons[case.release], "-m", "torch.distributed.run", "--nproc_per_node",
+             str(case.world_size), "--master_port", str(free_port()),
+             str(Path(__file__).resolve()), "--worker", "--case-json", json.dumps(asdict(case)),
+             "--outdir", str(casedir.resolve())],
+            cwd=REPO, log=log, env=env)
+    finally:
+        if nvme_dir is not None:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+    env.pop("ZCKPT_NVME_PATH", None)
+    env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions_ds19")
 
     ckpt = casedir / case.checkpoint
     for fname in ("zero_to_fp32.py", "zero_to_torch.py"):
@@ -547,6 +620,10 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
         "param_groups": info["param_groups"],
         "sub_group_size": case.sub_group_size if case.stage == 3 else None,
         "n_fp32_sub_groups": info["n_fp32_sub_groups"],
+        "fp32_sub_groups": info["fp32_sub_groups"],
+        "offloaded_tensors": offloaded_tensors(ckpt / info["tag"]),
+        "ds_ids": info["ds_ids"],
+        "nvme_swap_folder_at_save": info["nvme_swap_folder"],
         "stage3_param_persistence_threshold": (
             (case.persistence_threshold if case.persistence_threshold is not None
              else "default") if case.stage == 3 else None),

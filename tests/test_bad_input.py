@@ -90,6 +90,19 @@ def test_rank_file_of_another_world_size_mixed_in(copy_checkpoint) -> None:
     assert_refused(ckpt, "zero_pp_rank_2_mp_rank_00_optim_states.pt", "mixed")
 
 
+def test_missing_nvme_swap_file(copy_checkpoint) -> None:
+    ckpt = copy_checkpoint("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
+    (tag_dir(ckpt) / "offloaded_tensors" / "rank01" / "0_7.tensor.swp").unlink()
+    assert_refused(ckpt, "rank01/0_7.tensor.swp", "missing", "NVMe")
+
+
+def test_truncated_nvme_swap_file(copy_checkpoint) -> None:
+    ckpt = copy_checkpoint("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
+    swap = tag_dir(ckpt) / "offloaded_tensors" / "rank00" / "0_7.tensor.swp"
+    swap.write_bytes(swap.read_bytes()[:1000])
+    assert_refused(ckpt, "rank00/0_7.tensor.swp", "truncated")
+
+
 def test_latest_names_a_missing_tag(copy_checkpoint) -> None:
     ckpt = copy_checkpoint(ZERO3)
     (ckpt / "latest").write_text("global_step999")

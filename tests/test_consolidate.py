@@ -51,11 +51,18 @@ def test_matches_live_engine_values(any_sample: Sample, tmp_path: Path) -> None:
         assert same_bits(ours[name], expected), name
 
 
-def test_reads_checkpoints_zero_to_fp32_refuses(tmp_path: Path) -> None:
-    """bf16 + ZeRO-1 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, whose files
-    zero_to_fp32.py rejects ("is not a zero checkpoint"); zckpt reads them exactly."""
-    case = sample("z1_bf16_ws3_bf16optimizer_frozen")
-    assert "not a zero checkpoint" in case.meta["reference_error"]
+@pytest.mark.parametrize(
+    "name,deepspeed_error",
+    [
+        # bf16 + ZeRO-1 with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer
+        ("z1_bf16_ws3_bf16optimizer_frozen", "is not a zero checkpoint"),
+        # ZeRO-3 with the optimizer offloaded to NVMe: masters live in offloaded_tensors/
+        ("z3_bf16_ws2_nvmeoffload_frozen_tied_groups", "consumed"),
+    ],
+)
+def test_reads_checkpoints_zero_to_fp32_fails_on(tmp_path: Path, name: str, deepspeed_error: str) -> None:
+    case = sample(name)
+    assert deepspeed_error in case.meta["reference_error"]
     consolidate(case.checkpoint, tmp_path / "out")
     ours = load_output(tmp_path / "out")
     assert set(ours) == set(case.live())

@@ -19,7 +19,7 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any, Callable
 
@@ -36,6 +36,8 @@ class TensorRef:
     dtype: DType
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    # Python attributes pickled with the tensor (DeepSpeed's ZeRO-3 flat groups carry `ds_id`).
+    attributes: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def numel(self) -> int:
@@ -139,10 +141,11 @@ def _rebuild_parameter(data: Any, *_: Any) -> Any:
     return data
 
 
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     if func is not _rebuild_tensor or new_type is not _TensorType or not isinstance(args, tuple):
         raise CorruptFileError(None, "corrupted pickle: unsupported tensor subclass")
-    return func(*args)
+    ref = func(*args)
+    return replace(ref, attributes=dict(state)) if isinstance(state, dict) and state else ref
 
 
 def _size(values: Any = ()) -> tuple:

@@ -561,11 +561,11 @@ class _Reader:
             if ref.numel or not numel:
                 located.append(ref)
                 continue
-            first, last = ds_ids.get(names[members[0]]), ds_ids.get(names[members[-1]])
-            if first is None or last is None:
-                self._problem(LayoutError, optim_path, f"cannot name the swap file of sub-group {index}: its params are not in the module state dict")
+            name = _swap_name(ref, ds_ids.get(names[members[0]]), ds_ids.get(names[members[-1]]))
+            if name is None:
+                self._problem(LayoutError, optim_path, f"cannot name the swap file of sub-group {index}: no ds_id recorded and its params are not in the module state dict")
                 return None
-            path = os.path.join(folder, N.swap_file_name(first, last))
+            path = os.path.join(folder, name)
             if not os.path.isfile(path):
                 self._problem(CheckpointNotFoundError, path, f"missing: sub-group {index}'s fp32 masters were offloaded to NVMe and belong here")
                 return None
@@ -599,9 +599,21 @@ def _truncate(segments: list[Segment], numel: int) -> list[Segment]:
     return kept
 
 
+def _swap_name(ref: TensorRef, first: int | None, last: int | None) -> str | None:
+    """A swapped sub-group's file: DeepSpeed pickles its `ds_id` ("<first>_<last>") on the empty
+    tensor left in the optimizer file; without it, the ids are computed from module order."""
+    recorded = (ref.attributes or {}).get("ds_id")
+    if isinstance(recorded, str) and re.fullmatch(r"\d+_\d+", recorded):
+        return N.swap_file_name(*map(int, recorded.split("_")))
+    if first is None or last is None:
+        return None
+    return N.swap_file_name(first, last)
+
+
 def _ds_ids(model0: dict) -> dict[str, int]:
-    """DeepSpeed's param ids: params numbered in module order, each tied param once (the
-    order of model.named_parameters(), which is the state dict's order less buffers and aliases)."""
+    """DeepSpeed's param ids: params numbered in module order, each tied param once and frozen
+    params included (the order of model.parameters(), which is the state dict's order less
+    buffers and aliases; checked against a real run, see sample_ckpts/FORMAT_OBSERVED.md)."""
     skip = set(model0.get(N.BUFFER_NAMES) or []) | set(model0.get(N.SHARED_PARAMS) or {})
     params = [name for name in model0.get(N.MODULE) or {} if name not in skip]
     return {name: index for index, name in enumerate(params)}
