@@ -50,13 +50,6 @@ TagOption = Annotated[
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
 def _fail(message: str, code: int) -> None:
     typer.echo(f"zckpt: error: {message}", err=True)
     raise typer.Exit(code)
@@ -121,6 +114,7 @@ def consolidate(
     tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along.
     """
     from .consolidate import consolidate as run_consolidate
+    from .shards import format_size
 
     update, close = _progress_bar(quiet, "consolidating")
     try:
@@ -142,7 +136,7 @@ def consolidate(
     if not quiet:
         index = result.index
         typer.echo(
-            f"wrote {result.tensors} tensors ({_size(result.bytes_written)}, {dtype.value}) from "
+            f"wrote {result.tensors} tensors ({format_size(result.bytes_written)}, {dtype.value}) from "
             f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {', '.join(result.files)}"
         )
 

@@ -13,6 +13,7 @@ out with the same bits.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from .deepspeed.reader import open_checkpoint
 from .dtypes import OUTPUT_DTYPES, DType
 from .errors import UsageError
 from .index import CheckpointIndex, TensorSource
-from .materialize import StreamWriter, read_tensor
+from .materialize import StreamWriter, read_tensor, write_all
 from .output import StagedOutput, output_error
 from .reading import FileReader
 from .safetensors_format import TIED_METADATA_KEY, build_header
@@ -165,25 +166,30 @@ def write_consolidated(
 
     with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader() as reader:
         for planned in plan.files:
-            temp = staged.temp_path(planned.name)
-            try:
-                if plan.format == "safetensors":
-                    _write_safetensors(temp, planned, plan.tied, reader, advance)
-                else:
-                    _write_torch(temp, planned, reader, advance)
-            except OSError as exc:
-                raise output_error(os.path.join(output_dir, planned.name), exc) from None
-        try:
-            if plan.index_file:
-                with open(staged.temp_path(plan.index_file), "w", encoding="utf-8") as handle:
-                    content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
-                    handle.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
-            for source in plan.extra_files:
-                shutil.copyfile(source, staged.temp_path(os.path.basename(source)))
-        except OSError as exc:
-            raise output_error(output_dir, exc) from None
+            if plan.format == "safetensors":
+                _write_file(staged, output_dir, planned.name, lambda path, f=planned: _write_safetensors(path, f, plan.tied, reader, advance))
+            else:
+                _write_file(staged, output_dir, planned.name, lambda path, f=planned: _write_torch(path, f, reader, advance))
+        if plan.index_file:
+            content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
+            _write_file(staged, output_dir, plan.index_file, lambda path: _write_text(path, json.dumps(content, indent=2, sort_keys=True) + "\n"))
+        for source in plan.extra_files:
+            _write_file(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
         staged.commit()
     return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index)
+
+
+def _write_file(staged: StagedOutput, output_dir: str, name: str, write: Callable[[str], object]) -> None:
+    """Write one output file under its temporary name; an OS error names the final file."""
+    try:
+        write(staged.temp_path(name))
+    except OSError as exc:
+        raise output_error(os.path.join(output_dir, name), exc) from None
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
 
 
 def _write_safetensors(path: str, planned: PlannedFile, tied: dict[str, str], reader: FileReader, advance: Callable[[int], None]) -> None:
@@ -194,7 +200,7 @@ def _write_safetensors(path: str, planned: PlannedFile, tied: dict[str, str], re
     writer = StreamWriter(reader, advance)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, header)
+        write_all(fd, header)
         for tensor in planned.tensors:
             writer.write(fd, tensor.source, tensor.dtype)
     finally:
@@ -211,4 +217,8 @@ def _write_torch(path: str, planned: PlannedFile, reader: FileReader, advance: C
             continue
         shard[tensor.name] = read_tensor(reader, tensor.source, tensor.dtype)
         advance(tensor.nbytes)
-    torch.save(shard, path)
+    try:
+        torch.save(shard, path)
+    except RuntimeError as exc:  # torch's zip writer reports write failures (a full disk) this way
+        full = shutil.disk_usage(os.path.dirname(path) or ".").free < 1 << 20
+        raise OSError(errno.ENOSPC if full else errno.EIO, str(exc).splitlines()[0]) from None

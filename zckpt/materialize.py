@@ -53,7 +53,9 @@ def read_tensor(reader: FileReader, source: TensorSource, dtype: DType | None = 
     return numpy_to_torch(convert(raw, source.dtype, target), target).reshape(source.shape)
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until every byte is written (it may write less)."""
+    data = memoryview(data)
     while data:
         written = os.write(fd, data)
         data = data[written:]
@@ -88,7 +90,7 @@ class StreamWriter:
                 self.reader.read_into(segment.path, segment.offset + done * in_size, view)
                 raw = np.frombuffer(view, dtype=np.dtype(source.dtype.numpy_raw))
                 out = convert(raw, source.dtype, dtype)
-                _write_all(fd, memoryview(out).cast("B"))
+                write_all(fd, memoryview(out).cast("B"))
                 self.progress(count * dtype.itemsize)
                 done += count
 

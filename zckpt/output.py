@@ -15,6 +15,7 @@ import shutil
 from types import TracebackType
 
 from .errors import OutputError
+from .shards import format_size
 
 # Weights files a previous run may have left; replaced only with overwrite=True.
 _WEIGHTS_FILE_RE = re.compile(
@@ -54,7 +55,7 @@ class StagedOutput:
             probe = os.path.dirname(os.path.abspath(probe))
         free = shutil.disk_usage(probe).free
         if needed_bytes > free:
-            raise OutputError(self.output_dir, f"needs {needed_bytes / 1e9:.2f} GB but only {free / 1e9:.2f} GB is free; nothing was written")
+            raise OutputError(self.output_dir, f"needs {format_size(needed_bytes)} but only {format_size(free)} is free; nothing was written")
 
     def __enter__(self) -> "StagedOutput":
         if not os.path.isdir(self.output_dir):

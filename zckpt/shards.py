@@ -46,6 +46,18 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+def format_size(nbytes: int) -> str:
+    """A byte count for people, in the units parse_size reads.
+
+    >>> format_size(17_600), format_size(1_610_000_000), format_size(12)
+    ('17.6 KB', '1.61 GB', '12 B')
+    """
+    for unit in ("TB", "GB", "MB", "KB"):
+        if nbytes >= _UNITS[unit]:
+            return f"{nbytes / _UNITS[unit]:.3g} {unit}"
+    return f"{nbytes} B"
+
+
 @dataclass(frozen=True)
 class ShardItem:
     name: str
