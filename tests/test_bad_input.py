@@ -218,3 +218,26 @@ def test_debug_env_shows_the_traceback(tmp_path: Path) -> None:
     env = dict(os.environ, ZCKPT_DEBUG="1", PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", str(tmp_path / "nope"), str(tmp_path / "o")], env=env, capture_output=True, text=True)
     assert result.returncode == 1 and "Traceback" in result.stderr
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    """A 28 KiB tmpfs: passes the up-front free-space check for a ~18 KB model, then fills up
+    while many small shards are written (each takes whole pages). Needs mount rights."""
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=28k", "tmpfs", str(mountpoint)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], capture_output=True)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_real_full_disk(tiny_disk: Path, fmt: str) -> None:
+    result = run_cli("consolidate", sample(ZERO3).checkpoint, tiny_disk / "out", "--format", fmt, "--max-shard-size", "2KB", cwd=tiny_disk.parent)
+    assert result.returncode == 1, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no space left on device" in lines[0] and str(tiny_disk / "out") in lines[0]
+    assert list(tiny_disk.iterdir()) == []
