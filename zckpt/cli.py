@@ -24,7 +24,11 @@ EXIT_INCOMPLETE = 3
 
 app = typer.Typer(
     name="zckpt",
-    help="Read, consolidate and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.",
+    help=(
+        "Read, consolidate and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.\n\n"
+        "Exit codes: 0 success; 1 bad input or failed write (one line naming the file; ZCKPT_DEBUG=1 for the traceback); "
+        "2 bad usage; 3 inspect found the input incomplete."
+    ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -92,7 +96,7 @@ def _progress_bar(quiet: bool, description: str) -> tuple[Callable[[int, int], N
 @app.command(
     epilog=(
         "Examples:\n\n"
-        "  zckpt consolidate runs/ckpt out/                       # fp32 model.safetensors from the tag in runs/ckpt/latest\n\n"
+        "  zckpt consolidate runs/ckpt out/          # fp32 model.safetensors, tag from runs/ckpt/latest\n\n"
         "  zckpt consolidate runs/ckpt out/ --dtype bf16 --max-shard-size 2GB\n\n"
         "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch   # pytorch_model.bin"
     )
@@ -104,8 +108,8 @@ def consolidate(
     dtype: Annotated[DType, typer.Option(help="Dtype of floating tensors: fp32 (the exact masters), or bf16/fp16 (rounded to nearest). Integer buffers keep their dtype.")] = DType.fp32,
     format: Annotated[Format, typer.Option("--format", "-f", help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).")] = Format.safetensors,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
-    exclude_frozen: Annotated[bool, typer.Option(help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace weights files already in OUTPUT_DIR (stale shards are removed).")] = False,
+    exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace weights files already in OUTPUT_DIR (stale shards are removed).")] = False,
     quiet: QuietOption = False,
 ) -> None:
     """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
