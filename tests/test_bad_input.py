@@ -162,6 +162,27 @@ def test_inspect_reports_problems_instead_of_failing(copy_checkpoint) -> None:
     assert report["params"] == len([p for p in report["parameters"] if p["kind"] in ("param", "frozen")]) > 0
 
 
+def test_inspect_verify_finds_corrupted_tensor_data(copy_checkpoint) -> None:
+    """A flipped bit inside tensor data parses fine; --verify's CRC-32 check catches it."""
+    import json
+
+    ckpt = copy_checkpoint(ZERO3)
+    victim = tag_dir(ckpt) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    from zckpt import torchfile
+
+    flat = torchfile.load(victim)["optimizer_state_dict"]["fp32_flat_groups"][0]
+    data = bytearray(victim.read_bytes())
+    data[flat.offset + 5] ^= 0x10
+    victim.write_bytes(bytes(data))
+    assert run_cli("inspect", ckpt, cwd=ckpt.parent).returncode == 0  # parsing alone cannot tell
+    result = run_cli("inspect", ckpt, "--verify", "--json", cwd=ckpt.parent)
+    assert result.returncode == 3
+    report = json.loads(result.stdout)
+    assert report["verified"] and not report["complete"]
+    assert any("zero_pp_rank_1_mp_rank_00_optim_states.pt" in p and "CRC-32" in p for p in report["problems"])
+    assert run_cli("inspect", sample(ZERO3).checkpoint, "--verify", cwd=ckpt.parent).returncode == 0
+
+
 def test_existing_weights_are_not_overwritten_silently(tmp_path: Path) -> None:
     case = sample(ZERO3)
     out = tmp_path / "out"

@@ -150,6 +150,7 @@ def consolidate(
         "Examples:\n\n"
         "  zckpt inspect runs/ckpt                  # summary of the tag in 'latest'\n\n"
         "  zckpt inspect runs/ckpt --json | jq .complete\n\n"
+        "  zckpt inspect runs/ckpt --verify         # also check every file's CRC-32 checksums\n\n"
         "  zckpt inspect out/model.safetensors.index.json"
     )
 )
@@ -157,11 +158,12 @@ def inspect(
     path: Annotated[Path, typer.Argument(help="A DeepSpeed checkpoint folder or tag folder, a consolidated folder, a .safetensors file, an .index.json, or a torch .bin/.pt file.")],
     tag: TagOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Also read every byte of the checkpoint files and check their CRC-32 checksums (a full pass over the data).")] = False,
 ) -> None:
     """Tell what a checkpoint or weights file holds and whether it is complete (exit 3 if not)."""
     from .inspect import inspect_path, render
 
-    report = _guarded(lambda: inspect_path(path, tag))
+    report = _guarded(lambda: inspect_path(path, tag, verify))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if not report["complete"]:
         raise typer.Exit(EXIT_INCOMPLETE)

@@ -19,8 +19,11 @@ from .safetensors_format import TIED_METADATA_KEY, read_header
 from .torchfile import TensorRef
 
 
-def inspect_path(path: str | os.PathLike[str], tag: str | None = None) -> dict[str, Any]:
-    """Report on a DeepSpeed checkpoint folder, a consolidated output folder, or a weights file."""
+def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: bool = False) -> dict[str, Any]:
+    """Report on a DeepSpeed checkpoint folder, a consolidated output folder, or a weights file.
+
+    With `verify`, every checkpoint file is read in full and its CRC-32 checksums checked.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(path, "no such file or directory")
@@ -28,7 +31,7 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None) -> dict[s
         for name in (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, "model.safetensors", "pytorch_model.bin"):
             if os.path.isfile(os.path.join(path, name)) and not os.path.exists(os.path.join(path, "latest")):
                 return inspect_path(os.path.join(path, name))
-        return inspect_checkpoint(path, tag)
+        return inspect_checkpoint(path, tag, verify)
     if path.endswith(".index.json"):
         return _inspect_index(path)
     with open(path, "rb") as handle:
@@ -42,8 +45,9 @@ def _param(name: str, shape: tuple[int, ...], dtype: str, **extra: Any) -> dict[
     return {"name": name, "shape": list(shape), "numel": math.prod(shape), "dtype": dtype, **extra}
 
 
-def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
+def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) -> dict[str, Any]:
     found = survey(path, tag)
+    checksum_problems = [p for p in map(torchfile.verify_checksums, found.files if verify else []) if p]
     location = found.location
     report: dict[str, Any] = {
         "kind": "deepspeed_checkpoint",
@@ -75,8 +79,9 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
             "frozen": [n for n, _, k, _ in entries if k == "frozen"],
             "tied": tied,
             "buffers": [n for n, _, k, _ in entries if k == "buffer"],
-            "complete": found.complete,
-            "problems": [str(p) for p in found.problems],
+            "complete": found.complete and not checksum_problems,
+            "problems": [str(p) for p in found.problems] + checksum_problems,
+            "verified": verify,
             "notes": list(found.notes),
             "files": [os.path.relpath(f, location.checkpoint_dir) if location else f for f in found.files],
             "parameters": [_param(n, s, d, kind=k, **({"alias_of": tied[n]} if k == "tied" else {})) for n, s, k, d in entries],

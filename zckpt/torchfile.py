@@ -314,9 +314,28 @@ def load(path: str | os.PathLike[str]) -> Any:
             data = archive.read(pickles[0])
     except zipfile.BadZipFile as exc:
         raise CorruptFileError(path, f"truncated or not a torch checkpoint ({exc})") from None
+    except CorruptFileError:
+        raise
     except OSError as exc:
         raise CorruptFileError(path, f"cannot read: {exc.strerror or exc}") from None
+    except Exception as exc:  # zipfile trips over garbled headers in many ways (bad names, versions)
+        raise CorruptFileError(path, f"damaged zip structure ({type(exc).__name__}: {exc})") from None
     return unpickle(data, path, storages)
+
+
+def verify_checksums(path: str | os.PathLike[str]) -> str | None:
+    """Read every record of a torch archive and check its CRC-32; the problem found, or None.
+
+    Catches silent corruption inside tensor data, which parsing alone cannot see. Reads the
+    whole file, so it costs a full pass over the checkpoint.
+    """
+    path = os.fspath(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except Exception as exc:
+        return f"{path}: damaged zip structure ({type(exc).__name__}: {exc})"
+    return f"{path}: record {bad} fails its CRC-32 check: the data is corrupted" if bad else None
 
 
 def unpickle(data: bytes, path: str, storages: dict[str, tuple[int, int]] | None = None) -> Any:
