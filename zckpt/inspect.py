@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 from . import hf, torchfile
-from .deepspeed.reader import survey
+from .deepspeed.reader import looks_like_checkpoint, survey
+from .dtypes import BY_SHORT
 from .errors import CheckpointNotFoundError, CorruptFileError, ZckptError
 from .safetensors_format import TIED_METADATA_KEY, read_header
+from .shards import format_size
 from .torchfile import TensorRef
 
 
@@ -28,9 +30,11 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
     if not os.path.exists(path):
         raise CheckpointNotFoundError(path, "no such file or directory")
     if os.path.isdir(path):
-        for name in (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, "model.safetensors", "pytorch_model.bin"):
-            if os.path.isfile(os.path.join(path, name)) and not os.path.exists(os.path.join(path, "latest")):
-                return inspect_path(os.path.join(path, name))
+        if not looks_like_checkpoint(path):  # a consolidated folder: report on its weights
+            weights = (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, hf.SAFETENSORS_PATTERN.format(suffix=""), hf.TORCH_PATTERN.format(suffix=""))
+            for name in weights:
+                if os.path.isfile(os.path.join(path, name)):
+                    return inspect_path(os.path.join(path, name))
         return inspect_checkpoint(path, tag, verify)
     if path.endswith(".index.json"):
         return _inspect_index(path)
@@ -64,9 +68,9 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
     if index is not None:
         entries = [(e.name, e.source.shape, e.kind, e.source.dtype.short) for e in index.entries]
         tied = {e.name: e.alias_of for e in index.entries if e.kind == "tied"}
-    else:
-        master = "fp32"
-        entries = [(n, s, k, master if k == "param" else (found.dtype.short if found.dtype else "?")) for n, s, k in found.declared]
+    else:  # what rank 0's model states declare; trainable params have fp32 masters
+        stored = found.dtype.short if found.dtype else "?"
+        entries = [(n, s, k, "fp32" if k == "param" else stored) for n, s, k in found.declared]
         tied = dict(found.tied)
         shapes = {n: (s, d) for n, s, _, d in entries}
         entries += [(alias, shapes[source][0], "tied", shapes[source][1]) for alias, source in tied.items() if source in shapes]
@@ -90,7 +94,10 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
     return report
 
 
-def _inspect_file(path: str, kind: str, list_tensors: Any) -> dict[str, Any]:
+TensorList = tuple[list[tuple[str, tuple[int, ...], str]], dict[str, str]]
+
+
+def _inspect_file(path: str, kind: str, list_tensors: Callable[[str], TensorList]) -> dict[str, Any]:
     """Report on one weights file; `list_tensors(path)` gives (name, shape, dtype, metadata)."""
     report: dict[str, Any] = {"kind": kind, "path": path}
     try:
@@ -101,12 +108,12 @@ def _inspect_file(path: str, kind: str, list_tensors: Any) -> dict[str, Any]:
     return {**report, **_summary(listed, metadata), "complete": True, "problems": []}
 
 
-def _safetensors_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], str]], dict[str, str]]:
+def _safetensors_tensors(path: str) -> TensorList:
     header = read_header(path)
     return [(t.name, t.shape, t.dtype.short) for t in header.tensors], header.metadata
 
 
-def _torch_file_tensors(path: str) -> tuple[list[tuple[str, tuple[int, ...], str]], dict[str, str]]:
+def _torch_file_tensors(path: str) -> TensorList:
     return [(n, r.shape, r.dtype.short) for n, r in _torch_tensors(path)], {}
 
 
@@ -117,8 +124,6 @@ def _summary(tensors: list[tuple[str, tuple[int, ...], str, str]], metadata: dic
             tied = json.loads(metadata[TIED_METADATA_KEY])
         except json.JSONDecodeError:
             tied = {}
-    from .dtypes import BY_SHORT
-
     return {
         "tensors": len(tensors),
         "total_bytes": sum(math.prod(s) * BY_SHORT[d].itemsize for _, s, d, _ in tensors if d in BY_SHORT),
@@ -208,7 +213,7 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
     else:
         lines.append(f"{report['kind']} weights: {report['path']}")
         if "tensors" in report:
-            lines.append(f"  tensors        {report['tensors']} ({report['total_bytes'] / 1e6:.2f} MB)")
+            lines.append(f"  tensors        {report['tensors']} ({format_size(report['total_bytes'])})")
     for alias, source in report.get("tied", {}).items():
         lines.append(f"  tied           {alias} -> {source}")
     for note in report.get("notes", []):

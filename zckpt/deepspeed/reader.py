@@ -45,6 +45,11 @@ def list_tags(checkpoint_dir: str) -> list[str]:
     return sorted(tags, key=_natural_key)
 
 
+def looks_like_checkpoint(path: str) -> bool:
+    """A folder with `latest`, a tag folder, or one holding tag folders."""
+    return os.path.isfile(os.path.join(path, N.LATEST_FILE)) or _is_tag_dir(path) or bool(list_tags(path))
+
+
 @dataclass(frozen=True)
 class Location:
     checkpoint_dir: str
