@@ -76,3 +76,21 @@ def test_index_segments_lie_inside_their_files() -> None:
             assert sum(s.numel for s in entry.source.segments) == entry.source.numel
             for segment in entry.source.segments:
                 assert segment.offset + segment.numel * entry.source.dtype.itemsize <= Path(segment.path).stat().st_size
+
+
+def test_file_reader_bounds_open_descriptors(tmp_path: Path) -> None:
+    import numpy as np
+
+    from zckpt.reading import FileReader
+
+    paths = []
+    for i in range(10):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * 8)
+    with FileReader(max_open=3) as reader:
+        for _ in range(2):
+            for i, path in enumerate(paths):
+                out = np.empty(8, dtype=np.uint8)
+                reader.read_into(str(path), 0, memoryview(out))
+                assert (out == i).all()
+                assert len(reader._fds) <= 3

@@ -20,19 +20,23 @@ from .torchfile import TensorRef
 
 
 class FileReader:
-    """Keeps one read-only descriptor per file open while a job runs."""
+    """Keeps read-only descriptors open while a job runs, at most `max_open` at once (a
+    checkpoint of a thousand ranks must not exhaust the process's descriptor limit)."""
 
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
+    def __init__(self, max_open: int = 128) -> None:
+        self._fds: dict[str, int] = {}  # in order of last use
+        self._max_open = max_open
 
     def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
+        fd = self._fds.pop(path, None)
         if fd is None:
+            if len(self._fds) >= self._max_open:
+                os.close(self._fds.pop(next(iter(self._fds))))
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
                 raise CorruptFileError(path, f"cannot open: {exc.strerror}") from None
-            self._fds[path] = fd
+        self._fds[path] = fd
         return fd
 
     def read_into(self, path: str, offset: int, dest: memoryview) -> None:
