@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .dtypes import BF16, DType
+from .dtypes import BF16, FP16, FP32, DType
 from .errors import CorruptFileError
 from .index import TensorSource
 from .reading import FileReader
@@ -35,9 +35,21 @@ def numpy_to_torch(raw: np.ndarray, dtype: DType) -> "torch.Tensor":
 
 
 def convert(raw: np.ndarray, source: DType, target: DType) -> np.ndarray:
-    """Cast raw elements from `source` to `target` with torch's rounding (round to nearest even)."""
+    """Cast raw elements from `source` to `target` with torch's rounding (round to nearest even).
+
+    Widening 16-bit floats to fp32 is exact and done in numpy (bf16 is the top half of an fp32),
+    so fp32 output never needs torch; narrowing goes through torch so the rounding is torch's.
+    """
     if source == target:
         return raw
+    if target == FP32 and source == BF16:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if target == FP32 and source == FP16:
+        widened = raw.astype(np.float32)
+        nan = np.isnan(widened)
+        if nan.any():  # the CPU's conversion (torch's) quiets signalling NaNs; numpy keeps them
+            widened.view(np.uint32)[nan] |= 0x00400000
+        return widened
     import torch
 
     converted = numpy_to_torch(raw, source).to(target.torch())
