@@ -103,6 +103,15 @@ def test_truncated_nvme_swap_file(copy_checkpoint) -> None:
     assert_refused(ckpt, "rank00/0_7.tensor.swp", "truncated")
 
 
+def test_unsupported_layouts_are_named(copy_checkpoint) -> None:
+    ckpt = copy_checkpoint(ZERO3)
+    shutil.copy(tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_model_states.pt", tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt")
+    assert_refused(ckpt, "layer_0_expert_0_mp_rank_00_model_states.pt", "mixture-of-experts")
+    (tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt").unlink()
+    shutil.copy(tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    assert_refused(ckpt, "zero_pp_rank_0_mp_rank_01_optim_states.pt", "tensor/pipeline-parallel")
+
+
 def test_latest_names_a_missing_tag(copy_checkpoint) -> None:
     ckpt = copy_checkpoint(ZERO3)
     (ckpt / "latest").write_text("global_step999")

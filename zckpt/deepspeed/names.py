@@ -15,6 +15,7 @@ OFFLOADED_TENSORS_DIR = "offloaded_tensors"
 
 
 MODEL_STATES_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
+EXPERT_STATES_RE = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")  # MoE experts
 OPTIM_STATES_RE = re.compile(r"^(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 
 def model_states_name(zero_stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:

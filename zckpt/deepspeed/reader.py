@@ -245,7 +245,9 @@ class _Reader:
         for name in listing:
             model_match, optim_match = N.MODEL_STATES_RE.match(name), N.OPTIM_STATES_RE.match(name)
             match = model_match or optim_match
-            if match and int(match["mp"]) != 0:
+            if N.EXPERT_STATES_RE.match(name):
+                self._problem(LayoutError, self._path(name), "mixture-of-experts checkpoints (expert files) are not supported")
+            elif match and int(match["mp"]) != 0:
                 self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
             elif model_match:
                 model_files[int(model_match["dp"]) if model_match["dp"] is not None else None] = name
