@@ -108,7 +108,7 @@ class StreamWriter:
 
     def _copy(self, fd: int, path: str, offset: int, nbytes: int) -> bool:
         """Kernel-side copy; False (nothing written) when the filesystem cannot do it."""
-        src = self.reader._fd(path)
+        src = self.reader.descriptor(path)
         done = 0
         try:
             while done < nbytes:

@@ -27,7 +27,8 @@ class FileReader:
         self._fds: dict[str, int] = {}  # in order of last use
         self._max_open = max_open
 
-    def _fd(self, path: str) -> int:
+    def descriptor(self, path: str) -> int:
+        """An open read-only descriptor of `path` (valid until max_open others are opened)."""
         fd = self._fds.pop(path, None)
         if fd is None:
             if len(self._fds) >= self._max_open:
@@ -41,7 +42,7 @@ class FileReader:
 
     def read_into(self, path: str, offset: int, dest: memoryview) -> None:
         """Fill `dest` with the bytes of `path` at `offset`; a short file is an error."""
-        fd = self._fd(path)
+        fd = self.descriptor(path)
         done, total = 0, len(dest)
         while done < total:
             count = os.preadv(fd, [dest[done:]], offset + done)

@@ -523,11 +523,13 @@ class _Reader:
         numels = [_product(shape) for _, shape in trainable]
         offsets = zero3_param_offsets(numels, world)
         needed = sum(zero3_partition(n, world)[0] for n in numels)
+        sub_groups: list[tuple[str, str, int]] | None = None  # the same on every rank: made once, if needed
         flat: dict[int, list[TensorRef]] = {}
         for rank in range(world):
             refs = list(inner[rank][N.FP32_FLAT_GROUPS])
             if self.result.offload == "nvme" and any(r.numel == 0 for r in refs):
-                swapped = self._swapped_flat_groups(rank, refs, param_shapes, [n for n, _ in trainable], ds_ids, optim_files[rank][1])
+                sub_groups = sub_groups or self._sub_groups(param_shapes, world)
+                swapped = self._swapped_flat_groups(rank, refs, sub_groups, ds_ids, optim_files[rank][1])
                 if swapped is None:
                     return None
                 refs = swapped
@@ -536,39 +538,43 @@ class _Reader:
                 self._problem(LayoutError, optim_files[rank][1], f"holds {held} fp32 elements, the params need {needed} per rank: truncated or mixed files")
                 return None
             flat[rank] = refs
+        sizes = {rank: [r.numel for r in refs] for rank, refs in flat.items()}
         entries: list[Entry] = []
         for (name, shape), numel, offset in zip(trainable, numels, offsets):
             share = zero3_partition(numel, world)[0]
             segments: list[Segment] = []
             for rank in range(world):
-                refs = flat[rank]
-                for part in split_range([r.numel for r in refs], offset, share):
-                    segments.append(_segment(refs[part.index], part.start, part.length))
+                for part in split_range(sizes[rank], offset, share):
+                    segments.append(_segment(flat[rank][part.index], part.start, part.length))
             entries.append(Entry(name, "param", TensorSource(flat[0][0].dtype, shape, tuple(_truncate(segments, numel)))))
         return entries
 
+    def _sub_groups(self, param_shapes: list[dict], world: int) -> list[tuple[str, str, int]]:
+        """(first param, last param, per-rank numel) of each ZeRO-3 optimizer sub-group."""
+        size = int((self.config.get(N.CONFIG_ZERO) or {}).get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE)
+        group_numels = [[_product(shape) for shape in group.values()] for group in param_shapes]
+        names = [name for group in param_shapes for name in group]
+        numels = [n for group in group_numels for n in group]
+        return [
+            (names[members[0]], names[members[-1]], sum(zero3_partition(numels[i], world)[0] for i in members))
+            for members in zero3_sub_groups(group_numels, world, size)
+        ]
+
     def _swapped_flat_groups(
-        self, rank: int, refs: list[TensorRef], param_shapes: list[dict], names: list[str], ds_ids: dict[str, int], optim_path: str
+        self, rank: int, refs: list[TensorRef], sub_groups: list[tuple[str, str, int]], ds_ids: dict[str, int], optim_path: str
     ) -> list[TensorRef] | None:
         """Point the sub-groups whose fp32 masters were offloaded to NVMe (saved empty in the
         optimizer file) at their swap files in <tag>/offloaded_tensors/rankRR/."""
-        config = self.config.get(N.CONFIG_ZERO) or {}
-        size = int(config.get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE)
-        world = self.result.world_size or 1
-        group_numels = [[_product(shape) for shape in group.values()] for group in param_shapes]
-        sub_groups = zero3_sub_groups(group_numels, world, size)
         if len(sub_groups) != len(refs):
-            self._problem(LayoutError, optim_path, f"holds {len(refs)} fp32 sub-groups, but sub_group_size {size} gives {len(sub_groups)}")
+            self._problem(LayoutError, optim_path, f"holds {len(refs)} fp32 sub-groups, but its sub_group_size gives {len(sub_groups)}")
             return None
-        all_numels = [n for group in group_numels for n in group]
         folder = os.path.join(self.tag_dir, N.OFFLOADED_TENSORS_DIR, N.offloaded_rank_dir(rank))
         located: list[TensorRef] = []
-        for index, (ref, members) in enumerate(zip(refs, sub_groups)):
-            numel = sum(zero3_partition(all_numels[i], world)[0] for i in members)
+        for index, (ref, (first, last, numel)) in enumerate(zip(refs, sub_groups)):
             if ref.numel or not numel:
                 located.append(ref)
                 continue
-            name = _swap_name(ref, ds_ids.get(names[members[0]]), ds_ids.get(names[members[-1]]))
+            name = _swap_name(ref, ds_ids.get(first), ds_ids.get(last))
             if name is None:
                 self._problem(LayoutError, optim_path, f"cannot name the swap file of sub-group {index}: no ds_id recorded and its params are not in the module state dict")
                 return None
