@@ -55,6 +55,14 @@ DS_VERSION = "ds_version"
 DP_WORLD_SIZE = "dp_world_size"
 MP_WORLD_SIZE = "mp_world_size"
 GLOBAL_STEPS = "global_steps"
+GLOBAL_SAMPLES = "global_samples"
+SKIPPED_STEPS = "skipped_steps"
+OPTIMIZER = "optimizer"
+LR_SCHEDULER = "lr_scheduler"
+DATA_SAMPLER = "data_sampler"
+RANDOM_LTD = "random_ltd"
+SPARSE_TENSOR_MODULE_NAMES = "sparse_tensor_module_names"  # DeepSpeed < 0.15
+CHECKPOINT_PARALLEL_DIMENSIONS = "checkpoint_parallel_dimensions"  # DeepSpeed >= 0.15
 
 # --- optim_states keys -------------------------------------------------------------------------
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
@@ -67,6 +75,9 @@ GROUP_PADDINGS = "group_paddings"
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # DeepSpeed >= 0.18
 PARAM_SLICE_MAPPINGS = "param_slice_mappings"
 LOSS_SCALER = "loss_scaler"
+DYNAMIC_LOSS_SCALE = "dynamic_loss_scale"
+OVERFLOW = "overflow"
+CLIP_GRAD = "clip_grad"
 
 # --- ds_config keys ----------------------------------------------------------------------------
 CONFIG_ZERO = "zero_optimization"
@@ -75,6 +86,8 @@ CONFIG_OFFLOAD_OPTIMIZER = "offload_optimizer"
 CONFIG_OFFLOAD_PARAM = "offload_param"
 CONFIG_LEGACY_CPU_OFFLOAD = "cpu_offload"
 CONFIG_SUB_GROUP_SIZE = "sub_group_size"
+CONFIG_ROUND_ROBIN = "round_robin_gradients"
+CONFIG_PARAMETER_ALIGNMENT = "parameter_alignment"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig's default
 CONFIG_BF16 = ("bf16", "bfloat16")
 CONFIG_FP16 = "fp16"

@@ -18,10 +18,13 @@ from .. import torchfile
 from ..dtypes import BF16, FP16, FP32, DType
 from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
 from ..index import CheckpointIndex, Entry, Segment, TensorSource
+from ..state import TrainingState
 from ..reading import FileReader, read_ref, source_of
 from ..torchfile import TensorRef
 from . import names as N
-from .partition import split_range, zero2_align, zero3_param_offsets, zero3_partition, zero3_sub_groups, zero12_group_numel, zero12_param_offsets
+from .optim_state import build_training_state
+from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
+from .partition import zero3_partition
 
 
 def _natural_key(text: str) -> list[int | str]:
@@ -118,6 +121,7 @@ class Survey:
     # What the model-states file declares, known even when the index cannot be built.
     declared: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, kind)
     tied: dict[str, str] = field(default_factory=dict)
+    state: TrainingState | None = None  # the whole training state, when the checkpoint is complete
 
     @property
     def complete(self) -> bool:
@@ -135,6 +139,15 @@ def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> Che
         raise first
     assert result.index is not None
     return result.index
+
+
+def open_training_state(path: str | os.PathLike[str], tag: str | None = None) -> TrainingState:
+    """Read and validate a checkpoint's whole training state; raise the first problem found."""
+    result = survey(path, tag)
+    if result.problems or result.state is None:
+        open_checkpoint(path, tag)  # raises the problem
+    assert result.state is not None
+    return result.state
 
 
 def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
@@ -173,6 +186,9 @@ class _Reader:
         self.tag_dir = result.location.tag_dir
         self.problems = result.problems
         self.config: dict = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.saved_flat: dict[int, list[TensorRef]] = {}  # ZeRO-3 fp32 groups as saved (NVMe ones empty)
+        self.ds_ids: dict[str, int] = {}
 
     # --- helpers ------------------------------------------------------------------------------
     def _problem(self, error: type[ZckptError], path: str | None, text: str) -> None:
@@ -233,6 +249,18 @@ class _Reader:
             files=tuple(self.result.files),
             notes=tuple(self.result.notes),
         )
+        try:
+            self.result.state = build_training_state(
+                self.result.index, self.layout, models, inner, {r: p for r, (_, p) in optim_files.items()}, self._state_swap_path
+            )
+        except ZckptError as exc:
+            self.problems.append(exc)
+            self.result.index = None
+
+    def _state_swap_path(self, rank: int, flat: int, ref: TensorRef, layout: ZeroLayout, group: FlatGroup, optim_path: str, state: str) -> str | None:
+        """A swapped optimizer state's file, named like the sub-group's fp32 swap file (the empty
+        fp32 tensor carries the `ds_id`; the empty state tensors do not)."""
+        return self._swap_path(rank, flat, self.saved_flat[rank][flat], layout, group, self.ds_ids, optim_path, state)
 
     def _list_rank_files(self) -> tuple[dict[int | None, str] | None, dict[int, tuple[str, str]]]:
         try:
@@ -425,6 +453,7 @@ class _Reader:
             param_shapes = [param_shapes]
         trainable = [(name, _as_shape(shape)) for group in param_shapes for name, shape in group.items()]
         trainable_names = {name for name, _ in trainable}
+        self.shapes = dict(trainable)
         shared = dict(model0.get(N.SHARED_PARAMS) or {})
 
         frozen_shapes = model0.get(N.FROZEN_PARAM_SHAPES)
@@ -491,104 +520,94 @@ class _Reader:
         return TensorSource(dtype, shape, tuple(_truncate(segments, numel)))
 
     def _zero12_params(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int) -> list[Entry] | None:
-        entries: list[Entry] = []
         paddings = inner[0].get(N.PARAM_ALIGNMENT_PADDINGS)
-        groups = {rank: inner[rank][N.SINGLE_PARTITION_OF_FP32_GROUPS] for rank in range(world)}
+        groups = {rank: list(inner[rank][N.SINGLE_PARTITION_OF_FP32_GROUPS]) for rank in range(world)}
         for rank, refs in groups.items():
             if len(refs) != len(param_shapes):
                 self._problem(LayoutError, optim_files[rank][1], f"holds {len(refs)} param groups, the model states list {len(param_shapes)}")
                 return None
-        for g, shapes in enumerate(param_shapes):
-            pieces: list[TensorRef] = [groups[rank][g] for rank in range(world)]
-            sizes = [p.numel for p in pieces]
-            numels = [_product(s) for s in shapes.values()]
-            pads = list(paddings[g]) if paddings is not None else None
-            if pads is not None and len(pads) != len(numels):
-                self._problem(LayoutError, optim_files[0][1], f"param group {g}: {len(pads)} alignment paddings for {len(numels)} params")
-                return None
-            needed = zero12_group_numel(numels, pads)
-            if zero2_align(needed, world) != zero2_align(sum(sizes), world):
-                culprit = optim_files[world - 1][1]
-                self._problem(LayoutError, culprit, f"param group {g}: params need {needed} fp32 elements, the {world} rank files hold {sum(sizes)} (sizes {sizes}): truncated or mixed files")
-                return None
-            for (name, shape), offset in zip(shapes.items(), zero12_param_offsets(numels, pads)):
-                shape = _as_shape(shape)
-                parts = split_range(sizes, offset, _product(shape))
-                segments = tuple(_segment(pieces[p.index], p.start, p.length) for p in parts)
-                entries.append(Entry(name, "param", TensorSource(pieces[0].dtype, shape, segments)))
-        return entries
+        flat_order = [[LayoutParam(name, _product(shape), g) for name, shape in shapes.items()] for g, shapes in enumerate(param_shapes)]
+        if paddings is not None and [len(p) for p in paddings] != [len(g) for g in flat_order]:
+            self._problem(LayoutError, optim_files[0][1], f"{[len(p) for p in paddings]} alignment paddings per group for {[len(g) for g in flat_order]} params")
+            return None
+        layout = zero12_layout(flat_order, world, alignment_paddings=paddings, stage=self.result.zero_stage or 2)
+        for g, group in enumerate(layout.flat_groups):
+            sizes = [groups[rank][g].numel for rank in range(world)]
+            # DeepSpeed drops the tail padding when saving, except BF16_Optimizer, which keeps it
+            for rank, size in enumerate(sizes):
+                if size not in (group.saved[rank], group.partition):
+                    needed = sum(layout.params[i].numel for i in group.params) + sum(group.alignment_paddings)
+                    self._problem(LayoutError, optim_files[rank][1], f"param group {g}: holds {size} fp32 elements, expected {group.saved[rank]} (the params need {needed} in all, sizes {sizes}): truncated or mixed files")
+                    return None
+        return self._param_entries(layout, groups)
 
     def _zero3_params(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, ds_ids: dict[str, int]) -> list[Entry] | None:
-        trainable = [(name, _as_shape(shape)) for group in param_shapes for name, shape in group.items()]
-        numels = [_product(shape) for _, shape in trainable]
-        offsets = zero3_param_offsets(numels, world)
-        needed = sum(zero3_partition(n, world)[0] for n in numels)
-        sub_groups: list[tuple[str, str, int]] | None = None  # the same on every rank: made once, if needed
+        sub_groups = [[LayoutParam(name, _product(shape), 0) for name, shape in shapes.items()] for shapes in param_shapes]
+        layout = zero3_layout_of_sub_groups(sub_groups, world, _sub_group_param_groups(inner[0], len(sub_groups)))
         flat: dict[int, list[TensorRef]] = {}
+        self.ds_ids = ds_ids
         for rank in range(world):
             refs = list(inner[rank][N.FP32_FLAT_GROUPS])
-            if self.result.offload == "nvme" and any(r.numel == 0 for r in refs):
-                sub_groups = sub_groups or self._sub_groups(param_shapes, world)
-                swapped = self._swapped_flat_groups(rank, refs, sub_groups, ds_ids, optim_files[rank][1])
-                if swapped is None:
-                    return None
-                refs = swapped
-            held = sum(r.numel for r in refs)
-            if held != needed:
-                self._problem(LayoutError, optim_files[rank][1], f"holds {held} fp32 elements, the params need {needed} per rank: truncated or mixed files")
+            self.saved_flat[rank] = refs
+            if len(refs) != len(layout.flat_groups):
+                self._problem(LayoutError, optim_files[rank][1], f"holds {len(refs)} fp32 sub-groups, the model states list {len(layout.flat_groups)}")
                 return None
+            if self.result.offload == "nvme" and any(r.numel == 0 for r in refs):
+                refs = self._swapped_flat_groups(rank, refs, layout, ds_ids, optim_files[rank][1])
+                if refs is None:
+                    return None
+            for index, (ref, group) in enumerate(zip(refs, layout.flat_groups)):
+                if ref.numel != group.partition:
+                    held, needed = sum(r.numel for r in refs), sum(g.partition for g in layout.flat_groups)
+                    self._problem(LayoutError, optim_files[rank][1], f"holds {held} fp32 elements, the params need {needed} per rank (sub-group {index}: {ref.numel} for {group.partition}): truncated or mixed files")
+                    return None
             flat[rank] = refs
-        sizes = {rank: [r.numel for r in refs] for rank, refs in flat.items()}
-        entries: list[Entry] = []
-        for (name, shape), numel, offset in zip(trainable, numels, offsets):
-            share = zero3_partition(numel, world)[0]
-            segments: list[Segment] = []
-            for rank in range(world):
-                for part in split_range(sizes[rank], offset, share):
-                    segments.append(_segment(flat[rank][part.index], part.start, part.length))
-            entries.append(Entry(name, "param", TensorSource(flat[0][0].dtype, shape, tuple(_truncate(segments, numel)))))
+        return self._param_entries(layout, flat)
+
+    def _param_entries(self, layout: ZeroLayout, flat: dict[int, list[TensorRef]]) -> list[Entry]:
+        """One entry per trainable param: its pieces, read from each rank's flat fp32 tensors."""
+        self.layout, self.flat_refs = layout, flat
+        entries = []
+        for param, pieces in zip(layout.params, layout.by_param()):
+            segments = tuple(_segment(flat[p.rank][p.flat], p.flat_offset, p.length) for p in pieces)
+            shape = self.shapes[param.name]
+            entries.append(Entry(param.name, "param", TensorSource(flat[0][0].dtype if flat[0] else FP32, shape, segments)))
         return entries
 
-    def _sub_groups(self, param_shapes: list[dict], world: int) -> list[tuple[str, str, int]]:
-        """(first param, last param, per-rank numel) of each ZeRO-3 optimizer sub-group."""
-        size = int((self.config.get(N.CONFIG_ZERO) or {}).get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE)
-        group_numels = [[_product(shape) for shape in group.values()] for group in param_shapes]
-        names = [name for group in param_shapes for name in group]
-        numels = [n for group in group_numels for n in group]
-        return [
-            (names[members[0]], names[members[-1]], sum(zero3_partition(numels[i], world)[0] for i in members))
-            for members in zero3_sub_groups(group_numels, world, size)
-        ]
-
-    def _swapped_flat_groups(
-        self, rank: int, refs: list[TensorRef], sub_groups: list[tuple[str, str, int]], ds_ids: dict[str, int], optim_path: str
-    ) -> list[TensorRef] | None:
+    def _swapped_flat_groups(self, rank: int, refs: list[TensorRef], layout: ZeroLayout, ds_ids: dict[str, int], optim_path: str) -> list[TensorRef] | None:
         """Point the sub-groups whose fp32 masters were offloaded to NVMe (saved empty in the
         optimizer file) at their swap files in <tag>/offloaded_tensors/rankRR/."""
-        if len(sub_groups) != len(refs):
-            self._problem(LayoutError, optim_path, f"holds {len(refs)} fp32 sub-groups, but its sub_group_size gives {len(sub_groups)}")
-            return None
-        folder = os.path.join(self.tag_dir, N.OFFLOADED_TENSORS_DIR, N.offloaded_rank_dir(rank))
         located: list[TensorRef] = []
-        for index, (ref, (first, last, numel)) in enumerate(zip(refs, sub_groups)):
-            if ref.numel or not numel:
+        for index, (ref, group) in enumerate(zip(refs, layout.flat_groups)):
+            if ref.numel or not group.partition:
                 located.append(ref)
                 continue
-            name = _swap_name(ref, ds_ids.get(first), ds_ids.get(last))
-            if name is None:
-                self._problem(LayoutError, optim_path, f"cannot name the swap file of sub-group {index}: no ds_id recorded and its params are not in the module state dict")
+            path = self._swap_path(rank, index, ref, layout, group, ds_ids, optim_path)
+            if path is None:
                 return None
-            path = os.path.join(folder, name)
-            if not os.path.isfile(path):
-                self._problem(CheckpointNotFoundError, path, f"missing: sub-group {index}'s fp32 masters were offloaded to NVMe and belong here")
-                return None
-            if os.path.getsize(path) < numel * ref.dtype.itemsize:
-                self._problem(CorruptFileError, path, f"truncated: holds {os.path.getsize(path)} bytes, sub-group {index} needs {numel * ref.dtype.itemsize}")
-                return None
-            located.append(TensorRef.flat(path, 0, ref.dtype, numel))
+            located.append(TensorRef.flat(path, 0, ref.dtype, group.partition))
         if swapped_count := sum(1 for a, b in zip(refs, located) if a is not b):
             self.result.notes.append(f"rank {rank}: fp32 masters of {swapped_count} sub-group(s) read from NVMe swap files")
         return located
+
+    def _swap_path(self, rank: int, index: int, ref: TensorRef, layout: ZeroLayout, group: FlatGroup, ds_ids: dict[str, int], optim_path: str, state: str | None = None) -> str | None:
+        """The swap file of one swapped sub-group (fp32 masters, or an optimizer `state`),
+        checked to exist and to hold the sub-group's partition."""
+        first, last = layout.params[group.params[0]].name, layout.params[group.params[-1]].name
+        name = _swap_name(ref, ds_ids.get(first), ds_ids.get(last), state)
+        what = f"sub-group {index}'s {state or 'fp32 masters'}"
+        if name is None:
+            self._problem(LayoutError, optim_path, f"cannot name the swap file of {what}: no ds_id recorded and its params are not in the module state dict")
+            return None
+        path = os.path.join(self.tag_dir, N.OFFLOADED_TENSORS_DIR, N.offloaded_rank_dir(rank), name)
+        if not os.path.isfile(path):
+            self._problem(CheckpointNotFoundError, path, f"missing: {what} were offloaded to NVMe and belong here")
+            return None
+        needed = group.partition * ref.dtype.itemsize
+        if os.path.getsize(path) < needed:
+            self._problem(CorruptFileError, path, f"truncated: holds {os.path.getsize(path)} bytes, {what} need {needed}")
+            return None
+        return path
 
 
 def _segment(ref: TensorRef, start: int, length: int) -> Segment:
@@ -612,15 +631,27 @@ def _truncate(segments: list[Segment], numel: int) -> list[Segment]:
     return kept
 
 
-def _swap_name(ref: TensorRef, first: int | None, last: int | None) -> str | None:
+def _swap_name(ref: TensorRef, first: int | None, last: int | None, state: str | None = None) -> str | None:
     """A swapped sub-group's file: DeepSpeed pickles its `ds_id` ("<first>_<last>") on the empty
-    tensor left in the optimizer file; without it, the ids are computed from module order."""
+    fp32 tensor left in the optimizer file; without it, the ids are computed from module order."""
     recorded = (ref.attributes or {}).get("ds_id")
     if isinstance(recorded, str) and re.fullmatch(r"\d+_\d+", recorded):
-        return N.swap_file_name(*map(int, recorded.split("_")))
+        return N.swap_file_name(*map(int, recorded.split("_")), state)
     if first is None or last is None:
         return None
-    return N.swap_file_name(first, last)
+    return N.swap_file_name(first, last, state)
+
+
+def _sub_group_param_groups(inner0: dict, count: int) -> list[int]:
+    """The param group of each ZeRO-3 sub-group: the optimizer's param_groups list sub-group
+    indices as their `params`."""
+    groups = ((inner0.get(N.OPTIMIZER_STATE_DICT) or {}).get("param_groups")) or []
+    owner = [0] * count
+    for g, group in enumerate(groups):
+        for index in group.get("params", []) if isinstance(group, dict) else []:
+            if isinstance(index, int) and 0 <= index < count:
+                owner[index] = g
+    return owner
 
 
 def _ds_ids(model0: dict) -> dict[str, int]:

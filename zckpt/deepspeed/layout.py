@@ -1,0 +1,239 @@
+"""Where every param's elements lie in DeepSpeed's flat optimizer partitions, as plain integers.
+
+One pure description, :class:`ZeroLayout`, serves the reader (param -> pieces of rank files), the
+writer (rank file -> the params that fill it) and the trainer. It is built from param numels,
+their param groups, the world size and the few settings that change DeepSpeed's layout; nothing
+here opens a file or touches a tensor.
+
+ZeRO-1/2 (``stage_1_and_2.py``): per param group, the params are flattened in *flat order*
+(the group's order, or its round-robin reorder with ``round_robin_gradients``), each followed by
+an alignment padding (``parameter_alignment``, DeepSpeed >= 0.18), the group padded to a
+multiple of ``2 * world_size`` and cut into equal partitions. Worked example, world size 3, one
+group of params with 5 and 4 elements::
+
+    flat group    = p0[0:5] p1[0:4] pad pad pad      (9 -> 12)
+    partition     = 4 elements per rank
+    pieces        = p0 -> (rank 0, 0:4 at 0), (rank 1, 4:5 at 0)
+                    p1 -> (rank 1, 0:3 at 1), (rank 2, 3:4 at 0)
+    saved fp32    = 4, 4, 1     (the tail padding is dropped when saving)
+    saved states  = 4, 4, 4     (exp_avg & co keep it)
+
+ZeRO-3 (``stage3.py``): each param is partitioned on its own, ``ceil(numel / world_size)``
+elements per rank (the last ranks padded), and a rank's flat group of each optimizer sub-group
+concatenates its shares of the sub-group's params. Same params, world size 3::
+
+    shares        = 2, 2
+    pieces        = p0 -> (rank 0, 0:2 at 0), (rank 1, 2:4 at 0), (rank 2, 4:5 at 0)
+                    p1 -> (rank 0, 0:2 at 2), (rank 1, 2:4 at 2)       (rank 2 holds padding)
+    saved         = 4, 4, 4     (padding included)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .partition import zero2_align, zero3_partition, zero3_sub_groups
+
+
+@dataclass(frozen=True)
+class LayoutParam:
+    """A trainable param as the layout sees it: a name, a size, its (user) param group."""
+
+    name: str
+    numel: int
+    group: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`length` elements of param `param` (from element `param_offset` of the flattened param)
+    stored at element `flat_offset` of rank `rank`'s flat tensor of flat group `flat`."""
+
+    param: int
+    rank: int
+    flat: int
+    flat_offset: int
+    param_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """One flat optimizer group: a ZeRO-1/2 param group or a ZeRO-3 sub-group.
+
+    `params` are indices into the layout's params, in flat order. `partition` is the elements
+    each rank owns (padding included); `saved` the fp32 elements each rank's file holds (ZeRO-1/2
+    drop the tail padding); `alignment_paddings` the padding after each param (ZeRO-1/2).
+    """
+
+    param_group: int
+    params: tuple[int, ...]
+    partition: int
+    saved: tuple[int, ...]
+    alignment_paddings: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    stage: int
+    world_size: int
+    params: tuple[LayoutParam, ...]
+    flat_groups: tuple[FlatGroup, ...]
+    pieces: tuple[Piece, ...]  # ordered by param, then rank
+
+    def pieces_of(self, param: int) -> list[Piece]:
+        """The pieces of one param, in element order (they concatenate to the whole param)."""
+        return [p for p in self.pieces if p.param == param]
+
+    def pieces_in(self, rank: int, flat: int) -> list[Piece]:
+        """The pieces stored in one rank's flat tensor of one flat group, by flat offset."""
+        return sorted((p for p in self.pieces if p.rank == rank and p.flat == flat), key=lambda p: p.flat_offset)
+
+    def by_param(self) -> list[list[Piece]]:
+        """pieces_of for every param at once (one pass, for large layouts)."""
+        grouped: list[list[Piece]] = [[] for _ in self.params]
+        for piece in self.pieces:
+            grouped[piece.param].append(piece)
+        return grouped
+
+    def by_rank(self) -> dict[tuple[int, int], list[Piece]]:
+        """pieces_in for every (rank, flat group) at once."""
+        grouped: dict[tuple[int, int], list[Piece]] = {}
+        for piece in self.pieces:
+            grouped.setdefault((piece.rank, piece.flat), []).append(piece)
+        for pieces in grouped.values():
+            pieces.sort(key=lambda p: p.flat_offset)
+        return grouped
+
+
+def round_robin_order(count: int, world_size: int) -> list[int]:
+    """DeepSpeed's ``_round_robin_reorder``: position k of the flat group holds param order[k].
+
+    >>> round_robin_order(5, 2)
+    [0, 2, 4, 1, 3]
+    """
+    return [i for j in range(min(world_size, count)) for i in range(j, count, world_size)]
+
+
+def parameter_alignment_paddings(numels: Sequence[int], element_size: int) -> list[int]:
+    """Padding after each param (none after the last) so that every param starts on a 16-byte
+    boundary of the 16-bit flat buffer, as ``parameter_alignment: true`` does.
+
+    >>> parameter_alignment_paddings([5, 3, 4], 2)
+    [3, 5, 0]
+    """
+    align = 16 // math.gcd(16, element_size)
+    paddings, offset = [], 0
+    for i, numel in enumerate(numels):
+        offset += numel
+        padding = 0 if i == len(numels) - 1 else (-offset) % align
+        paddings.append(padding)
+        offset += padding
+    return paddings
+
+
+def zero12_layout(
+    groups: Sequence[Sequence[LayoutParam]],
+    world_size: int,
+    *,
+    alignment_paddings: Sequence[Sequence[int]] | None = None,
+    keep_group_padding: bool = False,
+    stage: int = 2,
+) -> ZeroLayout:
+    """The ZeRO-1/2 layout of param groups given in flat order.
+
+    `alignment_paddings[g][i]` follows the i-th param of group g. `keep_group_padding`: the
+    saved fp32 partitions keep the tail padding (DeepSpeed's BF16_Optimizer files do).
+
+    >>> a, b = LayoutParam("a", 5, 0), LayoutParam("b", 4, 0)
+    >>> layout = zero12_layout([[a, b]], 3)
+    >>> [(p.param, p.rank, p.flat_offset, p.param_offset, p.length) for p in layout.pieces]
+    [(0, 0, 0, 0, 4), (0, 1, 0, 4, 1), (1, 1, 1, 0, 3), (1, 2, 0, 3, 1)]
+    >>> layout.flat_groups[0].saved
+    (4, 4, 1)
+    """
+    _check_world(world_size)
+    params: list[LayoutParam] = [p for group in groups for p in group]
+    flat_groups: list[FlatGroup] = []
+    pieces: list[Piece] = []
+    base = 0
+    for g, group in enumerate(groups):
+        paddings = list(alignment_paddings[g]) if alignment_paddings is not None else [0] * len(group)
+        if len(paddings) != len(group):
+            raise ValueError(f"param group {g}: {len(paddings)} alignment paddings for {len(group)} params")
+        group_numel = sum(p.numel for p in group) + sum(paddings)
+        partition = zero2_align(group_numel, world_size) // world_size
+        if keep_group_padding:
+            saved = tuple(partition for _ in range(world_size))
+        else:
+            saved = tuple(max(0, min(partition, group_numel - rank * partition)) for rank in range(world_size))
+        indices = tuple(range(base, base + len(group)))
+        flat_groups.append(FlatGroup(g, indices, partition, saved, tuple(paddings)))
+        offset = 0
+        for index, param, padding in zip(indices, group, paddings):
+            pieces.extend(_cut(index, g, offset, param.numel, partition))
+            offset += param.numel + padding
+        base += len(group)
+    pieces.sort(key=lambda p: (p.param, p.rank))
+    return ZeroLayout(stage, world_size, tuple(params), tuple(flat_groups), tuple(pieces))
+
+
+def _cut(param: int, flat: int, offset: int, numel: int, partition: int) -> list[Piece]:
+    """Cut the flat-group range [offset, offset + numel) at partition boundaries."""
+    pieces = []
+    done = 0
+    while done < numel:
+        position = offset + done
+        rank, start = divmod(position, partition)
+        length = min(numel - done, partition - start)
+        pieces.append(Piece(param, rank, flat, start, done, length))
+        done += length
+    return pieces
+
+
+def zero3_layout(groups: Sequence[Sequence[LayoutParam]], world_size: int, sub_group_size: int) -> ZeroLayout:
+    """The ZeRO-3 layout of param groups (in the optimizer's order), cut into sub-groups as
+    DeepSpeed cuts them for `sub_group_size`.
+
+    >>> a, b = LayoutParam("a", 5, 0), LayoutParam("b", 4, 0)
+    >>> layout = zero3_layout([[a, b]], 3, 10**9)
+    >>> [(p.param, p.rank, p.flat_offset, p.param_offset, p.length) for p in layout.pieces]
+    [(0, 0, 0, 0, 2), (0, 1, 0, 2, 2), (0, 2, 0, 4, 1), (1, 0, 2, 0, 2), (1, 1, 2, 2, 2)]
+    """
+    params = [p for group in groups for p in group]
+    members = zero3_sub_groups([[p.numel for p in group] for group in groups], world_size, sub_group_size)
+    sub_groups = [[params[i] for i in indices] for indices in members]
+    return zero3_layout_of_sub_groups(sub_groups, world_size, [params[indices[0]].group if indices else 0 for indices in members])
+
+
+def zero3_layout_of_sub_groups(sub_groups: Sequence[Sequence[LayoutParam]], world_size: int, param_groups: Sequence[int] | None = None) -> ZeroLayout:
+    """The ZeRO-3 layout of sub-groups given explicitly (as a checkpoint lists them);
+    `param_groups[i]` is the param group of sub-group i (it overrides the params' own)."""
+    _check_world(world_size)
+    params: list[LayoutParam] = []
+    flat_groups: list[FlatGroup] = []
+    pieces: list[Piece] = []
+    for flat, members in enumerate(sub_groups):
+        group = param_groups[flat] if param_groups is not None else (members[0].group if members else 0)
+        indices = []
+        offset = 0
+        for member in members:
+            index = len(params)
+            params.append(LayoutParam(member.name, member.numel, group))
+            indices.append(index)
+            share = zero3_partition(member.numel, world_size)[0]
+            for rank in range(world_size):
+                length = max(0, min(share, member.numel - rank * share))
+                if length:
+                    pieces.append(Piece(index, rank, flat, offset, rank * share, length))
+            offset += share
+        flat_groups.append(FlatGroup(group, tuple(indices), offset, tuple(offset for _ in range(world_size))))
+    pieces.sort(key=lambda p: (p.param, p.rank))
+    return ZeroLayout(3, world_size, tuple(params), tuple(flat_groups), tuple(pieces))
+
+
+def _check_world(world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")

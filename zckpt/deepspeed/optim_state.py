@@ -1,0 +1,160 @@
+"""The training state of a DeepSpeed checkpoint beyond the weights: optimizer states per param,
+param groups, loss scaler, lr scheduler, counters, config and client state.
+
+Called by the reader once it has validated the files and built the layout, with the pickles it
+loaded. Optimizer state tensors are located with the same layout pieces as the fp32 masters, so a
+state is found wherever its master is (NVMe swap files included). Which keys are per-element
+states is decided by size, never by name: any optimizer's state (Adam's ``exp_avg``, SGD's
+``momentum_buffer``, ...) is carried.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..errors import LayoutError
+from ..index import CheckpointIndex, Segment, TensorSource
+from ..reading import source_of
+from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
+from ..torchfile import TensorRef
+from . import names as N
+from .layout import FlatGroup, ZeroLayout, round_robin_order
+
+# model_states keys that the engine writes itself; anything else came from the training script
+ENGINE_KEYS = (
+    N.MODULE, N.BUFFER_NAMES, N.OPTIMIZER, N.PARAM_SHAPES, N.FROZEN_PARAM_SHAPES, N.SHARED_PARAMS,
+    N.FROZEN_PARAM_FRAGMENTS, N.LR_SCHEDULER, N.DATA_SAMPLER, N.RANDOM_LTD, N.SPARSE_TENSOR_MODULE_NAMES,
+    N.SKIPPED_STEPS, N.GLOBAL_STEPS, N.GLOBAL_SAMPLES, N.DP_WORLD_SIZE, N.MP_WORLD_SIZE,
+    N.CHECKPOINT_PARALLEL_DIMENSIONS, N.DS_CONFIG, N.DS_VERSION,
+)
+# engine keys carried as saved (the rest are rebuilt by a writer)
+CARRIED_ENGINE_KEYS = (N.OPTIMIZER, N.DATA_SAMPLER, N.RANDOM_LTD, N.SPARSE_TENSOR_MODULE_NAMES, N.CHECKPOINT_PARALLEL_DIMENSIONS)
+# ZeRO optimizer keys that are neither layout nor per-param state
+OPTIMIZER_EXTRA_KEYS = (N.DYNAMIC_LOSS_SCALE, N.OVERFLOW, N.CLIP_GRAD)
+
+SwapPath = Callable[[int, int, TensorRef, ZeroLayout, FlatGroup, str, str], "str | None"]
+
+
+def flat_states(inner: dict) -> dict:
+    """The torch optimizer state dict inside a ZeRO optimizer file ({state, param_groups})."""
+    for key in (N.BASE_OPTIMIZER_STATE, N.OPTIMIZER_STATE_DICT):
+        value = inner.get(key)
+        if isinstance(value, dict) and "state" in value:
+            return value
+    return {}
+
+
+def build_training_state(
+    index: CheckpointIndex,
+    layout: ZeroLayout,
+    models: dict,
+    inner: dict[int, dict],
+    optim_paths: dict[int, str],
+    swap_path: SwapPath,
+) -> TrainingState:
+    """Assemble the TrainingState; raises LayoutError when a state tensor does not fit the layout."""
+    zero3 = layout.stage == 3
+    model0 = models[0 if zero3 else None]
+    config = model0.get(N.DS_CONFIG) or {}
+    world = layout.world_size
+    per_rank = {rank: flat_states(inner[rank]) for rank in range(world)}
+    states0 = per_rank[0].get("state") or {}
+
+    # per-element states of each (rank, flat group), located by size; the rest are scalars
+    element_keys: list[str] = []
+    tensors: dict[tuple[int, int, str], TensorRef] = {}
+    for rank in range(world):
+        state = per_rank[rank].get("state") or {}
+        for flat, group in enumerate(layout.flat_groups):
+            for key, value in (state.get(flat) or {}).items():
+                if not isinstance(value, TensorRef) or len(value.shape) != 1:
+                    continue
+                if value.numel == group.partition:
+                    ref = value
+                elif value.numel == 0 and group.partition and index.offload == "nvme":
+                    path = swap_path(rank, flat, value, layout, group, optim_paths[rank], key)
+                    if path is None:
+                        raise LayoutError(optim_paths[rank], f"sub-group {flat}: {key} was offloaded to NVMe and its swap file is unusable")
+                    ref = TensorRef.flat(path, 0, value.dtype, group.partition)
+                else:
+                    raise LayoutError(optim_paths[rank], f"optimizer state {key} of group {flat} holds {value.numel} elements, the partition has {group.partition}: truncated or mixed files")
+                tensors[(rank, flat, key)] = ref
+                if key not in element_keys:
+                    element_keys.append(key)
+
+    params: list[ParamState] = []
+    shapes = {e.name: e.source.shape for e in index.entries if e.kind == "param"}
+    masters = {e.name: e.source for e in index.entries if e.kind == "param"}
+    for param, pieces in zip(layout.params, layout.by_param()):
+        states: dict[str, TensorSource] = {}
+        for key in element_keys:
+            refs = [tensors.get((p.rank, p.flat, key)) for p in pieces]
+            if any(r is None for r in refs):
+                continue  # a group without this state (e.g. not stepped yet)
+            segments = tuple(Segment(r.path, r.offset + p.flat_offset * r.dtype.itemsize, p.length) for r, p in zip(refs, pieces))
+            states[key] = TensorSource(refs[0].dtype if refs else masters[param.name].dtype, shapes[param.name], segments)
+        params.append(ParamState(param.name, shapes[param.name], param.group, masters[param.name], states))
+
+    groups = _param_groups(layout, per_rank[0], states0, element_keys, config)
+    order = _optimizer_order(layout, params, config)
+    module = model0.get(N.MODULE) or {}
+    return TrainingState(
+        index=index,
+        params=tuple(params[i] for i in order),
+        groups=groups,
+        module_names=tuple(module),
+        module_dtype_names={k: v.dtype.short for k, v in module.items() if isinstance(v, TensorRef)},
+        loss_scaler=inner[0].get(N.LOSS_SCALER),
+        lr_scheduler=model0.get(N.LR_SCHEDULER),
+        global_steps=model0.get(N.GLOBAL_STEPS),
+        global_samples=model0.get(N.GLOBAL_SAMPLES),
+        skipped_steps=model0.get(N.SKIPPED_STEPS),
+        ds_config=config,
+        client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
+        engine_extras={k: model0[k] for k in CARRIED_ENGINE_KEYS if k in model0},
+        optimizer_extras={k: inner[0][k] for k in OPTIMIZER_EXTRA_KEYS if k in inner[0]},
+        optimizer_kind="zero" if N.ZERO_STAGE in inner[0] else "bf16_optimizer",
+        round_robin=not zero3 and _round_robin(config),
+    )
+
+
+def _round_robin(config: dict) -> bool:
+    return bool((config.get(N.CONFIG_ZERO) or {}).get(N.CONFIG_ROUND_ROBIN))
+
+
+def _optimizer_order(layout: ZeroLayout, params: list[ParamState], config: dict) -> list[int]:
+    """Indices of the layout's params in optimizer order: the order of the user's param groups
+    (ZeRO-1/2 with round-robin gradients store a reordering of it; ZeRO-3 sub-groups keep it)."""
+    if layout.stage == 3 or not _round_robin(config):
+        return list(range(len(params)))
+    order: list[int] = []
+    for group in layout.flat_groups:
+        flat = list(group.params)
+        reorder = round_robin_order(len(flat), layout.world_size)
+        original = [0] * len(flat)
+        for position, source in enumerate(reorder):
+            original[source] = flat[position]
+        order.extend(original)
+    return order
+
+
+def _param_groups(layout: ZeroLayout, saved: dict, states0: dict, element_keys: list[str], config: dict) -> tuple[ParamGroupState, ...]:
+    """One ParamGroupState per user param group (a ZeRO-3 group spans several sub-groups)."""
+    saved_groups = saved.get("param_groups") or []
+    count = max([g.param_group for g in layout.flat_groups] + [len(saved_groups) - 1]) + 1
+    result = []
+    for g in range(count):
+        hyper = saved_groups[g] if g < len(saved_groups) and isinstance(saved_groups[g], dict) else {}
+        flats = [f for f, group in enumerate(layout.flat_groups) if group.param_group == g]
+        scalars: dict[str, ScalarState] = {}
+        keys: tuple[str, ...] = ()
+        if flats and isinstance(states0.get(flats[0]), dict):
+            first = states0[flats[0]]
+            keys = tuple(first)
+            for key, value in first.items():
+                if key in element_keys:
+                    continue
+                scalars[key] = ScalarState(tensor=source_of(value)) if isinstance(value, TensorRef) else ScalarState(value=value)
+        names = tuple(layout.params[i].name for f in flats for i in layout.flat_groups[f].params)
+        result.append(ParamGroupState({k: v for k, v in hyper.items() if k != "params"}, scalars, names, keys))
+    return tuple(result)
