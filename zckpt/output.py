@@ -120,3 +120,81 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class StagedFolder:
+    """A folder that appears whole or not at all: its files are written into a hidden staging
+    folder beside it (same filesystem), which is renamed into place once every file is synced.
+
+    The staging name is fixed (not per process), so several processes of one job (torchrun
+    ranks) can fill it together; `commit` is then called by one of them.
+    """
+
+    def __init__(self, final_dir: str, *, overwrite: bool = False, needed_bytes: int = 0) -> None:
+        self.final_dir = os.path.normpath(final_dir)
+        parent, base = os.path.split(self.final_dir)
+        self.parent = parent or "."
+        self.staging = os.path.join(self.parent, f".{base}.zckpt-staging")
+        self._old = os.path.join(self.parent, f".{base}.zckpt-old")
+        self.overwrite = overwrite
+        if os.path.exists(self.final_dir) and not overwrite:
+            raise OutputError(self.final_dir, "already exists; pass --overwrite to replace it")
+        probe = self.parent
+        while not os.path.isdir(probe):
+            probe = os.path.dirname(os.path.abspath(probe))
+        free = shutil.disk_usage(probe).free
+        if needed_bytes > free:
+            raise OutputError(self.final_dir, f"needs {format_size(needed_bytes)} but only {format_size(free)} is free; nothing was written")
+
+    def create(self) -> None:
+        """Make an empty staging folder (a leftover of an interrupted run is removed first)."""
+        try:
+            os.makedirs(self.parent, exist_ok=True)
+            shutil.rmtree(self.staging, ignore_errors=True)
+            os.makedirs(self.staging)
+        except OSError as exc:
+            raise output_error(self.staging, exc) from None
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.staging, name)
+
+    def commit(self) -> None:
+        """Rename the (fully written and synced) staging folder into place."""
+        _fsync_dir(self.staging)
+        replaced = os.path.exists(self.final_dir)
+        if replaced:
+            shutil.rmtree(self._old, ignore_errors=True)
+            os.replace(self.final_dir, self._old)
+        os.replace(self.staging, self.final_dir)
+        _fsync_dir(self.parent)
+        if replaced:
+            shutil.rmtree(self._old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace a small file atomically (temp name, fsync, rename, fsync the folder)."""
+    temp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.zckpt-tmp-{os.getpid()}")
+    try:
+        with open(temp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except OSError as exc:
+        try:
+            os.remove(temp)
+        except OSError:
+            pass
+        raise output_error(path, exc) from None
+    _fsync_dir(os.path.dirname(path) or ".")

@@ -64,6 +64,8 @@ class TrainingState:
     client_state: dict[str, Any] = field(default_factory=dict)  # what the script passed to save_checkpoint
     engine_extras: dict[str, Any] = field(default_factory=dict)  # other engine keys, carried as saved
     optimizer_extras: dict[str, Any] = field(default_factory=dict)  # other optimizer keys (overflow, clip_grad)
+    # ZeRO-3 saves every rank's own module buffers (BatchNorm statistics differ per rank): rank r's
+    rank_buffers: tuple[dict[str, TensorSource], ...] = ()
     optimizer_kind: str = "zero"  # "zero" or "bf16_optimizer" (DeepSpeed's BF16_Optimizer file layout)
     round_robin: bool = False  # the input's flat groups were in round-robin order
 

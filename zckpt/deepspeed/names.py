@@ -91,3 +91,12 @@ CONFIG_PARAMETER_ALIGNMENT = "parameter_alignment"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeedZeroConfig's default
 CONFIG_BF16 = ("bf16", "bfloat16")
 CONFIG_FP16 = "fp16"
+CONFIG_GRADIENT_CLIPPING = "gradient_clipping"
+CONFIG_DATA_TYPES = "data_types"
+CONFIG_GRAD_ACCUM_DTYPE = "grad_accum_dtype"
+
+
+def default_gradient_clipping(version: tuple[int, int]) -> float:
+    """The engine's gradient_clipping when the config sets none: 0.0 in the 0.14 files we
+    have, 1.0 in 0.19 (``GRADIENT_CLIPPING_DEFAULT``); taken to change at 0.15."""
+    return 1.0 if version >= (0, 15) else 0.0

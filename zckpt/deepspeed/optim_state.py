@@ -113,9 +113,15 @@ def build_training_state(
         client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
         engine_extras={k: model0[k] for k in CARRIED_ENGINE_KEYS if k in model0},
         optimizer_extras={k: inner[0][k] for k in OPTIMIZER_EXTRA_KEYS if k in inner[0]},
+        rank_buffers=tuple(_buffers(models[rank]) for rank in range(world)) if zero3 else (),
         optimizer_kind="zero" if N.ZERO_STAGE in inner[0] else "bf16_optimizer",
         round_robin=not zero3 and _round_robin(config),
     )
+
+
+def _buffers(model: dict) -> dict[str, TensorSource]:
+    module = model.get(N.MODULE) or {}
+    return {n: source_of(module[n]) for n in model.get(N.BUFFER_NAMES) or [] if isinstance(module.get(n), TensorRef)}
 
 
 def _round_robin(config: dict) -> bool:

@@ -1,0 +1,117 @@
+"""Write a planned DeepSpeed checkpoint: the tag folder appears whole, then ``latest`` names it.
+
+Files are independent, so they are written by worker processes (and, under torchrun, split
+between the job's processes); every byte streams from the source files through torchsave.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import OutputError
+from ..output import StagedFolder, fsync_file, output_error, write_text_atomic
+from ..reading import FileReader
+from ..torchsave import ArchivePlan, archive_name_for, plan_archive, write_archive
+from . import names as N
+from .writer import CheckpointPlan
+
+PARALLEL_MIN_BYTES = 256 << 20  # below this, starting worker processes costs more than it saves
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    output_dir: str
+    tag: str
+    files: tuple[str, ...]
+    bytes_written: int
+
+
+def archives(plan: CheckpointPlan) -> list[tuple[str, ArchivePlan]]:
+    """Each file's archive plan (pickled object tree, record layout, exact size); reads nothing."""
+    return [(f.name, plan_archive(f.obj, archive_name_for(f.name))) for f in plan.files]
+
+
+def share_of(sizes: list[int], part: int, parts: int) -> list[int]:
+    """Indices of the files process `part` of `parts` writes: biggest first, each to the least
+    loaded process, so the split is deterministic and balanced.
+
+    >>> share_of([10, 1, 1, 10], 0, 2), share_of([10, 1, 1, 10], 1, 2)
+    ([0, 1], [3, 2])
+    """
+    load = [0] * parts
+    owner = {}
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        chosen = min(range(parts), key=lambda p: (load[p], p))
+        owner[index] = chosen
+        load[chosen] += sizes[index]
+    return [i for i in sorted(owner, key=lambda i: (-sizes[i], i)) if owner[i] == part]
+
+
+def _write_one(path: str, archive: ArchivePlan) -> int:
+    with FileReader() as reader:
+        write_archive(path, archive, reader)
+    fsync_file(path)
+    return archive.total_size
+
+
+def write_checkpoint(
+    plan: CheckpointPlan,
+    output_dir: str,
+    *,
+    overwrite: bool = False,
+    workers: int | None = None,
+    part: int = 0,
+    parts: int = 1,
+    barrier: Callable[[], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    before_latest: Callable[[], None] | None = None,
+) -> SaveResult:
+    """Write every file of `plan` into ``output_dir/<tag>/`` and point ``output_dir/latest`` at it.
+
+    With `parts` > 1 (processes of one job sharing a filesystem), process `part` writes its
+    share and process 0 commits; `barrier` must synchronise them. `before_latest` runs (on
+    process 0) once the tag folder is in place, before ``latest`` names it.
+    """
+    planned = archives(plan)
+    total = sum(a.total_size for _, a in planned)
+    folder = StagedFolder(os.path.join(output_dir, plan.tag), overwrite=overwrite, needed_bytes=total if part == 0 else 0)
+    sync = barrier or (lambda: None)
+    if part == 0:
+        folder.create()
+    sync()
+    mine = share_of([a.total_size for _, a in planned], part, parts)
+    done = 0
+    try:
+        jobs = [(folder.path(planned[i][0]), planned[i][1]) for i in mine]
+        count = min(workers or os.cpu_count() or 1, len(jobs))
+        if count > 1 and sum(a.total_size for _, a in jobs) >= PARALLEL_MIN_BYTES:
+            import multiprocessing
+
+            with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn")) as pool:
+                for size in pool.map(_write_one, *zip(*jobs)):
+                    done += size
+                    if progress:
+                        progress(done, total)
+        else:
+            for path, archive in jobs:
+                done += _write_one(path, archive)
+                if progress:
+                    progress(done, total)
+        sync()
+        if part == 0:
+            folder.commit()
+            if before_latest:
+                before_latest()
+            write_text_atomic(os.path.join(output_dir, N.LATEST_FILE), plan.tag)
+    except OSError as exc:
+        folder.abort()
+        if isinstance(exc, OutputError):
+            raise
+        raise output_error(output_dir, exc) from None
+    except BaseException:
+        folder.abort()
+        raise
+    return SaveResult(output_dir, plan.tag, tuple(name for name, _ in planned), total)

@@ -1,0 +1,434 @@
+"""Lay a TrainingState out as DeepSpeed would have saved it, for any world size and ZeRO stage.
+
+:func:`plan_target` settles what the loading run will look like (stage, world size, the layout
+settings of its config); :func:`plan_checkpoint` turns the state into the object tree of every
+file (model_states, optim_states), with each tensor described as parts of source files. Both
+are pure: no tensor byte is read. :mod:`zckpt.deepspeed.save` then streams the bytes.
+
+The trees follow DeepSpeed's own ``state_dict()`` methods (``stage_1_and_2.py``, ``stage3.py``,
+``bf16_optimizer.py``, ``engine._save_checkpoint``) key for key, in the format of the release
+that wrote the input (0.14: no ``param_alignment_paddings``, ``sparse_tensor_module_names``).
+Padding elements are zeros, so the same input always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from ..dtypes import BF16, BY_SHORT, FP32, DType
+from ..errors import UsageError
+from ..index import Segment, TensorSource
+from ..state import ScalarState, TrainingState
+from ..torchfile import PickledObject, TensorRef
+from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, Zeros, torch_size
+from . import names as N
+from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
+
+ZERO_STAGE_ENUM = GlobalName("deepspeed.runtime.zero.config", "ZeroStageEnum")
+LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+FRAGMENT_ADDRESS = GlobalName("deepspeed.utils.tensor_fragment", "fragment_address")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The run that will load the checkpoint: what its layout depends on."""
+
+    stage: int
+    world_size: int
+    ds_config: dict[str, Any]
+    dtype: DType  # training dtype
+    round_robin: bool
+    parameter_alignment: bool
+    sub_group_size: int
+    bf16_optimizer: bool  # DeepSpeed picks BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation)
+    ds_version: str  # the release whose format is written
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    name: str  # file name inside the tag folder
+    obj: Any  # the object tree torch.save would pickle
+    rank: int | None  # the data-parallel rank it belongs to (None: shared)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    tag: str
+    target: Target
+    layout: ZeroLayout
+    files: tuple[PlannedFile, ...]
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def plan_target(state: TrainingState, world_size: int, stage: int | None = None, config: dict | None = None) -> Target:
+    """The target run: the checkpoint's own config with the new stage, then `config` (the target
+    run's ds_config, if given) over it. Raises UsageError for settings no loader can meet."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(None, f"--world-size must be at least 1, got {world_size}")
+    index = state.index
+    if index.offload == "nvme":
+        raise UsageError(index.tag_dir, "NVMe-offloaded checkpoints cannot be resharded yet (their swap files need an NVMe layout for the new world size)")
+    merged = _merge(state.ds_config, config or {})
+    zero = dict(merged.get(N.CONFIG_ZERO) or {})
+    if stage is None:
+        stage = int(zero.get(N.CONFIG_STAGE, index.zero_stage)) if config and N.CONFIG_STAGE in (config.get(N.CONFIG_ZERO) or {}) else index.zero_stage
+    if stage not in (1, 2, 3):
+        raise UsageError(None, f"--stage must be 1, 2 or 3, got {stage}")
+    # only the stage changes: DeepSpeed ignores stage-3 settings (sub_group_size, offload_param)
+    # at stages 1/2, and keeping them lets a later reshard back to ZeRO-3 rebuild the same layout
+    zero[N.CONFIG_STAGE] = stage
+    merged[N.CONFIG_ZERO] = zero
+    grad_accum = str(((merged.get(N.CONFIG_DATA_TYPES) or {}).get(N.CONFIG_GRAD_ACCUM_DTYPE)) or "").lower()
+    return Target(
+        stage=stage,
+        world_size=world_size,
+        ds_config=merged,
+        dtype=index.dtype,
+        round_robin=stage < 3 and bool(zero.get(N.CONFIG_ROUND_ROBIN)),
+        parameter_alignment=stage < 3 and bool(zero.get(N.CONFIG_PARAMETER_ALIGNMENT)),
+        sub_group_size=int(zero.get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE),
+        bf16_optimizer=stage == 1 and index.dtype == BF16 and grad_accum in ("fp32", "float32", "float"),
+        ds_version=index.ds_version or "0.0.0",
+    )
+
+
+def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
+    """Where every param goes in the target run's flat partitions."""
+    groups: list[list[LayoutParam]] = [[] for _ in state.groups]
+    for param in state.params:
+        groups[param.group].append(LayoutParam(param.name, math.prod(param.shape), param.group))
+    if target.stage == 3:
+        return zero3_layout(groups, target.world_size, target.sub_group_size)
+    if target.round_robin and not target.bf16_optimizer:
+        groups = [[group[i] for i in round_robin_order(len(group), target.world_size)] for group in groups]
+    paddings = None
+    if target.parameter_alignment and not target.bf16_optimizer:
+        paddings = [parameter_alignment_paddings([p.numel for p in group], target.dtype.itemsize) for group in groups]
+    return zero12_layout(groups, target.world_size, alignment_paddings=paddings, keep_group_padding=target.bf16_optimizer, stage=target.stage)
+
+
+def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None) -> CheckpointPlan:
+    """Every file of the target checkpoint as an object tree; pure."""
+    layout = target_layout(state, target)
+    tag = tag or state.index.tag
+    optim = _OptimPlanner(state, target, layout)
+    files = [PlannedFile(N.optim_states_name(rank, bf16=target.dtype == BF16), optim.file(rank), rank) for rank in range(target.world_size)]
+    models = _ModelPlanner(state, target, layout)
+    if target.stage == 3:
+        files = [PlannedFile(N.model_states_name(3, rank), models.file(rank), rank) for rank in range(target.world_size)] + files
+    else:
+        files.insert(0, PlannedFile(N.model_states_name(target.stage), models.file(None), None))
+    return CheckpointPlan(tag, target, layout, tuple(files))
+
+
+# --- tensors -------------------------------------------------------------------------------------
+def _slice(source: TensorSource, start: int, length: int) -> list[Segment]:
+    """Segments of elements [start, start + length) of a source."""
+    out, base, end = [], 0, start + length
+    for segment in source.segments:
+        lo, hi = max(start, base), min(end, base + segment.numel)
+        if lo < hi:
+            out.append(Segment(segment.path, segment.offset + (lo - base) * source.dtype.itemsize, hi - lo))
+        base += segment.numel
+        if base >= end:
+            break
+    return out
+
+
+def _tensor(source: TensorSource, dtype: DType | None = None, shape: tuple[int, ...] | None = None) -> OutTensor:
+    """A whole source as an output tensor, converted to `dtype` if given."""
+    parts = tuple(Copy(s, source.dtype) for s in source.segments)
+    return OutTensor(dtype or source.dtype, source.shape if shape is None else shape, parts)
+
+
+def _flat(pieces: list, sources: list[TensorSource], numel: int, dtype: DType) -> OutTensor:
+    """A rank's flat tensor of `numel` elements: the pieces at their offsets, zeros between."""
+    parts: list = []
+    position = 0
+    for piece in pieces:
+        if piece.flat_offset >= numel:
+            break
+        if piece.flat_offset > position:
+            parts.append(Zeros(piece.flat_offset - position))
+        source = sources[piece.param]
+        length = min(piece.length, numel - piece.flat_offset)
+        parts.extend(Copy(s, source.dtype) for s in _slice(source, piece.param_offset, length))
+        position = piece.flat_offset + length
+    if position < numel:
+        parts.append(Zeros(numel - position))
+    return OutTensor(dtype, (numel,), tuple(parts))
+
+
+def _carry(obj: Any) -> Any:
+    """An object read by zckpt's unpickler, made writable again (tensors, DeepSpeed classes)."""
+    if isinstance(obj, TensorRef):
+        from ..reading import source_of
+
+        return _tensor(source_of(obj))
+    if isinstance(obj, PickledObject):
+        module, name = obj.original_class.rsplit(".", 1)
+        return PickledInstance(GlobalName(module, name), {k: _carry(v) for k, v in vars(obj).items()})
+    if isinstance(obj, IntEnum):
+        return PickledEnum(ZERO_STAGE_ENUM, int(obj))
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, _carry(v)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _carry(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_carry(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_carry(v) for v in obj)
+    return obj
+
+
+def _scalar(scalar: ScalarState) -> Any:
+    return _tensor(scalar.tensor) if scalar.tensor is not None else scalar.value
+
+
+# --- optim_states --------------------------------------------------------------------------------
+class _OptimPlanner:
+    def __init__(self, state: TrainingState, target: Target, layout: ZeroLayout) -> None:
+        self.state, self.target, self.layout = state, target, layout
+        by_name = {p.name: p for p in state.params}
+        self.params = [by_name[p.name] for p in layout.params]
+        self.masters = [p.master for p in self.params]
+        self.by_rank = layout.by_rank()
+        self.version_at_least_018 = _version(target.ds_version) >= (0, 18)
+        self.optimizer_position = {p.name: i for i, p in enumerate(state.params)}
+
+    def file(self, rank: int) -> dict:
+        inner = self._zero3(rank) if self.target.stage == 3 else self._zero12(rank)
+        return {N.OPTIMIZER_STATE_DICT: inner, N.DS_CONFIG: _carry(self.target.ds_config), N.DS_VERSION: self.target.ds_version}
+
+    def _torch_state(self, rank: int) -> dict:
+        """The torch optimizer's state_dict over this rank's flat groups."""
+        state: dict[int, dict] = {}
+        for flat, group in enumerate(self.layout.flat_groups):
+            saved = self.state.groups[group.param_group]
+            pieces = self.by_rank.get((rank, flat), [])
+            entry: dict[str, Any] = {}
+            for key in saved.state_keys or list(saved.scalars) + self.state.state_names:
+                if key in saved.scalars:
+                    entry[key] = _scalar(saved.scalars[key])
+                elif all(key in self.params[i].states for i in group.params):
+                    sources = [p.states.get(key, p.master) for p in self.params]
+                    entry[key] = _flat(pieces, sources, group.partition, sources[group.params[0]].dtype if group.params else FP32)
+            if entry:
+                state[flat] = entry
+        param_groups = []
+        for g, saved in enumerate(self.state.groups):
+            members = [f for f, group in enumerate(self.layout.flat_groups) if group.param_group == g]
+            param_groups.append({**_carry(saved.hyperparams), "params": members})
+        return {"state": state, "param_groups": param_groups}
+
+    def _zero12(self, rank: int) -> dict:
+        world = self.target.world_size
+        fp32, paddings, mappings = [], [], []
+        for flat, group in enumerate(self.layout.flat_groups):
+            pieces = self.by_rank.get((rank, flat), [])
+            fp32.append(_flat(pieces, self.masters, group.saved[rank], FP32))
+            padding_start = sum(self.layout.params[i].numel for i in group.params) + sum(group.alignment_paddings)
+            left = rank * group.partition
+            paddings.append(max(0, min(group.partition, left + group.partition - max(padding_start, left))))
+            mapping = OrderedDict()
+            for piece in sorted(pieces, key=lambda p: p.param):  # DeepSpeed lists them in param group order
+                mapping[self.layout.params[piece.param].name] = PickledInstance(FRAGMENT_ADDRESS, {"numel": piece.length, "start": piece.flat_offset})
+            mappings.append(mapping)
+        if self.target.round_robin:
+            mappings = [OrderedDict(sorted(m.items(), key=lambda kv: self.optimizer_position[kv[0]])) for m in mappings]
+        extras = dict(self.state.optimizer_extras)
+        if N.CLIP_GRAD not in extras:  # ZeRO-3 files keep none: the engine saves its configured value
+            config = self.target.ds_config
+            extras[N.CLIP_GRAD] = float(config.get(N.CONFIG_GRADIENT_CLIPPING, N.default_gradient_clipping(_version(self.target.ds_version))))
+        count = [world] * len(self.layout.flat_groups)
+        if self.target.bf16_optimizer:
+            out: dict[str, Any] = {N.CLIP_GRAD: extras[N.CLIP_GRAD]}
+            out.update({
+                N.BASE_OPTIMIZER_STATE: self._torch_state(rank), N.SINGLE_PARTITION_OF_FP32_GROUPS: fp32,
+                N.GROUP_PADDINGS: paddings, N.PARTITION_COUNT: count, N.DS_VERSION: self.target.ds_version,
+                N.PARAM_SLICE_MAPPINGS: mappings,
+            })
+            return out
+        out = {N.LOSS_SCALER: self._loss_scaler()}
+        for key in (N.DYNAMIC_LOSS_SCALE, N.OVERFLOW):
+            out[key] = extras.get(key, False)
+        out[N.CLIP_GRAD] = extras[N.CLIP_GRAD]
+        out[N.BASE_OPTIMIZER_STATE] = self._torch_state(rank)
+        out[N.SINGLE_PARTITION_OF_FP32_GROUPS] = fp32
+        out[N.ZERO_STAGE] = PickledEnum(ZERO_STAGE_ENUM, self.target.stage)
+        out[N.GROUP_PADDINGS] = paddings
+        if self.version_at_least_018:
+            out[N.PARAM_ALIGNMENT_PADDINGS] = [list(g.alignment_paddings) for g in self.layout.flat_groups]
+        out[N.PARTITION_COUNT] = count
+        out[N.DS_VERSION] = self.target.ds_version
+        out[N.PARAM_SLICE_MAPPINGS] = mappings
+        return out
+
+    def _zero3(self, rank: int) -> dict:
+        extras = self.state.optimizer_extras
+        fp32 = []
+        ds_ids = _ds_ids(self.state)
+        for flat, group in enumerate(self.layout.flat_groups):
+            tensor = _flat(self.by_rank.get((rank, flat), []), self.masters, group.partition, FP32)
+            first, last = (self.layout.params[group.params[i]].name for i in (0, -1))
+            fp32.append(OutTensor(tensor.dtype, tensor.shape, tensor.parts, attributes={"ds_id": f"{ds_ids[first]}_{ds_ids[last]}"}))
+        return {
+            N.ZERO_STAGE: PickledEnum(ZERO_STAGE_ENUM, 3),
+            N.LOSS_SCALER: self._loss_scaler(),
+            N.DYNAMIC_LOSS_SCALE: extras.get(N.DYNAMIC_LOSS_SCALE, False),
+            N.OVERFLOW: extras.get(N.OVERFLOW, False),
+            N.PARTITION_COUNT: self.target.world_size,
+            N.OPTIMIZER_STATE_DICT: self._torch_state(rank),
+            N.FP32_FLAT_GROUPS: fp32,
+        }
+
+    def _loss_scaler(self) -> Any:
+        if self.state.loss_scaler is not None:
+            return _carry(self.state.loss_scaler)
+        # BF16_Optimizer files keep no scaler; bf16 and fp32 runs use a static scale of 1
+        return PickledInstance(LOSS_SCALER, {"cur_scale": 1.0, "dynamic": False})
+
+
+# --- model_states --------------------------------------------------------------------------------
+class _ModelPlanner:
+    def __init__(self, state: TrainingState, target: Target, layout: ZeroLayout) -> None:
+        self.state, self.target, self.layout = state, target, layout
+        index = state.index
+        self.entries = {e.name: e for e in index.entries}
+        self.trainable = [p.name for p in state.params]
+        self.frozen = [e.name for e in index.entries if e.kind == "frozen"]
+        self.tied = {e.name: e.alias_of for e in index.entries if e.kind == "tied"}
+        self.template = self._template()
+
+    def _template(self) -> dict:
+        """Tensors shared by every rank's model_states, built once (one object per name, so a
+        tied alias pickles as a reference to its source's tensor, as in DeepSpeed's files)."""
+        index = self.state.index
+        module: dict[str, OutTensor] = OrderedDict()
+        sources: dict[str, OutTensor] = {}
+        params = set(self.trainable) | set(self.frozen)
+        for name in self.state.module_names:
+            origin = self.tied.get(name, name)
+            if origin in sources:
+                module[name] = sources[origin]
+                continue
+            entry = self.entries.get(origin)
+            if entry is None:
+                continue
+            # the dtype the module held it in (a LoRA run keeps fp32 adapters beside a bf16 base)
+            dtype = BY_SHORT.get(self.state.module_dtype_names.get(origin, ""), index.dtype)
+            if origin in params and self.target.stage == 3:
+                tensor = OutTensor(dtype, (0,), ())  # ZeRO-3 saves empty placeholders for params
+            elif origin in params:
+                tensor = _tensor(entry.source, dtype=dtype)  # 16-bit weights = the masters rounded
+            else:  # a buffer
+                tensor = _tensor(entry.source)
+            sources[origin] = module[name] = tensor
+        self.module = module
+        return module
+
+    def _frozen_fragments(self, rank: int | None) -> Any:
+        stage = self.target.stage
+        if stage == 1:
+            return None
+        fragments = OrderedDict()
+        for name in self.frozen:
+            entry = self.entries[name]
+            if stage == 2:
+                fragments[name] = self.module.get(name) or _tensor(entry.source, dtype=self.state.index.dtype)
+                continue
+            assert rank is not None
+            numel = entry.source.numel
+            share = math.ceil(numel / self.target.world_size)
+            start = min(numel, rank * share)
+            length = max(0, min(share, numel - start))
+            parts = tuple(Copy(s, entry.source.dtype) for s in _slice(entry.source, start, length))
+            if length < share:
+                parts += (Zeros(share - length),)
+            fragments[name] = OutTensor(self.state.index.dtype if entry.source.dtype.is_floating else entry.source.dtype, (share,), parts)
+        return fragments
+
+    def _param_shapes(self) -> list:
+        return [
+            OrderedDict((self.layout.params[i].name, torch_size(self.entries[self.layout.params[i].name].source.shape)) for i in group.params)
+            for group in self.layout.flat_groups
+        ]
+
+    def _module(self, rank: int | None) -> dict:
+        """The module state dict; a ZeRO-3 rank gets the buffers that rank had (if it existed)."""
+        own = self.state.rank_buffers[rank] if rank is not None and rank < len(self.state.rank_buffers) else {}
+        if not own or rank == 0:
+            return self.module
+        return OrderedDict((n, _tensor(own[n]) if n in own else t) for n, t in self.module.items())
+
+    def file(self, rank: int | None) -> dict:
+        state = self.state
+        values: dict[str, Any] = {
+            N.MODULE: self._module(rank),
+            N.PARAM_SHAPES: self._param_shapes(),
+            N.FROZEN_PARAM_SHAPES: None if self.target.stage == 1 else OrderedDict((n, torch_size(self.entries[n].source.shape)) for n in self.frozen),
+            N.FROZEN_PARAM_FRAGMENTS: self._frozen_fragments(rank),
+            N.LR_SCHEDULER: _carry(state.lr_scheduler),
+            N.SKIPPED_STEPS: state.skipped_steps,
+            N.GLOBAL_STEPS: state.global_steps,
+            N.GLOBAL_SAMPLES: state.global_samples,
+            N.DP_WORLD_SIZE: self.target.world_size,
+            N.MP_WORLD_SIZE: 1,
+            N.DS_CONFIG: _carry(self.target.ds_config),
+            N.DS_VERSION: self.target.ds_version,
+        }
+        out: dict[str, Any] = {}
+        for key in _model_state_keys(self.target.ds_version):
+            if key in values:
+                out[key] = values[key]
+            elif key == N.BUFFER_NAMES:
+                out[key] = [e.name for e in state.index.entries if e.kind == "buffer"]
+            elif key == N.SHARED_PARAMS:  # engine._get_shared_params fills it on global rank 0 only
+                out[key] = dict(self.tied) if not rank else {}
+            elif key in state.engine_extras:
+                out[key] = _carry(state.engine_extras[key])
+            else:
+                out[key] = _default_engine_value(key)
+        out.update(_carry(state.client_state))
+        return out
+
+
+def _model_state_keys(version: str) -> tuple[str, ...]:
+    """engine._save_checkpoint's keys in its order (a release-dependent one in the middle)."""
+    middle = (N.SPARSE_TENSOR_MODULE_NAMES,) if _version(version) < (0, 15) else ()
+    late = (N.CHECKPOINT_PARALLEL_DIMENSIONS,) if _version(version) >= (0, 15) else ()
+    return (
+        N.MODULE, N.BUFFER_NAMES, N.OPTIMIZER, N.PARAM_SHAPES, N.FROZEN_PARAM_SHAPES, N.SHARED_PARAMS,
+        N.FROZEN_PARAM_FRAGMENTS, N.LR_SCHEDULER, N.DATA_SAMPLER, N.RANDOM_LTD, *middle, N.SKIPPED_STEPS,
+        N.GLOBAL_STEPS, N.GLOBAL_SAMPLES, N.DP_WORLD_SIZE, N.MP_WORLD_SIZE, *late, N.DS_CONFIG, N.DS_VERSION,
+    )
+
+
+def _default_engine_value(key: str) -> Any:
+    if key == N.SPARSE_TENSOR_MODULE_NAMES:
+        return set()
+    if key == N.CHECKPOINT_PARALLEL_DIMENSIONS:
+        return {"pp_degree": 1, "tp_degree": 1}
+    return None
+
+
+def _ds_ids(state: TrainingState) -> dict[str, int]:
+    """DeepSpeed's param ids: params numbered in module order, each tied param once."""
+    skip = {e.name for e in state.index.entries if e.kind in ("buffer", "tied")}
+    return {name: i for i, name in enumerate(n for n in state.module_names if n not in skip)}
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = [int(p) if p.isdigit() else 0 for p in (text.split("+")[0].split(".") + ["0", "0"])[:2]]
+    return parts[0], parts[1]

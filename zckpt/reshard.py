@@ -1,0 +1,178 @@
+"""``zckpt reshard``: rewrite a ZeRO checkpoint for another world size and/or ZeRO stage.
+
+Read the whole training state, plan the target layout and every file (pure), then stream the
+bytes. The output is a normal checkpoint folder that stock DeepSpeed loads with a plain
+``engine.load_checkpoint(output_dir)`` at the new world size. Under torchrun (``WORLD_SIZE`` > 1)
+the job's processes split the files between them on a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .deepspeed.reader import open_training_state
+from .deepspeed.save import SaveResult, write_checkpoint
+from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
+from .errors import CorruptFileError, OutputError, UsageError
+from .output import fsync_file, output_error
+from .state import TrainingState
+
+# Hugging Face Trainer's per-process RNG files: rng_state.pth (one process) or rng_state_<i>.pth
+_RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    output_dir: str
+    tag: str
+    source: TrainingState
+    target: Target
+    files: tuple[str, ...]
+    bytes_written: int
+    carried: tuple[str, ...]  # files copied from beside the input's tag folders (HF Trainer's, ...)
+    dropped: tuple[str, ...]  # carried files left out (RNG states of processes the target lacks)
+
+
+def load_config(path: str | os.PathLike[str] | None) -> dict | None:
+    """A DeepSpeed config JSON of the target run."""
+    if path is None:
+        return None
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except FileNotFoundError:
+        raise UsageError(path, "config file not found") from None
+    except (OSError, ValueError) as exc:
+        raise CorruptFileError(path, f"not a JSON DeepSpeed config ({exc})") from None
+    if not isinstance(config, dict):
+        raise CorruptFileError(path, "not a JSON object")
+    return config
+
+
+def plan_reshard(
+    checkpoint: str | os.PathLike[str],
+    *,
+    world_size: int,
+    stage: int | None = None,
+    tag: str | None = None,
+    config: dict | str | os.PathLike[str] | None = None,
+) -> CheckpointPlan:
+    """Read the checkpoint's training state and plan every output file; writes nothing."""
+    state = open_training_state(checkpoint, tag)
+    return plan_checkpoint(state, _target(state, world_size, stage, config))
+
+
+def _target(state: TrainingState, world_size: int, stage: int | None, config: dict | str | os.PathLike[str] | None) -> Target:
+    return plan_target(state, world_size, stage, config if isinstance(config, dict) or config is None else load_config(config))
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str], list[str]]:
+    """Files beside the tag folders to copy along ({name: source}) and those left out.
+
+    Everything at the top of the checkpoint folder except ``latest`` (rewritten) is carried:
+    a Trainer's config, tokenizer, trainer_state.json, scheduler.pt, training_args.bin. RNG
+    states are per process: those of processes the target run has are kept, the rest dropped.
+    """
+    carried, dropped = {}, []
+    for name in sorted(os.listdir(checkpoint_dir)):
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path) or name == "latest" or name.startswith("."):
+            continue
+        match = _RNG_FILE.match(name)
+        if match and match[1] is not None and int(match[1]) >= world_size:
+            dropped.append(name)
+            continue
+        carried[name] = path
+    return carried, dropped
+
+
+def _copy_atomic(source: str, destination: str) -> None:
+    temp = os.path.join(os.path.dirname(destination), f".{os.path.basename(destination)}.zckpt-tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(source, temp)
+        fsync_file(temp)
+        os.replace(temp, destination)
+    except OSError as exc:
+        try:
+            os.remove(temp)
+        except OSError:
+            pass
+        raise output_error(destination, exc) from None
+
+
+def _distributed() -> tuple[int, int, Callable[[], None] | None]:
+    """(this process, process count, barrier) under torchrun; (0, 1, None) otherwise."""
+    count = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if count <= 1:
+        return 0, 1, None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), dist.barrier
+
+
+def reshard(
+    checkpoint: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    world_size: int,
+    stage: int | None = None,
+    tag: str | None = None,
+    config: dict | str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReshardResult:
+    """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
+
+    `config`: the target run's DeepSpeed config (a dict or a JSON file) where its layout
+    settings (``round_robin_gradients``, ``sub_group_size``, ...) differ from the checkpoint's.
+    """
+    output_dir = os.fspath(output_dir)
+    source = open_training_state(checkpoint, tag)
+    plan = plan_checkpoint(source, _target(source, world_size, stage, config))
+    index = source.index
+    if _inside(output_dir, index.checkpoint_dir) or _inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
+        raise UsageError(output_dir, f"is inside the input checkpoint {index.checkpoint_dir}; choose a folder outside it")
+    carried, dropped = carried_files(index.checkpoint_dir, world_size)
+    existing = [n for n in carried if os.path.exists(os.path.join(output_dir, n))]
+    if existing and not overwrite:
+        raise OutputError(os.path.join(output_dir, existing[0]), "already exists; pass --overwrite to replace it")
+    part, parts, barrier = _distributed()
+
+    def copy_carried() -> None:
+        for name, path in carried.items():
+            _copy_atomic(path, os.path.join(output_dir, name))
+
+    result: SaveResult = write_checkpoint(
+        plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier,
+        progress=progress, before_latest=copy_carried,
+    )
+    return ReshardResult(output_dir, plan.tag, source, plan.target, result.files, result.bytes_written, tuple(carried), tuple(dropped))
+
+
+def describe(result: ReshardResult) -> dict[str, Any]:
+    """A one-line-able summary for people and JSON."""
+    source, target = result.source.index, result.target
+    return {
+        "output_dir": result.output_dir,
+        "tag": result.tag,
+        "from": {"zero_stage": source.zero_stage, "world_size": source.world_size},
+        "to": {"zero_stage": target.stage, "world_size": target.world_size},
+        "files": list(result.files),
+        "bytes_written": result.bytes_written,
+        "carried": list(result.carried),
+        "dropped": list(result.dropped),
+    }
