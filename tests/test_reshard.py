@@ -163,3 +163,159 @@ def test_same_input_gives_byte_identical_output(tmp_path: Path) -> None:
     reshard(case.checkpoint, tmp_path / "b", world_size=3, stage=2)
     a, b = tag_files(tmp_path / "a"), tag_files(tmp_path / "b")
     assert {n: p.read_bytes() for n, p in a.items()} == {n: p.read_bytes() for n, p in b.items()}
+
+
+def test_api_yields_optimizer_states_beside_the_weights() -> None:
+    import zckpt
+
+    case = sample("z3_bf16_ws3_subgroups_groups")
+    live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
+    got = {n: t for n, t in zckpt.iter_tensors(case.checkpoint, states=True) if n.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert sorted(got) == sorted(live_optim)
+    assert all(same_bits(got[n], live_optim[n]) for n in got)
+
+
+# --- bad input and the command line ---------------------------------------------------------
+def run_cli(*args, cwd: Path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zckpt: error: ") and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,code,text",
+    [
+        (["--world-size", "0"], 2, "--world-size must be at least 1"),
+        (["--world-size", "2", "--stage", "4"], 2, "4"),
+        (["--world-size", "2", "--config", "missing.json"], 2, "config file not found"),
+    ],
+)
+def test_bad_options_are_refused(tmp_path: Path, args: list[str], code: int, text: str) -> None:
+    result = run_cli("reshard", sample("z2_fp32_ws1").checkpoint, tmp_path / "out", *args, cwd=tmp_path)
+    assert result.returncode == code
+    assert text in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_inside_the_input_is_refused(copy_checkpoint, tmp_path: Path) -> None:
+    checkpoint = copy_checkpoint("z2_fp32_ws1")
+    before = sorted(p.name for p in checkpoint.rglob("*"))
+    result = run_cli("reshard", checkpoint, checkpoint / "resharded", "-w", "2", cwd=tmp_path)
+    assert result.returncode == 2 and "inside the input checkpoint" in one_line(result)
+    assert sorted(p.name for p in checkpoint.rglob("*")) == before
+    result = run_cli("reshard", checkpoint, checkpoint, "-w", "2", "--overwrite", cwd=tmp_path)
+    assert result.returncode == 2 and sorted(p.name for p in checkpoint.rglob("*")) == before
+
+
+def test_nvme_offloaded_input_is_refused_for_now(tmp_path: Path) -> None:
+    result = run_cli("reshard", sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups").checkpoint, tmp_path / "out", "-w", "3", cwd=tmp_path)
+    assert result.returncode == 1 and "NVMe-offloaded" in one_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_damaged_input_leaves_nothing(copy_checkpoint, tmp_path: Path) -> None:
+    checkpoint = copy_checkpoint("z3_fp32_ws2_tied_frozen")
+    victim = checkpoint / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    result = run_cli("reshard", checkpoint, tmp_path / "out", "-w", "3", cwd=tmp_path)
+    assert result.returncode == 1 and str(victim) in one_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_needs_overwrite_and_stays_intact(tmp_path: Path) -> None:
+    case = sample("z2_fp32_ws2_twotags")
+    out = tmp_path / "out"
+    reshard(case.checkpoint, out, world_size=3)
+    snapshot = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = run_cli("reshard", case.checkpoint, out, "-w", "2", cwd=tmp_path)
+    assert result.returncode == 1 and "already exists" in one_line(result)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+    result = run_cli("reshard", case.checkpoint, out, "-w", "2", "--overwrite", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert open_training_state(out).index.world_size == 2
+    assert sorted(p.name for p in out.iterdir()) == ["global_step3", "latest"]  # no staging left
+
+
+def test_full_disk_leaves_no_partial_tag_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from zckpt import OutputError
+    from zckpt.deepspeed import save
+
+    calls = {"n": 0}
+    real = save.write_archive
+
+    def failing(path, plan, reader, progress=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, plan, reader, progress)
+
+    monkeypatch.setattr(save, "write_archive", failing)
+    with pytest.raises(OutputError, match="no space left"):
+        reshard(sample("z3_fp32_ws2_tied_frozen").checkpoint, tmp_path / "out", world_size=3, workers=1)
+    assert not (tmp_path / "out" / "global_step3").exists() and not (tmp_path / "out" / "latest").exists()
+    assert not (tmp_path / "out").exists()  # the folder it created is gone too
+
+
+def test_hf_trainer_folder_is_carried_over(tmp_path: Path) -> None:
+    case = sample("hf_trainer")
+    out = tmp_path / "checkpoint-3"
+    result = reshard(case.checkpoint, out, world_size=3, stage=2)
+    carried = sorted(p.name for p in case.checkpoint.iterdir() if p.is_file() and p.name != "latest")
+    assert sorted(result.carried) == carried
+    for name in carried:
+        assert (out / name).read_bytes() == (case.checkpoint / name).read_bytes()
+    assert (out / "latest").read_text() == "global_step3"
+
+
+def test_rng_states_of_missing_processes_are_dropped(tmp_path: Path) -> None:
+    import shutil
+
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(sample("hf_trainer").checkpoint, checkpoint)
+    for rank in range(2):
+        (checkpoint / f"rng_state_{rank}.pth").write_bytes(f"rng{rank}".encode())
+    result = reshard(checkpoint, tmp_path / "one", world_size=1)
+    assert "rng_state_0.pth" in result.carried and result.dropped == ("rng_state_1.pth",)
+    assert not (tmp_path / "one" / "rng_state_1.pth").exists()
+
+
+def test_torchrun_processes_split_the_files_byte_identically(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m zckpt reshard ...`: two processes write their share of
+    the files into one folder; the result equals the single-process run byte for byte."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    case = sample("z3_fp16_ws4_subgroups_frozen")
+    reshard(case.checkpoint, tmp_path / "single", world_size=3, stage=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         "-m", "zckpt", "reshard", str(case.checkpoint), str(tmp_path / "multi"), "-w", "3", "--stage", "2"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("wrote global_step3") == 1  # only the first process reports
+    single = {p.relative_to(tmp_path / "single"): p.read_bytes() for p in (tmp_path / "single").rglob("*") if p.is_file()}
+    multi = {p.relative_to(tmp_path / "multi"): p.read_bytes() for p in (tmp_path / "multi").rglob("*") if p.is_file()}
+    assert single == multi

@@ -1,4 +1,4 @@
-"""zckpt: read, consolidate and inspect DeepSpeed ZeRO checkpoints without DeepSpeed.
+"""zckpt: read, consolidate, reshard and inspect DeepSpeed ZeRO checkpoints without DeepSpeed.
 
 Python API::
 
@@ -9,11 +9,13 @@ Python API::
     zckpt.load_into_module(model, "runs/ckpt")                   # strict key check
     zckpt.consolidate("runs/ckpt", "out/")                       # model.safetensors
     zckpt.inspect_path("runs/ckpt")                              # the `zckpt inspect --json` report
+    zckpt.reshard("runs/ckpt", "runs/ckpt-8", world_size=8)      # DeepSpeed checkpoint for 8 ranks
+    zckpt.open_training_state("runs/ckpt")                       # masters, optimizer states, steps, ...
 """
 
 from .api import iter_tensors, load_into_module, load_state_dict
 from .consolidate import consolidate, plan_consolidation
-from .deepspeed.reader import open_checkpoint, survey
+from .deepspeed.reader import open_checkpoint, open_training_state, survey
 from .errors import (
     CheckpointNotFoundError,
     CorruptFileError,
@@ -24,6 +26,7 @@ from .errors import (
     ZckptError,
 )
 from .inspect import inspect_path
+from .reshard import plan_reshard, reshard
 
 __version__ = "0.1.0"
 
@@ -41,6 +44,9 @@ __all__ = [
     "load_into_module",
     "load_state_dict",
     "open_checkpoint",
+    "open_training_state",
+    "plan_reshard",
+    "reshard",
     "plan_consolidation",
     "survey",
 ]

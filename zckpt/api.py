@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING, Iterator
 
 from .consolidate import output_dtype
-from .deepspeed.reader import open_checkpoint
+from .deepspeed.reader import open_checkpoint, open_training_state
 from .errors import LayoutError
 from .index import CheckpointIndex, Entry
 from .materialize import read_tensor
@@ -25,19 +25,25 @@ def _selected(index: CheckpointIndex, exclude_frozen: bool) -> list[Entry]:
 
 
 def iter_tensors(
-    checkpoint: PathLike, *, tag: str | None = None, dtype: str = "fp32", exclude_frozen: bool = False
+    checkpoint: PathLike, *, tag: str | None = None, dtype: str = "fp32", exclude_frozen: bool = False, states: bool = False
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Yield ``(name, tensor)`` one at a time; only one tensor is in memory at once.
 
     Floating tensors come in `dtype` (``fp32``, ``bf16`` or ``fp16``); integer buffers keep
-    their own. A tied alias is yielded as a fresh copy of its source.
+    their own. A tied alias is yielded as a fresh copy of its source. With `states`, each
+    trainable param is followed by its optimizer states as ``<name>.<state>`` (``exp_avg``,
+    ``exp_avg_sq`` for Adam; whatever the optimizer keeps), full shape, in their stored dtype.
     """
     target = output_dtype(dtype)
-    index = open_checkpoint(checkpoint, tag)
+    state = open_training_state(checkpoint, tag) if states else None
+    index = state.index if state else open_checkpoint(checkpoint, tag)
+    optimizer = {p.name: p.states for p in state.params} if state else {}
     with FileReader() as reader:
         for entry in _selected(index, exclude_frozen):
             out = target if entry.source.dtype.is_floating else entry.source.dtype
             yield entry.name, read_tensor(reader, entry.source, out)
+            for key, source in optimizer.get(entry.name, {}).items() if entry.kind == "param" else ():
+                yield f"{entry.name}.{key}", read_tensor(reader, source)
 
 
 def load_state_dict(

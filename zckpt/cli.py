@@ -25,7 +25,7 @@ EXIT_INCOMPLETE = 3
 app = typer.Typer(
     name="zckpt",
     help=(
-        "Read, consolidate and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.\n\n"
+        "Read, consolidate, reshard and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.\n\n"
         "Exit codes: 0 success; 1 bad input or failed write (one line naming the file; ZCKPT_DEBUG=1 for the traceback); "
         "2 bad usage; 3 inspect found the input incomplete."
     ),
@@ -167,6 +167,66 @@ def inspect(
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if not report["complete"]:
         raise typer.Exit(EXIT_INCOMPLETE)
+
+
+class Stage(str, enum.Enum):
+    one = "1"
+    two = "2"
+    three = "3"
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  zckpt reshard runs/ckpt runs/ckpt-4gpu --world-size 4          # same ZeRO stage, 4 ranks\n\n"
+        "  zckpt reshard runs/ckpt out/ --world-size 3 --stage 3         # ZeRO-2 -> ZeRO-3, 3 ranks\n\n"
+        "  zckpt reshard out/checkpoint-500 new/checkpoint-500 --world-size 8 --config ds_config.json\n\n"
+        "  torchrun --nnodes 2 --nproc-per-node 8 ... -m zckpt reshard big/ out/ --world-size 512   # ranks split the files"
+    )
+)
+def reshard(
+    checkpoint: Annotated[Path, typer.Argument(help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a Hugging Face checkpoint-N folder.")],
+    output_dir: Annotated[Path, typer.Argument(help="Checkpoint folder to write (created if missing): latest, the tag folder, and the files beside it.")],
+    world_size: Annotated[int, typer.Option("--world-size", "-w", help="Data-parallel ranks of the run that will load it.")],
+    stage: Annotated[Optional[Stage], typer.Option("--stage", help="ZeRO stage of that run (default: the checkpoint's).")] = None,
+    tag: TagOption = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Processes writing files in parallel (default: one per CPU).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already.")] = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Rewrite a ZeRO checkpoint for another world size and/or ZeRO stage, with the whole training state.
+
+    Stock DeepSpeed loads the output with a plain engine.load_checkpoint(OUTPUT_DIR) at the new
+    world size: fp32 masters, optimizer states, steps, loss scaler, lr scheduler and client
+    state exactly as saved. Files beside the tag folders (Trainer's config, trainer_state.json,
+    ...) are copied along.
+    """
+    from .reshard import reshard as run_reshard
+    from .shards import format_size
+
+    if world_size < 1:
+        _fail(f"--world-size must be at least 1, got {world_size}", EXIT_USAGE)
+    primary = os.environ.get("RANK", "0") == "0"
+    update, close = _progress_bar(quiet or not primary, "resharding")
+    try:
+        result = _guarded(
+            lambda: run_reshard(
+                checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
+                config=config, overwrite=overwrite, workers=workers, progress=update,
+            )
+        )
+    finally:
+        close()
+    if not quiet and primary:
+        source = result.source.index
+        typer.echo(
+            f"wrote {result.tag} for world size {result.target.world_size} (ZeRO-{result.target.stage}) from world size "
+            f"{source.world_size} (ZeRO-{source.zero_stage}): {len(result.files)} files, {format_size(result.bytes_written)}"
+            + (f", {len(result.carried)} files carried" if result.carried else "")
+            + (f", {len(result.dropped)} left out ({', '.join(result.dropped)})" if result.dropped else "")
+            + f" -> {output_dir}"
+        )
 
 
 def main() -> None:

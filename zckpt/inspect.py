@@ -18,6 +18,9 @@ from .dtypes import BY_SHORT
 from .errors import CheckpointNotFoundError, CorruptFileError, ZckptError
 from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
+from .materialize import read_tensor
+from .reading import FileReader
+from .state import TrainingState
 from .torchfile import TensorRef
 
 
@@ -91,7 +94,36 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
             "parameters": [_param(n, s, d, kind=k, **({"alias_of": tied[n]} if k == "tied" else {})) for n, s, k, d in entries],
         }
     )
+    report["training_state"] = _training_state(found.state) if found.state is not None else None
     return report
+
+
+def _training_state(state: TrainingState) -> dict[str, Any]:
+    """What a resume would get: optimizer states, steps, scaler, scheduler, counters."""
+    steps = []
+    with FileReader() as reader:
+        for group in state.groups:
+            scalar = group.scalars.get("step")
+            if scalar is None:
+                steps.append(None)
+            elif scalar.tensor is not None:
+                steps.append(read_tensor(reader, scalar.tensor).reshape(-1)[0].item() if scalar.tensor.numel == 1 else None)
+            else:
+                steps.append(scalar.value)
+    scaler = state.loss_scaler
+    return {
+        "optimizer_states": state.state_names,
+        "param_groups": [
+            {"params": len(g.params), "step": step, **{k: v for k, v in g.hyperparams.items() if isinstance(v, (int, float, str, bool, type(None), tuple, list))}}
+            for g, step in zip(state.groups, steps)
+        ],
+        "global_steps": state.global_steps,
+        "global_samples": state.global_samples,
+        "skipped_steps": state.skipped_steps,
+        "loss_scaler": None if scaler is None else {"class": getattr(scaler, "original_class", type(scaler).__name__), **{k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}},
+        "lr_scheduler": state.lr_scheduler is not None,
+        "client_state": sorted(map(str, state.client_state)),
+    }
 
 
 TensorList = tuple[list[tuple[str, tuple[int, ...], str]], dict[str, str]]
@@ -210,6 +242,18 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
             lines.append(f"  frozen         {', '.join(report['frozen'][:8])}{' ...' if len(report['frozen']) > 8 else ''}")
         if report["buffers"]:
             lines.append(f"  buffers        {', '.join(report['buffers'][:8])}{' ...' if len(report['buffers']) > 8 else ''}")
+        training = report.get("training_state")
+        if training:
+            steps = sorted({str(g["step"]) for g in training["param_groups"]})
+            scaler = training["loss_scaler"]
+            lines.append(
+                f"  optimizer      {', '.join(training['optimizer_states']) or 'no state'} in {len(training['param_groups'])} param group(s), "
+                f"step {'/'.join(steps)}; global step {training['global_steps']}, {training['skipped_steps']} skipped"
+            )
+            lines.append(
+                f"  saved          loss scaler: {'none' if scaler is None else scaler['class'].rsplit('.', 1)[-1] + ' ' + str(scaler.get('cur_scale'))}; "
+                f"lr scheduler: {'yes' if training['lr_scheduler'] else 'no'}; client state: {', '.join(training['client_state']) or 'none'}"
+            )
     else:
         lines.append(f"{report['kind']} weights: {report['path']}")
         if "tensors" in report:

@@ -149,6 +149,7 @@ class StagedFolder:
     def create(self) -> None:
         """Make an empty staging folder (a leftover of an interrupted run is removed first)."""
         try:
+            self._created_parent = not os.path.isdir(self.parent)
             os.makedirs(self.parent, exist_ok=True)
             shutil.rmtree(self.staging, ignore_errors=True)
             os.makedirs(self.staging)
@@ -172,6 +173,11 @@ class StagedFolder:
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+        if getattr(self, "_created_parent", False):
+            try:
+                os.rmdir(self.parent)  # only if still empty
+            except OSError:
+                pass
 
 
 def fsync_file(path: str) -> None:

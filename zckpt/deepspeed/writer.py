@@ -21,7 +21,7 @@ from enum import IntEnum
 from typing import Any
 
 from ..dtypes import BF16, BY_SHORT, FP32, DType
-from ..errors import UsageError
+from ..errors import LayoutError, UsageError
 from ..index import Segment, TensorSource
 from ..state import ScalarState, TrainingState
 from ..torchfile import PickledObject, TensorRef
@@ -78,7 +78,7 @@ def plan_target(state: TrainingState, world_size: int, stage: int | None = None,
         raise UsageError(None, f"--world-size must be at least 1, got {world_size}")
     index = state.index
     if index.offload == "nvme":
-        raise UsageError(index.tag_dir, "NVMe-offloaded checkpoints cannot be resharded yet (their swap files need an NVMe layout for the new world size)")
+        raise LayoutError(index.tag_dir, "NVMe-offloaded checkpoints cannot be resharded yet (their swap files need an NVMe layout for the new world size)")
     merged = _merge(state.ds_config, config or {})
     zero = dict(merged.get(N.CONFIG_ZERO) or {})
     if stage is None:

@@ -1,0 +1,331 @@
+"""The pickle half of a ``torch.save`` archive: data.pkl for a tree of plain descriptions.
+
+Why our own pickler: DeepSpeed's files pickle DeepSpeed classes and torch tensors, and writing
+them must neither import DeepSpeed nor hold tensors. Callers describe those objects instead
+(:class:`GlobalName`, :class:`PickledInstance`, :class:`PickledEnum`, :class:`OutTensor`...), and
+the pure-Python pickler, protocol 2 as torch.save uses, emits exactly the opcodes torch's pickler
+emits for the real objects, memo references included, so the bytes are the same.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import codecs
+import io
+import math
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from .dtypes import DType
+from .index import Segment
+
+# ---------------------------------------------------------------------------------------------
+# What callers put in the object tree.
+
+
+@dataclass(frozen=True)
+class GlobalName:
+    """A class or function referenced by name in the pickle (GLOBAL opcode); nothing is imported."""
+
+    module: str
+    name: str
+
+
+@dataclass(frozen=True, eq=False)
+class PickledInstance:
+    """An instance of a plain class, pickled as protocol 2 does: GLOBAL cls, (), NEWOBJ, state, BUILD.
+
+    Compared by identity, like the object it stands for: two equal instances are two objects.
+    """
+
+    cls: GlobalName
+    state: dict  # its __dict__; empty means no BUILD, as Python pickles an empty __dict__
+
+
+@dataclass(frozen=True)
+class PickledEnum:
+    """An Enum member: GLOBAL cls, (value,), REDUCE. Equal members pickle as one object, as
+    members are singletons."""
+
+    cls: GlobalName
+    value: int
+
+
+@dataclass(frozen=True, eq=False)
+class PickledReduce:
+    """Any ``func(*args)`` object: GLOBAL func, args, REDUCE (e.g. ``torch.Size``, see :func:`torch_size`)."""
+
+    func: GlobalName
+    args: tuple
+
+
+def torch_size(shape: tuple[int, ...]) -> PickledReduce:
+    """A ``torch.Size`` as torch pickles it (DeepSpeed's model_states hold shapes as Sizes)."""
+    return PickledReduce(GlobalName("torch", "Size"), (tuple(shape),))
+
+
+@dataclass(frozen=True)
+class Copy:
+    """`segment.numel` elements read from a file, stored as `source_dtype`; converted to the
+    tensor's dtype with torch's rounding when the two differ."""
+
+    segment: Segment
+    source_dtype: DType
+
+    @property
+    def numel(self) -> int:
+        return self.segment.numel
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """`numel` zero elements (padding)."""
+
+    numel: int
+
+
+@dataclass(frozen=True)
+class Inline:
+    """Small in-memory data (a step counter, a scalar): raw little-endian bytes of the tensor's dtype."""
+
+    data: bytes
+
+
+Part = Union[Copy, Zeros, Inline]
+
+
+def _count(dtype: DType, parts: tuple[Part, ...]) -> int:
+    """Elements held by `parts` (ValueError for parts that are not whole elements)."""
+    total = 0
+    for part in parts:
+        if isinstance(part, (Copy, Zeros)):
+            if part.numel < 0:
+                raise ValueError(f"negative element count in {part!r}")
+            total += part.numel
+        elif isinstance(part, Inline):
+            if len(part.data) % dtype.itemsize:
+                raise ValueError(f"inline data of {len(part.data)} bytes is not a whole number of {dtype} elements")
+            total += len(part.data) // dtype.itemsize
+        else:
+            raise TypeError(f"unknown tensor part {part!r}")
+    return total
+
+
+@dataclass(frozen=True, eq=False)
+class OutStorage:
+    """A storage several tensors view (DeepSpeed's ZeRO-1/2 module params are views of one flat
+    buffer), or one larger than its only tensor (a last rank's padded partition). Written once."""
+
+    dtype: DType
+    parts: tuple[Part, ...]
+
+    @property
+    def numel(self) -> int:
+        return _count(self.dtype, self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, eq=False)
+class OutTensor:
+    """A contiguous CPU tensor to write: its elements are the concatenation of `parts`.
+
+    Each OutTensor object gets a storage of its own, unless it views a shared `storage` (then
+    `parts` is empty and the tensor is elements [storage_offset, storage_offset + numel) of it).
+    The same object placed twice in the tree is pickled once and referenced again, exactly as
+    torch does for one tensor object.
+    """
+
+    dtype: DType
+    shape: tuple[int, ...]
+    parts: tuple[Part, ...]
+    # Python attributes pickled with the tensor (ZeRO-3 flat groups carry {"ds_id": ...}); when
+    # set, torch pickles the tensor through torch._tensor._rebuild_from_type_v2.
+    attributes: dict | None = None
+    requires_grad: bool = False
+    storage: OutStorage | None = None
+    storage_offset: int = 0  # in elements, into `storage`
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# The pickler.
+
+
+@dataclass(frozen=True, eq=False)
+class _StorageRef:
+    """Stands for a storage while pickling; persistent_id turns it into torch's storage tuple."""
+
+    pid: tuple
+
+
+_REBUILD_TENSOR = GlobalName("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_FROM_TYPE = GlobalName("torch._tensor", "_rebuild_from_type_v2")
+_TENSOR = GlobalName("torch", "Tensor")
+_PLAIN = (dict, OrderedDict, list, tuple, str, int, float, bool, type(None), bytes, set, frozenset)
+_ALLOWED = frozenset(_PLAIN) | {GlobalName, DType, PickledInstance, PickledEnum, PickledReduce, OutTensor, _StorageRef}
+_LOCATION = "cpu"  # torch's location tag; one (interned) object, so torch's pickle memoizes it
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's contiguous strides (a 0-length dimension counts as 1: (3, 0) -> (1, 1))."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+    """The pure-Python pickler (protocol 2, as torch.save uses), taught the writer's types.
+
+    Globals are memoized by name, not by object, so a class spelled as GlobalName in one place
+    and met as a real object (OrderedDict) elsewhere is emitted once, as torch's pickler does
+    for the one class object.
+    """
+
+    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=2)
+        self.storages: dict[str, OutStorage] = {}
+        self._keys: dict[int, str] = {}  # id(storage) -> its key; the same str object each time, as torch
+        self._canonical: dict[tuple, object] = {}  # value key -> the object first memoized for it
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if type(obj) is _StorageRef else None
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        kind = type(obj)
+        if not (kind in _ALLOWED or id(obj) in _INTERNAL or _is_numpy(obj)):
+            raise TypeError(f"cannot pickle {kind.__module__}.{kind.__qualname__} into a torch archive")
+        super().save(obj, save_persistent_id)
+
+    def _memo_get(self, key: tuple, obj: Any) -> tuple[Any, bool]:
+        """The canonical object for `key`; True (and a BINGET written) if already pickled."""
+        canon = self._canonical.setdefault(key, obj)
+        hit = self.memo.get(id(canon))
+        if hit is not None:
+            self.write(self.get(hit[0]))
+            return canon, True
+        return canon, False
+
+    def emit_global(self, module: str, name: str) -> None:
+        for text in (module, name):  # GLOBAL is newline-terminated ASCII: nothing else may slip in
+            if not text or not text.isascii() or not text.isprintable() or " " in text:
+                raise ValueError(f"bad global name {module!r}.{name!r}")
+        if (module, name) in _compat_pickle.REVERSE_NAME_MAPPING:  # as pickle's fix_imports does
+            module, name = _compat_pickle.REVERSE_NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.REVERSE_IMPORT_MAPPING:
+            module = _compat_pickle.REVERSE_IMPORT_MAPPING[module]
+        canon, hit = self._memo_get(("global", module, name), GlobalName(module, name))
+        if not hit:
+            self.write(pickle.GLOBAL + module.encode("ascii") + b"\n" + name.encode("ascii") + b"\n")
+            self.memoize(canon)
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:  # real classes (OrderedDict, set)
+        name = name or obj.__qualname__
+        self.emit_global(pickle.whichmodule(obj, name), name)
+
+    def _reduce(self, func: GlobalName, args: tuple, obj: Any) -> None:
+        self.save(func)
+        self.save(args)
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    def save_global_name(self, obj: GlobalName) -> None:
+        self.emit_global(obj.module, obj.name)
+
+    def save_dtype(self, obj: DType) -> None:
+        self.emit_global("torch", obj.name)
+
+    def save_instance(self, obj: PickledInstance) -> None:
+        self.save(obj.cls)
+        self.save(())
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        if obj.state:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    def save_enum(self, obj: PickledEnum) -> None:
+        canon, hit = self._memo_get(("enum", obj.cls.module, obj.cls.name, obj.value), obj)
+        if not hit:
+            self._reduce(obj.cls, (obj.value,), canon)
+
+    def save_reduce_object(self, obj: PickledReduce) -> None:
+        if not isinstance(obj.args, tuple):
+            raise TypeError(f"PickledReduce args must be a tuple, not {type(obj.args).__name__}")
+        self._reduce(obj.func, obj.args, obj)
+
+    def _storage_key(self, storage: OutStorage) -> str:
+        key = self._keys.get(id(storage))
+        if key is None:
+            key = self._keys[id(storage)] = str(len(self.storages))
+            self.storages[key] = storage
+        return key
+
+    def save_tensor(self, obj: OutTensor) -> None:
+        shape = tuple(obj.shape)
+        if not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"bad tensor shape {obj.shape!r}")
+        numel = math.prod(shape)
+        if obj.storage is None:
+            storage = OutStorage(obj.dtype, tuple(obj.parts))
+            if storage.numel != numel:
+                raise ValueError(f"tensor parts hold {storage.numel} elements, its shape {list(shape)} needs {numel}")
+            offset = 0
+        else:
+            storage, offset = obj.storage, obj.storage_offset
+            if obj.parts or storage.dtype != obj.dtype:
+                raise ValueError("a tensor viewing a storage has no parts of its own and the storage's dtype")
+            if not (type(offset) is int and offset >= 0 and offset + numel <= storage.numel):
+                raise ValueError(f"view [{offset}, {offset + numel}) reaches past its storage of {storage.numel} elements")
+        key = self._storage_key(storage)
+        pid = ("storage", GlobalName("torch", obj.dtype.storage), key, _LOCATION, storage.numel)
+        # Fresh tuples, as torch builds them per tensor (tuple(size), stride()): never memo hits.
+        stride = _contiguous_stride(shape)
+        args = (_StorageRef(pid), offset, tuple([*shape]), tuple([*stride]), bool(obj.requires_grad), OrderedDict())
+        if obj.attributes:
+            self._reduce(_REBUILD_FROM_TYPE, (_REBUILD_TENSOR, _TENSOR, args, obj.attributes), obj)
+        else:
+            self._reduce(_REBUILD_TENSOR, args, obj)
+
+    dispatch[GlobalName] = save_global_name
+    dispatch[DType] = save_dtype
+    dispatch[PickledInstance] = save_instance
+    dispatch[PickledEnum] = save_enum
+    dispatch[PickledReduce] = save_reduce_object
+    dispatch[OutTensor] = save_tensor
+
+
+def _is_numpy(obj: Any) -> bool:
+    """numpy scalars and dtypes (lr scheduler states hold np.float64); pickled by their reduce."""
+    return isinstance(obj, (np.generic, np.dtype)) and not (obj.dtype if isinstance(obj, np.generic) else obj).hasobject
+
+
+# Objects the pickler itself references, allowed by identity: OrderedDict and set reduce to their
+# class, bytes to codecs.encode (protocol 2), numpy scalars to numpy's scalar() and np.dtype.
+_INTERNAL_OBJECTS = (OrderedDict, set, frozenset, bytes, codecs.encode, np.dtype, np.float64(0).__reduce__()[0])
+_INTERNAL = frozenset(id(o) for o in _INTERNAL_OBJECTS)
+
+
+def pickle_tree(obj: Any) -> tuple[bytes, dict[str, OutStorage]]:
+    """torch.save's data.pkl for `obj`, and its storages by key ("0", "1", ...)."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    pickler.dump(obj)
+    return buffer.getvalue(), pickler.storages
