@@ -282,7 +282,8 @@ class _OptimPlanner:
         for flat, group in enumerate(self.layout.flat_groups):
             tensor = _flat(self.by_rank.get((rank, flat), []), self.masters, group.partition, FP32)
             first, last = (self.layout.params[group.params[i]].name for i in (0, -1))
-            fp32.append(OutTensor(tensor.dtype, tensor.shape, tensor.parts, attributes={"ds_id": f"{ds_ids[first]}_{ds_ids[last]}"}))
+            # saved as the optimizer's own flat params: requires_grad set, ds_id naming the sub-group
+            fp32.append(OutTensor(tensor.dtype, tensor.shape, tensor.parts, attributes={"ds_id": f"{ds_ids[first]}_{ds_ids[last]}"}, requires_grad=True))
         return {
             N.ZERO_STAGE: PickledEnum(ZERO_STAGE_ENUM, 3),
             N.LOSS_SCALER: self._loss_scaler(),
