@@ -1,7 +1,7 @@
-"""DeepSpeed's partition and padding math, on plain integers.
+"""DeepSpeed's partition and padding arithmetic, on plain integers.
 
-Pure functions: no files, no tensors. The reader uses them to find where each parameter's
-elements lie across rank files; a writer uses the same functions to lay them out.
+Pure functions: no files, no tensors. :mod:`zckpt.deepspeed.layout` builds every param's pieces
+from them; the reader, the writer and the trainer use that layout, never these directly.
 
 ZeRO-1/2 (``stage_1_and_2.py``): the params of one param group are flattened in order, each
 followed by an alignment padding (``param_alignment_paddings``, DeepSpeed >= 0.18; zero
@@ -28,17 +28,7 @@ world size 3, params of 5 and 4 elements::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
-
-
-@dataclass(frozen=True)
-class Piece:
-    """`length` elements starting at element `start` of piece number `index` of a sequence."""
-
-    index: int
-    start: int
-    length: int
 
 
 def zero3_partition(numel: int, world_size: int) -> tuple[int, int]:
@@ -61,73 +51,6 @@ def zero2_align(numel: int, world_size: int) -> int:
     """
     align_to = 2 * world_size
     return align_to * math.ceil(numel / align_to)
-
-
-def zero12_param_offsets(numels: Sequence[int], paddings: Sequence[int] | None = None) -> list[int]:
-    """Offset of each param in a ZeRO-1/2 flat group; `paddings[i]` follows param i.
-
-    >>> zero12_param_offsets([5, 3, 4], [1, 0, 0])
-    [0, 6, 9]
-    """
-    offsets, position = [], 0
-    for i, numel in enumerate(numels):
-        offsets.append(position)
-        position += numel + (paddings[i] if paddings else 0)
-    return offsets
-
-
-def zero12_group_numel(numels: Sequence[int], paddings: Sequence[int] | None = None) -> int:
-    """Elements a ZeRO-1/2 group's params and their paddings take, before group alignment."""
-    return sum(numels) + (sum(paddings) if paddings else 0)
-
-
-def zero12_partition_sizes(group_numel: int, world_size: int) -> list[int]:
-    """Saved partition size of each rank for a group (tail padding dropped).
-
-    >>> zero12_partition_sizes(9, 3)
-    [4, 4, 1]
-    """
-    share = zero2_align(group_numel, world_size) // world_size
-    return [max(0, min(share, group_numel - rank * share)) for rank in range(world_size)]
-
-
-def zero3_param_offsets(numels: Sequence[int], world_size: int) -> list[int]:
-    """Offset of each param's partition within every rank's (concatenated) flat fp32 group.
-
-    >>> zero3_param_offsets([5, 4], 3)
-    [0, 2]
-    """
-    offsets, position = [], 0
-    for numel in numels:
-        offsets.append(position)
-        position += zero3_partition(numel, world_size)[0]
-    return offsets
-
-
-def split_range(piece_sizes: Sequence[int], start: int, length: int) -> list[Piece]:
-    """Cut the range [start, start + length) of a concatenation of pieces into per-piece parts.
-
-    >>> split_range([4, 4, 1], 3, 5)
-    [Piece(index=0, start=3, length=1), Piece(index=1, start=0, length=4)]
-
-    Raises ValueError when the range reaches past the end of the concatenation.
-    """
-    if start < 0 or length < 0:
-        raise ValueError(f"bad range start={start} length={length}")
-    parts: list[Piece] = []
-    base = 0
-    end = start + length
-    for index, size in enumerate(piece_sizes):
-        if base >= end:
-            break
-        lo, hi = max(start, base), min(end, base + size)
-        if lo < hi:
-            parts.append(Piece(index, lo - base, hi - lo))
-        base += size
-    if sum(p.length for p in parts) != length:
-        raise ValueError(f"range [{start}, {end}) reaches past the {sum(piece_sizes)} elements available")
-    return parts
-
 
 
 def zero3_sub_groups(group_numels: Sequence[Sequence[int]], world_size: int, sub_group_size: int) -> list[list[int]]:
