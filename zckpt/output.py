@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from types import TracebackType
+from typing import Callable
 
 from .errors import OutputError
 from .shards import format_size
@@ -22,6 +23,16 @@ _WEIGHTS_FILE_RE = re.compile(
     r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
     r"|pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$"
 )
+
+
+def check_free_space(path: str, needed_bytes: int) -> None:
+    """Refuse up front when the filesystem that will hold `path` has less free space than needed."""
+    probe = path
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(os.path.abspath(probe))
+    free = shutil.disk_usage(probe).free
+    if needed_bytes > free:
+        raise OutputError(path, f"needs {format_size(needed_bytes)} but only {format_size(free)} is free; nothing was written")
 
 
 def output_error(path: str, exc: OSError) -> OutputError:
@@ -50,12 +61,7 @@ class StagedOutput:
             if existing and not self.overwrite:
                 raise OutputError(os.path.join(self.output_dir, existing[0]), "already exists; pass --overwrite to replace the weights in this folder")
             self._stale = [n for n in existing if n not in self.final_names and _WEIGHTS_FILE_RE.match(n)]
-        probe = self.output_dir
-        while not os.path.isdir(probe):
-            probe = os.path.dirname(os.path.abspath(probe))
-        free = shutil.disk_usage(probe).free
-        if needed_bytes > free:
-            raise OutputError(self.output_dir, f"needs {format_size(needed_bytes)} but only {format_size(free)} is free; nothing was written")
+        check_free_space(self.output_dir, needed_bytes)
 
     def __enter__(self) -> "StagedOutput":
         if not os.path.isdir(self.output_dir):
@@ -139,12 +145,7 @@ class StagedFolder:
         self.overwrite = overwrite
         if os.path.exists(self.final_dir) and not overwrite:
             raise OutputError(self.final_dir, "already exists; pass --overwrite to replace it")
-        probe = self.parent
-        while not os.path.isdir(probe):
-            probe = os.path.dirname(os.path.abspath(probe))
-        free = shutil.disk_usage(probe).free
-        if needed_bytes > free:
-            raise OutputError(self.final_dir, f"needs {format_size(needed_bytes)} but only {format_size(free)} is free; nothing was written")
+        check_free_space(self.final_dir, needed_bytes)
 
     def create(self) -> None:
         """Make an empty staging folder (a leftover of an interrupted run is removed first)."""
@@ -188,14 +189,13 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Replace a small file atomically (temp name, fsync, rename, fsync the folder)."""
+def replace_atomically(path: str, write: Callable[[str], object]) -> None:
+    """Write a file under a temporary name beside `path` (via `write(temp_path)`), fsync it and
+    rename it over `path`, so readers see the old file or the whole new one."""
     temp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.zckpt-tmp-{os.getpid()}")
     try:
-        with open(temp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write(temp)
+        fsync_file(temp)
         os.replace(temp, path)
     except OSError as exc:
         try:
@@ -204,3 +204,12 @@ def write_text_atomic(path: str, text: str) -> None:
             pass
         raise output_error(path, exc) from None
     _fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    replace_atomically(path, lambda temp: _write_text(temp, text))
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)

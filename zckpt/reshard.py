@@ -19,7 +19,7 @@ from .deepspeed.reader import open_training_state
 from .deepspeed.save import SaveResult, write_checkpoint
 from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from .errors import CorruptFileError, OutputError, UsageError
-from .output import fsync_file, output_error
+from .output import replace_atomically
 from .state import TrainingState
 
 # Hugging Face Trainer's per-process RNG files: rng_state.pth (one process) or rng_state_<i>.pth
@@ -97,20 +97,6 @@ def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str],
     return carried, dropped
 
 
-def _copy_atomic(source: str, destination: str) -> None:
-    temp = os.path.join(os.path.dirname(destination), f".{os.path.basename(destination)}.zckpt-tmp-{os.getpid()}")
-    try:
-        shutil.copyfile(source, temp)
-        fsync_file(temp)
-        os.replace(temp, destination)
-    except OSError as exc:
-        try:
-            os.remove(temp)
-        except OSError:
-            pass
-        raise output_error(destination, exc) from None
-
-
 def _distributed() -> tuple[int, int, Callable[[], None] | None]:
     """(this process, process count, barrier) under torchrun; (0, 1, None) otherwise."""
     count = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -154,7 +140,7 @@ def reshard(
 
     def copy_carried() -> None:
         for name, path in carried.items():
-            _copy_atomic(path, os.path.join(output_dir, name))
+            replace_atomically(os.path.join(output_dir, name), lambda temp, source=path: shutil.copyfile(source, temp))
 
     result: SaveResult = write_checkpoint(
         plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier,
