@@ -319,3 +319,27 @@ def test_torchrun_processes_split_the_files_byte_identically(tmp_path: Path) -> 
     single = {p.relative_to(tmp_path / "single"): p.read_bytes() for p in (tmp_path / "single").rglob("*") if p.is_file()}
     multi = {p.relative_to(tmp_path / "multi"): p.read_bytes() for p in (tmp_path / "multi").rglob("*") if p.is_file()}
     assert single == multi
+
+
+def test_target_config_overrides_layout_settings(tmp_path: Path) -> None:
+    """--config (the target run's ds_config) turns on round_robin_gradients and
+    parameter_alignment: DeepSpeed's flat order and paddings for that run, the same values."""
+    import json
+
+    case = sample("z2_fp32_ws1")
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"round_robin_gradients": True, "parameter_alignment": True}}))
+    result = run_cli("reshard", case.checkpoint, tmp_path / "out", "-w", "2", "--config", config, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    model = torchfile.load(tmp_path / "out" / "global_step3" / "mp_rank_00_model_states.pt")
+    names = [n for n in model["module"] if n in model["param_shapes"][0]]  # optimizer order = module order here
+    assert list(model["param_shapes"][0]) == [names[i] for i in range(0, len(names), 2)] + [names[i] for i in range(1, len(names), 2)]
+    zero = model["ds_config"]["zero_optimization"]
+    assert zero["round_robin_gradients"] and zero["parameter_alignment"] and zero["stage"] == 2
+    optim = torchfile.load(tmp_path / "out" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert any(optim["param_alignment_paddings"][0])  # fp32 params aligned to 16 bytes = 4 elements
+    state = open_training_state(tmp_path / "out")
+    live = case.live()
+    with FileReader() as reader:
+        for param in state.params:
+            assert same_bits(read_tensor(reader, param.master), live[param.name]), param.name
