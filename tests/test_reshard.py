@@ -289,8 +289,13 @@ def test_rng_states_of_missing_processes_are_dropped(tmp_path: Path) -> None:
     for rank in range(2):
         (checkpoint / f"rng_state_{rank}.pth").write_bytes(f"rng{rank}".encode())
     result = reshard(checkpoint, tmp_path / "one", world_size=1)
-    assert "rng_state_0.pth" in result.carried and result.dropped == ("rng_state_1.pth",)
-    assert not (tmp_path / "one" / "rng_state_1.pth").exists()
+    # a one-process Trainer reads rng_state.pth (transformers' Trainer._load_rng_state)
+    assert "rng_state.pth" in result.carried and result.dropped == ("rng_state_1.pth",)
+    assert (tmp_path / "one" / "rng_state.pth").read_bytes() == b"rng0"
+    assert not (tmp_path / "one" / "rng_state_0.pth").exists() and not (tmp_path / "one" / "rng_state_1.pth").exists()
+    single = tmp_path / "single" / "checkpoint-3"
+    reshard(tmp_path / "one", single, world_size=2)
+    assert (single / "rng_state_0.pth").read_bytes() == b"rng0" and not (single / "rng_state.pth").exists()
 
 
 def test_torchrun_processes_split_the_files_byte_identically(tmp_path: Path) -> None:

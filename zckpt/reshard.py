@@ -82,7 +82,9 @@ def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str],
 
     Everything at the top of the checkpoint folder except ``latest`` (rewritten) is carried:
     a Trainer's config, tokenizer, trainer_state.json, scheduler.pt, training_args.bin. RNG
-    states are per process: those of processes the target run has are kept, the rest dropped.
+    states are per process: those of processes the target run has are kept, the rest dropped,
+    under the name the Trainer reads at that process count (``rng_state.pth`` for one process,
+    ``rng_state_<i>.pth`` for several).
     """
     carried, dropped = {}, []
     for name in sorted(os.listdir(checkpoint_dir)):
@@ -90,8 +92,12 @@ def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str],
         if not os.path.isfile(path) or name == "latest" or name.startswith("."):
             continue
         match = _RNG_FILE.match(name)
-        if match and match[1] is not None and int(match[1]) >= world_size:
-            dropped.append(name)
+        if match:
+            process = int(match[1] or 0)
+            if process >= world_size:
+                dropped.append(name)
+            else:
+                carried["rng_state.pth" if world_size == 1 else f"rng_state_{process}.pth"] = path
             continue
         carried[name] = path
     return carried, dropped
