@@ -1,0 +1,271 @@
+"""Helpers for tests that run real DeepSpeed: find its interpreter, run ``scripts/ds_probe.py`` at
+M ranks, and remove the ``/dev/shm`` buffers DeepSpeed's CPU runs leak.
+
+``run_probe(case, checkpoint, M, out)`` loads ``checkpoint`` with a plain
+``engine.load_checkpoint`` at world size M and returns what the engine then holds::
+
+    live, optim, state = run_probe("z2_fp16_ws4_tied", ckpt_dir, 4, tmp_path / "probe")
+    live["fc1.weight"]            # fp32 master (frozen params: their value; buffers as held)
+    optim["fc1.weight.exp_avg"]   # every per-element optimizer state, fp32, full shape
+    state["global_steps"], state["cur_scale"], state["param_groups"][0]["step"], ...
+
+It needs nothing from DeepSpeed in this process: the probe runs under ``ds_python()`` (this
+interpreter when it imports deepspeed, else ``$ZCKPT_DS_PYTHON``, else the test is skipped).
+
+Loaded as a pytest plugin (``-p interop_helpers``, with ``tests/`` on ``PYTHONPATH``) or imported
+into a test module, ``shm_leak_safety_net`` removes at the end of the session every DeepSpeed
+shared-memory buffer that appeared during it and that no live process holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ROOT / "scripts" / "ds_probe.py"
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+class ProbeError(RuntimeError):
+    """The probe failed: ``returncode``, ``log_tail``, ``errors`` (rank -> traceback text)."""
+
+    def __init__(self, message: str, returncode: int | None, log_tail: str, errors: dict[int, str]):
+        super().__init__(message)
+        self.returncode = returncode
+        self.log_tail = log_tail
+        self.errors = errors
+
+    @property
+    def error_text(self) -> str:
+        """All ranks' tracebacks (where the probe wrote one) followed by the log tail."""
+        return "\n".join(self.errors.values()) + "\n" + self.log_tail
+
+
+# --------------------------------------------------------------------------------------
+# /dev/shm leaks
+# --------------------------------------------------------------------------------------
+def shm_listing() -> set[str]:
+    """Names of DeepSpeed's shm allreduce buffers now in /dev/shm."""
+    try:
+        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+def held_shm_paths() -> set[str]:
+    """Paths under /dev/shm that some live process has open (``/proc/*/fd``) or mapped (``/proc/*/maps``)."""
+    held: set[str] = set()
+    prefix = str(SHM_DIR) + "/"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    held.add(target.removesuffix(" (deleted)"))
+        except OSError:
+            pass
+        try:
+            with open(proc / "maps", encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    i = line.find(prefix)
+                    if i >= 0:
+                        held.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:
+            pass
+    return held
+
+
+def cleanup_shm_leaks(before: set[str]) -> list[str]:
+    """Remove DeepSpeed shm buffers that appeared since ``before`` (a ``shm_listing()``) and that no
+    live process holds open or mapped. Returns the names removed."""
+    new = shm_listing() - set(before)
+    if not new:
+        return []
+    held = held_shm_paths()
+    removed = []
+    for name in sorted(new):
+        path = SHM_DIR / name
+        if str(path) in held:
+            continue
+        try:
+            path.unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+    return removed
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_leak_safety_net() -> Iterator[None]:
+    """Session-wide: remove the DeepSpeed shm buffers that runs during the session leaked."""
+    before = shm_listing()
+    yield
+    cleanup_shm_leaks(before)
+
+
+# --------------------------------------------------------------------------------------
+# DeepSpeed interpreter
+# --------------------------------------------------------------------------------------
+def ds_python() -> str:
+    """An interpreter with DeepSpeed: this one if it imports deepspeed, else ``$ZCKPT_DS_PYTHON``;
+    skips the calling test when there is none."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        return sys.executable
+    env = os.environ.get("ZCKPT_DS_PYTHON")
+    if env and Path(env).exists():
+        return env
+    pytest.skip("DeepSpeed is not installed here and ZCKPT_DS_PYTHON is not set")
+
+
+@functools.lru_cache(maxsize=None)
+def ds_release(python: str) -> str:
+    """``ds<major><minor>`` of the DeepSpeed that ``python`` imports (``ds19`` for 0.19.x)."""
+    if python == sys.executable:
+        from importlib.metadata import version
+
+        ver = version("deepspeed")
+    else:
+        ver = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    major, minor = ver.split(".")[:2]
+    return f"ds{major if major != '0' else ''}{minor}"
+
+
+def torch_extensions_dir(python: str) -> Path:
+    """Where DeepSpeed JIT-builds its ops (``deepspeed_shm_comm``) for runs of ``python``.
+
+    Per DeepSpeed release, as make_sample_ckpts does (two releases on one torch would otherwise load
+    each other's builds), and also per virtualenv: the build commands name the venv's absolute
+    paths, so two venvs sharing one folder rebuild the op (30-60 s on 2 cores) whenever the other
+    one ran last, and a run can load the .so while the other venv's build rewrites it."""
+    venv = Path(sys.prefix if python == sys.executable else Path(python).absolute().parent.parent)
+    key = hashlib.sha1(str(venv).encode()).hexdigest()[:8]
+    return Path.home() / ".cache" / f"torch_extensions_{ds_release(python)}_{key}"
+
+
+def ds_env(world_size: int, python: str) -> dict[str, str]:
+    """Environment for a CPU DeepSpeed run of ``world_size`` ranks (as make_sample_ckpts sets it)."""
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
+            "LOCAL_SIZE": str(world_size), "TORCH_EXTENSIONS_DIR": str(torch_extensions_dir(python))}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------------------
+# The probe
+# --------------------------------------------------------------------------------------
+def case_arg(case_or_name: Any) -> str:
+    """``--case-json`` for a bundled case name, a make_sample_ckpts ``Case`` or its asdict."""
+    if isinstance(case_or_name, str):
+        return case_or_name
+    if dataclasses.is_dataclass(case_or_name):
+        return json.dumps(dataclasses.asdict(case_or_name))
+    if isinstance(case_or_name, dict):
+        return json.dumps(case_or_name)
+    raise TypeError(f"case: expected a name, a Case or a dict, got {type(case_or_name).__name__}")
+
+
+def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, out_dir: str | Path,
+              stage: int | None = None, load_universal: bool = False, train_steps: int = 0,
+              timeout: float = 600, config_override: dict | None = None, tag: str | None = None,
+              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Load ``checkpoint_dir`` with real DeepSpeed at ``world_size`` ranks (``scripts/ds_probe.py``
+    under torchrun) and return ``(live_tensors, live_optimizer_tensors, state)``.
+
+    ``stage`` runs another ZeRO stage than the case's; ``config_override`` is deep-merged into the
+    DeepSpeed config (a None value deletes a key); ``train_steps`` trains that many more steps after
+    the load (``state["train"]`` has the losses; ``out_dir`` then also holds
+    ``live_after_train.safetensors`` / ``live_optimizer_after_train.safetensors``). ``out_dir`` is
+    emptied first; it also receives ``live_module.safetensors`` (the module's own 16-bit values),
+    ``state.json`` and the run's log ``probe.log``. Raises ``ProbeError`` (log tail and each rank's traceback) when the run
+    fails or times out. DeepSpeed's leaked /dev/shm buffers are removed in every case.
+    """
+    from safetensors.torch import load_file
+
+    python = ds_python()
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    log = out / "probe.log"
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+           "--master-port", str(free_port()), str(PROBE), "--case-json", case_arg(case_or_name),
+           "--checkpoint", str(Path(checkpoint_dir).resolve()), "--out", str(out.resolve())]
+    if stage is not None:
+        cmd += ["--stage", str(stage)]
+    if load_universal:
+        cmd.append("--load-universal")
+    if train_steps:
+        cmd += ["--train-steps", str(train_steps)]
+    if config_override:
+        cmd += ["--config-override", json.dumps(config_override)]
+    if tag is not None:
+        cmd += ["--tag", tag]
+
+    before = shm_listing()
+    returncode: int | None = None
+    try:
+        with log.open("w") as fh:
+            fh.write("$ " + " ".join(cmd) + "\n")
+            fh.flush()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=ds_env(world_size, python), stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                returncode = None
+    finally:
+        cleanup_shm_leaks(before)
+
+    state_file = out / "state.json"
+    if returncode != 0 or not state_file.exists():
+        lines = log.read_text(errors="replace").splitlines()
+        tail = "\n".join(lines[-60:])
+        errors = {int(p.stem.removeprefix("error_rank")): p.read_text()
+                  for p in sorted(out.glob("error_rank*.txt"))}
+        what = f"timed out after {timeout:.0f}s" if returncode is None else f"exit status {returncode}"
+        first = next(iter(errors.values()), "").strip().splitlines()
+        raise ProbeError(f"ds_probe {what} (world size {world_size}, {checkpoint_dir}): "
+                         f"{first[-1] if first else ''}\n{tail}", returncode, tail, errors)
+    state = json.loads(state_file.read_text())
+    return load_file(out / "live.safetensors"), load_file(out / "live_optimizer.safetensors"), state
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its ranks (their own session, started by us)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
