@@ -16,7 +16,9 @@ the same file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +29,7 @@ import numpy as np
 
 from . import ziparchive
 from .dtypes import DType
+from .errors import CorruptFileError
 from .index import Segment
 from .materialize import CHUNK_BYTES, convert, write_all
 from .reading import FileReader
@@ -51,6 +54,9 @@ __all__ = [
 ]
 
 _PARALLEL_CRC_BYTES = 1 << 20  # chunks from this size on are checksummed while being written
+_KERNEL_COPY_MIN_BYTES = 1 << 20  # smaller parts are not worth a mapping and a system call
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the window in at once, not page by page
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,7 @@ class _TensorStream:
     def __init__(self, fd: int, reader: FileReader, progress: Callable[[int], None], helpers: ThreadPoolExecutor) -> None:
         self.fd, self.reader, self.progress, self.helpers = fd, reader, progress, helpers
         self._buffer: np.ndarray | None = None
+        self.kernel_copy = hasattr(os, "copy_file_range")
 
     def _scratch(self) -> memoryview:
         if self._buffer is None:
@@ -234,6 +241,11 @@ class _TensorStream:
     def _copy(self, part: Copy, dtype: DType, crc: int) -> int:
         source = part.source_dtype
         if source == dtype:
+            nbytes = part.segment.numel * source.itemsize
+            if self.kernel_copy and nbytes >= _KERNEL_COPY_MIN_BYTES:
+                kernel = self._kernel_copy(part.segment.path, part.segment.offset, nbytes, crc)
+                if kernel is not None:
+                    return kernel
             for view in self._read_ahead(part.segment, source.itemsize, CHUNK_BYTES // 2):
                 crc = self._emit(view, crc)
             return crc
@@ -242,6 +254,47 @@ class _TensorStream:
         for view in self._read_ahead(part.segment, source.itemsize, chunk):
             out = convert(np.frombuffer(view, dtype=np.dtype(source.numpy_raw)), source, dtype)
             crc = self._emit(memoryview(np.ascontiguousarray(out)).cast("B"), crc)
+        return crc
+
+    def _kernel_copy(self, path: str, offset: int, nbytes: int, crc: int) -> int | None:
+        """Move bytes that need no conversion file to file in the kernel (copy_file_range), and
+        checksum them through a read-only mapping of the source, window by window (a mapping
+        copies nothing; unmapping each window keeps resident memory bounded). The checksum runs
+        on a helper thread while the kernel copies the same window. None: nothing was written and
+        the filesystem cannot do it (the caller falls back to reading and writing)."""
+        src = self.reader.descriptor(path)
+        if os.fstat(src).st_size < offset + nbytes:
+            raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+        done = 0
+        while done < nbytes:
+            count = min(CHUNK_BYTES // 2, nbytes - done)
+            position = offset + done
+            start = position - position % mmap.ALLOCATIONGRANULARITY
+            window = mmap.mmap(src, count + position - start, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ, offset=start)
+            try:
+                view = memoryview(window)[position - start :]
+                try:
+                    pending = self.helpers.submit(zlib.crc32, view, crc)
+                    copied = 0
+                    try:
+                        while copied < count:
+                            moved = os.copy_file_range(src, self.fd, count - copied, position + copied)
+                            if moved == 0:
+                                raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+                            copied += moved
+                    except OSError as exc:
+                        pending.result()
+                        if done == 0 and copied == 0 and exc.errno in _NO_KERNEL_COPY:
+                            self.kernel_copy = False
+                            return None
+                        raise
+                    crc = pending.result()
+                finally:
+                    view.release()
+            finally:
+                window.close()
+            self.progress(count)
+            done += count
         return crc
 
     def _read_ahead(self, segment: Segment, itemsize: int, chunk_bytes: int) -> Iterator[memoryview]:
