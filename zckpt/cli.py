@@ -191,7 +191,7 @@ def reshard(
     stage: Annotated[Optional[Stage], typer.Option("--stage", help="ZeRO stage of that run (default: the checkpoint's).")] = None,
     tag: TagOption = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.")] = None,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: CPUs + 1).")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: two per CPU).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already.")] = False,
     quiet: QuietOption = False,
 ) -> None:

@@ -88,7 +88,8 @@ def write_checkpoint(
         jobs = [(folder.path(planned[i][0]), planned[i][1]) for i in mine]
         # Threads, not processes: checksums, kernel copies, reads, writes and dtype conversion all
         # release the GIL, and a thread per file keeps every core busy however the sizes fall.
-        count = min(workers or (os.cpu_count() or 1) + 1, len(jobs)) if sum(a.total_size for _, a in jobs) >= PARALLEL_MIN_BYTES else 1
+        # Two files per CPU: one converting dtypes (CPU-bound) overlaps others that only copy.
+        count = min(workers or 2 * (os.cpu_count() or 1), len(jobs)) if sum(a.total_size for _, a in jobs) >= PARALLEL_MIN_BYTES else 1
         if count > 1:
             with ThreadPoolExecutor(count, thread_name_prefix="zckpt-save") as pool:
                 for size in pool.map(_write_one, *zip(*jobs)):
