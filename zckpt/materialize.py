@@ -50,12 +50,25 @@ def convert(raw: np.ndarray, source: DType, target: DType) -> np.ndarray:
         if nan.any():  # the CPU's conversion (torch's) quiets signalling NaNs; numpy keeps them
             widened.view(np.uint32)[nan] |= 0x00400000
         return widened
+    if source == FP32 and target == BF16 and (rounded := fp32_to_bf16(raw)) is not None:
+        return rounded
     import torch
 
     converted = numpy_to_torch(raw, source).to(target.torch())
     if target == BF16:
         return converted.view(torch.int16).numpy().view(np.uint16)
     return converted.numpy()
+
+
+def fp32_to_bf16(raw: np.ndarray) -> np.ndarray | None:
+    """fp32 -> bf16 bits exactly as torch rounds finite and infinite values (round to nearest
+    even: add 0x7FFF plus the lowest kept bit, keep the top half), in single-threaded numpy:
+    torch's threaded .to() spent more time waking its threads than converting (BENCHMARKS.md).
+    None when `raw` holds a NaN: torch's NaN bits depend on its code path, so it converts those."""
+    if np.isnan(raw).any():
+        return None
+    bits = raw.view(np.uint32)
+    return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
 def read_tensor(reader: FileReader, source: TensorSource, dtype: DType | None = None) -> "torch.Tensor":
