@@ -1,0 +1,716 @@
+#!/usr/bin/env python3
+"""Benchmark ``zckpt reshard`` against ``cp -r`` of the same checkpoint on the same disk.
+
+What it does:
+
+1. **Make** (once) the checkpoint of ``bench_consolidate.py`` (imported from beside this file,
+   nothing duplicated): a ~401M-param model, ZeRO-3, bf16, AdamW, written by real DeepSpeed at
+   2 ranks on CPU. A complete checkpoint already in ``--workdir`` is reused (making one takes
+   ~5 min; ``--python`` must then have deepspeed).
+2. **Warm up + verify** (untimed): read every checkpoint file once, run each variant once and
+   keep the reshard outputs, then check them in a child process under ``--python``:
+
+   - ``open_training_state`` reads each output back: world size 3, the ZeRO stage asked, the
+     same trainable params (names, shapes, groups), same counters, lr scheduler and step scalars;
+   - for ``--sample`` params spread over the model, the fp32 master and every optimizer state
+     (exp_avg, exp_avg_sq) equal the input's bit for bit (``zckpt.materialize.read_tensor``);
+   - every output ``.pt`` file passes ``zipfile.ZipFile.testzip()`` (CRC-32 of every record),
+     and, when torch and deepspeed import, loads with ``torch.load(mmap=True,
+     weights_only=False)``; the ZeRO-2 model_states' bf16 weights of the sample params equal
+     the masters rounded to bf16;
+   - ``zckpt consolidate`` of each output equals ``zckpt consolidate`` of the input, tensor by
+     tensor (safetensors ``safe_open``, one tensor at a time).
+3. **Measure**: ``--repeats`` rounds of the variants in turn (cp, reshard to 3 ranks ZeRO-3,
+   to 3 ranks ZeRO-2, and to 3 ranks ZeRO-3 with ``--workers 1``). Each run is a subprocess
+   writing a fresh folder, deleted afterwards. Wall time is ``time.perf_counter`` around the
+   child; "max 1-proc RSS" is ``ru_maxrss`` from ``os.wait4`` (the largest single process of the
+   child's tree: Linux reports the max over the child and its waited-for children, not a sum);
+   "tree RSS" is the peak of the summed RSS of the child and all its descendants, sampled every
+   ``--sample-ms`` from ``/proc`` (reshard writes files from worker processes). After each run,
+   outside its wall time, ``os.sync()`` is timed: zckpt fsyncs every file before renaming it
+   into place, ``cp`` does not, so "wall+sync" is the time until the output is on disk for both.
+   CPU time other processes used meanwhile (``/proc/stat`` minus the child's) flags disturbed
+   runs; ``--wait-idle`` waits for a quiet machine before each run.
+
+The children import a copy of the ``zckpt`` package taken at the start (its git commit and any
+uncommitted changes are recorded), so that commits made to the repository while the benchmark
+runs do not mix code versions within one measurement.
+
+Commands measured (CKPT = the checkpoint folder holding ``latest``)::
+
+    cp -r CKPT OUT
+    PY -m zckpt reshard CKPT OUT --world-size 3 --quiet
+    PY -m zckpt reshard CKPT OUT --world-size 3 --stage 2 --quiet
+    PY -m zckpt reshard CKPT OUT --world-size 3 --workers 1 --quiet
+
+Usage::
+
+    python scripts/bench_reshard.py --python /work/venv-ds19/bin/python --repeats 3 [--json out.json]
+
+Like ``bench_consolidate.py`` the driver needs only the standard library (everything else runs
+under ``--python``), so that it stays small: a child's ``ru_maxrss`` can include the parent's
+resident size at the time of the fork. The page cache cannot be dropped here
+(``/proc/sys/vm/drop_caches`` is read-only in this container), so all figures are warm-cache.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and the shared helpers)
+
+TARGET_WORLD = 3
+# variant -> (extra reshard arguments or None for cp, ZeRO stage of the output)
+VARIANTS: dict[str, tuple[list[str] | None, int | None]] = {
+    "cp": (None, None),
+    "reshard-z3": ([], 3),
+    "reshard-z2": (["--stage", "2"], 2),
+    "reshard-z3-w1": (["--workers", "1"], 3),
+}
+TIME_TARGET = 1.5  # reshard within 1.5x the time of cp -r
+RSS_TARGET_MIB = 1024.0  # peak RSS under 1 GB
+
+
+# "pythonpath": the folder holding the zckpt copy every child imports; "cwd": where children run
+_SNAPSHOT: dict[str, Path] = {}
+
+
+def child_env() -> dict[str, str]:
+    """bench_consolidate's environment, plus PYTHONPATH to the zckpt snapshot (when taken)."""
+    env = bc.tool_env()
+    if "pythonpath" in _SNAPSHOT:
+        env["PYTHONPATH"] = str(_SNAPSHOT["pythonpath"])
+    return env
+
+
+def child_cwd() -> str | None:
+    """Children run outside the repository: ``python -m`` puts the working folder first on sys.path."""
+    return str(_SNAPSHOT["cwd"]) if "cwd" in _SNAPSHOT else None
+
+
+def command(variant: str, python: str, ckpt_dir: Path, out_dir: Path) -> list[str]:
+    """The exact command line measured for `variant`."""
+    extra, _ = VARIANTS[variant]
+    if extra is None:
+        return ["cp", "-r", str(ckpt_dir), str(out_dir)]
+    return [python, "-m", "zckpt", "reshard", str(ckpt_dir), str(out_dir),
+            "--world-size", str(TARGET_WORLD), *extra, "--quiet"]
+
+
+# --------------------------------------------------------------------------------------
+# Measuring one run
+# --------------------------------------------------------------------------------------
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _busy_cpu_s() -> float:
+    """Non-idle CPU seconds of the whole machine so far (user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as fh:
+        f = [int(x) for x in fh.readline().split()[1:9]]
+    return (f[0] + f[1] + f[2] + f[5] + f[6] + f[7]) / _TICK
+
+
+def _tree_rss(root: int) -> tuple[int, int]:
+    """(summed RSS in bytes, process count) of `root` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    total, count, todo = 0, 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as fh:
+                total += int(fh.read().split()[1]) * _PAGE
+            count += 1
+        except OSError:
+            pass
+        todo.extend(children.get(pid, ()))
+    return total, count
+
+
+class TreeSampler(threading.Thread):
+    """Samples the summed RSS of a process tree until stopped; keeps the peak."""
+
+    def __init__(self, root: int, interval_s: float) -> None:
+        super().__init__(daemon=True)
+        self.root, self.interval_s = root, interval_s
+        self.peak_bytes, self.peak_procs, self.samples = 0, 0, 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            rss, procs = _tree_rss(self.root)
+            self.samples += 1
+            if rss > self.peak_bytes:
+                self.peak_bytes = rss
+            self.peak_procs = max(self.peak_procs, procs)
+            self._halt.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+@dataclass
+class Run:
+    """One measured run of one variant."""
+
+    variant: str
+    round: int
+    wall_s: float
+    sync_s: float
+    cpu_user_s: float  # child and its waited-for children (worker processes)
+    cpu_sys_s: float
+    max_proc_rss_mib: float  # ru_maxrss from wait4: the largest single process
+    tree_rss_mib: float  # sampled peak of the summed RSS of the whole process tree
+    tree_procs: int
+    rss_samples: int
+    other_cpu_s: float  # CPU time used by other processes during the run (/proc/stat minus the child's)
+    returncode: int
+    output_bytes: int
+    output_files: list[str] = field(default_factory=list)
+    log_tail: str = ""
+    disturbed: bool = False  # a fixture-generation job was seen just before or after the run
+
+
+def run_measured(variant: str, cmd: list[str], out_dir: Path, log: Path, rnd: int,
+                 sample_s: float, keep: bool = False) -> Run:
+    """Run `cmd`; wall time around it, RSS from wait4 and /proc sampling, then time os.sync()."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.sync()
+    busy = bool(bc.busy_processes())
+    with log.open("w") as fh:
+        cpu0 = _busy_cpu_s()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=child_env(), cwd=child_cwd(), stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        sampler = TreeSampler(proc.pid, sample_s)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        machine_cpu = _busy_cpu_s() - cpu0
+        sampler.stop()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # tell Popen it has been reaped
+    t1 = time.perf_counter()
+    os.sync()
+    sync_s = time.perf_counter() - t1
+    files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) \
+        if out_dir.exists() else []
+    out_bytes = bc.dir_size(out_dir) if out_dir.exists() else 0
+    tail = ""
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+    if not keep and out_dir.exists():
+        shutil.rmtree(out_dir)
+        os.sync()
+    other = max(0.0, machine_cpu - usage.ru_utime - usage.ru_stime)
+    # another process took more than a quarter of the machine's CPUs on average
+    busy = busy or bool(bc.busy_processes()) or other > 0.25 * wall * (os.cpu_count() or 1)
+    return Run(variant, rnd, wall, sync_s, usage.ru_utime, usage.ru_stime, usage.ru_maxrss / 1024.0,
+               sampler.peak_bytes / 2**20, sampler.peak_procs, sampler.samples, other, proc.returncode,
+               out_bytes, files, tail, busy)
+
+
+def wait_for_quiet(max_wait_s: float, max_busy_cpus: float = 0.3, window_s: float = 2.0) -> float:
+    """Wait (at most `max_wait_s`) until the machine used under `max_busy_cpus` CPUs over the
+    last `window_s`; return seconds waited. Other sessions share this machine."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait_s:
+        c0 = _busy_cpu_s()
+        time.sleep(window_s)
+        if (_busy_cpu_s() - c0) / window_s < max_busy_cpus:
+            break
+    return time.perf_counter() - t0
+
+
+def snapshot_zckpt(python: str, dest: Path, cwd: Path) -> dict[str, Any]:
+    """Copy the zckpt package `python` imports to ``dest/zckpt`` and make every child import that
+    copy: others may edit or commit the repository while this runs, and all runs must measure
+    the same code. Returns where it came from (git commit, uncommitted changes)."""
+    proc = subprocess.run([python, "-c", "import zckpt, os; print(os.path.dirname(zckpt.__file__))"],
+                          capture_output=True, text=True, cwd=cwd)
+    if proc.returncode != 0:
+        sys.exit(f"{python} cannot import zckpt: {proc.stderr.strip()[-300:]}")
+    package = Path(proc.stdout.strip())
+    root = package.parent
+    out: dict[str, Any] = {"zckpt_package": str(package)}
+
+    def git(*a: str) -> str:
+        p = subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)
+        return p.stdout.strip() if p.returncode == 0 else ""
+
+    out["commit"] = git("rev-parse", "--short", "HEAD")
+    out["commit_subject"] = git("log", "-1", "--format=%s")[:100]
+    out["dirty_files"] = git("status", "--short", "--", package.name).splitlines()
+    diff = subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--", package.name], capture_output=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(package, dest / "zckpt", ignore=shutil.ignore_patterns("__pycache__"))
+    if diff.stdout:
+        (dest / "zckpt.diff").write_bytes(diff.stdout)
+        out["diff_sha256"] = hashlib.sha256(diff.stdout).hexdigest()[:16]
+    out["snapshot"] = str(dest / "zckpt")
+    out["taken_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    _SNAPSHOT.update(pythonpath=dest, cwd=cwd)
+    check = subprocess.run([python, "-c", "import zckpt; print(zckpt.__file__)"], env=child_env(),
+                           cwd=child_cwd(), capture_output=True, text=True)
+    imported = check.stdout.strip()
+    if not imported.startswith(str(dest)):
+        sys.exit(f"children would import {imported or check.stderr.strip()[-300:]}, not the snapshot in {dest}")
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Verification (runs under --python)
+# --------------------------------------------------------------------------------------
+VERIFY_CODE = r"""
+import importlib.util, json, sys, zipfile
+from pathlib import Path
+import torch
+from zckpt.deepspeed.reader import open_training_state
+from zckpt.dtypes import BF16
+from zckpt.materialize import read_tensor
+from zckpt.reading import FileReader
+
+src_dir, out_dir, world, stage, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+src, out = open_training_state(src_dir), open_training_state(out_dir)
+problems = []
+def check(ok, text):
+    if not ok:
+        problems.append(text)
+
+si, oi = src.index, out.index
+check(oi.world_size == world, f"world size {oi.world_size}, expected {world}")
+check(oi.zero_stage == stage, f"ZeRO stage {oi.zero_stage}, expected {stage}")
+check(oi.dtype == si.dtype, f"dtype {oi.dtype}, input {si.dtype}")
+check(oi.tag == si.tag, f"tag {oi.tag}, input {si.tag}")
+check([e.name for e in oi.entries] == [e.name for e in si.entries], "consolidated entry names differ")
+sp = {p.name: p for p in src.params}
+op = {p.name: p for p in out.params}
+check(sorted(sp) == sorted(op), "trainable param names differ")
+for name in sp:
+    if name in op:
+        check((sp[name].shape, sp[name].group, sorted(sp[name].states)) == (op[name].shape, op[name].group, sorted(op[name].states)),
+              f"{name}: shape/group/state names differ")
+for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "client_state"):
+    check(repr(getattr(src, key)) == repr(getattr(out, key)), f"{key} differs")
+check(out.ds_config.get("zero_optimization", {}).get("stage") == stage, "ds_config stage not updated")
+
+def same(a, b):
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+reader = FileReader()
+for g, (gs, go) in enumerate(zip(src.groups, out.groups)):
+    check(sorted(gs.scalars) == sorted(go.scalars), f"group {g}: scalar names differ")
+    for key, s in gs.scalars.items():
+        o = go.scalars.get(key)
+        if o is None:
+            continue
+        if s.tensor is not None and o.tensor is not None:
+            check(same(read_tensor(reader, s.tensor), read_tensor(reader, o.tensor)), f"group {g}: {key} differs")
+        else:
+            check(repr(s.value) == repr(o.value) and (s.tensor is None) == (o.tensor is None), f"group {g}: {key} differs")
+
+names = [p.name for p in src.params]
+picks = sorted({round(i * (len(names) - 1) / max(1, n - 1)) for i in range(n)})
+sample = [names[i] for i in picks]
+compared_bytes, compared_tensors = 0, 0
+masters_bf16 = {}
+for name in sample:
+    a, b = sp[name], op.get(name)
+    if b is None:
+        continue
+    for state in ["master", *sorted(a.states)]:
+        x = read_tensor(reader, a.master if state == "master" else a.states[state])
+        y = read_tensor(reader, b.master if state == "master" else b.states[state])
+        check(same(x, y), f"{name}: {state} differs")
+        compared_bytes += x.numel() * x.element_size()
+        compared_tensors += 1
+        del x, y
+    masters_bf16[name] = read_tensor(reader, a.master, BF16)
+
+files = sorted(Path(out_dir).rglob("*.pt"))
+crc_ok = [str(f.relative_to(out_dir)) for f in files if zipfile.ZipFile(f).testzip() is None]
+check(len(crc_ok) == len(files) and files, f"zip CRC check failed for {sorted(set(map(str, files)) - set(crc_ok))}")
+
+torch_loaded, module_checked = [], 0
+if importlib.util.find_spec("deepspeed") is not None:
+    for f in files:
+        sd = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+        torch_loaded.append(str(f.relative_to(out_dir)))
+        if stage < 3 and "module" in sd:
+            for name, want in masters_bf16.items():
+                got = sd["module"].get(name)
+                check(got is not None and same(got, want), f"{f.name}: module weight {name} is not the master rounded to bf16")
+                module_checked += 1
+        del sd
+reader.close()
+print(json.dumps({
+    "ok": not problems, "problems": problems[:20],
+    "world_size": oi.world_size, "zero_stage": oi.zero_stage, "params": len(op),
+    "sample_params": len(sample), "tensors_compared": compared_tensors, "bytes_compared": compared_bytes,
+    "zip_crc_ok_files": len(crc_ok), "pt_files": len(files),
+    "torch_loaded_files": len(torch_loaded), "module_weights_checked": module_checked,
+}))
+"""
+
+
+def verify_reshard(python: str, ckpt_dir: Path, out_dir: Path, stage: int, sample: int) -> dict[str, Any]:
+    """Read a reshard output back with zckpt and compare a sample with the input (in a child)."""
+    proc = subprocess.run([python, "-c", VERIFY_CODE, str(ckpt_dir), str(out_dir), str(TARGET_WORLD),
+                           str(stage), str(sample)], env=child_env(), cwd=child_cwd(), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        return {"ok": False, "error": proc.stderr.strip().splitlines()[-8:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def consolidate(python: str, ckpt_dir: Path, out_dir: Path) -> str | None:
+    """``zckpt consolidate`` into `out_dir`; an error text or None."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    proc = subprocess.run([python, "-m", "zckpt", "consolidate", str(ckpt_dir), str(out_dir), "--quiet"],
+                          env=child_env(), cwd=child_cwd(), capture_output=True, text=True)
+    return None if proc.returncode == 0 else proc.stderr.strip()[-500:]
+
+
+def verify_consolidated(python: str, ckpt_dir: Path, outputs: dict[str, Path], runs_dir: Path) -> dict[str, Any]:
+    """consolidate(input) == consolidate(output), tensor by tensor, for each reshard output."""
+    ref = runs_dir / "consolidated_input"
+    error = consolidate(python, ckpt_dir, ref)
+    result: dict[str, Any] = {}
+    for variant, out in outputs.items():
+        if error:
+            result[variant] = {"identical": False, "error": f"consolidate of the input failed: {error}"}
+            continue
+        mine = runs_dir / f"consolidated_{variant}"
+        err = consolidate(python, out, mine)
+        if err:
+            result[variant] = {"identical": False, "error": f"consolidate of the output failed: {err}"}
+        else:
+            v = bc.verify_outputs(python, mine, ref)  # same tensor-by-tensor safe_open comparison
+            result[variant] = {("only_in_output" if k == "only_in_zckpt" else
+                                "only_in_input" if k == "only_in_deepspeed" else k): x for k, x in v.items()}
+        shutil.rmtree(mine, ignore_errors=True)
+    shutil.rmtree(ref, ignore_errors=True)
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# Summary and report
+# --------------------------------------------------------------------------------------
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
+    """Per variant: medians/min/max; per reshard variant: ratios to cp and the targets."""
+    out: dict[str, Any] = {}
+    for v in variants:
+        rs = [r for r in runs if r.variant == v and r.returncode == 0]
+        if not rs:
+            out[v] = None
+            continue
+        out[v] = {
+            "ok_runs": len(rs),
+            "failed_runs": sum(1 for r in runs if r.variant == v and r.returncode != 0),
+            "wall_s": _stats([r.wall_s for r in rs]),
+            "sync_s": _stats([r.sync_s for r in rs]),
+            "wall_plus_sync_s": _stats([r.wall_s + r.sync_s for r in rs]),
+            "cpu_s": _stats([r.cpu_user_s + r.cpu_sys_s for r in rs]),
+            "cpu_user_s": _stats([r.cpu_user_s for r in rs]),
+            "cpu_sys_s": _stats([r.cpu_sys_s for r in rs]),
+            "max_proc_rss_mib": _stats([r.max_proc_rss_mib for r in rs]),
+            "tree_rss_mib": _stats([r.tree_rss_mib for r in rs]),
+            "tree_procs": max(r.tree_procs for r in rs),
+            "output_bytes": rs[0].output_bytes,
+        }
+    cp = out.get("cp")
+    ratios, targets = {}, {}
+    for v in variants:
+        s = out.get(v)
+        if v == "cp" or not s or not cp:
+            continue
+        # per-run ratios against the cp run of the same round (the machine's load drifts)
+        pairs = [(r, c) for r in runs if r.variant == v and r.returncode == 0
+                 for c in runs if c.variant == "cp" and c.round == r.round and c.returncode == 0]
+        per_wall = [r.wall_s / c.wall_s for r, c in pairs]
+        per_sync = [(r.wall_s + r.sync_s) / (c.wall_s + c.sync_s) for r, c in pairs]
+        ratios[v] = {
+            "wall": s["wall_s"]["median"] / cp["wall_s"]["median"],
+            "wall_plus_sync": s["wall_plus_sync_s"]["median"] / cp["wall_plus_sync_s"]["median"],
+            "cpu": s["cpu_s"]["median"] / cp["cpu_s"]["median"],
+            "wall_per_round": per_wall,
+            "wall_per_round_median": statistics.median(per_wall) if per_wall else None,
+            "wall_plus_sync_per_round": per_sync,
+            "wall_plus_sync_per_round_median": statistics.median(per_sync) if per_sync else None,
+        }
+        # met only if both the ratio of the medians and the median of the per-round ratios are
+        def met(a: float, b: float | None) -> bool:
+            return a <= TIME_TARGET and b is not None and b <= TIME_TARGET
+
+        targets[v] = {
+            f"wall_le_{TIME_TARGET}x_cp": met(ratios[v]["wall"], ratios[v]["wall_per_round_median"]),
+            f"wall_plus_sync_le_{TIME_TARGET}x_cp": met(ratios[v]["wall_plus_sync"],
+                                                        ratios[v]["wall_plus_sync_per_round_median"]),
+            "tree_rss_lt_1GiB": s["tree_rss_mib"]["max"] < RSS_TARGET_MIB,
+        }
+    out["ratio_over_cp"] = ratios
+    out["target_met"] = targets
+    return out
+
+
+def print_report(result: dict[str, Any]) -> None:
+    """The human-readable table."""
+    s, f, c = result["summary"], result["machine"], result["checkpoint"]
+    v = f["versions"]
+    variants = result["variants"]
+    print()
+    print("=" * 100)
+    print(f"command: {' '.join(result['argv'])}")
+    print(f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
+          f"{f['cpu_model']}, Linux {f['kernel']}; disk {result['filesystem']}")
+    print(f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
+          f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}")
+    src = result["zckpt_source"]
+    print(f"zckpt measured: snapshot of {src['zckpt_package']} taken {src['taken_at']} at {src['commit']} "
+          f"({src['commit_subject'][:60]})"
+          + (f" + uncommitted changes in {', '.join(d.split()[-1] for d in src['dirty_files'])} (diff sha256 "
+             f"{src.get('diff_sha256')})" if src.get("dirty_files") else ", no uncommitted changes"))
+    print(f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
+          f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files")
+    print(f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of "
+          f"each variant); cannot be dropped here")
+    print(f"rounds: {result['repeats']} (in turn: {' / '.join(variants)}); load average before/after: "
+          f"{result['loadavg_before']} / {result['loadavg_after']}")
+    if result["busy_during_measurement"]:
+        print("WARNING: other heavy jobs ran during the measurement:")
+        for line in result["busy_during_measurement"]:
+            print(f"  {line}")
+    print()
+    for var in variants:
+        print(f"  {var:14s}: {' '.join(command(var, 'PY', Path('CKPT'), Path('OUT')))}")
+    print()
+    hdr = (f"{'variant':14s} {'runs':>4s} {'wall med':>9s} {'min':>6s} {'max':>6s} {'+sync med':>10s} "
+           f"{'cpu med':>8s} {'1-proc RSS':>11s} {'tree RSS med':>13s} {'max':>6s} {'written':>8s}")
+    print(hdr)
+    print("-" * len(hdr))
+    for var in variants:
+        t = s.get(var)
+        if not t:
+            print(f"{var:14s} all runs failed")
+            continue
+        w, ws = t["wall_s"], t["wall_plus_sync_s"]
+        print(f"{var:14s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>5.2f}s {w['max']:>5.2f}s "
+              f"{ws['median']:>9.2f}s {t['cpu_s']['median']:>7.2f}s {t['max_proc_rss_mib']['median']:>7.0f} MiB "
+              f"{t['tree_rss_mib']['median']:>9.0f} MiB {t['tree_rss_mib']['max']:>6.0f} "
+              f"{t['output_bytes'] / 1e9:>6.2f}GB")
+    print()
+    for var, r in s["ratio_over_cp"].items():
+        tm = s["target_met"][var]
+        per = ", ".join(f"{x:.2f}" for x in r["wall_per_round"])
+        print(f"{var} / cp: wall {r['wall']:.2f}x (median of per-round ratios {r['wall_per_round_median']:.2f}x: "
+              f"{per}) -> {'meets' if tm[f'wall_le_{TIME_TARGET}x_cp'] else 'MISSES'} <= {TIME_TARGET}x; "
+              f"wall+sync {r['wall_plus_sync']:.2f}x (per round {r['wall_plus_sync_per_round_median']:.2f}x) -> "
+              f"{'meets' if tm[f'wall_plus_sync_le_{TIME_TARGET}x_cp'] else 'MISSES'}; CPU {r['cpu']:.1f}x; "
+              f"tree RSS max {s[var]['tree_rss_mib']['max']:.0f} MiB -> "
+              f"{'meets' if tm['tree_rss_lt_1GiB'] else 'MISSES'} < 1 GiB")
+    print()
+    for var, ver in result["verification"].items():
+        cons = result["consolidate_check"].get(var, {})
+        if ver.get("ok"):
+            print(f"verification {var}: ok - world size {ver['world_size']}, ZeRO-{ver['zero_stage']}, "
+                  f"{ver['params']} params; {ver['tensors_compared']} tensors of {ver['sample_params']} sampled "
+                  f"params bit-identical ({ver['bytes_compared'] / 1e6:.0f} MB); zip CRCs ok in "
+                  f"{ver['zip_crc_ok_files']}/{ver['pt_files']} files; torch.load ok for "
+                  f"{ver['torch_loaded_files']}; {ver['module_weights_checked']} bf16 module weights checked")
+        else:
+            print(f"verification {var}: FAILED - {json.dumps(ver)}")
+        if cons.get("identical"):
+            print(f"  consolidate(output) == consolidate(input): {cons['tensors_a']} tensors bit-identical "
+                  f"({cons['bytes_compared'] / 1e9:.2f} GB)")
+        else:
+            print(f"  consolidate check FAILED: {json.dumps(cons)}")
+    for var, files in result["output_files"].items():
+        print(f"  {var} wrote: {', '.join(files)}")
+    for r in result["runs"]:
+        if r["returncode"] != 0:
+            print(f"\n{r['variant']} round {r['round']} failed (exit {r['returncode']}):\n{r['log_tail']}")
+    print(f"(driver's own peak RSS: {result['driver_peak_rss_mib']:.0f} MiB)")
+    print("=" * 100)
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", type=Path, default=bc.DEFAULT_WORKDIR,
+                   help=f"where the checkpoint and the run outputs live (default {bc.DEFAULT_WORKDIR})")
+    p.add_argument("--params", type=int, default=bc.DEFAULT_PARAMS,
+                   help="minimum model size in params (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds of each variant (default 3)")
+    p.add_argument("--python", default=sys.executable,
+                   help="interpreter with torch and zckpt (and deepspeed, to make the checkpoint "
+                        "and for the torch.load check; default: this one)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--sample", type=int, default=20, help="params whose tensors are compared (default 20)")
+    p.add_argument("--sample-ms", type=float, default=50.0,
+                   help="RSS sampling interval of the process tree (default 50 ms)")
+    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="before each timed run, wait up to this long until other processes use under "
+                        "0.3 CPUs (default 0: do not wait; disturbed runs are flagged either way)")
+    p.add_argument("--skip-make", action="store_true",
+                   help="never make the checkpoint; fail if no complete one is in --workdir")
+    p.add_argument("--skip-verify", action="store_true", help="no warm-up outputs check")
+    p.add_argument("--json", type=Path, help="also write the results here as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Make/reuse the checkpoint, warm up and verify, measure, print (and save) the results."""
+    args = parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or "cp" not in variants:
+        sys.exit(f"--variants must include cp and name only {', '.join(VARIANTS)} (got {unknown or variants})")
+
+    workdir: Path = args.workdir.resolve()
+    ckpt_dir = workdir / f"z3_bf16_ws2_{args.params}" / "checkpoint"
+    meta_path = ckpt_dir.parent / "bench_meta.json"
+    if not bc.checkpoint_complete(ckpt_dir, meta_path, args.params):
+        if args.skip_make:
+            sys.exit(f"--skip-make given but no complete checkpoint at {ckpt_dir}")
+        meta = bc.make_checkpoint(args.python, ckpt_dir, meta_path, args.params)
+    else:
+        meta = json.loads(meta_path.read_text())
+        print(f"reusing checkpoint {ckpt_dir} (made in {meta['make_seconds']} s on {meta['made_at']})")
+    ckpt = bc.checkpoint_facts(ckpt_dir)
+    facts = bc.machine_facts(args.python)
+    fs = subprocess.run(["df", "--output=source,fstype", str(workdir)], capture_output=True, text=True)
+    filesystem = " ".join(fs.stdout.split()[2:]) if fs.returncode == 0 else "?"
+    runs_dir = workdir / "reshard_runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    sample_s = args.sample_ms / 1000.0
+    source = snapshot_zckpt(args.python, workdir / "zckpt_snapshot", runs_dir)
+    print(f"measuring a snapshot of {source['zckpt_package']} at {source['commit']}"
+          f"{' + uncommitted changes' if source['dirty_files'] else ''} (copied to {source['snapshot']})",
+          flush=True)
+    if bc.busy_processes():
+        print("note: fixture generation is running; timings will be disturbed:", *bc.busy_processes(),
+              sep="\n  ")
+
+    print("warming page cache ...", flush=True)
+    warm_s = bc.warm_page_cache(ckpt_dir)
+    print("untimed warm-up run of each variant ...", flush=True)
+    warm: dict[str, Run] = {}
+    for var in variants:
+        out = runs_dir / f"warm_{var}"
+        keep = var != "cp" and not args.skip_verify
+        warm[var] = run_measured(var, command(var, args.python, ckpt_dir, out), out,
+                                 runs_dir / f"warm_{var}.log", 0, sample_s, keep=keep)
+        print(f"  warm-up {var}: {warm[var].wall_s:.2f} s, exit {warm[var].returncode}", flush=True)
+
+    verification: dict[str, Any] = {}
+    consolidate_check: dict[str, Any] = {}
+    if not args.skip_verify:
+        print("verifying the outputs ...", flush=True)
+        outs = {}
+        for var in variants:
+            if var == "cp":
+                continue
+            out = runs_dir / f"warm_{var}"
+            if warm[var].returncode != 0:
+                verification[var] = {"ok": False, "error": warm[var].log_tail}
+                continue
+            verification[var] = verify_reshard(args.python, ckpt_dir, out, VARIANTS[var][1], args.sample)
+            outs[var] = out
+            print(f"  {var}: {'ok' if verification[var].get('ok') else 'FAILED'}", flush=True)
+        consolidate_check = verify_consolidated(args.python, ckpt_dir, outs, runs_dir)
+        for var, v in consolidate_check.items():
+            print(f"  consolidate {var}: {'identical' if v.get('identical') else 'DIFFERENT'}", flush=True)
+        for var in variants:
+            shutil.rmtree(runs_dir / f"warm_{var}", ignore_errors=True)
+        os.sync()
+
+    loadavg_before = [round(x, 2) for x in os.getloadavg()]
+    window_note = 2.5
+    runs: list[Run] = []
+    for rnd in range(1, args.repeats + 1):
+        for var in variants:
+            out = runs_dir / f"{var}_{rnd}"
+            waited = wait_for_quiet(args.wait_idle) if args.wait_idle else 0.0
+            if waited > window_note:
+                print(f"  (waited {waited:.0f} s for the machine to quieten)", flush=True)
+            r = run_measured(var, command(var, args.python, ckpt_dir, out), out,
+                             runs_dir / f"{var}_{rnd}.log", rnd, sample_s)
+            runs.append(r)
+            print(f"  round {rnd} {var:14s}: wall {r.wall_s:6.2f} s (+sync {r.sync_s:5.2f} s), cpu "
+                  f"{r.cpu_user_s:5.2f}u+{r.cpu_sys_s:5.2f}s, tree RSS {r.tree_rss_mib:5.0f} MiB "
+                  f"({r.tree_procs} procs), 1-proc {r.max_proc_rss_mib:5.0f} MiB, others {r.other_cpu_s:4.1f} "
+                  f"CPU-s, exit {r.returncode}"
+                  f"{'  (DISTURBED)' if r.disturbed else ''}", flush=True)
+    loadavg_after = [round(x, 2) for x in os.getloadavg()]
+    busy = [f"round {r.round} {r.variant}: other processes used {r.other_cpu_s:.1f} CPU-s during its "
+            f"{r.wall_s:.1f} s (or a make_sample_ckpts job ran)" for r in runs if r.disturbed]
+
+    result: dict[str, Any] = {
+        "argv": [sys.executable, *sys.argv] if argv is None else ["bench_reshard.py", *argv],
+        "machine": facts,
+        "zckpt_source": source,
+        "filesystem": filesystem,
+        "model": meta,
+        "checkpoint": ckpt,
+        "variants": variants,
+        "repeats": args.repeats,
+        "warm_read_s": warm_s,
+        "warmup_runs": [asdict(r) for r in warm.values()],
+        "verification": verification,
+        "consolidate_check": consolidate_check,
+        "output_files": {v: r.output_files for v, r in warm.items() if v != "cp"},
+        "runs": [asdict(r) for r in runs],
+        "summary": summarize(runs, variants),
+        "loadavg_before": loadavg_before,
+        "loadavg_after": loadavg_after,
+        "busy_during_measurement": busy,
+        "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "commands": {v: command(v, args.python, ckpt_dir, Path("OUT")) for v in variants},
+    }
+    print_report(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results written to {args.json}")
+    ok = (all(r.returncode == 0 for r in runs)
+          and all(v.get("ok") for v in verification.values())
+          and all(v.get("identical") for v in consolidate_check.values()))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
