@@ -18,7 +18,7 @@ from .dtypes import BY_SHORT
 from .errors import CheckpointNotFoundError, CorruptFileError, ZckptError
 from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
-from .materialize import read_tensor
+from .materialize import read_scalar
 from .reading import FileReader
 from .state import TrainingState
 from .torchfile import TensorRef
@@ -107,7 +107,7 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
             if scalar is None:
                 steps.append(None)
             elif scalar.tensor is not None:
-                steps.append(read_tensor(reader, scalar.tensor).reshape(-1)[0].item() if scalar.tensor.numel == 1 else None)
+                steps.append(read_scalar(reader, scalar.tensor) if scalar.tensor.numel == 1 else None)
             else:
                 steps.append(scalar.value)
     scaler = state.loss_scaler

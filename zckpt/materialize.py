@@ -71,6 +71,14 @@ def fp32_to_bf16(raw: np.ndarray) -> np.ndarray | None:
     return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
+def read_scalar(reader: FileReader, source: TensorSource) -> int | float | bool:
+    """The value of a one-element tensor (a step counter), without torch: 16-bit floats are
+    widened exactly in numpy, other dtypes read as numpy already holds them."""
+    raw = reader.read_source(source)
+    value = convert(raw, source.dtype, FP32) if source.dtype in (BF16, FP16) else raw
+    return value.reshape(-1)[0].item()
+
+
 def read_tensor(reader: FileReader, source: TensorSource, dtype: DType | None = None) -> "torch.Tensor":
     """The whole tensor in memory, shaped, in `dtype` (default: as stored)."""
     raw = reader.read_source(source)

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from .deepspeed.reader import open_training_state
 from .deepspeed.save import SaveResult, write_checkpoint
@@ -153,18 +153,3 @@ def reshard(
         progress=progress, before_latest=copy_carried,
     )
     return ReshardResult(output_dir, plan.tag, source, plan.target, result.files, result.bytes_written, tuple(carried), tuple(dropped))
-
-
-def describe(result: ReshardResult) -> dict[str, Any]:
-    """A one-line-able summary for people and JSON."""
-    source, target = result.source.index, result.target
-    return {
-        "output_dir": result.output_dir,
-        "tag": result.tag,
-        "from": {"zero_stage": source.zero_stage, "world_size": source.world_size},
-        "to": {"zero_stage": target.stage, "world_size": target.world_size},
-        "files": list(result.files),
-        "bytes_written": result.bytes_written,
-        "carried": list(result.carried),
-        "dropped": list(result.dropped),
-    }

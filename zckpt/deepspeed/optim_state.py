@@ -10,7 +10,7 @@ states is decided by size, never by name: any optimizer's state (Adam's ``exp_av
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import LayoutError
 from ..index import CheckpointIndex, Segment, TensorSource

@@ -19,7 +19,8 @@ from ..dtypes import BF16, FP16, FP32, DType
 from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
 from ..index import CheckpointIndex, Entry, Segment, TensorSource
 from ..state import TrainingState
-from ..reading import FileReader, read_ref, source_of
+from ..materialize import read_scalar
+from ..reading import FileReader, source_of
 from ..torchfile import TensorRef
 from . import names as N
 from .optim_state import build_training_state
@@ -130,22 +131,25 @@ class Survey:
 
 def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> CheckpointIndex:
     """Read and validate a checkpoint; raise the first problem found."""
-    result = survey(path, tag)
+    result = _checked(survey(path, tag))
+    assert result.index is not None
+    return result.index
+
+
+def _checked(result: "Survey") -> "Survey":
+    """The survey, or its first problem raised (with a count of the others)."""
     if result.problems:
         first = result.problems[0]
         more = len(result.problems) - 1
         if more:
             raise type(first)(first.path, f"{first.problem} (and {more} more problem{'s' * (more > 1)}; see zckpt inspect)")
         raise first
-    assert result.index is not None
-    return result.index
+    return result
 
 
 def open_training_state(path: str | os.PathLike[str], tag: str | None = None) -> TrainingState:
     """Read and validate a checkpoint's whole training state; raise the first problem found."""
-    result = survey(path, tag)
-    if result.problems or result.state is None:
-        open_checkpoint(path, tag)  # raises the problem
+    result = _checked(survey(path, tag))
     assert result.state is not None
     return result.state
 
@@ -674,11 +678,11 @@ def _first_step(reader: FileReader, inner: dict) -> Any:
                     if isinstance(step, TensorRef):
                         if step.numel != 1:
                             return None
-                        return read_ref(reader, step).reshape(-1)[0].item()
+                        return read_scalar(reader, source_of(step))
                     return step
         if isinstance(state, list):  # ZeRO-1/2 elastic layout: one state dict per group
             for group in state:
                 if isinstance(group, dict) and "step" in group:
                     step = group["step"]
-                    return read_ref(reader, step).reshape(-1)[0].item() if isinstance(step, TensorRef) else step
+                    return read_scalar(reader, source_of(step)) if isinstance(step, TensorRef) and step.numel == 1 else step
     return None

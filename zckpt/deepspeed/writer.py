@@ -27,6 +27,7 @@ from ..state import ScalarState, TrainingState
 from ..torchfile import PickledObject, TensorRef
 from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, Zeros, torch_size
 from . import names as N
+from .partition import zero3_partition
 from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
 
 ZERO_STAGE_ENUM = GlobalName("deepspeed.runtime.zero.config", "ZeroStageEnum")
@@ -203,6 +204,8 @@ class _OptimPlanner:
         by_name = {p.name: p for p in state.params}
         self.params = [by_name[p.name] for p in layout.params]
         self.masters = [p.master for p in self.params]
+        # per optimizer state, every param's source in layout order (built once, used per rank)
+        self.state_sources = {key: [p.states.get(key, p.master) for p in self.params] for key in state.state_names}
         self.by_rank = layout.by_rank()
         self.version_at_least_018 = _version(target.ds_version) >= (0, 18)
         self.optimizer_position = {p.name: i for i, p in enumerate(state.params)}
@@ -222,7 +225,7 @@ class _OptimPlanner:
                 if key in saved.scalars:
                     entry[key] = _scalar(saved.scalars[key])
                 elif all(key in self.params[i].states for i in group.params):
-                    sources = [p.states.get(key, p.master) for p in self.params]
+                    sources = self.state_sources[key]
                     entry[key] = _flat(pieces, sources, group.partition, sources[group.params[0]].dtype if group.params else FP32)
             if entry:
                 state[flat] = entry
@@ -351,7 +354,7 @@ class _ModelPlanner:
                 continue
             assert rank is not None
             numel = entry.source.numel
-            share = math.ceil(numel / self.target.world_size)
+            share = zero3_partition(numel, self.target.world_size)[0]
             start = min(numel, rank * share)
             length = max(0, min(share, numel - start))
             parts = tuple(Copy(s, entry.source.dtype) for s in _slice(entry.source, start, length))
