@@ -228,22 +228,7 @@ def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, ou
     if tag is not None:
         cmd += ["--tag", tag]
 
-    before = shm_listing()
-    returncode: int | None = None
-    try:
-        with log.open("w") as fh:
-            fh.write("$ " + " ".join(cmd) + "\n")
-            fh.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=ds_env(world_size, python), stdout=fh,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                returncode = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                returncode = None
-    finally:
-        cleanup_shm_leaks(before)
-
+    returncode = run_logged(cmd, ds_env(world_size, python), log, timeout)
     state_file = out / "state.json"
     if returncode != 0 or not state_file.exists():
         lines = log.read_text(errors="replace").splitlines()
@@ -256,6 +241,25 @@ def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, ou
                          f"{first[-1] if first else ''}\n{tail}", returncode, tail, errors)
     state = json.loads(state_file.read_text())
     return load_file(out / "live.safetensors"), load_file(out / "live_optimizer.safetensors"), state
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> int | None:
+    """Run a DeepSpeed launch (torchrun and its ranks, in their own session) with its output in
+    `log`; its exit status, or None when it was stopped at `timeout`. The /dev/shm buffers it
+    leaked are removed whatever happens."""
+    before = shm_listing()
+    try:
+        with log.open("w") as fh:
+            fh.write("$ " + " ".join(cmd) + "\n")
+            fh.flush()
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                return None
+    finally:
+        cleanup_shm_leaks(before)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

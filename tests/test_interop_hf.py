@@ -28,7 +28,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import ROOT
-from interop_helpers import _kill_group, cleanup_shm_leaks, ds_env, ds_python, free_port, shm_leak_safety_net, shm_listing  # noqa: F401 (autouse fixture)
+from interop_helpers import ds_env, ds_python, free_port, run_logged, shm_leak_safety_net  # noqa: F401 (autouse fixture)
 from zckpt import reshard
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -70,19 +70,7 @@ def run_trainer(out: Path, processes: int, stage: int, dtype: str, resume_from: 
     if resume_from is not None:
         cmd += ["--resume-from", str(resume_from)]
     env = {**ds_env(processes, python), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    before = shm_listing()
-    returncode: int | None = None
-    try:
-        with log.open("w") as fh:
-            fh.write("$ " + " ".join(cmd) + "\n")
-            fh.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                returncode = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-    finally:
-        cleanup_shm_leaks(before)
+    returncode = run_logged(cmd, env, log, timeout)
     run_file = out / "run.json"
     if returncode != 0 or not run_file.exists():
         errors = "\n".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
