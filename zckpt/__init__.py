@@ -11,6 +11,7 @@ Python API::
     zckpt.inspect_path("runs/ckpt")                              # the `zckpt inspect --json` report
     zckpt.reshard("runs/ckpt", "runs/ckpt-8", world_size=8)      # DeepSpeed checkpoint for 8 ranks
     zckpt.open_training_state("runs/ckpt")                       # masters, optimizer states, steps, ...
+    zckpt.to_universal("runs/ckpt", "runs/ckpt")                 # DeepSpeed universal checkpoint
 """
 
 from .api import iter_tensors, load_into_module, load_state_dict
@@ -27,6 +28,7 @@ from .errors import (
 )
 from .inspect import inspect_path
 from .reshard import plan_reshard, reshard
+from .universal import plan_to_universal, to_universal
 
 __version__ = "0.1.0"
 
@@ -48,5 +50,7 @@ __all__ = [
     "plan_reshard",
     "reshard",
     "plan_consolidation",
+    "plan_to_universal",
     "survey",
+    "to_universal",
 ]

@@ -229,5 +229,52 @@ def reshard(
         )
 
 
+@app.command(
+    "to-universal",
+    epilog=(
+        "Examples:\n\n"
+        "  zckpt to-universal runs/ckpt runs/ckpt                 # runs/ckpt/global_step500_universal + latest_universal\n\n"
+        "  zckpt to-universal runs/ckpt uc/ --target-stage 3     # for a ZeRO-3 run (input: ZeRO-1/2)\n\n"
+        "  torchrun --nnodes 4 --nproc-per-node 8 ... -m zckpt to-universal big/ uc/   # ranks split the params"
+    ),
+)
+def to_universal(
+    checkpoint: Annotated[Path, typer.Argument(help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.")],
+    output_dir: Annotated[Path, typer.Argument(help="Folder to write <tag>_universal/ and latest_universal into (created if missing; may be the checkpoint folder itself).")],
+    tag: TagOption = None,
+    target_stage: Annotated[Optional[Stage], typer.Option("--target-stage", help="ZeRO stage of the run that will load it (default: the checkpoint's). DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files.")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: two per CPU).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the universal folder if OUTPUT_DIR has it already.")] = False,
+    quiet: QuietOption = False,
+) -> None:
+    """Write DeepSpeed's universal checkpoint: one file per param and optimizer state, for any world size.
+
+    A run with "checkpoint": {"load_universal": true} resumes it with engine.load_checkpoint(OUTPUT_DIR)
+    at any world size: fp32 masters, every optimizer state, steps, loss scaler and lr scheduler.
+    Works on any ZeRO 1/2/3 checkpoint (no universal_checkpoint_info needed), and across stages.
+    """
+    from .shards import format_size
+    from .universal import to_universal as run_to_universal
+
+    primary = os.environ.get("RANK", "0") == "0"
+    update, close = _progress_bar(quiet or not primary, "converting")
+    try:
+        result = _guarded(
+            lambda: run_to_universal(
+                checkpoint, output_dir, tag=tag, target_stage=int(target_stage.value) if target_stage else None,
+                overwrite=overwrite, workers=workers, progress=update,
+            )
+        )
+    finally:
+        close()
+    if not quiet and primary:
+        source = result.source.index
+        typer.echo(
+            f"wrote {result.tag} for ZeRO-{result.target_stage} runs of any world size from {source.tag} (ZeRO-{source.zero_stage}, "
+            f"world size {source.world_size}): {len(result.source.params)} params, {len(result.files)} files, "
+            f"{format_size(result.bytes_written)} -> {output_dir}"
+        )
+
+
 def main() -> None:
     app()

@@ -71,6 +71,13 @@ class CheckpointIndex:
     entries: tuple[Entry, ...]  # in the order DeepSpeed's zero_to_fp32.py emits them
     files: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())  # facts worth telling a user, not problems
+    universal: bool = False  # a universal folder (one file per param and state), not rank partitions
+
+    @property
+    def source_tag(self) -> str:
+        """The tag of the training save: a universal folder's name less its ``_universal``."""
+        suffix = "_universal"
+        return self.tag[: -len(suffix)] if self.universal and self.tag.endswith(suffix) and self.tag != suffix else self.tag
 
     def names(self) -> list[str]:
         return [e.name for e in self.entries]

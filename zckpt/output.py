@@ -162,7 +162,8 @@ class StagedFolder:
 
     def commit(self) -> None:
         """Rename the (fully written and synced) staging folder into place."""
-        _fsync_dir(self.staging)
+        for folder, _, _ in os.walk(self.staging, topdown=False):  # subfolders' entries, then its own
+            _fsync_dir(folder)
         replaced = os.path.exists(self.final_dir)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
@@ -179,6 +180,12 @@ class StagedFolder:
                 os.rmdir(self.parent)  # only if still empty
             except OSError:
                 pass
+
+
+def is_inside(path: str, folder: str) -> bool:
+    """`path` is `folder` or below it (symlinks resolved)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def fsync_file(path: str) -> None:

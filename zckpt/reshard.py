@@ -15,11 +15,13 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
+from .deepspeed import names as N
 from .deepspeed.reader import open_training_state
 from .deepspeed.save import SaveResult, write_checkpoint
 from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
-from .errors import CorruptFileError, OutputError, UsageError
-from .output import replace_atomically
+from .errors import CorruptFileError, LayoutError, OutputError, UsageError
+from .jobs import job_share
+from .output import is_inside, replace_atomically
 from .state import TrainingState
 
 # Hugging Face Trainer's per-process RNG files: rng_state.pth (one process) or rng_state_<i>.pth
@@ -69,18 +71,17 @@ def plan_reshard(
 
 
 def _target(state: TrainingState, world_size: int, stage: int | None, config: dict | str | os.PathLike[str] | None) -> Target:
+    index = state.index
+    if index.offload == "nvme":
+        raise LayoutError(index.tag_dir, "NVMe-offloaded checkpoints cannot be resharded yet (their swap files need an NVMe layout for the new world size)")
     return plan_target(state, world_size, stage, config if isinstance(config, dict) or config is None else load_config(config))
-
-
-def _inside(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str], list[str]]:
     """Files beside the tag folders to copy along ({name: source}) and those left out.
 
-    Everything at the top of the checkpoint folder except ``latest`` (rewritten) is carried:
+    Everything at the top of the checkpoint folder except ``latest`` (rewritten) and
+    ``latest_universal`` is carried:
     a Trainer's config, tokenizer, trainer_state.json, scheduler.pt, training_args.bin. RNG
     states are per process: those of processes the target run has are kept, the rest dropped,
     under the name the Trainer reads at that process count (``rng_state.pth`` for one process,
@@ -89,7 +90,7 @@ def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str],
     carried, dropped = {}, []
     for name in sorted(os.listdir(checkpoint_dir)):
         path = os.path.join(checkpoint_dir, name)
-        if not os.path.isfile(path) or name == "latest" or name.startswith("."):
+        if not os.path.isfile(path) or name in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) or name.startswith("."):
             continue
         match = _RNG_FILE.match(name)
         if match:
@@ -101,18 +102,6 @@ def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str],
             continue
         carried[name] = path
     return carried, dropped
-
-
-def _distributed() -> tuple[int, int, Callable[[], None] | None]:
-    """(this process, process count, barrier) under torchrun; (0, 1, None) otherwise."""
-    count = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if count <= 1:
-        return 0, 1, None
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), dist.barrier
 
 
 def reshard(
@@ -136,13 +125,13 @@ def reshard(
     source = open_training_state(checkpoint, tag)
     plan = plan_checkpoint(source, _target(source, world_size, stage, config))
     index = source.index
-    if _inside(output_dir, index.checkpoint_dir) or _inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
+    if is_inside(output_dir, index.checkpoint_dir) or is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
         raise UsageError(output_dir, f"is inside the input checkpoint {index.checkpoint_dir}; choose a folder outside it")
     carried, dropped = carried_files(index.checkpoint_dir, world_size)
     existing = [n for n in carried if os.path.exists(os.path.join(output_dir, n))]
     if existing and not overwrite:
         raise OutputError(os.path.join(output_dir, existing[0]), "already exists; pass --overwrite to replace it")
-    part, parts, barrier = _distributed()
+    part, parts, barrier = job_share()
 
     def copy_carried() -> None:
         for name, path in carried.items():

@@ -10,6 +10,7 @@ import re
 
 # --- files -------------------------------------------------------------------------------------
 LATEST_FILE = "latest"
+LATEST_UNIVERSAL_FILE = "latest_universal"  # names the universal folder, beside `latest`
 BF16_PREFIX = "bf16_"
 OFFLOADED_TENSORS_DIR = "offloaded_tensors"
 
@@ -41,6 +42,27 @@ def swap_file_name(first_ds_id: int, last_ds_id: int, state: str | None = None) 
 def offloaded_rank_dir(dp_rank: int) -> str:
     """``rank00``-style folder of one rank's NVMe swap files inside offloaded_tensors/."""
     return f"rank{dp_rank:02d}"
+
+
+# --- universal checkpoints (ds_to_universal's layout, read by "load_universal") -----------------
+UNIVERSAL_SUFFIX = "_universal"  # <tag>_universal: the folder ds_to_universal is usually given
+UNIVERSAL_ZERO_DIR = "zero"  # zero/<param name>/<state>.pt, zero/optimizer_state.pt
+UNIVERSAL_OPTIMIZER_STATE = "optimizer_state.pt"
+UNIVERSAL_FP32 = "fp32"  # the master's file stem; other stems are optimizer state names
+UNIVERSAL_STEP = "step"  # ZeRO-1/2 flavour: the param group's step, one file per param
+UNIVERSAL_PARAM = "param"  # ZeRO-1/2 flavour files hold {"cat_dim": 0, "param": tensor}
+UNIVERSAL_CAT_DIM = "cat_dim"
+PARAM_GROUPS = "param_groups"
+
+
+def universal_tag(tag: str) -> str:
+    """The universal folder of a tag: ``global_step10`` -> ``global_step10_universal``."""
+    return tag if tag.endswith(UNIVERSAL_SUFFIX) else tag + UNIVERSAL_SUFFIX
+
+
+def universal_state_file(param: str, state: str) -> str:
+    """``zero/<param name>/<state>.pt`` inside a universal folder."""
+    return f"{UNIVERSAL_ZERO_DIR}/{param}/{state}.pt"
 
 
 # --- model_states keys -------------------------------------------------------------------------

@@ -39,6 +39,15 @@ def _is_tag_dir(path: str) -> bool:
         return False
 
 
+def is_universal_dir(path: str) -> bool:
+    """A universal checkpoint folder: ``zero/`` beside model_states files, no optimizer files."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return N.UNIVERSAL_ZERO_DIR in names and os.path.isdir(os.path.join(path, N.UNIVERSAL_ZERO_DIR)) and not any(N.OPTIM_STATES_RE.match(n) for n in names)
+
+
 def list_tags(checkpoint_dir: str) -> list[str]:
     """Tag folders (those holding a *_model_states.pt) in a checkpoint folder, in natural order."""
     try:
@@ -85,6 +94,8 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
             raise CheckpointNotFoundError(os.path.join(path, tag), f"tag folder not found (tags here: {listed})")
         return Location(path, tag, tags)
     latest = os.path.join(path, N.LATEST_FILE)
+    if not os.path.isfile(latest):  # a folder of universal checkpoints (zckpt to-universal's output)
+        latest = os.path.join(path, N.LATEST_UNIVERSAL_FILE)
     if os.path.isfile(latest):
         try:
             with open(latest, encoding="utf-8") as handle:
@@ -92,7 +103,7 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
         except (OSError, UnicodeDecodeError) as exc:
             raise CorruptFileError(latest, f"cannot read the tag it names ({exc})") from None
         if not named:
-            raise CorruptFileError(latest, "is empty; it should name a tag such as global_step100")
+            raise CorruptFileError(latest, f"is empty; it should name a tag such as global_step100{N.UNIVERSAL_SUFFIX if latest.endswith(N.LATEST_UNIVERSAL_FILE) else ''}")
         if not os.path.isdir(os.path.join(path, named)):
             raise CheckpointNotFoundError(latest, f"names tag '{named}', but folder {os.path.join(path, named)} is missing (tags here: {listed})")
         return Location(path, named, tags)
@@ -169,7 +180,12 @@ def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
     except ZckptError as exc:
         result.problems.append(exc)
         return result
-    _Reader(result).run()
+    if is_universal_dir(result.location.tag_dir):
+        from .universal_reader import UniversalReader  # it builds on ZeroReader
+
+        UniversalReader(result).run()
+    else:
+        ZeroReader(result).run()
     return result
 
 
@@ -181,8 +197,8 @@ def _as_shape(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-class _Reader:
-    """One pass over a tag folder, filling a Survey."""
+class ZeroReader:
+    """One pass over a tag folder of a ZeRO checkpoint, filling a Survey."""
 
     def __init__(self, result: Survey) -> None:
         assert result.location is not None
@@ -480,10 +496,7 @@ class _Reader:
             if recovered:
                 self.result.notes.append(f"{len(recovered)} frozen params read from the module state dict (zero_to_fp32.py drops them)")
 
-        if zero3:
-            params = self._zero3_params(param_shapes, inner, optim_files, world, _ds_ids(model0))
-        else:
-            params = self._zero12_params(param_shapes, inner, optim_files, world)
+        params = self._trainable(param_shapes, inner, optim_files, world, zero3, model0)
         if params is None:
             return None
         entries.extend(params)
@@ -493,6 +506,12 @@ class _Reader:
             if source_name in present:
                 entries.append(Entry(alias, "tied", present[source_name].source, alias_of=source_name))
         return entries
+
+    def _trainable(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, zero3: bool, model0: dict) -> list[Entry] | None:
+        """The trainable params' entries (fp32 masters), from the optimizer files' partitions."""
+        if zero3:
+            return self._zero3_params(param_shapes, inner, optim_files, world, _ds_ids(model0))
+        return self._zero12_params(param_shapes, inner, optim_files, world)
 
     def _whole(self, ref: TensorRef) -> TensorSource:
         try:

@@ -15,7 +15,6 @@ from ..errors import OutputError
 from ..output import StagedFolder, fsync_file, output_error, write_text_atomic
 from ..reading import FileReader
 from ..torchsave import ArchivePlan, archive_name_for, plan_archive, write_archive
-from . import names as N
 from .writer import CheckpointPlan
 
 PARALLEL_MIN_BYTES = 64 << 20  # below this, one thread does it
@@ -69,7 +68,8 @@ def write_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     before_latest: Callable[[], None] | None = None,
 ) -> SaveResult:
-    """Write every file of `plan` into ``output_dir/<tag>/`` and point ``output_dir/latest`` at it.
+    """Write every file of `plan` into ``output_dir/<tag>/`` and point ``output_dir/latest`` (the
+    plan's `latest_file`) at it.
 
     With `parts` > 1 (processes of one job sharing a filesystem), process `part` writes its
     share and process 0 commits; `barrier` must synchronise them. `before_latest` runs (on
@@ -86,6 +86,8 @@ def write_checkpoint(
     done = 0
     try:
         jobs = [(folder.path(planned[i][0]), planned[i][1]) for i in mine]
+        for folder_name in sorted({os.path.dirname(name) for name, _ in planned} - {""}):
+            os.makedirs(folder.path(folder_name), exist_ok=True)
         # Threads, not processes: checksums, kernel copies, reads, writes and dtype conversion all
         # release the GIL, and a thread per file keeps every core busy however the sizes fall.
         # Two files per CPU: one converting dtypes (CPU-bound) overlaps others that only copy.
@@ -106,7 +108,7 @@ def write_checkpoint(
             folder.commit()
             if before_latest:
                 before_latest()
-            write_text_atomic(os.path.join(output_dir, N.LATEST_FILE), plan.tag)
+            write_text_atomic(os.path.join(output_dir, plan.latest_file), plan.tag)
     except OSError as exc:
         folder.abort()
         if isinstance(exc, OutputError):

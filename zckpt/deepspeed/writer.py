@@ -21,7 +21,7 @@ from enum import IntEnum
 from typing import Any
 
 from ..dtypes import BF16, BY_SHORT, FP32, DType
-from ..errors import LayoutError, UsageError
+from ..errors import UsageError
 from ..index import Segment, TensorSource
 from ..state import ScalarState, TrainingState
 from ..torchfile import PickledObject, TensorRef
@@ -59,10 +59,11 @@ class PlannedFile:
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    tag: str
+    tag: str  # the folder the files go in
     target: Target
     layout: ZeroLayout
-    files: tuple[PlannedFile, ...]
+    files: tuple[PlannedFile, ...]  # names relative to the tag folder ("zero/<param>/fp32.pt")
+    latest_file: str = N.LATEST_FILE  # written last, naming the tag folder
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -78,8 +79,6 @@ def plan_target(state: TrainingState, world_size: int, stage: int | None = None,
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(None, f"--world-size must be at least 1, got {world_size}")
     index = state.index
-    if index.offload == "nvme":
-        raise LayoutError(index.tag_dir, "NVMe-offloaded checkpoints cannot be resharded yet (their swap files need an NVMe layout for the new world size)")
     merged = _merge(state.ds_config, config or {})
     zero = dict(merged.get(N.CONFIG_ZERO) or {})
     if stage is None:
@@ -122,10 +121,10 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
 def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None) -> CheckpointPlan:
     """Every file of the target checkpoint as an object tree; pure."""
     layout = target_layout(state, target)
-    tag = tag or state.index.tag
-    optim = _OptimPlanner(state, target, layout)
+    tag = tag or state.index.source_tag
+    optim = OptimPlanner(state, target, layout)
     files = [PlannedFile(N.optim_states_name(rank, bf16=target.dtype == BF16), optim.file(rank), rank) for rank in range(target.world_size)]
-    models = _ModelPlanner(state, target, layout)
+    models = ModelPlanner(state, target, layout)
     if target.stage == 3:
         files = [PlannedFile(N.model_states_name(3, rank), models.file(rank), rank) for rank in range(target.world_size)] + files
     else:
@@ -147,7 +146,7 @@ def _slice(source: TensorSource, start: int, length: int) -> list[Segment]:
     return out
 
 
-def _tensor(source: TensorSource, dtype: DType | None = None, shape: tuple[int, ...] | None = None) -> OutTensor:
+def tensor_of(source: TensorSource, dtype: DType | None = None, shape: tuple[int, ...] | None = None) -> OutTensor:
     """A whole source as an output tensor, converted to `dtype` if given."""
     parts = tuple(Copy(s, source.dtype) for s in source.segments)
     return OutTensor(dtype or source.dtype, source.shape if shape is None else shape, parts)
@@ -171,34 +170,34 @@ def _flat(pieces: list, sources: list[TensorSource], numel: int, dtype: DType) -
     return OutTensor(dtype, (numel,), tuple(parts))
 
 
-def _carry(obj: Any) -> Any:
+def carry(obj: Any) -> Any:
     """An object read by zckpt's unpickler, made writable again (tensors, DeepSpeed classes)."""
     if isinstance(obj, TensorRef):
         from ..reading import source_of
 
-        return _tensor(source_of(obj))
+        return tensor_of(source_of(obj))
     if isinstance(obj, PickledObject):
         module, name = obj.original_class.rsplit(".", 1)
-        return PickledInstance(GlobalName(module, name), {k: _carry(v) for k, v in vars(obj).items()})
+        return PickledInstance(GlobalName(module, name), {k: carry(v) for k, v in vars(obj).items()})
     if isinstance(obj, IntEnum):
         return PickledEnum(ZERO_STAGE_ENUM, int(obj))
     if isinstance(obj, OrderedDict):
-        return OrderedDict((k, _carry(v)) for k, v in obj.items())
+        return OrderedDict((k, carry(v)) for k, v in obj.items())
     if isinstance(obj, dict):
-        return {k: _carry(v) for k, v in obj.items()}
+        return {k: carry(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_carry(v) for v in obj]
+        return [carry(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_carry(v) for v in obj)
+        return tuple(carry(v) for v in obj)
     return obj
 
 
-def _scalar(scalar: ScalarState) -> Any:
-    return _tensor(scalar.tensor) if scalar.tensor is not None else scalar.value
+def scalar_of(scalar: ScalarState) -> Any:
+    return tensor_of(scalar.tensor) if scalar.tensor is not None else scalar.value
 
 
 # --- optim_states --------------------------------------------------------------------------------
-class _OptimPlanner:
+class OptimPlanner:
     def __init__(self, state: TrainingState, target: Target, layout: ZeroLayout) -> None:
         self.state, self.target, self.layout = state, target, layout
         by_name = {p.name: p for p in state.params}
@@ -212,7 +211,7 @@ class _OptimPlanner:
 
     def file(self, rank: int) -> dict:
         inner = self._zero3(rank) if self.target.stage == 3 else self._zero12(rank)
-        return {N.OPTIMIZER_STATE_DICT: inner, N.DS_CONFIG: _carry(self.target.ds_config), N.DS_VERSION: self.target.ds_version}
+        return {N.OPTIMIZER_STATE_DICT: inner, N.DS_CONFIG: carry(self.target.ds_config), N.DS_VERSION: self.target.ds_version}
 
     def _torch_state(self, rank: int) -> dict:
         """The torch optimizer's state_dict over this rank's flat groups."""
@@ -223,17 +222,21 @@ class _OptimPlanner:
             entry: dict[str, Any] = {}
             for key in saved.state_keys or list(saved.scalars) + self.state.state_names:
                 if key in saved.scalars:
-                    entry[key] = _scalar(saved.scalars[key])
+                    entry[key] = scalar_of(saved.scalars[key])
                 elif all(key in self.params[i].states for i in group.params):
                     sources = self.state_sources[key]
                     entry[key] = _flat(pieces, sources, group.partition, sources[group.params[0]].dtype if group.params else FP32)
             if entry:
                 state[flat] = entry
+        return {"state": state, "param_groups": self._param_groups()}
+
+    def _param_groups(self) -> list[dict]:
+        """The torch optimizer's param groups: hyperparameters, and the flat groups as params."""
         param_groups = []
         for g, saved in enumerate(self.state.groups):
             members = [f for f, group in enumerate(self.layout.flat_groups) if group.param_group == g]
-            param_groups.append({**_carry(saved.hyperparams), "params": members})
-        return {"state": state, "param_groups": param_groups}
+            param_groups.append({**carry(saved.hyperparams), "params": members})
+        return param_groups
 
     def _zero12(self, rank: int) -> dict:
         world = self.target.world_size
@@ -297,15 +300,41 @@ class _OptimPlanner:
             N.FP32_FLAT_GROUPS: fp32,
         }
 
+    def universal_state(self) -> dict:
+        """``zero/optimizer_state.pt`` of a universal checkpoint: rank 0's optimizer file without
+        its partitions, plus the param groups, as ``ds_to_universal`` writes it. For ZeRO-3 the
+        torch state keeps only the per-group scalars (``step``, which the loader reads); rank 0's
+        partitions, which ds_to_universal also copies in, are left out."""
+        param_groups = self._param_groups()
+        if self.target.stage == 3:
+            out = self._zero3(0)
+            del out[N.FP32_FLAT_GROUPS]
+            out[N.OPTIMIZER_STATE_DICT] = {"state": self._scalar_state(), "param_groups": param_groups}
+        else:
+            dropped = (N.BASE_OPTIMIZER_STATE, N.PARAM_SLICE_MAPPINGS, N.SINGLE_PARTITION_OF_FP32_GROUPS)
+            out = {k: v for k, v in self._zero12(0).items() if k not in dropped}
+        out[N.PARAM_GROUPS] = param_groups
+        return out
+
+    def _scalar_state(self) -> dict:
+        """Each flat group's scalar states (``step``), in the saved key order."""
+        state = {}
+        for flat, group in enumerate(self.layout.flat_groups):
+            saved = self.state.groups[group.param_group]
+            keys = [k for k in saved.state_keys or list(saved.scalars) if k in saved.scalars]
+            if keys:
+                state[flat] = {k: scalar_of(saved.scalars[k]) for k in keys}
+        return state
+
     def _loss_scaler(self) -> Any:
         if self.state.loss_scaler is not None:
-            return _carry(self.state.loss_scaler)
+            return carry(self.state.loss_scaler)
         # BF16_Optimizer files keep no scaler; bf16 and fp32 runs use a static scale of 1
         return PickledInstance(LOSS_SCALER, {"cur_scale": 1.0, "dynamic": False})
 
 
 # --- model_states --------------------------------------------------------------------------------
-class _ModelPlanner:
+class ModelPlanner:
     def __init__(self, state: TrainingState, target: Target, layout: ZeroLayout) -> None:
         self.state, self.target, self.layout = state, target, layout
         index = state.index
@@ -335,9 +364,9 @@ class _ModelPlanner:
             if origin in params and self.target.stage == 3:
                 tensor = OutTensor(dtype, (0,), ())  # ZeRO-3 saves empty placeholders for params
             elif origin in params:
-                tensor = _tensor(entry.source, dtype=dtype)  # 16-bit weights = the masters rounded
+                tensor = tensor_of(entry.source, dtype=dtype)  # 16-bit weights = the masters rounded
             else:  # a buffer
-                tensor = _tensor(entry.source)
+                tensor = tensor_of(entry.source)
             sources[origin] = module[name] = tensor
         self.module = module
         return module
@@ -350,7 +379,7 @@ class _ModelPlanner:
         for name in self.frozen:
             entry = self.entries[name]
             if stage == 2:
-                fragments[name] = self.module.get(name) or _tensor(entry.source, dtype=self.state.index.dtype)
+                fragments[name] = self.module.get(name) or tensor_of(entry.source, dtype=self.state.index.dtype)
                 continue
             assert rank is not None
             numel = entry.source.numel
@@ -374,7 +403,7 @@ class _ModelPlanner:
         own = self.state.rank_buffers[rank] if rank is not None and rank < len(self.state.rank_buffers) else {}
         if not own or rank == 0:
             return self.module
-        return OrderedDict((n, _tensor(own[n]) if n in own else t) for n, t in self.module.items())
+        return OrderedDict((n, tensor_of(own[n]) if n in own else t) for n, t in self.module.items())
 
     def file(self, rank: int | None) -> dict:
         state = self.state
@@ -383,13 +412,13 @@ class _ModelPlanner:
             N.PARAM_SHAPES: self._param_shapes(),
             N.FROZEN_PARAM_SHAPES: None if self.target.stage == 1 else OrderedDict((n, torch_size(self.entries[n].source.shape)) for n in self.frozen),
             N.FROZEN_PARAM_FRAGMENTS: self._frozen_fragments(rank),
-            N.LR_SCHEDULER: _carry(state.lr_scheduler),
+            N.LR_SCHEDULER: carry(state.lr_scheduler),
             N.SKIPPED_STEPS: state.skipped_steps,
             N.GLOBAL_STEPS: state.global_steps,
             N.GLOBAL_SAMPLES: state.global_samples,
             N.DP_WORLD_SIZE: self.target.world_size,
             N.MP_WORLD_SIZE: 1,
-            N.DS_CONFIG: _carry(self.target.ds_config),
+            N.DS_CONFIG: carry(self.target.ds_config),
             N.DS_VERSION: self.target.ds_version,
         }
         out: dict[str, Any] = {}
@@ -401,10 +430,10 @@ class _ModelPlanner:
             elif key == N.SHARED_PARAMS:  # engine._get_shared_params fills it on global rank 0 only
                 out[key] = dict(self.tied) if not rank else {}
             elif key in state.engine_extras:
-                out[key] = _carry(state.engine_extras[key])
+                out[key] = carry(state.engine_extras[key])
             else:
                 out[key] = _default_engine_value(key)
-        out.update(_carry(state.client_state))
+        out.update(carry(state.client_state))
         return out
 
 

@@ -1,0 +1,59 @@
+"""Lay a TrainingState out as DeepSpeed's universal checkpoint, for a run of any ZeRO stage.
+
+A universal checkpoint is what ``ds_to_universal`` writes and what a run with
+``"checkpoint": {"load_universal": true}`` loads at any world size: one folder per trainable
+param, ``zero/<name>/<state>.pt`` holding the full tensor of its fp32 master (``fp32.pt``) and of
+each optimizer state, ``zero/optimizer_state.pt`` (loss scaler, param groups, ...) and the
+model_states files (lr scheduler, counters, client state, frozen params and buffers).
+
+DeepSpeed's loaders read two flavours, and only their own: ZeRO-1/2 (``load_hp_checkpoint_state``)
+wants every per-param file to be ``{"cat_dim": 0, "param": <full-shape tensor>}`` and the
+group's step in ``step.pt``, and finds the model_states as ``mp_rank_00_model_states.pt``; ZeRO-3
+(``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) reads flat tensors, takes the step from
+``optimizer_state.pt`` and finds ``zero_pp_rank_0_mp_rank_00_model_states.pt``. The flavour
+written here follows the target stage, so a checkpoint crosses ZeRO stages; the model_states
+files come from the same planner as :mod:`~zckpt.deepspeed.writer`'s, at the input's world size.
+Pure: no tensor byte is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..state import ParamState, TrainingState
+from ..torchsave import OutTensor
+from . import names as N
+from .writer import CheckpointPlan, OptimPlanner, PlannedFile, plan_checkpoint, plan_target, scalar_of, tensor_of
+
+
+def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> CheckpointPlan:
+    """Every file of the universal folder ``<tag>_universal`` as an object tree.
+
+    `target_stage`: the ZeRO stage of the run that will load it (default: the input's).
+    """
+    target = plan_target(state, state.index.world_size, target_stage)
+    base = plan_checkpoint(state, target)
+    files = [f for f in base.files if N.MODEL_STATES_RE.match(f.name)]
+    optim = OptimPlanner(state, target, base.layout)
+    files.append(PlannedFile(f"{N.UNIVERSAL_ZERO_DIR}/{N.UNIVERSAL_OPTIMIZER_STATE}", optim.universal_state(), None))
+    zero3 = target.stage == 3
+    for param in state.params:
+        files.extend(_param_files(state, param, zero3))
+    return CheckpointPlan(N.universal_tag(base.tag), target, base.layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE)
+
+
+def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[PlannedFile]:
+    sources = {N.UNIVERSAL_FP32: param.master, **param.states}
+    files = []
+    for key, source in sources.items():
+        files.append(PlannedFile(N.universal_state_file(param.name, key), _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3), None))
+    step = state.groups[param.group].scalars.get(N.UNIVERSAL_STEP)
+    if step is not None and not zero3:
+        files.append(PlannedFile(N.universal_state_file(param.name, N.UNIVERSAL_STEP), scalar_of(step), None))
+    return files
+
+
+def _wrapped(tensor: OutTensor, zero3: bool) -> Any:
+    """ZeRO-3's loader takes the bare flat tensor; ZeRO-1/2's wants DeepSpeed's dict (its key
+    order: ``cat_dim`` first, as ``merge_tp_slices`` fills it)."""
+    return tensor if zero3 else {N.UNIVERSAL_CAT_DIM: 0, N.UNIVERSAL_PARAM: tensor}

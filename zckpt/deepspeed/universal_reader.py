@@ -1,0 +1,303 @@
+"""Read a universal checkpoint folder (zckpt's or ``ds_to_universal``'s) into a Survey.
+
+The model_states files are read as in a ZeRO checkpoint (buffers, frozen params, tied aliases,
+counters, scheduler: :class:`~zckpt.deepspeed.reader.ZeroReader` does it); the trainable params
+come from ``zero/<name>/<state>.pt`` instead of rank partitions. Both flavours are read: ZeRO-1/2
+files hold ``{"param": full-shape tensor, ...}`` and a ``step.pt`` per param, ZeRO-3 files a flat
+tensor, with the steps in ``zero/optimizer_state.pt``. Everything a resume needs is checked
+(every param's folder, its fp32 master and the same states as the rest of its group, shapes
+against the model_states) and every problem is reported, so ``inspect`` can judge a folder before
+a job is scheduled on it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..index import CheckpointIndex, Entry, TensorSource
+from ..materialize import read_scalar
+from ..reading import FileReader, source_of
+from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
+from ..torchfile import TensorRef
+from . import names as N
+from .layout import LayoutParam, zero12_layout
+from .optim_state import CARRIED_ENGINE_KEYS, ENGINE_KEYS, OPTIMIZER_EXTRA_KEYS, _buffers, _optimizer_order, _round_robin
+from .reader import ZeroReader, _as_shape, _natural_key, _product, _sub_group_param_groups
+
+
+class _ParamFiles:
+    """What one param's folder holds: its master, per-element states and step."""
+
+    def __init__(self, master: TensorSource, states: dict[str, TensorSource], step: Any, step_path: str | None) -> None:
+        self.master, self.states, self.step, self.step_path = master, states, step, step_path
+
+
+class UniversalReader(ZeroReader):
+    """One pass over a universal folder, filling a Survey."""
+
+    def run(self) -> None:
+        model_files = self._model_files()
+        if model_files is None:
+            return
+        zero3 = any(rank is not None for rank in model_files)
+        model_paths = {rank: self._path(name) for rank, name in sorted(model_files.items(), key=lambda kv: kv[0] or 0)}
+        optimizer_path = os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR, N.UNIVERSAL_OPTIMIZER_STATE)
+        self.result.files = sorted(model_paths.values()) + [optimizer_path]
+        models = {rank: self._load(p) for rank, p in model_paths.items()}
+        first = 0 if zero3 else None
+        model0 = models.get(first)
+        if first not in models:
+            self._problem(CheckpointNotFoundError, self._path(N.model_states_name(3, 0)), "missing (rank 0 model states, which DeepSpeed's loader reads)")
+            return
+        if isinstance(model0, dict):
+            self._declare(model0)
+        if not os.path.isfile(optimizer_path):
+            self._problem(CheckpointNotFoundError, optimizer_path, "missing (the optimizer's global state: loss scaler, param groups, steps)")
+            return
+        optimizer = self._load(optimizer_path)
+        if any(v is None for v in models.values()) or optimizer is None:
+            return
+        if not self._check_kinds(models, model_paths, optimizer, optimizer_path):
+            return
+        self.optimizer, self.optimizer_path = optimizer, optimizer_path
+        self._describe(model0, optimizer, "", zero3)
+        self.result.notes.append(f"universal checkpoint ({'ZeRO-3' if zero3 else 'ZeRO-1/2'} flavour: a load_universal run of that stage reads it at any world size)")
+        world = self.result.world_size
+        if zero3 and any(rank not in models for rank in range(world or 0)) and model0.get(N.FROZEN_PARAM_SHAPES):
+            missing = next(rank for rank in range(world or 0) if rank not in models)
+            self._problem(CheckpointNotFoundError, self._path(N.model_states_name(3, missing)), f"missing: the frozen params' partitions of rank {missing} (world size {world}) are in it")
+            return
+        self._check_same_run(models, {}, model_paths, {})
+        if self.problems:
+            return
+        entries = self._entries(models, {0: optimizer}, model_paths, {}, zero3)
+        if entries is None or self.problems:
+            return
+        location = self.result.location
+        assert location is not None and self.result.dtype is not None
+        self.result.index = CheckpointIndex(
+            checkpoint_dir=location.checkpoint_dir, tag=location.tag, tag_dir=self.tag_dir, tags=location.tags,
+            zero_stage=self.result.zero_stage or 0, world_size=world or 0, dtype=self.result.dtype,
+            ds_version=self.result.ds_version, offload=self.result.offload, entries=tuple(entries),
+            files=tuple(self.result.files), notes=tuple(self.result.notes), universal=True,
+        )
+        self.result.state = self._training_state(models, model0, zero3)
+
+    # --- files --------------------------------------------------------------------------------
+    def _model_files(self) -> dict[int | None, str] | None:
+        try:
+            listing = sorted(os.listdir(self.tag_dir), key=_natural_key)
+        except OSError as exc:
+            self._problem(CheckpointNotFoundError, self.tag_dir, f"cannot list universal folder ({exc.strerror})")
+            return None
+        files: dict[int | None, str] = {}
+        for name in listing:
+            match = N.MODEL_STATES_RE.match(name)
+            if N.EXPERT_STATES_RE.match(name):
+                self._problem(LayoutError, self._path(name), "mixture-of-experts checkpoints (expert files) are not supported")
+            elif match and int(match["mp"]) != 0:
+                self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
+            elif match:
+                files[int(match["dp"]) if match["dp"] is not None else None] = name
+        if not files:
+            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_model_states.pt file in the universal folder (DeepSpeed's loader reads the counters and scheduler from it)")
+            return None
+        if None in files and len(files) > 1:
+            self._problem(LayoutError, self.tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two conversions are mixed")
+            return None
+        return files
+
+    def _check_kinds(self, models: dict, model_paths: dict, optimizer: Any, optimizer_path: str) -> bool:
+        ok = True
+        for rank, state in models.items():
+            if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
+                self._problem(CorruptFileError, model_paths[rank], "not a DeepSpeed model-states file (no 'module'/'param_shapes')")
+                ok = False
+        if not isinstance(optimizer, dict) or not isinstance(optimizer.get(N.PARAM_GROUPS), list):
+            self._problem(CorruptFileError, optimizer_path, "not a universal optimizer state (no 'param_groups' list)")
+            ok = False
+        return ok
+
+    def _describe(self, model0: dict, inner0: dict, prefix: str, zero3: bool) -> None:
+        super()._describe(model0, inner0, prefix, zero3)
+        # the world size of the run that saved it; partition_count in optimizer_state.pt says the same
+        world = model0.get(N.DP_WORLD_SIZE)
+        self.result.world_size = world if isinstance(world, int) and world >= 1 else self.result.world_size
+
+    # --- params -------------------------------------------------------------------------------
+    def _trainable(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, zero3: bool, model0: dict) -> list[Entry] | None:
+        """Each trainable param's master from ``zero/<name>/fp32.pt``, its states beside it."""
+        self.param_files: dict[str, _ParamFiles] = {}
+        self.shapes = {name: _as_shape(shape) for group in param_shapes for name, shape in group.items()}
+        self.param_shapes = param_shapes
+        entries = []
+        with FileReader() as reader:
+            for name, shape in self.shapes.items():
+                found = self._read_param(reader, name, shape, zero3)
+                if found is not None:
+                    self.param_files[name] = found
+                    entries.append(Entry(name, "param", found.master))
+        self._check_states_complete(param_shapes, zero3)
+        self._note_extra_folders()
+        return None if self.problems else entries
+
+    def _read_param(self, reader: FileReader, name: str, shape: tuple[int, ...], zero3: bool) -> _ParamFiles | None:
+        folder = os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR, name)
+        try:
+            stems = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".pt"))
+        except FileNotFoundError:
+            self._problem(CheckpointNotFoundError, folder, f"missing: param {name} (shape {list(shape)}) is in the model states but has no folder")
+            return None
+        except OSError as exc:
+            self._problem(CheckpointNotFoundError, folder, f"cannot list ({exc.strerror})")
+            return None
+        if N.UNIVERSAL_FP32 not in stems:
+            self._problem(CheckpointNotFoundError, os.path.join(folder, "fp32.pt"), f"missing: the fp32 master of {name}")
+            return None
+        master, states, step, step_path = None, {}, None, None
+        for stem in stems:
+            path = os.path.join(folder, f"{stem}.pt")
+            self.result.files.append(path)
+            value = self._load(path)
+            if value is None:
+                return None
+            if stem == N.UNIVERSAL_STEP:
+                step, step_path = (read_scalar(reader, source_of(value)) if isinstance(value, TensorRef) else value), path
+                continue
+            source = self._state_source(path, value, name, shape)
+            if source is None:
+                return None
+            if stem == N.UNIVERSAL_FP32:
+                master = source
+            else:
+                states[stem] = source
+        assert master is not None
+        return _ParamFiles(master, states, step, step_path)
+
+    def _state_source(self, path: str, value: Any, name: str, shape: tuple[int, ...]) -> TensorSource | None:
+        """The tensor of one state file, viewed as the param's shape (flat files are accepted)."""
+        ref = value.get(N.UNIVERSAL_PARAM) if isinstance(value, dict) else value
+        if not isinstance(ref, TensorRef):
+            self._problem(CorruptFileError, path, f"holds no tensor (expected a tensor or {{'param': tensor}}, got {type(value).__name__})")
+            return None
+        if ref.numel != _product(shape) or (len(ref.shape) != 1 and tuple(ref.shape) != shape):
+            self._problem(LayoutError, path, f"holds a tensor of shape {list(ref.shape)}; the model states give {name} shape {list(shape)}")
+            return None
+        if not ref.dtype.is_floating:
+            self._problem(CorruptFileError, path, f"holds {ref.dtype.short} data; optimizer states are floating point")
+            return None
+        try:
+            whole = source_of(ref)
+        except CorruptFileError as exc:
+            self.problems.append(exc)
+            return None
+        return TensorSource(ref.dtype, shape, whole.segments)
+
+    def _check_states_complete(self, param_shapes: list[dict], zero3: bool) -> None:
+        """Every param has the states the rest of its group has (a missing exp_avg.pt would
+        leave the loader's buffer at zeros: the run would resume with a reset optimizer)."""
+        for group in self._group_members(param_shapes, zero3):
+            found = [n for n in group if n in self.param_files]
+            expected: dict[str, None] = {}
+            for name in found:
+                expected.update(dict.fromkeys(self.param_files[name].states))
+            for name in found:
+                for key in expected:
+                    if key not in self.param_files[name].states:
+                        others = sum(1 for n in found if key in self.param_files[n].states)
+                        path = os.path.join(self.tag_dir, N.universal_state_file(name, key))
+                        self._problem(CheckpointNotFoundError, path, f"missing: {others} other param(s) of its group have {key}")
+
+    def _group_members(self, param_shapes: list[dict], zero3: bool) -> list[list[str]]:
+        if not zero3:
+            return [list(group) for group in param_shapes]
+        owner = _sub_group_param_groups(self.optimizer, len(param_shapes))
+        groups: dict[int, list[str]] = {}
+        for sub_group, shapes in enumerate(param_shapes):
+            groups.setdefault(owner[sub_group], []).extend(shapes)
+        return [groups[g] for g in sorted(groups)]
+
+    def _note_extra_folders(self) -> None:
+        try:
+            folders = os.listdir(os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR))
+        except OSError:
+            return
+        known = set(self.shapes) | {name for name, _, _ in self.result.declared} | set(self.result.tied)
+        extra = sorted(f for f in folders if f not in known and os.path.isdir(os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR, f)))
+        if extra:
+            self.result.notes.append(f"{len(extra)} folder(s) under zero/ belong to no param of the model states (ignored): {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+
+    # --- training state -----------------------------------------------------------------------
+    def _training_state(self, models: dict, model0: dict, zero3: bool) -> TrainingState:
+        index = self.result.index
+        assert index is not None
+        config = model0.get(N.DS_CONFIG) or {}
+        groups_of = self._group_members(self.param_shapes, zero3)
+        group_index = {name: g for g, names in enumerate(groups_of) for name in names}
+        params = [
+            ParamState(name, self.shapes[name], group_index[name], files.master, files.states)
+            for name, files in self.param_files.items()
+        ]
+        if not zero3:  # flat-group order in the model states; the optimizer's may differ (round robin)
+            layout = zero12_layout([[LayoutParam(n, _product(s), g) for n, s in group.items()] for g, group in enumerate(self.param_shapes)], index.world_size, stage=index.zero_stage)
+            params = [params[i] for i in _optimizer_order(layout, params, config)]
+        groups = self._param_groups(groups_of, zero3)
+        return TrainingState(
+            index=index,
+            params=tuple(params),
+            groups=groups,
+            module_names=tuple(model0.get(N.MODULE) or {}),
+            module_dtype_names={k: v.dtype.short for k, v in (model0.get(N.MODULE) or {}).items() if isinstance(v, TensorRef)},
+            loss_scaler=self.optimizer.get(N.LOSS_SCALER),
+            lr_scheduler=model0.get(N.LR_SCHEDULER),
+            global_steps=model0.get(N.GLOBAL_STEPS),
+            global_samples=model0.get(N.GLOBAL_SAMPLES),
+            skipped_steps=model0.get(N.SKIPPED_STEPS),
+            ds_config=config,
+            client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
+            engine_extras={k: model0[k] for k in CARRIED_ENGINE_KEYS if k in model0},
+            optimizer_extras={k: self.optimizer[k] for k in OPTIMIZER_EXTRA_KEYS if k in self.optimizer},
+            rank_buffers=tuple(_buffers(models[rank]) for rank in sorted(models)) if zero3 else (),
+            optimizer_kind="zero" if N.ZERO_STAGE in self.optimizer else "bf16_optimizer",
+            round_robin=not zero3 and _round_robin(config),
+        )
+
+    def _param_groups(self, groups_of: list[list[str]], zero3: bool) -> tuple[ParamGroupState, ...]:
+        saved = self.optimizer.get(N.PARAM_GROUPS) or []
+        torch_state = (self.optimizer.get(N.OPTIMIZER_STATE_DICT) or {}).get("state") or {}
+        owner = _sub_group_param_groups(self.optimizer, len(self.param_shapes)) if zero3 else []
+        result = []
+        for g, names in enumerate(groups_of):
+            hyper = saved[g] if g < len(saved) and isinstance(saved[g], dict) else {}
+            element_keys: dict[str, None] = {}
+            for name in names:
+                element_keys.update(dict.fromkeys(self.param_files[name].states))
+            scalars: dict[str, ScalarState] = {}
+            keys: tuple[str, ...] = ()
+            if zero3:  # the first sub-group's torch state holds the group's scalars (step)
+                first = next((sub for sub, group in enumerate(owner) if group == g), None)
+                entry = torch_state.get(first) if first is not None else None
+                if isinstance(entry, dict):  # zckpt keeps only the scalars there; DeepSpeed all the keys
+                    keys = tuple(entry) + tuple(k for k in element_keys if k not in entry)
+                    for key, value in entry.items():
+                        if key not in element_keys:
+                            scalars[key] = ScalarState(tensor=source_of(value)) if isinstance(value, TensorRef) else ScalarState(value=value)
+            else:
+                scalars.update(self._group_step(names))
+            result.append(ParamGroupState({k: v for k, v in hyper.items() if k != "params"}, scalars, tuple(names), keys))
+        return tuple(result)
+
+    def _group_step(self, names: list[str]) -> dict[str, ScalarState]:
+        """The group's step from its params' step.pt files, which must agree (DeepSpeed asserts it)."""
+        steps = [(self.param_files[n].step, self.param_files[n].step_path) for n in names if self.param_files[n].step_path]
+        if not steps:
+            return {}
+        first_value, first_path = steps[0]
+        for value, path in steps[1:]:
+            if value != first_value:
+                self._problem(LayoutError, path, f"step {value} differs from {first_value} in {first_path}: files of different conversions are mixed")
+        assert first_path is not None
+        ref = self._load(first_path)
+        return {N.UNIVERSAL_STEP: ScalarState(tensor=source_of(ref)) if isinstance(ref, TensorRef) else ScalarState(value=ref)}

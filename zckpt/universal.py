@@ -1,0 +1,68 @@
+"""``zckpt to-universal``: write DeepSpeed's universal checkpoint of any ZeRO checkpoint.
+
+Read the whole training state (a ZeRO checkpoint of any stage, or a universal folder), plan one
+file per param and state plus the files the loader needs (pure), then stream the bytes with the
+writer that ``reshard`` uses. The output, ``OUTPUT_DIR/<tag>_universal`` and
+``OUTPUT_DIR/latest_universal``, resumes under ``"checkpoint": {"load_universal": true}`` at any
+world size, in a run of the target ZeRO stage. Under torchrun the job's processes split the
+files between them; the output is byte-identical to a single process's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .deepspeed.reader import open_training_state
+from .deepspeed.save import write_checkpoint
+from .deepspeed.universal import plan_universal
+from .deepspeed.writer import CheckpointPlan
+from .errors import UsageError
+from .jobs import job_share
+from .output import is_inside
+from .state import TrainingState
+
+
+@dataclass(frozen=True)
+class UniversalResult:
+    output_dir: str
+    tag: str  # the universal folder's name, e.g. global_step100_universal
+    source: TrainingState
+    target_stage: int
+    files: tuple[str, ...]
+    bytes_written: int
+
+
+def plan_to_universal(checkpoint: str | os.PathLike[str], *, tag: str | None = None, target_stage: int | None = None) -> CheckpointPlan:
+    """Read the checkpoint's training state and plan every file of its universal folder."""
+    return plan_universal(open_training_state(checkpoint, tag), target_stage=_stage(target_stage))
+
+
+def _stage(stage: int | None) -> int | None:
+    if stage is not None and stage not in (1, 2, 3):
+        raise UsageError(None, f"--target-stage must be 1, 2 or 3, got {stage}")
+    return stage
+
+
+def to_universal(
+    checkpoint: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    target_stage: int | None = None,
+    overwrite: bool = False,
+    workers: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> UniversalResult:
+    """Write the universal checkpoint of `checkpoint` (tag `tag`, default: the latest) into
+    `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage)."""
+    output_dir = os.fspath(output_dir)
+    source = open_training_state(checkpoint, tag)
+    plan = plan_universal(source, target_stage=_stage(target_stage))
+    index = source.index
+    if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
+        raise UsageError(output_dir, f"would replace the input {index.tag_dir}; choose another folder")
+    part, parts, barrier = job_share()
+    result = write_checkpoint(plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier, progress=progress)
+    return UniversalResult(output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written)
