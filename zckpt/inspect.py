@@ -66,6 +66,7 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
         "dtype": found.dtype.short if found.dtype else None,
         "ds_version": found.ds_version,
         "offload": found.offload,
+        "universal": found.universal,
     }
     index = found.index
     if index is not None:
@@ -232,10 +233,15 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
     """The readable summary of a report."""
     lines = []
     if report["kind"] == "deepspeed_checkpoint":
-        lines.append(f"DeepSpeed ZeRO checkpoint: {report['path']}")
+        universal = report.get("universal")
+        lines.append(f"DeepSpeed {'universal' if universal else 'ZeRO'} checkpoint: {report['path']}")
         tags = ", ".join(report["tags"]) or "none"
         lines.append(f"  tag            {report['tag']} (tags present: {tags})")
-        lines.append(f"  ZeRO stage     {report['zero_stage']}   world size {report['world_size']}   dtype {report['dtype']}   offload {report['offload']}")
+        if universal:
+            flavour = "ZeRO-3" if report["zero_stage"] == 3 else "ZeRO-1/2"
+            lines.append(f"  loads into     {flavour} runs with load_universal, any world size (saved by world size {report['world_size']}; dtype {report['dtype']})")
+        else:
+            lines.append(f"  ZeRO stage     {report['zero_stage']}   world size {report['world_size']}   dtype {report['dtype']}   offload {report['offload']}")
         lines.append(f"  DeepSpeed      {report['ds_version']}")
         lines.append(f"  params         {report['params']} ({_human(report['trainable_numel'])} trainable elements, {_human(report['frozen_numel'])} frozen)")
         if report["frozen"]:

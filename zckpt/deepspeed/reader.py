@@ -134,6 +134,7 @@ class Survey:
     declared: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, kind)
     tied: dict[str, str] = field(default_factory=dict)
     state: TrainingState | None = None  # the whole training state, when the checkpoint is complete
+    universal: bool = False  # a universal folder (zero/<param>/<state>.pt), not rank partitions
 
     @property
     def complete(self) -> bool:
@@ -180,7 +181,8 @@ def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
     except ZckptError as exc:
         result.problems.append(exc)
         return result
-    if is_universal_dir(result.location.tag_dir):
+    result.universal = is_universal_dir(result.location.tag_dir)
+    if result.universal:
         from .universal_reader import UniversalReader  # it builds on ZeroReader
 
         UniversalReader(result).run()

@@ -63,7 +63,6 @@ class UniversalReader(ZeroReader):
             return
         self.optimizer, self.optimizer_path = optimizer, optimizer_path
         self._describe(model0, optimizer, "", zero3)
-        self.result.notes.append(f"universal checkpoint ({'ZeRO-3' if zero3 else 'ZeRO-1/2'} flavour: a load_universal run of that stage reads it at any world size)")
         world = self.result.world_size
         if zero3 and any(rank not in models for rank in range(world or 0)) and model0.get(N.FROZEN_PARAM_SHAPES):
             missing = next(rank for rank in range(world or 0) if rank not in models)
