@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from .consolidate import output_dtype
 from .deepspeed.reader import open_checkpoint, open_training_state
+from .dtypes import DTypeLike
 from .errors import LayoutError
 from .index import CheckpointIndex, Entry
 from .materialize import read_tensor
@@ -25,11 +26,12 @@ def _selected(index: CheckpointIndex, exclude_frozen: bool) -> list[Entry]:
 
 
 def iter_tensors(
-    checkpoint: PathLike, *, tag: str | None = None, dtype: str = "fp32", exclude_frozen: bool = False, states: bool = False
+    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False, states: bool = False
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Yield ``(name, tensor)`` one at a time; only one tensor is in memory at once.
 
-    Floating tensors come in `dtype` (``fp32``, ``bf16`` or ``fp16``); integer buffers keep
+    Floating tensors come in `dtype` (``fp32``, ``bf16`` or ``fp16``, torch's names such as
+    ``bfloat16``, or a torch dtype such as ``torch.bfloat16``); integer buffers keep
     their own. A tied alias is yielded as a fresh copy of its source. With `states`, each
     trainable param is followed by its optimizer states as ``<name>.<state>`` (``exp_avg``,
     ``exp_avg_sq`` for Adam; whatever the optimizer keeps), full shape, in their stored dtype.
@@ -47,7 +49,7 @@ def iter_tensors(
 
 
 def load_state_dict(
-    checkpoint: PathLike, *, tag: str | None = None, dtype: str = "fp32", exclude_frozen: bool = False
+    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False
 ) -> dict[str, "torch.Tensor"]:
     """The whole consolidated state dict, as zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint
     returns it, plus frozen params; tied aliases share their source's tensor."""

@@ -1,8 +1,12 @@
 """The ``zckpt`` command line: parse options, call one library function, print.
 
 Exit codes: 0 success; 1 bad input or a failed write (one line on stderr naming the file and
-the problem; ``ZCKPT_DEBUG=1`` shows the traceback); 2 bad usage (unknown option, bad value);
-3 ``inspect`` found the checkpoint incomplete or inconsistent; 130 interrupted.
+the problem; ``ZCKPT_DEBUG=1`` or ``--debug`` shows the traceback); 2 bad usage (unknown
+option, bad value, options that contradict each other or the input); 3 ``inspect`` found the
+checkpoint incomplete or inconsistent; 130 interrupted.
+
+``consolidate`` also takes zero_to_fp32.py's spellings (``--max_shard_size``,
+``--exclude_frozen_parameters``, ``--safe_serialization``, ``-t``, ``-d``/``--debug``).
 """
 
 from __future__ import annotations
@@ -15,31 +19,66 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from .errors import UsageError, ZckptError
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
 EXIT_INCOMPLETE = 3
+EXIT_INTERRUPTED = 130
+
+
+class _Command(TyperCommand):
+    """Plain click help: ``CHECKPOINT OUTPUT_DIR`` in the usage line and the argument list,
+    no type placeholders (``<path>``, ``<bool>``) where no value is taken."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = param.metavar or param.name.upper()
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        params = self.get_params(ctx)
+        arguments = [(p.metavar or p.name.upper(), p.help or "") for p in params if p.param_type_name == "argument"]
+        options = [r for p in params if p.param_type_name == "option" and (r := p.get_help_record(ctx))]
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
 
 app = typer.Typer(
     name="zckpt",
     help=(
         "Read, consolidate, reshard and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.\n\n"
         "Exit codes: 0 success; 1 bad input or failed write (one line naming the file; ZCKPT_DEBUG=1 for the traceback); "
-        "2 bad usage; 3 inspect found the input incomplete."
+        "2 bad usage; 3 inspect found the input incomplete; 130 interrupted."
     ),
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # plain click help: wrapped at 80 columns, the same on a terminal and in a pipe
     pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 80},
 )
 
 
-class DType(str, enum.Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
+def _show_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"zckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    pass
 
 
 class Format(str, enum.Enum):
@@ -49,9 +88,10 @@ class Format(str, enum.Enum):
 
 TagOption = Annotated[
     Optional[str],
-    typer.Option("--tag", "-t", help="Tag folder to read, e.g. global_step1000. Default: the one named in 'latest'."),
+    typer.Option("--tag", "-t", metavar="TAG", help="Tag folder to read, e.g. global_step1000. Default: the one named in 'latest'."),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
+WorkersOption = Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files written at once (default: two per CPU).")]
 
 
 def _fail(message: str, code: int) -> None:
@@ -59,9 +99,9 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-def _guarded(action: Callable[[], Any]) -> Any:
+def _guarded(action: Callable[[], Any], debug: bool = False) -> Any:
     """Run a library call; turn its errors into one line and an exit code."""
-    if os.environ.get("ZCKPT_DEBUG"):
+    if debug or os.environ.get("ZCKPT_DEBUG"):
         return action()
     try:
         return action()
@@ -70,11 +110,16 @@ def _guarded(action: Callable[[], Any]) -> Any:
     except ZckptError as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
     except KeyboardInterrupt:
-        _fail("interrupted; nothing was written", 130)
+        _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
     except MemoryError:
         _fail("out of memory", EXIT_BAD_INPUT)
     except Exception as exc:  # a bug, or bad input we failed to classify: still one line
         _fail(f"internal error: {type(exc).__name__}: {exc} (run with ZCKPT_DEBUG=1 for the traceback)", EXIT_BAD_INPUT)
+
+
+def _file_list(files: tuple[str, ...]) -> str:
+    """The files written, short however many shards: all of two, else the first and a count."""
+    return ", ".join(files) if len(files) <= 2 else f"{files[0]} ... ({len(files)} files)"
 
 
 def _progress_bar(quiet: bool, description: str) -> tuple[Callable[[int, int], None], Callable[[], None]]:
@@ -94,23 +139,29 @@ def _progress_bar(quiet: bool, description: str) -> tuple[Callable[[int, int], N
 
 
 @app.command(
+    cls=_Command,
+    short_help="Rebuild full weights, like zero_to_fp32.py (bit-identical).",
     epilog=(
-        "Examples:\n\n"
-        "  zckpt consolidate runs/ckpt out/          # fp32 model.safetensors, tag from runs/ckpt/latest\n\n"
-        "  zckpt consolidate runs/ckpt out/ --dtype bf16 --max-shard-size 2GB\n\n"
-        "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch   # pytorch_model.bin"
-    )
+        "\b\nExamples:\n"
+        "  zckpt consolidate runs/ckpt out/      # fp32 model.safetensors\n"
+        "  zckpt consolidate runs/ckpt out/ --dtype bf16 --max-shard-size 2GB\n"
+        "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch\n\n"
+        "zero_to_fp32.py's spellings work too: --max_shard_size, --exclude_frozen_parameters, "
+        "-t, -d/--debug, and --safe_serialization (safetensors is the default here)."
+    ),
 )
 def consolidate(
-    checkpoint: Annotated[Path, typer.Argument(help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it.")],
-    output_dir: Annotated[Path, typer.Argument(help="Folder for the weights (created if missing). Files appear only when all are complete.")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it.")],
+    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Folder for the weights (created if missing). Files appear only when all are complete.")],
     tag: TagOption = None,
-    dtype: Annotated[DType, typer.Option(help="Dtype of floating tensors: fp32 (the exact masters), or bf16/fp16 (rounded to nearest). Integer buffers keep their dtype.")] = DType.fp32,
-    format: Annotated[Format, typer.Option("--format", "-f", help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).")] = Format.safetensors,
-    max_shard_size: Annotated[str, typer.Option(help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
-    exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="Dtype of floating tensors: fp32 (the exact masters), or bf16/fp16 (rounded to nearest); float32, bfloat16 and float16 work too. Integer buffers keep their dtype.")] = "fp32",
+    format: Annotated[Format, typer.Option("--format", "-f", metavar="FORMAT", help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).")] = Format.safetensors,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", "--max_shard_size", metavar="SIZE", help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", "--exclude_frozen_parameters", help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
+    safe_serialization: Annotated[bool, typer.Option("--safe_serialization", help="Accepted for zero_to_fp32.py's users: safetensors is already the default.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace weights files already in OUTPUT_DIR (stale shards are removed).")] = False,
     quiet: QuietOption = False,
+    debug: Annotated[bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")] = False,
 ) -> None:
     """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
 
@@ -118,8 +169,12 @@ def consolidate(
     tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along.
     """
     from .consolidate import consolidate as run_consolidate
+    from .dtypes import output_dtype
     from .shards import format_size
 
+    if safe_serialization and format is Format.torch:
+        _fail("--safe_serialization asks for safetensors, but --format torch was given", EXIT_USAGE)
+    target = _guarded(lambda: output_dtype(dtype), debug)
     update, close = _progress_bar(quiet, "consolidating")
     try:
         result = _guarded(
@@ -127,35 +182,38 @@ def consolidate(
                 checkpoint,
                 output_dir,
                 tag=tag,
-                dtype=dtype.value,
+                dtype=target,
                 format=format.value,
                 max_shard_size=max_shard_size,
                 exclude_frozen=exclude_frozen,
                 overwrite=overwrite,
                 progress=update,
-            )
+            ),
+            debug,
         )
     finally:
         close()
     if not quiet:
         index = result.index
         typer.echo(
-            f"wrote {result.tensors} tensors ({format_size(result.bytes_written)}, {dtype.value}) from "
-            f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {', '.join(result.files)}"
+            f"wrote {result.tensors} tensors ({format_size(result.bytes_written)}, {target.short}) from "
+            f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {_file_list(result.files)}"
         )
 
 
 @app.command(
+    cls=_Command,
+    short_help="Describe a checkpoint or weights file; exit 3 if incomplete.",
     epilog=(
-        "Examples:\n\n"
-        "  zckpt inspect runs/ckpt                  # summary of the tag in 'latest'\n\n"
-        "  zckpt inspect runs/ckpt --json | jq .complete\n\n"
-        "  zckpt inspect runs/ckpt --verify         # also check every file's CRC-32 checksums\n\n"
+        "\b\nExamples:\n"
+        "  zckpt inspect runs/ckpt              # summary of the tag in 'latest'\n"
+        "  zckpt inspect runs/ckpt --json | jq .complete\n"
+        "  zckpt inspect runs/ckpt --verify     # also check the CRC-32 checksums\n"
         "  zckpt inspect out/model.safetensors.index.json"
-    )
+    ),
 )
 def inspect(
-    path: Annotated[Path, typer.Argument(help="A DeepSpeed checkpoint folder or tag folder, a consolidated folder, a .safetensors file, an .index.json, or a torch .bin/.pt file.")],
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="A DeepSpeed checkpoint folder or tag folder, a consolidated folder, a .safetensors file, an .index.json, or a torch .bin/.pt file.")],
     tag: TagOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Also read every byte of the checkpoint files and check their CRC-32 checksums (a full pass over the data).")] = False,
@@ -176,22 +234,26 @@ class Stage(str, enum.Enum):
 
 
 @app.command(
+    cls=_Command,
+    short_help="Rewrite a checkpoint for another world size or ZeRO stage.",
     epilog=(
-        "Examples:\n\n"
-        "  zckpt reshard runs/ckpt runs/ckpt-4gpu --world-size 4          # same ZeRO stage, 4 ranks\n\n"
-        "  zckpt reshard runs/ckpt out/ --world-size 3 --stage 3         # ZeRO-2 -> ZeRO-3, 3 ranks\n\n"
-        "  zckpt reshard out/checkpoint-500 new/checkpoint-500 --world-size 8 --config ds_config.json\n\n"
-        "  torchrun --nnodes 2 --nproc-per-node 8 ... -m zckpt reshard big/ out/ --world-size 512   # ranks split the files"
-    )
+        "\b\nExamples:\n"
+        "  zckpt reshard runs/ckpt runs/ckpt-4gpu -w 4     # same ZeRO stage, 4 ranks\n"
+        "  zckpt reshard runs/ckpt out/ -w 3 --stage 3    # ZeRO-2 -> ZeRO-3, 3 ranks\n"
+        "  zckpt reshard out/checkpoint-500 new/checkpoint-500 -w 8 \\\n"
+        "      --config ds_config.json\n"
+        "  # on a cluster the ranks split the files:\n"
+        "  torchrun --nproc-per-node 8 ... -m zckpt reshard big/ out/ -w 512"
+    ),
 )
 def reshard(
-    checkpoint: Annotated[Path, typer.Argument(help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a Hugging Face checkpoint-N folder.")],
-    output_dir: Annotated[Path, typer.Argument(help="Checkpoint folder to write (created if missing): latest, the tag folder, and the files beside it.")],
-    world_size: Annotated[int, typer.Option("--world-size", "-w", help="Data-parallel ranks of the run that will load it.")],
-    stage: Annotated[Optional[Stage], typer.Option("--stage", help="ZeRO stage of that run (default: the checkpoint's).")] = None,
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a Hugging Face checkpoint-N folder.")],
+    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Checkpoint folder to write (created if missing): latest, the tag folder, and the files beside it.")],
+    world_size: Annotated[int, typer.Option("--world-size", "-w", metavar="M", help="Data-parallel ranks of the run that will load it.")],
+    stage: Annotated[Optional[Stage], typer.Option("--stage", metavar="STAGE", help="ZeRO stage of that run: 1, 2 or 3 (default: the checkpoint's).")] = None,
     tag: TagOption = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.")] = None,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: two per CPU).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.")] = None,
+    workers: WorkersOption = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already.")] = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -231,19 +293,23 @@ def reshard(
 
 @app.command(
     "to-universal",
+    cls=_Command,
+    short_help="Write DeepSpeed's universal checkpoint, for any world size.",
     epilog=(
-        "Examples:\n\n"
-        "  zckpt to-universal runs/ckpt runs/ckpt                 # runs/ckpt/global_step500_universal + latest_universal\n\n"
-        "  zckpt to-universal runs/ckpt uc/ --target-stage 3     # for a ZeRO-3 run (input: ZeRO-1/2)\n\n"
-        "  torchrun --nnodes 4 --nproc-per-node 8 ... -m zckpt to-universal big/ uc/   # ranks split the params"
+        "\b\nExamples:\n"
+        "  # writes global_step500_universal/ and latest_universal in runs/ckpt:\n"
+        "  zckpt to-universal runs/ckpt runs/ckpt\n"
+        "  zckpt to-universal runs/ckpt uc/ --target-stage 3   # for a ZeRO-3 run\n"
+        "  # on a cluster the ranks split the params:\n"
+        "  torchrun --nproc-per-node 8 ... -m zckpt to-universal big/ uc/"
     ),
 )
 def to_universal(
-    checkpoint: Annotated[Path, typer.Argument(help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.")],
-    output_dir: Annotated[Path, typer.Argument(help="Folder to write <tag>_universal/ and latest_universal into (created if missing; may be the checkpoint folder itself).")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.")],
+    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Folder to write <tag>_universal/ and latest_universal into (created if missing; may be the checkpoint folder itself).")],
     tag: TagOption = None,
-    target_stage: Annotated[Optional[Stage], typer.Option("--target-stage", help="ZeRO stage of the run that will load it (default: the checkpoint's). DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files.")] = None,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: two per CPU).")] = None,
+    target_stage: Annotated[Optional[Stage], typer.Option("--target-stage", metavar="STAGE", help="ZeRO stage of the run that will load it: 1, 2 or 3 (default: the checkpoint's). DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files.")] = None,
+    workers: WorkersOption = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the universal folder if OUTPUT_DIR has it already.")] = False,
     quiet: QuietOption = False,
 ) -> None:
@@ -277,4 +343,4 @@ def to_universal(
 
 
 def main() -> None:
-    app()
+    app(prog_name="zckpt")

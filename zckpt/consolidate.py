@@ -22,7 +22,7 @@ from typing import Callable, Literal
 
 from . import hf
 from .deepspeed.reader import open_checkpoint
-from .dtypes import OUTPUT_DTYPES, DType
+from .dtypes import DType, DTypeLike, output_dtype
 from .errors import UsageError
 from .index import CheckpointIndex, TensorSource
 from .materialize import StreamWriter, read_tensor, write_all
@@ -81,17 +81,10 @@ class ConsolidationResult:
     index: CheckpointIndex
 
 
-def output_dtype(name: str) -> DType:
-    try:
-        return OUTPUT_DTYPES[name]
-    except KeyError:
-        raise UsageError(None, f"unknown dtype {name!r}: choose one of {', '.join(OUTPUT_DTYPES)}") from None
-
-
 def plan_consolidation(
     index: CheckpointIndex,
     *,
-    dtype: str = "fp32",
+    dtype: DTypeLike = "fp32",
     format: OutputFormat = "safetensors",
     max_shard_size: str | int = "5GB",
     exclude_frozen: bool = False,
@@ -136,7 +129,7 @@ def consolidate(
     output_dir: str | os.PathLike[str],
     *,
     tag: str | None = None,
-    dtype: str = "fp32",
+    dtype: DTypeLike = "fp32",
     format: OutputFormat = "safetensors",
     max_shard_size: str | int = "5GB",
     exclude_frozen: bool = False,

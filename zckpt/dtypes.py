@@ -7,9 +7,11 @@ fp32 consolidation never converts a single element.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
+
+from .errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +60,19 @@ BY_STORAGE: dict[str, DType] = {d.storage: d for d in _ALL}
 
 # The dtypes a consolidated checkpoint can be written in.
 OUTPUT_DTYPES: dict[str, DType] = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
+
+
+DTypeLike = Union[str, "torch.dtype", DType]  # what the API's dtype= takes
+
+
+def output_dtype(value: DTypeLike) -> DType:
+    """The output DType a user named: ``fp32``/``bf16``/``fp16``, torch's names ``float32``/
+    ``bfloat16``/``float16`` (any case, ``torch.`` prefix allowed), or the torch dtype itself."""
+    key = value.short if isinstance(value, DType) else str(value).strip().lower().removeprefix("torch.")
+    found = BY_SHORT.get(key) or BY_NAME.get(key)
+    if found is None or found not in OUTPUT_DTYPES.values():
+        raise UsageError(None, f"unknown dtype {value!r}: choose fp32, bf16 or fp16 (or float32, bfloat16, float16)")
+    return found
 
 
 def from_torch(dtype: "torch.dtype") -> DType:

@@ -80,7 +80,7 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
     if not os.path.exists(path):
         raise CheckpointNotFoundError(path, "no such file or directory")
     if not os.path.isdir(path):
-        raise UsageError(path, "expected a DeepSpeed checkpoint folder (the one holding 'latest'), got a file")
+        raise CheckpointNotFoundError(path, "expected a DeepSpeed checkpoint folder (the one holding 'latest'), got a file")
     if _is_tag_dir(path):
         parent, own_tag = os.path.split(os.path.normpath(path))
         if tag is not None and tag != own_tag:
@@ -91,7 +91,8 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
     listed = ", ".join(tags) if tags else "none"
     if tag is not None:
         if not os.path.isdir(os.path.join(path, tag)):
-            raise CheckpointNotFoundError(os.path.join(path, tag), f"tag folder not found (tags here: {listed})")
+            # named after `path`, like a missing `path`: survey() raises it rather than listing it as a problem
+            raise CheckpointNotFoundError(path, f"tag folder '{tag}' not found (tags here: {listed})")
         return Location(path, tag, tags)
     latest = os.path.join(path, N.LATEST_FILE)
     if not os.path.isfile(latest):  # a folder of universal checkpoints (zckpt to-universal's output)
