@@ -55,7 +55,6 @@ resident size at the time of the fork. The page cache cannot be dropped here
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -63,14 +62,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and the shared helpers)
+from bench_common import (Run, child_cwd, child_env, describe_snapshot, filesystem_of,  # noqa: E402
+                          run_measured, snapshot_zckpt, stats, wait_for_quiet)
 
 TARGET_WORLD = 3
 # variant -> (extra reshard arguments or None for cp, ZeRO stage of the output)
@@ -84,23 +83,6 @@ TIME_TARGET = 1.5  # reshard within 1.5x the time of cp -r
 RSS_TARGET_MIB = 1024.0  # peak RSS under 1 GB
 
 
-# "pythonpath": the folder holding the zckpt copy every child imports; "cwd": where children run
-_SNAPSHOT: dict[str, Path] = {}
-
-
-def child_env() -> dict[str, str]:
-    """bench_consolidate's environment, plus PYTHONPATH to the zckpt snapshot (when taken)."""
-    env = bc.tool_env()
-    if "pythonpath" in _SNAPSHOT:
-        env["PYTHONPATH"] = str(_SNAPSHOT["pythonpath"])
-    return env
-
-
-def child_cwd() -> str | None:
-    """Children run outside the repository: ``python -m`` puts the working folder first on sys.path."""
-    return str(_SNAPSHOT["cwd"]) if "cwd" in _SNAPSHOT else None
-
-
 def command(variant: str, python: str, ckpt_dir: Path, out_dir: Path) -> list[str]:
     """The exact command line measured for `variant`."""
     extra, _ = VARIANTS[variant]
@@ -108,178 +90,6 @@ def command(variant: str, python: str, ckpt_dir: Path, out_dir: Path) -> list[st
         return ["cp", "-r", str(ckpt_dir), str(out_dir)]
     return [python, "-m", "zckpt", "reshard", str(ckpt_dir), str(out_dir),
             "--world-size", str(TARGET_WORLD), *extra, "--quiet"]
-
-
-# --------------------------------------------------------------------------------------
-# Measuring one run
-# --------------------------------------------------------------------------------------
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _busy_cpu_s() -> float:
-    """Non-idle CPU seconds of the whole machine so far (user, nice, system, irq, softirq, steal)."""
-    with open("/proc/stat") as fh:
-        f = [int(x) for x in fh.readline().split()[1:9]]
-    return (f[0] + f[1] + f[2] + f[5] + f[6] + f[7]) / _TICK
-
-
-def _tree_rss(root: int) -> tuple[int, int]:
-    """(summed RSS in bytes, process count) of `root` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(name))
-    total, count, todo = 0, 0, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as fh:
-                total += int(fh.read().split()[1]) * _PAGE
-            count += 1
-        except OSError:
-            pass
-        todo.extend(children.get(pid, ()))
-    return total, count
-
-
-class TreeSampler(threading.Thread):
-    """Samples the summed RSS of a process tree until stopped; keeps the peak."""
-
-    def __init__(self, root: int, interval_s: float) -> None:
-        super().__init__(daemon=True)
-        self.root, self.interval_s = root, interval_s
-        self.peak_bytes, self.peak_procs, self.samples = 0, 0, 0
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            rss, procs = _tree_rss(self.root)
-            self.samples += 1
-            if rss > self.peak_bytes:
-                self.peak_bytes = rss
-            self.peak_procs = max(self.peak_procs, procs)
-            self._halt.wait(self.interval_s)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-
-
-@dataclass
-class Run:
-    """One measured run of one variant."""
-
-    variant: str
-    round: int
-    wall_s: float
-    sync_s: float
-    cpu_user_s: float  # child and its waited-for children (worker processes)
-    cpu_sys_s: float
-    max_proc_rss_mib: float  # ru_maxrss from wait4: the largest single process
-    tree_rss_mib: float  # sampled peak of the summed RSS of the whole process tree
-    tree_procs: int
-    rss_samples: int
-    other_cpu_s: float  # CPU time used by other processes during the run (/proc/stat minus the child's)
-    returncode: int
-    output_bytes: int
-    output_files: list[str] = field(default_factory=list)
-    log_tail: str = ""
-    disturbed: bool = False  # a fixture-generation job was seen just before or after the run
-
-
-def run_measured(variant: str, cmd: list[str], out_dir: Path, log: Path, rnd: int,
-                 sample_s: float, keep: bool = False) -> Run:
-    """Run `cmd`; wall time around it, RSS from wait4 and /proc sampling, then time os.sync()."""
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.sync()
-    busy = bool(bc.busy_processes())
-    with log.open("w") as fh:
-        cpu0 = _busy_cpu_s()
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=child_env(), cwd=child_cwd(), stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-        sampler = TreeSampler(proc.pid, sample_s)
-        sampler.start()
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-        machine_cpu = _busy_cpu_s() - cpu0
-        sampler.stop()
-    proc.returncode = os.waitstatus_to_exitcode(status)  # tell Popen it has been reaped
-    t1 = time.perf_counter()
-    os.sync()
-    sync_s = time.perf_counter() - t1
-    files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) \
-        if out_dir.exists() else []
-    out_bytes = bc.dir_size(out_dir) if out_dir.exists() else 0
-    tail = ""
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-    if not keep and out_dir.exists():
-        shutil.rmtree(out_dir)
-        os.sync()
-    other = max(0.0, machine_cpu - usage.ru_utime - usage.ru_stime)
-    # another process took more than a quarter of the machine's CPUs on average
-    busy = busy or bool(bc.busy_processes()) or other > 0.25 * wall * (os.cpu_count() or 1)
-    return Run(variant, rnd, wall, sync_s, usage.ru_utime, usage.ru_stime, usage.ru_maxrss / 1024.0,
-               sampler.peak_bytes / 2**20, sampler.peak_procs, sampler.samples, other, proc.returncode,
-               out_bytes, files, tail, busy)
-
-
-def wait_for_quiet(max_wait_s: float, max_busy_cpus: float = 0.3, window_s: float = 2.0) -> float:
-    """Wait (at most `max_wait_s`) until the machine used under `max_busy_cpus` CPUs over the
-    last `window_s`; return seconds waited. Other sessions share this machine."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < max_wait_s:
-        c0 = _busy_cpu_s()
-        time.sleep(window_s)
-        if (_busy_cpu_s() - c0) / window_s < max_busy_cpus:
-            break
-    return time.perf_counter() - t0
-
-
-def snapshot_zckpt(python: str, dest: Path, cwd: Path) -> dict[str, Any]:
-    """Copy the zckpt package `python` imports to ``dest/zckpt`` and make every child import that
-    copy: others may edit or commit the repository while this runs, and all runs must measure
-    the same code. Returns where it came from (git commit, uncommitted changes)."""
-    proc = subprocess.run([python, "-c", "import zckpt, os; print(os.path.dirname(zckpt.__file__))"],
-                          capture_output=True, text=True, cwd=cwd)
-    if proc.returncode != 0:
-        sys.exit(f"{python} cannot import zckpt: {proc.stderr.strip()[-300:]}")
-    package = Path(proc.stdout.strip())
-    root = package.parent
-    out: dict[str, Any] = {"zckpt_package": str(package)}
-
-    def git(*a: str) -> str:
-        p = subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)
-        return p.stdout.strip() if p.returncode == 0 else ""
-
-    out["commit"] = git("rev-parse", "--short", "HEAD")
-    out["commit_subject"] = git("log", "-1", "--format=%s")[:100]
-    out["dirty_files"] = git("status", "--short", "--", package.name).splitlines()
-    diff = subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--", package.name], capture_output=True)
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(package, dest / "zckpt", ignore=shutil.ignore_patterns("__pycache__"))
-    if diff.stdout:
-        (dest / "zckpt.diff").write_bytes(diff.stdout)
-        out["diff_sha256"] = hashlib.sha256(diff.stdout).hexdigest()[:16]
-    out["snapshot"] = str(dest / "zckpt")
-    out["taken_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    _SNAPSHOT.update(pythonpath=dest, cwd=cwd)
-    check = subprocess.run([python, "-c", "import zckpt; print(zckpt.__file__)"], env=child_env(),
-                           cwd=child_cwd(), capture_output=True, text=True)
-    imported = check.stdout.strip()
-    if not imported.startswith(str(dest)):
-        sys.exit(f"children would import {imported or check.stderr.strip()[-300:]}, not the snapshot in {dest}")
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -421,9 +231,6 @@ def verify_consolidated(python: str, ckpt_dir: Path, outputs: dict[str, Path], r
 # --------------------------------------------------------------------------------------
 # Summary and report
 # --------------------------------------------------------------------------------------
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
 
 def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
     """Per variant: medians/min/max; per reshard variant: ratios to cp and the targets."""
@@ -436,14 +243,14 @@ def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
         out[v] = {
             "ok_runs": len(rs),
             "failed_runs": sum(1 for r in runs if r.variant == v and r.returncode != 0),
-            "wall_s": _stats([r.wall_s for r in rs]),
-            "sync_s": _stats([r.sync_s for r in rs]),
-            "wall_plus_sync_s": _stats([r.wall_s + r.sync_s for r in rs]),
-            "cpu_s": _stats([r.cpu_user_s + r.cpu_sys_s for r in rs]),
-            "cpu_user_s": _stats([r.cpu_user_s for r in rs]),
-            "cpu_sys_s": _stats([r.cpu_sys_s for r in rs]),
-            "max_proc_rss_mib": _stats([r.max_proc_rss_mib for r in rs]),
-            "tree_rss_mib": _stats([r.tree_rss_mib for r in rs]),
+            "wall_s": stats([r.wall_s for r in rs]),
+            "sync_s": stats([r.sync_s for r in rs]),
+            "wall_plus_sync_s": stats([r.wall_s + r.sync_s for r in rs]),
+            "cpu_s": stats([r.cpu_user_s + r.cpu_sys_s for r in rs]),
+            "cpu_user_s": stats([r.cpu_user_s for r in rs]),
+            "cpu_sys_s": stats([r.cpu_sys_s for r in rs]),
+            "max_proc_rss_mib": stats([r.max_proc_rss_mib for r in rs]),
+            "tree_rss_mib": stats([r.tree_rss_mib for r in rs]),
             "tree_procs": max(r.tree_procs for r in rs),
             "output_bytes": rs[0].output_bytes,
         }
@@ -495,10 +302,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
           f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}")
     src = result["zckpt_source"]
-    print(f"zckpt measured: snapshot of {src['zckpt_package']} taken {src['taken_at']} at {src['commit']} "
-          f"({src['commit_subject'][:60]})"
-          + (f" + uncommitted changes in {', '.join(d.split()[-1] for d in src['dirty_files'])} (diff sha256 "
-             f"{src.get('diff_sha256')})" if src.get("dirty_files") else ", no uncommitted changes"))
+    print(f"zckpt measured: {describe_snapshot(src)}")
     print(f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
           f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files")
     print(f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of "
@@ -612,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reusing checkpoint {ckpt_dir} (made in {meta['make_seconds']} s on {meta['made_at']})")
     ckpt = bc.checkpoint_facts(ckpt_dir)
     facts = bc.machine_facts(args.python)
-    fs = subprocess.run(["df", "--output=source,fstype", str(workdir)], capture_output=True, text=True)
-    filesystem = " ".join(fs.stdout.split()[2:]) if fs.returncode == 0 else "?"
+    filesystem = filesystem_of(workdir)
     runs_dir = workdir / "reshard_runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     sample_s = args.sample_ms / 1000.0
