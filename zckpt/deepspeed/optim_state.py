@@ -96,42 +96,50 @@ def build_training_state(
         params.append(ParamState(param.name, shapes[param.name], param.group, masters[param.name], states))
 
     groups = _param_groups(layout, per_rank[0], states0, element_keys, config)
-    order = _optimizer_order(layout, params, config)
-    module = model0.get(N.MODULE) or {}
+    order = optimizer_order(layout, params, config)
     return TrainingState(
         index=index,
         params=tuple(params[i] for i in order),
         groups=groups,
+        rank_buffers=tuple(module_buffers(models[rank]) for rank in range(world)) if zero3 else (),
+        round_robin=not zero3 and uses_round_robin(config),
+        **saved_run_state(model0, inner[0]),
+    )
+
+
+def saved_run_state(model0: dict, optimizer: dict) -> dict:
+    """The TrainingState fields that rank 0's model states and the optimizer's global keys hold
+    (module names, counters, scheduler, scaler, config, client state), as keyword arguments."""
+    module = model0.get(N.MODULE) or {}
+    return dict(
         module_names=tuple(module),
         module_dtype_names={k: v.dtype.short for k, v in module.items() if isinstance(v, TensorRef)},
-        loss_scaler=inner[0].get(N.LOSS_SCALER),
+        loss_scaler=optimizer.get(N.LOSS_SCALER),
         lr_scheduler=model0.get(N.LR_SCHEDULER),
         global_steps=model0.get(N.GLOBAL_STEPS),
         global_samples=model0.get(N.GLOBAL_SAMPLES),
         skipped_steps=model0.get(N.SKIPPED_STEPS),
-        ds_config=config,
+        ds_config=model0.get(N.DS_CONFIG) or {},
         client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
         engine_extras={k: model0[k] for k in CARRIED_ENGINE_KEYS if k in model0},
-        optimizer_extras={k: inner[0][k] for k in OPTIMIZER_EXTRA_KEYS if k in inner[0]},
-        rank_buffers=tuple(_buffers(models[rank]) for rank in range(world)) if zero3 else (),
-        optimizer_kind="zero" if N.ZERO_STAGE in inner[0] else "bf16_optimizer",
-        round_robin=not zero3 and _round_robin(config),
+        optimizer_extras={k: optimizer[k] for k in OPTIMIZER_EXTRA_KEYS if k in optimizer},
+        optimizer_kind="zero" if N.ZERO_STAGE in optimizer else "bf16_optimizer",
     )
 
 
-def _buffers(model: dict) -> dict[str, TensorSource]:
+def module_buffers(model: dict) -> dict[str, TensorSource]:
     module = model.get(N.MODULE) or {}
     return {n: source_of(module[n]) for n in model.get(N.BUFFER_NAMES) or [] if isinstance(module.get(n), TensorRef)}
 
 
-def _round_robin(config: dict) -> bool:
+def uses_round_robin(config: dict) -> bool:
     return bool((config.get(N.CONFIG_ZERO) or {}).get(N.CONFIG_ROUND_ROBIN))
 
 
-def _optimizer_order(layout: ZeroLayout, params: list[ParamState], config: dict) -> list[int]:
+def optimizer_order(layout: ZeroLayout, params: list[ParamState], config: dict) -> list[int]:
     """Indices of the layout's params in optimizer order: the order of the user's param groups
     (ZeRO-1/2 with round-robin gradients store a reordering of it; ZeRO-3 sub-groups keep it)."""
-    if layout.stage == 3 or not _round_robin(config):
+    if layout.stage == 3 or not uses_round_robin(config):
         return list(range(len(params)))
     order: list[int] = []
     for group in layout.flat_groups:

@@ -28,7 +28,7 @@ from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_lay
 from .partition import zero3_partition
 
 
-def _natural_key(text: str) -> list[int | str]:
+def natural_key(text: str) -> list[int | str]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
@@ -55,7 +55,7 @@ def list_tags(checkpoint_dir: str) -> list[str]:
     except OSError:
         return []
     tags = [c for c in children if _is_tag_dir(os.path.join(checkpoint_dir, c))]
-    return sorted(tags, key=_natural_key)
+    return sorted(tags, key=natural_key)
 
 
 def looks_like_checkpoint(path: str) -> bool:
@@ -192,11 +192,11 @@ def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
     return result
 
 
-def _product(shape: Any) -> int:
+def numel_of(shape: Any) -> int:
     return math.prod(shape)
 
 
-def _as_shape(value: Any) -> tuple[int, ...]:
+def as_shape(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
@@ -287,7 +287,7 @@ class ZeroReader:
 
     def _list_rank_files(self) -> tuple[dict[int | None, str] | None, dict[int, tuple[str, str]]]:
         try:
-            listing = sorted(os.listdir(self.tag_dir), key=_natural_key)
+            listing = sorted(os.listdir(self.tag_dir), key=natural_key)
         except OSError as exc:
             self._problem(CheckpointNotFoundError, self.tag_dir, f"cannot list tag folder ({exc.strerror})")
             return None, {}
@@ -330,11 +330,11 @@ class ZeroReader:
             if isinstance(ref, TensorRef):
                 declared.append((name, ref.shape, "buffer"))
         for name, shape in (model0.get(N.FROZEN_PARAM_SHAPES) or {}).items():
-            declared.append((name, _as_shape(shape), "frozen"))
+            declared.append((name, as_shape(shape), "frozen"))
         shapes = model0.get(N.PARAM_SHAPES) or []
         for group in [shapes] if isinstance(shapes, dict) else shapes:
             for name, shape in group.items():
-                declared.append((name, _as_shape(shape), "param"))
+                declared.append((name, as_shape(shape), "param"))
         self.result.tied = {str(k): str(v) for k, v in (model0.get(N.SHARED_PARAMS) or {}).items()}
 
     def _check_file_kinds(self, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> bool:
@@ -474,7 +474,7 @@ class ZeroReader:
         param_shapes = model0[N.PARAM_SHAPES]
         if isinstance(param_shapes, dict):
             param_shapes = [param_shapes]
-        trainable = [(name, _as_shape(shape)) for group in param_shapes for name, shape in group.items()]
+        trainable = [(name, as_shape(shape)) for group in param_shapes for name, shape in group.items()]
         trainable_names = {name for name, _ in trainable}
         self.shapes = dict(trainable)
         shared = dict(model0.get(N.SHARED_PARAMS) or {})
@@ -482,7 +482,7 @@ class ZeroReader:
         frozen_shapes = model0.get(N.FROZEN_PARAM_SHAPES)
         if frozen_shapes:
             for name, shape in frozen_shapes.items():
-                source = self._frozen_source(name, _as_shape(shape), models, model_paths, zero3, world)
+                source = self._frozen_source(name, as_shape(shape), models, model_paths, zero3, world)
                 if source is None:
                     return None
                 entries.append(Entry(name, "frozen", source))
@@ -524,7 +524,7 @@ class ZeroReader:
             return TensorSource(ref.dtype, ref.shape, ())
 
     def _frozen_source(self, name: str, shape: tuple[int, ...], models: dict, model_paths: dict, zero3: bool, world: int) -> TensorSource | None:
-        numel = _product(shape)
+        numel = numel_of(shape)
         if not zero3:
             model0 = models[None]
             ref = (model0.get(N.FROZEN_PARAM_FRAGMENTS) or {}).get(name)
@@ -552,7 +552,7 @@ class ZeroReader:
             if len(refs) != len(param_shapes):
                 self._problem(LayoutError, optim_files[rank][1], f"holds {len(refs)} param groups, the model states list {len(param_shapes)}")
                 return None
-        flat_order = [[LayoutParam(name, _product(shape), g) for name, shape in shapes.items()] for g, shapes in enumerate(param_shapes)]
+        flat_order = [[LayoutParam(name, numel_of(shape), g) for name, shape in shapes.items()] for g, shapes in enumerate(param_shapes)]
         if paddings is not None and [len(p) for p in paddings] != [len(g) for g in flat_order]:
             self._problem(LayoutError, optim_files[0][1], f"{[len(p) for p in paddings]} alignment paddings per group for {[len(g) for g in flat_order]} params")
             return None
@@ -568,8 +568,8 @@ class ZeroReader:
         return self._param_entries(layout, groups)
 
     def _zero3_params(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, ds_ids: dict[str, int]) -> list[Entry] | None:
-        sub_groups = [[LayoutParam(name, _product(shape), 0) for name, shape in shapes.items()] for shapes in param_shapes]
-        layout = zero3_layout_of_sub_groups(sub_groups, world, _sub_group_param_groups(inner[0], len(sub_groups)))
+        sub_groups = [[LayoutParam(name, numel_of(shape), 0) for name, shape in shapes.items()] for shapes in param_shapes]
+        layout = zero3_layout_of_sub_groups(sub_groups, world, sub_group_param_groups(inner[0], len(sub_groups)))
         flat: dict[int, list[TensorRef]] = {}
         self.ds_ids = ds_ids
         for rank in range(world):
@@ -668,7 +668,7 @@ def _swap_name(ref: TensorRef, first: int | None, last: int | None, state: str |
     return N.swap_file_name(first, last, state)
 
 
-def _sub_group_param_groups(inner0: dict, count: int) -> list[int]:
+def sub_group_param_groups(inner0: dict, count: int) -> list[int]:
     """The param group of each ZeRO-3 sub-group: the optimizer's param_groups list sub-group
     indices as their `params`."""
     groups = ((inner0.get(N.OPTIMIZER_STATE_DICT) or {}).get("param_groups")) or []

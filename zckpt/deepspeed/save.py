@@ -52,7 +52,6 @@ def share_of(sizes: list[int], part: int, parts: int) -> list[int]:
 def _write_one(path: str, archive: ArchivePlan) -> int:
     with FileReader() as reader:
         write_archive(path, archive, reader)
-    fsync_file(path)
     return archive.total_size
 
 
@@ -103,6 +102,11 @@ def write_checkpoint(
                 done += _write_one(path, archive)
                 if progress:
                     progress(done, total)
+        # Synced once all are written, not one by one: the first fsync's journal commit takes the
+        # data of every file along (ext4, xfs), so the rest cost little; per-file syncs in between
+        # each forced a commit (735 files of a universal checkpoint: 8.6 s of 10 s).
+        for path, _ in jobs:
+            fsync_file(path)
         sync()
         if part == 0:
             folder.commit()

@@ -23,8 +23,8 @@ from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..torchfile import TensorRef
 from . import names as N
 from .layout import LayoutParam, zero12_layout
-from .optim_state import CARRIED_ENGINE_KEYS, ENGINE_KEYS, OPTIMIZER_EXTRA_KEYS, _buffers, _optimizer_order, _round_robin
-from .reader import ZeroReader, _as_shape, _natural_key, _product, _sub_group_param_groups
+from .optim_state import module_buffers, optimizer_order, uses_round_robin, saved_run_state
+from .reader import ZeroReader, as_shape, natural_key, numel_of, sub_group_param_groups
 
 
 class _ParamFiles:
@@ -87,7 +87,7 @@ class UniversalReader(ZeroReader):
     # --- files --------------------------------------------------------------------------------
     def _model_files(self) -> dict[int | None, str] | None:
         try:
-            listing = sorted(os.listdir(self.tag_dir), key=_natural_key)
+            listing = sorted(os.listdir(self.tag_dir), key=natural_key)
         except OSError as exc:
             self._problem(CheckpointNotFoundError, self.tag_dir, f"cannot list universal folder ({exc.strerror})")
             return None
@@ -129,7 +129,7 @@ class UniversalReader(ZeroReader):
     def _trainable(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, zero3: bool, model0: dict) -> list[Entry] | None:
         """Each trainable param's master from ``zero/<name>/fp32.pt``, its states beside it."""
         self.param_files: dict[str, _ParamFiles] = {}
-        self.shapes = {name: _as_shape(shape) for group in param_shapes for name, shape in group.items()}
+        self.shapes = {name: as_shape(shape) for group in param_shapes for name, shape in group.items()}
         self.param_shapes = param_shapes
         entries = []
         with FileReader() as reader:
@@ -181,7 +181,7 @@ class UniversalReader(ZeroReader):
         if not isinstance(ref, TensorRef):
             self._problem(CorruptFileError, path, f"holds no tensor (expected a tensor or {{'param': tensor}}, got {type(value).__name__})")
             return None
-        if ref.numel != _product(shape) or (len(ref.shape) != 1 and tuple(ref.shape) != shape):
+        if ref.numel != numel_of(shape) or (len(ref.shape) != 1 and tuple(ref.shape) != shape):
             self._problem(LayoutError, path, f"holds a tensor of shape {list(ref.shape)}; the model states give {name} shape {list(shape)}")
             return None
         if not ref.dtype.is_floating:
@@ -212,7 +212,7 @@ class UniversalReader(ZeroReader):
     def _group_members(self, param_shapes: list[dict], zero3: bool) -> list[list[str]]:
         if not zero3:
             return [list(group) for group in param_shapes]
-        owner = _sub_group_param_groups(self.optimizer, len(param_shapes))
+        owner = sub_group_param_groups(self.optimizer, len(param_shapes))
         groups: dict[int, list[str]] = {}
         for sub_group, shapes in enumerate(param_shapes):
             groups.setdefault(owner[sub_group], []).extend(shapes)
@@ -240,33 +240,22 @@ class UniversalReader(ZeroReader):
             for name, files in self.param_files.items()
         ]
         if not zero3:  # flat-group order in the model states; the optimizer's may differ (round robin)
-            layout = zero12_layout([[LayoutParam(n, _product(s), g) for n, s in group.items()] for g, group in enumerate(self.param_shapes)], index.world_size, stage=index.zero_stage)
-            params = [params[i] for i in _optimizer_order(layout, params, config)]
+            layout = zero12_layout([[LayoutParam(n, numel_of(s), g) for n, s in group.items()] for g, group in enumerate(self.param_shapes)], index.world_size, stage=index.zero_stage)
+            params = [params[i] for i in optimizer_order(layout, params, config)]
         groups = self._param_groups(groups_of, zero3)
         return TrainingState(
             index=index,
             params=tuple(params),
             groups=groups,
-            module_names=tuple(model0.get(N.MODULE) or {}),
-            module_dtype_names={k: v.dtype.short for k, v in (model0.get(N.MODULE) or {}).items() if isinstance(v, TensorRef)},
-            loss_scaler=self.optimizer.get(N.LOSS_SCALER),
-            lr_scheduler=model0.get(N.LR_SCHEDULER),
-            global_steps=model0.get(N.GLOBAL_STEPS),
-            global_samples=model0.get(N.GLOBAL_SAMPLES),
-            skipped_steps=model0.get(N.SKIPPED_STEPS),
-            ds_config=config,
-            client_state={k: v for k, v in model0.items() if k not in ENGINE_KEYS},
-            engine_extras={k: model0[k] for k in CARRIED_ENGINE_KEYS if k in model0},
-            optimizer_extras={k: self.optimizer[k] for k in OPTIMIZER_EXTRA_KEYS if k in self.optimizer},
-            rank_buffers=tuple(_buffers(models[rank]) for rank in sorted(models)) if zero3 else (),
-            optimizer_kind="zero" if N.ZERO_STAGE in self.optimizer else "bf16_optimizer",
-            round_robin=not zero3 and _round_robin(config),
+            rank_buffers=tuple(module_buffers(models[rank]) for rank in sorted(models)) if zero3 else (),
+            round_robin=not zero3 and uses_round_robin(config),
+            **saved_run_state(model0, self.optimizer),
         )
 
     def _param_groups(self, groups_of: list[list[str]], zero3: bool) -> tuple[ParamGroupState, ...]:
         saved = self.optimizer.get(N.PARAM_GROUPS) or []
         torch_state = (self.optimizer.get(N.OPTIMIZER_STATE_DICT) or {}).get("state") or {}
-        owner = _sub_group_param_groups(self.optimizer, len(self.param_shapes)) if zero3 else []
+        owner = sub_group_param_groups(self.optimizer, len(self.param_shapes)) if zero3 else []
         result = []
         for g, names in enumerate(groups_of):
             hyper = saved[g] if g < len(saved) and isinstance(saved[g], dict) else {}
