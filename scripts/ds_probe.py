@@ -6,6 +6,7 @@ Per-rank worker, started by torchrun with an interpreter that has DeepSpeed::
     DS_ACCELERATOR=cpu LOCAL_SIZE=M python -m torch.distributed.run --nproc-per-node M \\
         --master-port P scripts/ds_probe.py --case-json CASE --checkpoint DIR --out OUTDIR \\
         [--stage S] [--config-override JSON] [--load-universal] [--tag TAG] [--train-steps K]
+        [--data per-rank|global]
 
 ``CASE`` is the name of a bundled sample case (``scripts/make_sample_ckpts.py --list``), the JSON
 of ``dataclasses.asdict(case)``, or a path to a file holding either. The model, DeepSpeed config
@@ -34,6 +35,15 @@ Rank 0 writes into OUTDIR:
   tensor, cross-checks, and (``--train-steps``) the losses of the steps trained after the load.
 * with ``--train-steps K``: ``live_after_train.safetensors`` / ``live_optimizer_after_train.safetensors``,
   the same capture after those K steps.
+
+Training data (``--train-steps``): by default each rank draws its own micro-batches
+(``seed + 1000 * rank``, make_sample_ckpts' stream), so runs at different world sizes see different
+data. ``--data global`` draws each optimizer step's global batch (``world size x
+gradient_accumulation_steps`` micro-batches) from one stream shared by every rank; micro-batch
+``j`` of a step goes to rank ``j % world`` at micro-step ``j // world``. Two runs whose world size x
+``gradient_accumulation_steps`` agree (e.g. 2 x 1 and 1 x 2) then train on the same samples and
+average the same gradients; ``state["train"]["losses_per_microbatch"]`` lists each step's losses by
+``j``, comparable between them.
 
 How the tensors are obtained (``state.json`` ``methods`` names them per tensor):
 
@@ -259,7 +269,7 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
     if stage == 3:
         for i, flat in enumerate(opt.fp32_partitioned_groups_flat):
             st = base.state.get(flat, {})
-            for k, v in st.items():
+            for k, v in sorted(st.items()):
                 if torch.is_tensor(v) and v.shape == flat.shape and k not in optim_keys:
                     optim_keys.append(k)
         for pid, p in params.items():
@@ -280,7 +290,9 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
         full = {"fp32": allgather_flat(part, group)}
         assert full["fp32"].numel() == flat16.numel(), (g, full["fp32"].numel(), flat16.numel())
         st = base.state.get(part, {})
-        keys = [k for k, v in st.items() if torch.is_tensor(v) and v.shape == part.shape]
+        # sorted: after a universal load DeepSpeed inserts the keys in set order, which differs
+        # between processes, and every rank must gather the same key in each collective
+        keys = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.shape == part.shape)
         # every rank must gather the same keys (a collective per key)
         assert same_on_all_ranks(len(keys), group), f"optimizer state keys differ between ranks: {keys}"
         for k in keys:
@@ -474,7 +486,10 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
 
         if args.train_steps:
-            state["train"] = train(engine, case, rank, args.train_steps)
+            if args.data == "global":
+                state["train"] = train_global(engine, case, rank, args.train_steps)
+            else:
+                state["train"] = train(engine, case, rank, args.train_steps)
             after = capture(engine, stage, names_of, params)
             for n, b in model.named_buffers():
                 after["live"][n] = b.detach().cpu().clone().contiguous()
@@ -526,6 +541,57 @@ def train(engine: Any, case: Any, rank: int, steps: int) -> dict:
             **{k + "_after": v for k, v in scaler_state(engine).items() if k == "cur_scale"}}
 
 
+def train_global(engine: Any, case: Any, rank: int, steps: int) -> dict:
+    """K more optimizer steps on one data stream shared by every rank (``--data global``).
+
+    Step ``s`` draws a global batch of ``world * gas`` micro-batches (after the draws of steps
+    1..s-1, so the data depend on the step number and the global batch size only); micro-batch
+    ``j`` is trained by rank ``j % world`` at micro-step ``j // world``."""
+    import torch
+    import deepspeed.comm as dist
+
+    gen_mod = load_generator()
+    mb, seq = gen_mod.MICRO_BATCH, gen_mod.SEQ_LEN
+    world = dist.get_world_size()
+    gas = int(engine.gradient_accumulation_steps())
+    n_micro = world * gas
+    gen = torch.Generator().manual_seed(case.seed + 7919)
+
+    def draw() -> tuple[Any, Any]:
+        tokens = torch.randint(0, case.vocab, (n_micro * mb, seq), generator=gen)
+        target = torch.randint(0, case.vocab, (n_micro * mb, seq), generator=gen)
+        return tokens, target
+
+    start = engine.global_steps
+    for _ in range(start):
+        draw()
+    rows = []
+    for step in range(start + 1, start + steps + 1):
+        tokens, target = draw()
+        by_micro: dict[int, float] = {}
+        for k in range(gas):
+            j = k * world + rank
+            t, y = tokens[j * mb:(j + 1) * mb], target[j * mb:(j + 1) * mb]
+            logits = engine(t)
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, case.vocab), y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            per_rank = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(per_rank, loss.detach().float().reshape(1).cpu())
+            for r, v in enumerate(per_rank):
+                by_micro[k * world + r] = v.item()
+        if engine.global_steps != step:
+            raise RuntimeError(f"after {gas} micro-steps global_steps is {engine.global_steps}, expected {step}")
+        rows.append([by_micro[j] for j in range(n_micro)])
+    return {"data": "global", "gradient_accumulation_steps": gas, "micro_batches_per_step": n_micro,
+            "steps": list(range(start + 1, start + steps + 1)),
+            "losses_per_microbatch": rows,
+            "losses_mean": [sum(r) / len(r) for r in rows],
+            "global_steps_after": engine.global_steps,
+            "skipped_steps_after": engine.skipped_steps,
+            **{k + "_after": v for k, v in scaler_state(engine).items() if k == "cur_scale"}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case-json", required=True, help="case name, asdict(case) JSON, or a file holding either")
@@ -536,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-universal", action="store_true")
     ap.add_argument("--tag", default=None, help="tag passed to load_checkpoint (default: the 'latest' file)")
     ap.add_argument("--train-steps", type=int, default=0)
+    ap.add_argument("--data", choices=("per-rank", "global"), default="per-rank",
+                    help="training data after the load: per-rank streams (default) or one global stream")
     args, _unknown = ap.parse_known_args(argv)  # the deepspeed launcher appends --local_rank
     worker(args)
     return 0

@@ -194,13 +194,15 @@ def case_arg(case_or_name: Any) -> str:
 def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, out_dir: str | Path,
               stage: int | None = None, load_universal: bool = False, train_steps: int = 0,
               timeout: float = 600, config_override: dict | None = None, tag: str | None = None,
+              data: str | None = None,
               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Load ``checkpoint_dir`` with real DeepSpeed at ``world_size`` ranks (``scripts/ds_probe.py``
     under torchrun) and return ``(live_tensors, live_optimizer_tensors, state)``.
 
     ``stage`` runs another ZeRO stage than the case's; ``config_override`` is deep-merged into the
     DeepSpeed config (a None value deletes a key); ``train_steps`` trains that many more steps after
-    the load (``state["train"]`` has the losses; ``out_dir`` then also holds
+    the load (``data="global"``: on one data stream shared by the ranks, see ds_probe's ``--data``;
+    ``state["train"]`` has the losses; ``out_dir`` then also holds
     ``live_after_train.safetensors`` / ``live_optimizer_after_train.safetensors``). ``out_dir`` is
     emptied first; it also receives ``live_module.safetensors`` (the module's own 16-bit values),
     ``state.json`` and the run's log ``probe.log``. Raises ``ProbeError`` (log tail and each rank's traceback) when the run
@@ -227,6 +229,8 @@ def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, ou
         cmd += ["--config-override", json.dumps(config_override)]
     if tag is not None:
         cmd += ["--tag", tag]
+    if data is not None:
+        cmd += ["--data", data]
 
     returncode = run_logged(cmd, ds_env(world_size, python), log, timeout)
     state_file = out / "state.json"
