@@ -59,6 +59,18 @@ class ProbeError(RuntimeError):
 # --------------------------------------------------------------------------------------
 # /dev/shm leaks
 # --------------------------------------------------------------------------------------
+def sample_generator() -> Any:
+    """scripts/make_sample_ckpts.py as a module (its Case and generate), loaded once."""
+    if "make_sample_ckpts" in sys.modules:
+        return sys.modules["make_sample_ckpts"]
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_sample_ckpts", root / "scripts" / "make_sample_ckpts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def shm_listing() -> set[str]:
     """Names of DeepSpeed's shm allreduce buffers now in /dev/shm."""
     try:

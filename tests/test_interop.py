@@ -27,16 +27,9 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
+from interop_helpers import sample_generator  # noqa: E402
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("make_sample_ckpts", ROOT / "scripts" / "make_sample_ckpts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
+GEN = sample_generator()
 SIZES = {"vocab": 29, "dim": 43, "hidden": 17, "seed": 7}
 CASES = [
     GEN.Case("fresh_z1_bf16_ws3_tied_frozen", "ds19", 1, "bf16", 3, tied=True, frozen=True, **SIZES),

@@ -48,22 +48,12 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-from interop_helpers import ds_env, ds_python, run_logged, run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
+from interop_helpers import ds_env, ds_python, run_logged, run_probe, sample_generator, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
 from test_consolidate import load_output  # noqa: E402
 from zckpt import consolidate, reshard, to_universal  # noqa: E402
 
 
-def _generator() -> Any:
-    if "make_sample_ckpts" in sys.modules:
-        return sys.modules["make_sample_ckpts"]
-    spec = importlib.util.spec_from_file_location("make_sample_ckpts", ROOT / "scripts" / "make_sample_ckpts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
+GEN = sample_generator()
 
 
 # --------------------------------------------------------------------------------------
