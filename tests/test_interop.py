@@ -142,6 +142,15 @@ def test_deepspeed_loads_resharded_sample(name: str, world_size: int, stage: int
     _check_loaded(case, live, optim, state, world_size, stage)
 
 
+def test_deepspeed_loads_nvme_offloaded_sample_resharded_without_nvme(tmp_path: Path) -> None:
+    """offloaded_tensors/ read, plain files written for a 3-rank run that offloads to CPU."""
+    name = "z3_bf16_ws2_nvmeoffload_frozen_tied_groups"
+    no_nvme = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    reshard(sample(name).checkpoint, tmp_path / "out", world_size=3, config=no_nvme)
+    live, optim, state = run_probe(name, tmp_path / "out", 3, tmp_path / "probe", config_override=no_nvme)
+    _check_loaded(sample(name), live, optim, state, 3, 3)
+
+
 @pytest.mark.parametrize("name,world_size,stage", [(CASES[0].name, 2, 3), (CASES[1].name, 3, 1), (CASES[2].name, 1, 2)])
 def test_deepspeed_loads_resharded_fresh_checkpoint(fresh: dict[str, Sample], name: str, world_size: int, stage: int, tmp_path: Path) -> None:
     """Checkpoints made now with sizes and seeds not in the repository."""

@@ -219,10 +219,32 @@ def test_output_inside_the_input_is_refused(copy_checkpoint, tmp_path: Path) -> 
     assert result.returncode == 2 and sorted(p.name for p in checkpoint.rglob("*")) == before
 
 
-def test_nvme_offloaded_input_is_refused_for_now(tmp_path: Path) -> None:
+def test_nvme_target_is_refused_for_now(tmp_path: Path) -> None:
+    """The input's config offloads to NVMe: the target run would expect offloaded_tensors/."""
     result = run_cli("reshard", sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups").checkpoint, tmp_path / "out", "-w", "3", cwd=tmp_path)
-    assert result.returncode == 1 and "NVMe-offloaded" in one_line(result)
+    assert result.returncode == 1 and "the target run offloads to NVMe" in one_line(result)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("world_size,stage", [(3, 3), (1, 2)])
+def test_nvme_offloaded_input_reshards_for_a_run_without_nvme(world_size: int, stage: int, tmp_path: Path) -> None:
+    """Masters and Adam moments come from offloaded_tensors/ and land in plain files."""
+    import json
+
+    case = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    reshard(case.checkpoint, tmp_path / "out", world_size=world_size, stage=stage, config=config)
+    assert not list((tmp_path / "out").rglob("offloaded_tensors"))
+    state = open_training_state(tmp_path / "out")
+    assert (state.index.world_size, state.index.zero_stage, state.index.offload) == (world_size, stage, "cpu")
+    live = case.live()
+    live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
+    with FileReader() as reader:
+        for param in state.params:
+            assert same_bits(read_tensor(reader, param.master), live[param.name].float()), param.name
+            for key, source in param.states.items():
+                assert same_bits(read_tensor(reader, source), live_optim[f"{param.name}.{key}"]), (param.name, key)
 
 
 def test_damaged_input_leaves_nothing(copy_checkpoint, tmp_path: Path) -> None:

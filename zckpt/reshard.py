@@ -71,10 +71,14 @@ def plan_reshard(
 
 
 def _target(state: TrainingState, world_size: int, stage: int | None, config: dict | str | os.PathLike[str] | None) -> Target:
-    index = state.index
-    if index.offload == "nvme":
-        raise LayoutError(index.tag_dir, "NVMe-offloaded checkpoints cannot be resharded yet (their swap files need an NVMe layout for the new world size)")
-    return plan_target(state, world_size, stage, config if isinstance(config, dict) or config is None else load_config(config))
+    target = plan_target(state, world_size, stage, config if isinstance(config, dict) or config is None else load_config(config))
+    if target.nvme_offload:
+        raise LayoutError(
+            state.index.tag_dir,
+            "the target run offloads to NVMe, and writing offloaded_tensors/ for a new world size is not supported yet; "
+            "pass --config with zero_optimization.offload_optimizer/offload_param device 'cpu' or 'none', or use to-universal",
+        )
+    return target
 
 
 def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str], list[str]]:

@@ -48,6 +48,8 @@ class Target:
     sub_group_size: int
     bf16_optimizer: bool  # DeepSpeed picks BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation)
     ds_version: str  # the release whose format is written
+    nvme_offload: bool = False  # the run swaps optimizer state (or params) to NVMe
+
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ def plan_target(state: TrainingState, world_size: int, stage: int | None = None,
         sub_group_size=int(zero.get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE),
         bf16_optimizer=stage == 1 and index.dtype == BF16 and grad_accum in ("fp32", "float32", "float"),
         ds_version=index.ds_version or "0.0.0",
+        nvme_offload=any((zero.get(key) or {}).get("device") == "nvme" for key in (N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_OFFLOAD_PARAM)),
     )
 
 
