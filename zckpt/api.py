@@ -74,6 +74,13 @@ def load_into_module(
     Each tensor is cast to the dtype of the module's own tensor. With `strict`, keys the
     module has and the checkpoint lacks (missing) or the reverse (unexpected) are an error;
     without it they are returned as ``(missing, unexpected)``.
+
+    A module built on the meta device (``with torch.device("meta"): model = Model()``, the way
+    to build a big model without allocating it twice) is materialized: each meta param or
+    buffer is replaced by the loaded CPU tensor (``load_state_dict(assign=True)`` semantics),
+    keeping its dtype, ``requires_grad`` and ties (a tied param stays one Parameter). Tensors
+    the checkpoint does not hold (missing keys with ``strict=False``, non-persistent buffers)
+    stay on meta.
     """
     import torch
 
@@ -89,6 +96,7 @@ def load_into_module(
         if unexpected:
             parts.append(f"not in the module: {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
         raise LayoutError(index.tag_dir, "; ".join(parts) + " (pass strict=False to load the rest)")
+    materialized: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its replacement, so ties stay ties
     with FileReader() as reader, torch.no_grad():
         for entry in index.entries:
             target = targets.get(entry.name)
@@ -96,5 +104,31 @@ def load_into_module(
                 continue
             if tuple(target.shape) != entry.source.shape:
                 raise LayoutError(index.tag_dir, f"{entry.name}: checkpoint shape {list(entry.source.shape)} != module shape {list(target.shape)}")
-            target.copy_(read_tensor(reader, entry.source))
+            if not target.is_meta:
+                target.copy_(read_tensor(reader, entry.source))
+            elif id(target) in materialized:
+                _assign(module, entry.name, materialized[id(target)])
+            else:  # copy_ into a meta tensor does nothing, silently: replace it instead
+                materialized[id(target)] = _materialize(target, read_tensor(reader, entry.source))
+                _assign(module, entry.name, materialized[id(target)])
     return missing, unexpected
+
+
+def _materialize(meta: "torch.Tensor", loaded: "torch.Tensor") -> "torch.Tensor":
+    """The loaded tensor in the meta tensor's dtype, a Parameter again if it was one."""
+    import torch
+
+    value = loaded.to(meta.dtype)
+    if isinstance(meta, torch.nn.Parameter):
+        return torch.nn.Parameter(value, requires_grad=meta.requires_grad)
+    return value
+
+
+def _assign(module: "torch.nn.Module", name: str, value: "torch.Tensor") -> None:
+    """Put `value` in place of the param or buffer at dotted state-dict `name`."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attribute in owner._parameters:
+        owner._parameters[attribute] = value
+    else:
+        owner._buffers[attribute] = value

@@ -3,7 +3,9 @@
 Exit codes: 0 success; 1 bad input or a failed write (one line on stderr naming the file and
 the problem; ``ZCKPT_DEBUG=1`` or ``--debug`` shows the traceback); 2 bad usage (unknown
 option, bad value, options that contradict each other or the input); 3 ``inspect`` found the
-checkpoint incomplete or inconsistent; 130 interrupted.
+checkpoint incomplete or inconsistent; 128 + the signal's number when stopped by a signal (130
+SIGINT/Ctrl-C, 143 SIGTERM from kill, timeout or Slurm, 129 SIGHUP), after removing its
+temporary files and staging folders.
 
 ``consolidate`` also takes zero_to_fp32.py's spellings (``--max_shard_size``,
 ``--exclude_frozen_parameters``, ``--safe_serialization``, ``-t``, ``-d``/``--debug``).
@@ -14,19 +16,22 @@ from __future__ import annotations
 import enum
 import json
 import os
+import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 from typer.core import TyperCommand
 
-from .errors import UsageError, ZckptError
+from .errors import Interrupted, UsageError, ZckptError
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
 EXIT_INCOMPLETE = 3
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; any caught signal exits 128 + its number (SIGTERM: 143)
+CAUGHT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Command(TyperCommand):
@@ -56,7 +61,7 @@ app = typer.Typer(
     help=(
         "Read, consolidate, reshard and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.\n\n"
         "Exit codes: 0 success; 1 bad input or failed write (one line naming the file; ZCKPT_DEBUG=1 for the traceback); "
-        "2 bad usage; 3 inspect found the input incomplete; 130 interrupted."
+        "2 bad usage; 3 inspect found the input incomplete; 130/143 interrupted by SIGINT/SIGTERM (temporary files removed)."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -102,13 +107,19 @@ def _fail(message: str, code: int) -> None:
 def _guarded(action: Callable[[], Any], debug: bool = False) -> Any:
     """Run a library call; turn its errors into one line and an exit code."""
     if debug or os.environ.get("ZCKPT_DEBUG"):
-        return action()
+        try:
+            return action()
+        except Interrupted as exc:  # click would turn it into "Aborted!" and exit 1
+            traceback.print_exc()
+            raise typer.Exit(128 + exc.signum) from None
     try:
         return action()
     except UsageError as exc:
         _fail(str(exc), EXIT_USAGE)
     except ZckptError as exc:
         _fail(str(exc), EXIT_BAD_INPUT)
+    except Interrupted as exc:
+        _fail(str(exc), 128 + exc.signum)
     except KeyboardInterrupt:
         _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
     except MemoryError:
@@ -342,5 +353,21 @@ def to_universal(
         )
 
 
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    """Turn a termination signal into an exception, so the cleanup of temporary files and
+    staging folders runs as for Ctrl-C. A second signal kills at once (default action), in case
+    the cleanup itself hangs; what it leaves the next run removes."""
+    for caught in CAUGHT_SIGNALS:
+        signal.signal(caught, signal.SIG_DFL)
+    raise Interrupted(signum)
+
+
+def _catch_signals() -> None:
+    for caught in CAUGHT_SIGNALS:
+        if signal.getsignal(caught) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(caught, _raise_interrupted)
+
+
 def main() -> None:
+    _catch_signals()
     app(prog_name="zckpt")

@@ -9,6 +9,7 @@ the matching builtin so callers can catch ``FileNotFoundError`` or ``ValueError`
 from __future__ import annotations
 
 import os
+import signal
 
 
 class ZckptError(Exception):
@@ -42,3 +43,13 @@ class OutputError(ZckptError, OSError):
 
 class UsageError(ZckptError, ValueError):
     """An option value or combination of options is invalid."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A termination signal (SIGTERM from kill, timeout or Slurm; SIGINT; SIGHUP) raised as an
+    exception, so the cleanup that runs for Ctrl-C (temporary files, staging folders) runs for
+    it too. A KeyboardInterrupt, so ``except Exception`` does not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; no partial output was left")

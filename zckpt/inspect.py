@@ -13,12 +13,14 @@ import os
 from typing import Any, Callable
 
 from . import hf, torchfile
-from .deepspeed.reader import looks_like_checkpoint, survey
+from .deepspeed import names as N
+from .deepspeed.reader import list_tags, looks_like_checkpoint, survey
 from .dtypes import BY_SHORT
 from .errors import CheckpointNotFoundError, CorruptFileError, ZckptError
 from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
 from .materialize import read_scalar
+from .output import find_leftovers
 from .reading import FileReader
 from .state import TrainingState
 from .torchfile import TensorRef
@@ -37,15 +39,53 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
             weights = (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, hf.SAFETENSORS_PATTERN.format(suffix=""), hf.TORCH_PATTERN.format(suffix=""))
             for name in weights:
                 if os.path.isfile(os.path.join(path, name)):
-                    return inspect_path(os.path.join(path, name))
+                    return _with_leftovers(inspect_path(os.path.join(path, name)), path)
+            if find_leftovers(path):  # only what a killed run left: say so rather than "no checkpoint"
+                return _with_leftovers({"kind": "folder", "path": path, "complete": False, "problems": [f"{path}: holds no weights file"], "parameters": []}, path)
         return inspect_checkpoint(path, tag, verify)
     if path.endswith(".index.json"):
         return _inspect_index(path)
+    if os.path.basename(path) in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) and looks_like_checkpoint(os.path.dirname(path) or "."):
+        return _inspect_latest(path, tag, verify)
     with open(path, "rb") as handle:
         magic = handle.read(4)
-    if magic == b"PK\x03\x04":
+    if magic == b"PK\x03\x04" or torchfile.is_legacy_torch_file(path):
         return _inspect_file(path, "torch", _torch_file_tensors)
     return _inspect_file(path, "safetensors", _safetensors_tensors)
+
+
+def _inspect_latest(path: str, tag: str | None, verify: bool) -> dict[str, Any]:
+    """DeepSpeed's `latest` (or `latest_universal`) file: report on the checkpoint it points into,
+    at the tag it names (or `tag`), rather than misread it as a weights file."""
+    folder = os.path.dirname(path) or "."
+    base = os.path.basename(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            named = handle.read(4096).strip()
+    except (OSError, UnicodeDecodeError):
+        named = ""
+    chosen = tag or named
+    if not chosen or not os.path.isdir(os.path.join(folder, chosen)):
+        report = inspect_checkpoint(folder, tag, verify)  # reports `latest`'s problem, or reads the folder as zckpt would
+        if base == N.LATEST_UNIVERSAL_FILE and not any(p.startswith(path) for p in report["problems"]):
+            report["problems"].append(f"{path}: names tag '{named}', but that folder is not in {folder} (tags here: {', '.join(list_tags(folder)) or 'none'})")
+            report["complete"] = False
+    else:
+        report = inspect_checkpoint(folder, chosen, verify)
+    report["notes"].insert(0, f"{path} is DeepSpeed's '{base}' file (naming tag {named or 'nothing'}); this describes the checkpoint folder it belongs to")
+    return report
+
+
+def _with_leftovers(report: dict[str, Any], folder: str) -> dict[str, Any]:
+    """Add what interrupted zckpt runs left in `folder`: a live owner's files are a note (a write
+    in progress), a dead owner's a problem (the input is not as a finished run leaves it)."""
+    for leftover in find_leftovers(folder):
+        if leftover.alive is False:
+            report["problems"] = [*report.get("problems", []), leftover.describe()]
+            report["complete"] = False
+        else:
+            report["notes"] = [*report.get("notes", []), leftover.describe()]
+    return report
 
 
 def _param(name: str, shape: tuple[int, ...], dtype: str, **extra: Any) -> dict[str, Any]:
@@ -59,8 +99,8 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
     report: dict[str, Any] = {
         "kind": "deepspeed_checkpoint",
         "path": path,
-        "tag": location.tag if location else None,
-        "tags": list(location.tags) if location else [],
+        "tag": location.tag if location else found.named_tag,
+        "tags": list(location.tags if location else found.tags),
         "zero_stage": found.zero_stage,
         "world_size": found.world_size,
         "dtype": found.dtype.short if found.dtype else None,
@@ -74,7 +114,8 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
         tied = {e.name: e.alias_of for e in index.entries if e.kind == "tied"}
     else:  # what rank 0's model states declare; trainable params have fp32 masters
         stored = found.dtype.short if found.dtype else "?"
-        entries = [(n, s, k, "fp32" if k == "param" else stored) for n, s, k in found.declared]
+        held = {n: d.short for n, d in found.declared_dtypes.items()}
+        entries = [(n, s, k, "fp32" if k == "param" else held.get(n, stored)) for n, s, k in found.declared]
         tied = dict(found.tied)
         shapes = {n: (s, d) for n, s, _, d in entries}
         entries += [(alias, shapes[source][0], "tied", shapes[source][1]) for alias, source in tied.items() if source in shapes]
@@ -96,7 +137,7 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
         }
     )
     report["training_state"] = _training_state(found.state) if found.state is not None else None
-    return report
+    return _with_leftovers(report, location.checkpoint_dir if location else path)
 
 
 def _training_state(state: TrainingState) -> dict[str, Any]:
@@ -229,6 +270,11 @@ def _human(numel: int) -> str:
     return str(numel)
 
 
+def _shown(value: Any) -> str:
+    """A report value as the summary shows it: unknown rather than Python's None."""
+    return "unknown" if value is None else str(value)
+
+
 def render(report: dict[str, Any], max_rows: int = 40) -> str:
     """The readable summary of a report."""
     lines = []
@@ -236,13 +282,15 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
         universal = report.get("universal")
         lines.append(f"DeepSpeed {'universal' if universal else 'ZeRO'} checkpoint: {report['path']}")
         tags = ", ".join(report["tags"]) or "none"
-        lines.append(f"  tag            {report['tag']} (tags present: {tags})")
+        missing = "missing; " if report["tag"] is not None and report["tag"] not in report["tags"] else ""
+        lines.append(f"  tag            {_shown(report['tag'])} ({missing}tags present: {tags})")
+        stage, world, dtype = _shown(report["zero_stage"]), _shown(report["world_size"]), _shown(report["dtype"])
         if universal:
             flavour = "ZeRO-3" if report["zero_stage"] == 3 else "ZeRO-1/2"
-            lines.append(f"  loads into     {flavour} runs with load_universal, any world size (saved by world size {report['world_size']}; dtype {report['dtype']})")
+            lines.append(f"  loads into     {flavour} runs with load_universal, any world size (saved by world size {world}; dtype {dtype})")
         else:
-            lines.append(f"  ZeRO stage     {report['zero_stage']}   world size {report['world_size']}   dtype {report['dtype']}   offload {report['offload']}")
-        lines.append(f"  DeepSpeed      {report['ds_version']}")
+            lines.append(f"  ZeRO stage     {stage}   world size {world}   dtype {dtype}   offload {report['offload']}")
+        lines.append(f"  DeepSpeed      {_shown(report['ds_version'])}")
         lines.append(f"  params         {report['params']} ({_human(report['trainable_numel'])} trainable elements, {_human(report['frozen_numel'])} frozen)")
         if report["frozen"]:
             lines.append(f"  frozen         {', '.join(report['frozen'][:8])}{' ...' if len(report['frozen']) > 8 else ''}")
@@ -260,6 +308,8 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
                 f"  saved          loss scaler: {'none' if scaler is None else scaler['class'].rsplit('.', 1)[-1] + ' ' + str(scaler.get('cur_scale'))}; "
                 f"lr scheduler: {'yes' if training['lr_scheduler'] else 'no'}; client state: {', '.join(training['client_state']) or 'none'}"
             )
+    elif report["kind"] == "folder":
+        lines.append(f"folder: {report['path']}")
     else:
         lines.append(f"{report['kind']} weights: {report['path']}")
         if "tensors" in report:

@@ -4,16 +4,27 @@ Files are written under temporary names in the output folder itself (same filesy
 final rename is atomic), fsynced, and renamed into place only when every one of them is
 complete; the index file goes last, so a reader never sees an index naming missing shards.
 On any error the temporary files are removed and a folder we created is removed again.
+
+A process killed outright (SIGKILL, a node lost) cannot clean up, so every temporary name
+carries its owner, ``<host>-<pid>`` (staging folders: an owner file inside): the next run into
+the folder removes the leftovers of owners that no longer run, and ``zckpt inspect`` lists them.
+While files are renamed into place, SIGINT/SIGTERM/SIGHUP are held back, so an interrupted run
+leaves the old output or the whole new one, never a mix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import shutil
+import signal
+import socket
+import threading
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Callable
+from typing import Callable, Iterator
 
 from .errors import OutputError
 from .shards import format_size
@@ -23,6 +34,136 @@ _WEIGHTS_FILE_RE = re.compile(
     r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
     r"|pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$"
 )
+
+
+# Leftovers of zckpt runs: `.<name>.zckpt-tmp-<host>-<pid>` files (`-<pid>` alone from older
+# releases), `.<name>.zckpt-staging` folders (owner in OWNER_FILE) and `.<name>.zckpt-old` folders
+# (the previous version of <name>, moved aside while the new one is renamed into place).
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.zckpt-tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+_FOLDER_RE = re.compile(r"^\.(?P<name>.+)\.zckpt-(?P<kind>staging|old)$")
+OWNER_FILE = ".zckpt-owner"
+_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _host() -> str:
+    """This machine's name as it appears in temporary names (no path separators or spaces)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
+
+
+def owner_tag() -> str:
+    """`<host>-<pid>`: who writes a temporary file, so a later run can tell whether it still runs."""
+    return f"{_host()}-{os.getpid()}"
+
+
+def temp_name(name: str) -> str:
+    """The hidden name `name` is written under until it is complete."""
+    return f".{name}.zckpt-tmp-{owner_tag()}"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A temporary file or folder of a zckpt run found in an output folder.
+
+    `alive`: whether its owner still runs (True: a write in progress; False: interrupted);
+    None when that cannot be told (another host's, or no owner recorded).
+    """
+
+    path: str
+    host: str | None
+    pid: int | None
+    alive: bool | None
+    previous_of: str | None = None  # a `.zckpt-old` folder whose <name> is missing: the only copy left
+
+    def describe(self) -> str:
+        if self.previous_of is not None:
+            return f"{self.path}: the previous {self.previous_of}, moved aside by a zckpt run killed while replacing it; rename it back to {os.path.basename(self.previous_of)}"
+        owner = f"zckpt process {self.pid} on {self.host or 'this host'}" if self.pid is not None else "a zckpt run"
+        if self.alive:
+            return f"{self.path}: being written by {owner}, still running"
+        if self.alive is None:
+            return f"{self.path}: left by {owner}; cannot tell whether it still runs"
+        return f"{self.path}: left by {owner}, which no longer runs (interrupted); the next zckpt run into this folder removes it"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _owner_alive(host: str | None, pid: int | None) -> bool | None:
+    if pid is None or (host is not None and host != _host()):
+        return None
+    return _pid_alive(pid)
+
+
+def _read_owner(folder: str) -> tuple[str | None, int | None]:
+    """The (host, pid) recorded in a staging folder's owner file, or (None, None)."""
+    try:
+        with open(os.path.join(folder, OWNER_FILE), encoding="utf-8") as handle:
+            host, _, pid = handle.read(512).strip().rpartition("-")
+        return (host or None), int(pid)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None, None
+
+
+def find_leftovers(folder: str) -> list[Leftover]:
+    """Every zckpt temporary file and staging/old folder directly in `folder`, with its owner."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if match := _TEMP_RE.match(name):
+            host, pid = match["host"], int(match["pid"])
+            found.append(Leftover(path, host, pid, _owner_alive(host, pid)))
+        elif (match := _FOLDER_RE.match(name)) and os.path.isdir(path):
+            if match["kind"] == "old":
+                final = os.path.join(folder, match["name"])
+                # beside its replacement: the rest of a commit; alone: the only copy of <name>
+                found.append(Leftover(path, None, None, False, None if os.path.exists(final) else final))
+            else:
+                host, pid = _read_owner(path)
+                found.append(Leftover(path, host, pid, _owner_alive(host, pid)))
+    return found
+
+
+def remove_dead_leftovers(folder: str) -> list[str]:
+    """Remove the leftovers in `folder` whose owner no longer runs on this host; the paths removed.
+    A moved-aside previous version with nothing in its place is kept (it is the only copy)."""
+    removed = []
+    for leftover in find_leftovers(folder):
+        if leftover.alive is not False or leftover.previous_of is not None:
+            continue
+        try:
+            if os.path.isdir(leftover.path) and not os.path.islink(leftover.path):
+                shutil.rmtree(leftover.path)
+            else:
+                os.remove(leftover.path)
+        except OSError:
+            continue  # not ours to fight over: inspect still lists it
+        removed.append(leftover.path)
+    return removed
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold back SIGINT, SIGTERM and SIGHUP (delivered on exit) while files are renamed into
+    place: a handler raising in between would leave some renamed and some not."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def check_free_space(path: str, needed_bytes: int) -> None:
@@ -70,11 +211,13 @@ class StagedOutput:
             except OSError as exc:
                 raise output_error(self.output_dir, exc) from None
             self._created_dir = True
+        else:
+            remove_dead_leftovers(self.output_dir)  # a killed run's temp files
         return self
 
     def temp_path(self, name: str) -> str:
         """Where to write `name` until commit."""
-        path = os.path.join(self.output_dir, f".{name}.zckpt-tmp-{os.getpid()}")
+        path = os.path.join(self.output_dir, temp_name(name))
         self._temps[name] = path
         return path
 
@@ -90,11 +233,12 @@ class StagedOutput:
             except OSError as exc:
                 raise output_error(os.path.join(self.output_dir, name), exc) from None
         ordered = sorted(self._temps.items(), key=lambda kv: kv[0].endswith(".index.json"))
-        for name, temp in ordered:
-            os.replace(temp, os.path.join(self.output_dir, name))
-        self._temps.clear()
-        for name in self._stale:
-            os.remove(os.path.join(self.output_dir, name))
+        with signals_deferred():
+            for name, temp in ordered:
+                os.replace(temp, os.path.join(self.output_dir, name))
+            self._temps.clear()
+            for name in self._stale:
+                os.remove(os.path.join(self.output_dir, name))
         _fsync_dir(self.output_dir)
 
     def abort(self) -> None:
@@ -148,12 +292,16 @@ class StagedFolder:
         check_free_space(self.final_dir, needed_bytes)
 
     def create(self) -> None:
-        """Make an empty staging folder (a leftover of an interrupted run is removed first)."""
+        """Make an empty staging folder, owned by this process (a leftover of an interrupted run
+        is removed first, as are other dead runs' leftovers beside it)."""
         try:
             self._created_parent = not os.path.isdir(self.parent)
             os.makedirs(self.parent, exist_ok=True)
+            remove_dead_leftovers(self.parent)
             shutil.rmtree(self.staging, ignore_errors=True)
             os.makedirs(self.staging)
+            with open(os.path.join(self.staging, OWNER_FILE), "w", encoding="utf-8") as handle:
+                handle.write(owner_tag() + "\n")
         except OSError as exc:
             raise output_error(self.staging, exc) from None
 
@@ -167,8 +315,14 @@ class StagedFolder:
         replaced = os.path.exists(self.final_dir)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
-            os.replace(self.final_dir, self._old)
-        os.replace(self.staging, self.final_dir)
+        with signals_deferred():
+            try:
+                os.remove(os.path.join(self.staging, OWNER_FILE))
+            except FileNotFoundError:
+                pass
+            if replaced:
+                os.replace(self.final_dir, self._old)
+            os.replace(self.staging, self.final_dir)
         _fsync_dir(self.parent)
         if replaced:
             shutil.rmtree(self._old, ignore_errors=True)
@@ -199,17 +353,17 @@ def fsync_file(path: str) -> None:
 def replace_atomically(path: str, write: Callable[[str], object]) -> None:
     """Write a file under a temporary name beside `path` (via `write(temp_path)`), fsync it and
     rename it over `path`, so readers see the old file or the whole new one."""
-    temp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.zckpt-tmp-{os.getpid()}")
+    temp = os.path.join(os.path.dirname(path) or ".", temp_name(os.path.basename(path)))
     try:
         write(temp)
         fsync_file(temp)
         os.replace(temp, path)
     except OSError as exc:
-        try:
-            os.remove(temp)
-        except OSError:
-            pass
+        _remove_quietly(temp)
         raise output_error(path, exc) from None
+    except BaseException:  # interrupted (a signal turned into an exception): no temp file left
+        _remove_quietly(temp)
+        raise
     _fsync_dir(os.path.dirname(path) or ".")
 
 
@@ -220,3 +374,10 @@ def write_text_atomic(path: str, text: str) -> None:
 def _write_text(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -313,6 +313,8 @@ def load(path: str | os.PathLike[str]) -> Any:
                 storages[info.filename[len(data_prefix) :]] = (offset, info.file_size)
             data = archive.read(pickles[0])
     except zipfile.BadZipFile as exc:
+        if is_legacy_torch_file(path):  # not damaged: an older format, which deserves its own words
+            raise CorruptFileError(path, LEGACY_PROBLEM) from None
         raise CorruptFileError(path, f"truncated or not a torch checkpoint ({exc})") from None
     except CorruptFileError:
         raise
@@ -321,6 +323,24 @@ def load(path: str | os.PathLike[str]) -> Any:
     except Exception as exc:  # zipfile trips over garbled headers in many ways (bad names, versions)
         raise CorruptFileError(path, f"damaged zip structure ({type(exc).__name__}: {exc})") from None
     return unpickle(data, path, storages)
+
+
+# torch.save's format before 1.6 (still written with _use_new_zipfile_serialization=False): a bare
+# pickle stream that opens with this magic number, as LONG1 (pickle protocol >= 2) or as text.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_MARKS = (b"\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little"), b"L%dL\n" % _LEGACY_MAGIC)
+LEGACY_PROBLEM = "a legacy (pre-1.6) torch.save file: not supported, re-save it with torch.save"
+
+
+def is_legacy_torch_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a pre-zip torch.save file, so that it is named as one rather than called
+    truncated. Only the first bytes are read: the magic number comes first in the stream."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(32)
+    except OSError:
+        return False
+    return any(mark in head for mark in _LEGACY_MARKS)
 
 
 def verify_checksums(path: str | os.PathLike[str]) -> str | None:
@@ -334,6 +354,8 @@ def verify_checksums(path: str | os.PathLike[str]) -> str | None:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except Exception as exc:
+        if is_legacy_torch_file(path):
+            return f"{path}: {LEGACY_PROBLEM}"
         return f"{path}: damaged zip structure ({type(exc).__name__}: {exc})"
     return f"{path}: record {bad} fails its CRC-32 check: the data is corrupted" if bad else None
 

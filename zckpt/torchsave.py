@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import mmap
 import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,7 +54,21 @@ __all__ = [
 
 _PARALLEL_CRC_BYTES = 1 << 20  # chunks from this size on are checksummed while being written
 _KERNEL_COPY_MIN_BYTES = 1 << 20  # smaller parts are not worth a mapping and a system call
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the window in at once, not page by page
+_CRC_BUFFER_BYTES = 1 << 20  # checksum reads: small enough to stay in the CPU cache
+
+
+def _checksum_range(fd: int, position: int, count: int, crc: int) -> int:
+    """CRC-32 of `count` bytes of `fd` at `position`, continued from `crc`."""
+    buffer = bytearray(min(count, _CRC_BUFFER_BYTES))
+    view = memoryview(buffer)
+    end = position + count
+    while position < end:
+        got = os.preadv(fd, [view[: min(len(buffer), end - position)]], position)
+        if got <= 0:
+            raise OSError(errno.EIO, f"short read at offset {position}")
+        crc = zlib.crc32(view[:got], crc)
+        position += got
+    return crc
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
 
@@ -258,10 +271,10 @@ class _TensorStream:
 
     def _kernel_copy(self, path: str, offset: int, nbytes: int, crc: int) -> int | None:
         """Move bytes that need no conversion file to file in the kernel (copy_file_range), and
-        checksum them through a read-only mapping of the source, window by window (a mapping
-        copies nothing; unmapping each window keeps resident memory bounded). The checksum runs
-        on a helper thread while the kernel copies the same window. None: nothing was written and
-        the filesystem cannot do it (the caller falls back to reading and writing)."""
+        checksum them on a helper thread that reads the same window through a small buffer
+        (pread of page-cache pages into a cache-sized buffer costs less than mapping them).
+        None: nothing was written and the filesystem cannot do it (the caller falls back to
+        reading and writing)."""
         src = self.reader.descriptor(path)
         if os.fstat(src).st_size < offset + nbytes:
             raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
@@ -269,30 +282,21 @@ class _TensorStream:
         while done < nbytes:
             count = min(CHUNK_BYTES // 2, nbytes - done)
             position = offset + done
-            start = position - position % mmap.ALLOCATIONGRANULARITY
-            window = mmap.mmap(src, count + position - start, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ, offset=start)
+            pending = self.helpers.submit(_checksum_range, src, position, count, crc)
+            copied = 0
             try:
-                view = memoryview(window)[position - start :]
-                try:
-                    pending = self.helpers.submit(zlib.crc32, view, crc)
-                    copied = 0
-                    try:
-                        while copied < count:
-                            moved = os.copy_file_range(src, self.fd, count - copied, position + copied)
-                            if moved == 0:
-                                raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
-                            copied += moved
-                    except OSError as exc:
-                        pending.result()
-                        if done == 0 and copied == 0 and exc.errno in _NO_KERNEL_COPY:
-                            self.kernel_copy = False
-                            return None
-                        raise
-                    crc = pending.result()
-                finally:
-                    view.release()
-            finally:
-                window.close()
+                while copied < count:
+                    moved = os.copy_file_range(src, self.fd, count - copied, position + copied)
+                    if moved == 0:
+                        raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+                    copied += moved
+            except OSError as exc:
+                pending.result()
+                if done == 0 and copied == 0 and exc.errno in _NO_KERNEL_COPY:
+                    self.kernel_copy = False
+                    return None
+                raise
+            crc = pending.result()
             self.progress(count)
             done += count
         return crc

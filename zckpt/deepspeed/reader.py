@@ -133,7 +133,11 @@ class Survey:
     notes: list[str] = field(default_factory=list)
     # What the model-states file declares, known even when the index cannot be built.
     declared: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, kind)
+    declared_dtypes: dict[str, DType] = field(default_factory=dict)  # as stored in the module state dict
     tied: dict[str, str] = field(default_factory=dict)
+    # When the tag cannot be located: the tags the folder holds and the one `latest` names.
+    tags: tuple[str, ...] = ()
+    named_tag: str | None = None
     state: TrainingState | None = None  # the whole training state, when the checkpoint is complete
     universal: bool = False  # a universal folder (zero/<param>/<state>.pt), not rank partitions
 
@@ -175,21 +179,41 @@ def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
     except CheckpointNotFoundError as exc:
         if exc.path == os.fspath(path):
             raise
-        result.problems.append(exc)
-        return result
+        return _unlocated(result, exc, tag)
     except UsageError:
         raise
     except ZckptError as exc:
-        result.problems.append(exc)
-        return result
+        return _unlocated(result, exc, tag)
     result.universal = is_universal_dir(result.location.tag_dir)
+    reader = ZeroReader
     if result.universal:
-        from .universal_reader import UniversalReader  # it builds on ZeroReader
-
-        UniversalReader(result).run()
-    else:
-        ZeroReader(result).run()
+        from .universal_reader import UniversalReader as reader  # it builds on ZeroReader
+    try:
+        reader(result).run()
+    except ZckptError as exc:  # a damage the readers raise rather than list: still a listed problem
+        result.problems.append(exc)
+        result.index = result.state = None
     return result
+
+
+def _unlocated(result: Survey, problem: ZckptError, tag: str | None) -> Survey:
+    """A survey whose tag folder cannot be found: the problem, plus the tags that are there and
+    the one asked for or named in `latest`, so a report shows what to choose from."""
+    result.problems.append(problem)
+    result.tags = tuple(list_tags(result.path))
+    result.named_tag = tag or named_in_latest(result.path)
+    return result
+
+
+def named_in_latest(checkpoint_dir: str) -> str | None:
+    """The tag a folder's `latest` (or `latest_universal`) file names, or None if unreadable."""
+    for name in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE):
+        try:
+            with open(os.path.join(checkpoint_dir, name), encoding="utf-8") as handle:
+                return handle.read(4096).strip() or None
+        except (OSError, UnicodeDecodeError):
+            continue
+    return None
 
 
 def numel_of(shape: Any) -> int:
@@ -240,9 +264,8 @@ class ZeroReader:
         model0 = models.get(0 if zero3 else None)
         if isinstance(model0, dict):
             self._declare(model0)
-        if any(v is None for v in list(models.values()) + list(optims.values())):
-            return
-        if not self._check_file_kinds(models, optims, model_paths, optim_files):
+        if any(v is None for v in list(models.values()) + list(optims.values())) or not self._check_file_kinds(models, optims, model_paths, optim_files):
+            self._describe_readable(models, optims, optim_files, zero3)
             return
         inner = {rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims}
         self._describe(model0, inner[0], optim_files[0][0], zero3)
@@ -322,20 +345,26 @@ class ZeroReader:
         return model_files, optim_files
 
     def _declare(self, model0: dict) -> None:
-        """Record the params, buffers and tied names rank 0's model states declare."""
+        """Record the params, buffers and tied names rank 0's model states declare, with the
+        dtypes the module state dict stores them in (buffers and frozen params keep theirs)."""
         declared = self.result.declared
         module = model0.get(N.MODULE) if isinstance(model0.get(N.MODULE), dict) else {}
-        for name in model0.get(N.BUFFER_NAMES) or []:
+        buffers = list(model0.get(N.BUFFER_NAMES) or [])
+        for name in buffers:
             ref = module.get(name)
             if isinstance(ref, TensorRef):
                 declared.append((name, ref.shape, "buffer"))
-        for name, shape in (model0.get(N.FROZEN_PARAM_SHAPES) or {}).items():
-            declared.append((name, as_shape(shape), "frozen"))
+        frozen = {name: as_shape(shape) for name, shape in (model0.get(N.FROZEN_PARAM_SHAPES) or {}).items()}
         shapes = model0.get(N.PARAM_SHAPES) or []
-        for group in [shapes] if isinstance(shapes, dict) else shapes:
-            for name, shape in group.items():
-                declared.append((name, as_shape(shape), "param"))
-        self.result.tied = {str(k): str(v) for k, v in (model0.get(N.SHARED_PARAMS) or {}).items()}
+        trainable = [(name, as_shape(shape)) for group in ([shapes] if isinstance(shapes, dict) else shapes) for name, shape in group.items()]
+        tied = {str(k): str(v) for k, v in (model0.get(N.SHARED_PARAMS) or {}).items()}
+        if not frozen:  # ZeRO-1 records no frozen_param_shapes: its frozen params are only in the module
+            known = {n for n, _ in trainable} | set(buffers) | set(tied)
+            frozen = {n: ref.shape for n, ref in module.items() if n not in known and isinstance(ref, TensorRef) and ref.numel}
+        declared.extend((name, shape, "frozen") for name, shape in frozen.items())
+        declared.extend((name, shape, "param") for name, shape in trainable)
+        self.result.declared_dtypes = {n: ref.dtype for n, ref in module.items() if isinstance(ref, TensorRef) and (n in frozen or n in buffers)}
+        self.result.tied = tied
 
     def _check_file_kinds(self, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> bool:
         ok = True
@@ -353,17 +382,31 @@ class ZeroReader:
             ok = False
         return ok
 
-    def _describe(self, model0: dict, inner0: dict, prefix: str, zero3: bool) -> None:
-        """Fill stage, world size, dtype, version and offload from rank 0's files."""
+    def _describe_readable(self, models: dict, optims: dict, optim_files: dict, zero3: bool) -> None:
+        """Where some files cannot be read, describe the checkpoint from those that can (rank 0's
+        first), rather than leave stage, world size and dtype unknown."""
+        model = next((m for _, m in sorted(models.items(), key=lambda kv: kv[0] or 0) if isinstance(m, dict) and isinstance(m.get(N.DS_CONFIG), dict)), None)
+        inner = next((o[N.OPTIMIZER_STATE_DICT] for _, o in sorted(optims.items()) if isinstance(o, dict) and isinstance(o.get(N.OPTIMIZER_STATE_DICT), dict)), None)
+        if model is None and inner is None:
+            return
+        prefix = optim_files[min(optim_files)][0] if optim_files else ""
+        self._describe(model or {}, inner, prefix, zero3)
+        dp = (model or {}).get(N.DP_WORLD_SIZE)
+        if self.result.world_size is None and isinstance(dp, int) and dp > 0:
+            self.result.world_size = dp
+
+    def _describe(self, model0: dict, inner0: dict | None, prefix: str, zero3: bool) -> None:
+        """Fill stage, world size, dtype, version and offload from rank 0's files (`inner0`:
+        None when no optimizer file is readable; the config then says the stage)."""
         config = model0.get(N.DS_CONFIG) or {}
         self.config = config
         zero_config = config.get(N.CONFIG_ZERO) or {}
-        stage = inner0.get(N.ZERO_STAGE)
-        if stage is None:  # BF16_Optimizer layout (bf16 + ZeRO-1 in some releases) has no stage key
+        stage = inner0.get(N.ZERO_STAGE) if inner0 is not None else zero_config.get(N.CONFIG_STAGE)
+        if stage is None and inner0 is not None:  # BF16_Optimizer layout (bf16 + ZeRO-1 in some releases) has no stage key
             stage = int(zero_config.get(N.CONFIG_STAGE, 1) or 1)
             self.result.notes.append("optimizer state written by DeepSpeed's BF16_Optimizer (ZeRO-1 layout)")
-        self.result.zero_stage = 3 if zero3 else int(stage)
-        count = inner0.get(N.PARTITION_COUNT)
+        self.result.zero_stage = 3 if zero3 else int(stage) if stage is not None else None
+        count = (inner0 or {}).get(N.PARTITION_COUNT)
         self.result.world_size = max(count) if isinstance(count, (list, tuple)) else int(count) if count is not None else None
         self.result.ds_version = str(model0.get(N.DS_VERSION)) if model0.get(N.DS_VERSION) is not None else None
         bf16_config = next((config[k] for k in N.CONFIG_BF16 if k in config), {}) or {}
@@ -590,8 +633,13 @@ class ZeroReader:
             flat[rank] = refs
         return self._param_entries(layout, flat)
 
-    def _param_entries(self, layout: ZeroLayout, flat: dict[int, list[TensorRef]]) -> list[Entry]:
+    def _param_entries(self, layout: ZeroLayout, flat: dict[int, list[TensorRef]]) -> list[Entry] | None:
         """One entry per trainable param: its pieces, read from each rank's flat fp32 tensors."""
+        odd = sorted({ref.path for refs in flat.values() for ref in refs if not (ref.is_contiguous and len(ref.shape) == 1)})
+        for path in odd:  # byte offsets below assume one flat run of elements
+            self._problem(CorruptFileError, path, "fp32 partition is not a flat contiguous tensor")
+        if odd:
+            return None
         self.layout, self.flat_refs = layout, flat
         entries = []
         for param, pieces in zip(layout.params, layout.by_param()):
