@@ -31,7 +31,7 @@ EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
 EXIT_INCOMPLETE = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; any caught signal exits 128 + its number (SIGTERM: 143)
-CAUGHT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CAUGHT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 class _Command(TyperCommand):

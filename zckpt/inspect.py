@@ -41,7 +41,7 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
                 if os.path.isfile(os.path.join(path, name)):
                     return _with_leftovers(inspect_path(os.path.join(path, name)), path)
             if find_leftovers(path):  # only what a killed run left: say so rather than "no checkpoint"
-                return _with_leftovers({"kind": "folder", "path": path, "complete": False, "problems": [f"{path}: holds no weights file"], "parameters": []}, path)
+                return _with_leftovers({"kind": "folder", "path": path, "complete": False, "problems": [f"{path}: holds no checkpoint or weights file"], "parameters": []}, path)
         return inspect_checkpoint(path, tag, verify)
     if path.endswith(".index.json"):
         return _inspect_index(path)
@@ -162,7 +162,7 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
         "global_steps": state.global_steps,
         "global_samples": state.global_samples,
         "skipped_steps": state.skipped_steps,
-        "loss_scaler": None if scaler is None else {"class": getattr(scaler, "original_class", type(scaler).__name__), **{k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}},
+        "loss_scaler": None if scaler is None else {"class": getattr(scaler, "original_class", type(scaler).__name__), **{k: v for k, v in getattr(scaler, "__dict__", {}).items() if isinstance(v, (int, float, bool))}},
         "lr_scheduler": state.lr_scheduler is not None,
         "client_state": sorted(map(str, state.client_state)),
     }

@@ -42,7 +42,7 @@ _WEIGHTS_FILE_RE = re.compile(
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.zckpt-tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
 _FOLDER_RE = re.compile(r"^\.(?P<name>.+)\.zckpt-(?P<kind>staging|old)$")
 OWNER_FILE = ".zckpt-owner"
-_DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+_DEFERRED_SIGNALS = {getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)}
 
 
 def _host() -> str:
@@ -156,7 +156,7 @@ def remove_dead_leftovers(folder: str) -> list[str]:
 def signals_deferred() -> Iterator[None]:
     """Hold back SIGINT, SIGTERM and SIGHUP (delivered on exit) while files are renamed into
     place: a handler raising in between would leave some renamed and some not."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):  # handlers run in the main thread only
         yield
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)

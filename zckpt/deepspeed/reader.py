@@ -193,6 +193,11 @@ def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
     except ZckptError as exc:  # a damage the readers raise rather than list: still a listed problem
         result.problems.append(exc)
         result.index = result.state = None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # Values of a type no check foresaw (a damaged or hand-edited file): a problem with the
+        # tag folder, so inspect still describes it and consolidate still says one line.
+        result.problems.append(CorruptFileError(result.location.tag_dir, f"files not as DeepSpeed writes them ({type(exc).__name__}: {exc})"))
+        result.index = result.state = None
     return result
 
 
@@ -214,6 +219,57 @@ def named_in_latest(checkpoint_dir: str) -> str | None:
         except (OSError, UnicodeDecodeError):
             continue
     return None
+
+
+_MAX_MISSING_RANKS = 4096  # beyond this many absent rank files, a world size is taken as damage
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(map(_is_count, value))
+
+
+def _is_shape_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and _is_shape(v) for k, v in value.items())
+
+
+def _is_tensor_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, TensorRef) for t in value)
+
+
+# What the reader relies on in each key it reads: (expected, test). A value of another type is a
+# damaged or edited file, reported as such instead of failing later on a missing attribute.
+Schema = dict[str, tuple[str, Any]]
+MODEL_SCHEMA: Schema = {
+    N.MODULE: ("a dict of tensors", lambda v: isinstance(v, dict)),
+    N.PARAM_SHAPES: ("a list of {name: shape} dicts", lambda v: _is_shape_map(v) or (isinstance(v, (list, tuple)) and all(map(_is_shape_map, v)))),
+    N.BUFFER_NAMES: ("a list of names", lambda v: v is None or (isinstance(v, (list, tuple, set)) and all(isinstance(n, str) for n in v))),
+    N.FROZEN_PARAM_SHAPES: ("a {name: shape} dict", lambda v: v is None or _is_shape_map(v)),
+    N.FROZEN_PARAM_FRAGMENTS: ("a {name: tensor} dict", lambda v: v is None or isinstance(v, dict)),
+    N.SHARED_PARAMS: ("an {alias: name} dict", lambda v: v is None or (isinstance(v, dict) and all(isinstance(a, str) and isinstance(b, str) for a, b in v.items()))),
+    N.DS_CONFIG: ("a dict", lambda v: v is None or isinstance(v, dict)),
+    N.DP_WORLD_SIZE: ("an integer", lambda v: v is None or _is_count(v)),
+    N.MP_WORLD_SIZE: ("an integer", lambda v: v is None or _is_count(v)),
+}
+OPTIM_SCHEMA: Schema = {
+    N.FP32_FLAT_GROUPS: ("a list of tensors", _is_tensor_list),
+    N.SINGLE_PARTITION_OF_FP32_GROUPS: ("a list of tensors", _is_tensor_list),
+    N.PARTITION_COUNT: ("an integer or a list of them", lambda v: v is None or _is_count(v) or (isinstance(v, (list, tuple)) and bool(v) and all(map(_is_count, v)))),
+    N.ZERO_STAGE: ("an integer", lambda v: v is None or _is_count(v)),
+    N.PARAM_ALIGNMENT_PADDINGS: ("a list of lists of integers", lambda v: v is None or (isinstance(v, (list, tuple)) and all(_is_shape(p) for p in v))),
+}
+
+
+def schema_problems(state: dict, schema: Schema) -> list[str]:
+    """The keys of `state` whose values are not of the type DeepSpeed writes."""
+    return [
+        f"'{key}' is {type(state[key]).__name__}, expected {expected}: not as DeepSpeed writes it (damaged or edited)"
+        for key, (expected, test) in schema.items()
+        if key in state and not test(state[key])
+    ]
 
 
 def numel_of(shape: Any) -> int:
@@ -262,7 +318,7 @@ class ZeroReader:
         models = {rank: self._load(p) for rank, p in model_paths.items()}
         optims = {rank: self._load(p) for rank, (_, p) in sorted(optim_files.items())}
         model0 = models.get(0 if zero3 else None)
-        if isinstance(model0, dict):
+        if isinstance(model0, dict) and not schema_problems(model0, MODEL_SCHEMA):
             self._declare(model0)
         if any(v is None for v in list(models.values()) + list(optims.values())) or not self._check_file_kinds(models, optims, model_paths, optim_files):
             self._describe_readable(models, optims, optim_files, zero3)
@@ -372,10 +428,16 @@ class ZeroReader:
             if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
                 self._problem(CorruptFileError, model_paths[rank], "not a DeepSpeed model-states file (no 'module'/'param_shapes')")
                 ok = False
+            elif problems := schema_problems(state, MODEL_SCHEMA):
+                self._problem(CorruptFileError, model_paths[rank], problems[0])
+                ok = False
         for rank, state in optims.items():
             inner = state.get(N.OPTIMIZER_STATE_DICT) if isinstance(state, dict) else None
             if not isinstance(inner, dict) or not (N.FP32_FLAT_GROUPS in inner or N.SINGLE_PARTITION_OF_FP32_GROUPS in inner):
                 self._problem(CorruptFileError, optim_files[rank][1], "not a DeepSpeed ZeRO optimizer-states file (no fp32 partitions)")
+                ok = False
+            elif problems := schema_problems(inner, OPTIM_SCHEMA):
+                self._problem(CorruptFileError, optim_files[rank][1], problems[0])
                 ok = False
         if 0 not in optims:
             self._problem(CheckpointNotFoundError, self._path(N.optim_states_name(0, bf16=any(p for p, _ in optim_files.values()))), "missing (rank 0 optimizer states)")
@@ -385,8 +447,8 @@ class ZeroReader:
     def _describe_readable(self, models: dict, optims: dict, optim_files: dict, zero3: bool) -> None:
         """Where some files cannot be read, describe the checkpoint from those that can (rank 0's
         first), rather than leave stage, world size and dtype unknown."""
-        model = next((m for _, m in sorted(models.items(), key=lambda kv: kv[0] or 0) if isinstance(m, dict) and isinstance(m.get(N.DS_CONFIG), dict)), None)
-        inner = next((o[N.OPTIMIZER_STATE_DICT] for _, o in sorted(optims.items()) if isinstance(o, dict) and isinstance(o.get(N.OPTIMIZER_STATE_DICT), dict)), None)
+        model = next((m for _, m in sorted(models.items(), key=lambda kv: kv[0] or 0) if _sound(m, N.DS_CONFIG, MODEL_SCHEMA)), None)
+        inner = next((o[N.OPTIMIZER_STATE_DICT] for _, o in sorted(optims.items()) if isinstance(o, dict) and _sound(o.get(N.OPTIMIZER_STATE_DICT), N.PARTITION_COUNT, OPTIM_SCHEMA)), None)
         if model is None and inner is None:
             return
         prefix = optim_files[min(optim_files)][0] if optim_files else ""
@@ -431,6 +493,9 @@ class ZeroReader:
         path0 = optim_files[0][1]
         if not isinstance(world, int) or world < 1:
             self._problem(CorruptFileError, path0, f"bad partition_count {world!r}")
+            return False
+        if world > len(inner) + _MAX_MISSING_RANKS:  # listing every missing rank would never end
+            self._problem(CorruptFileError, path0, f"partition_count {world}, but {len(inner)} optimizer files are here: damaged, or nearly all rank files are missing")
             return False
         ok = True
         for rank, state in inner.items():
@@ -682,6 +747,11 @@ class ZeroReader:
             self._problem(CorruptFileError, path, f"truncated: holds {os.path.getsize(path)} bytes, {what} need {needed}")
             return None
         return path
+
+
+def _sound(state: Any, key: str, schema: Schema) -> bool:
+    """A readable state dict holding `key`, with every key of `schema` as DeepSpeed writes it."""
+    return isinstance(state, dict) and state.get(key) is not None and not schema_problems(state, schema)
 
 
 def _segment(ref: TensorRef, start: int, length: int) -> Segment:

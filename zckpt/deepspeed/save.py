@@ -92,11 +92,14 @@ def write_checkpoint(
         # Two files per CPU: one converting dtypes (CPU-bound) overlaps others that only copy.
         count = min(workers or 2 * (os.cpu_count() or 1), len(jobs)) if sum(a.total_size for _, a in jobs) >= PARALLEL_MIN_BYTES else 1
         if count > 1:
-            with ThreadPoolExecutor(count, thread_name_prefix="zckpt-save") as pool:
+            pool = ThreadPoolExecutor(count, thread_name_prefix="zckpt-save")
+            try:
                 for size in pool.map(_write_one, *zip(*jobs)):
                     done += size
                     if progress:
                         progress(done, total)
+            finally:  # on an error or a signal, files not started yet are not started
+                pool.shutdown(wait=True, cancel_futures=True)
         else:
             for path, archive in jobs:
                 done += _write_one(path, archive)
