@@ -323,7 +323,7 @@ import sys, time
 import zckpt.materialize as materialize
 write = materialize.StreamWriter.write
 def slow(self, *args, **kwargs):
-    time.sleep(0.05)
+    time.sleep(0.2)
     return write(self, *args, **kwargs)
 materialize.StreamWriter.write = slow
 from zckpt.cli import main
@@ -348,7 +348,7 @@ def killed_mid_write(tmp_path: Path, out: Path, signum: int, *extra: str) -> sub
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, "no temporary file appeared"
         time.sleep(0.002)
-    time.sleep(random.uniform(0, 0.4))  # somewhere inside the ~1 s write
+    time.sleep(random.uniform(0, 1.0))  # somewhere inside the ~4 s write (20 tensors, 0.2 s each)
     process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=60)
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)

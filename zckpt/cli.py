@@ -210,6 +210,9 @@ def consolidate(
             f"wrote {result.tensors} tensors ({format_size(result.bytes_written)}, {target.short}) from "
             f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {_file_list(result.files)}"
         )
+        for note in index.notes:
+            if note.startswith("Trainer output folder"):
+                typer.echo(f"note: {note}", err=True)
 
 
 @app.command(

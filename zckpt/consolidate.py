@@ -22,7 +22,7 @@ from typing import Callable, Literal
 
 from . import hf
 from .deepspeed.reader import open_checkpoint
-from .dtypes import DType, DTypeLike, output_dtype
+from .dtypes import FP32, DType, DTypeLike, output_dtype
 from .errors import UsageError
 from .index import CheckpointIndex, TensorSource
 from .materialize import StreamWriter, read_tensor, write_all
@@ -63,6 +63,7 @@ class ConsolidationPlan:
     total_size: int  # bytes of distinct tensors (the index's metadata.total_size)
     tied: dict[str, str]  # alias -> source
     extra_files: tuple[str, ...]  # Hugging Face config/tokenizer files to copy along
+    dtype: DType = FP32  # of the floating tensors written (config.json is told)
 
     @property
     def bytes_to_write(self) -> int:
@@ -121,6 +122,7 @@ def plan_consolidation(
         total_size=shards.total_size,
         tied={t.name: t.alias_of for t in tensors.values() if t.alias_of},
         extra_files=extra,
+        dtype=target,
     )
 
 
@@ -147,7 +149,10 @@ def write_consolidated(
 ) -> ConsolidationResult:
     """Execute a plan: stream every tensor into staged files, then move them into place."""
     names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
-    names += [os.path.basename(p) for p in plan.extra_files]
+    # writing beside the checkpoint's own config and tokenizer (`consolidate . .` inside a
+    # checkpoint-N folder): the weights are added and nothing else is touched
+    extra = [p for p in plan.extra_files if not _same_file(p, os.path.join(output_dir, os.path.basename(p)))]
+    names += [os.path.basename(p) for p in extra]
     total = plan.bytes_to_write
     done = 0
 
@@ -166,8 +171,11 @@ def write_consolidated(
         if plan.index_file:
             content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
             _write_file(staged, output_dir, plan.index_file, lambda path: _write_text(path, json.dumps(content, indent=2, sort_keys=True) + "\n"))
-        for source in plan.extra_files:
-            _write_file(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
+        for source in extra:
+            if os.path.basename(source) == hf.CONFIG_FILE:
+                _write_file(staged, output_dir, hf.CONFIG_FILE, lambda path, source=source: _write_text(path, hf.config_with_dtype(source, plan.dtype.name)))
+            else:
+                _write_file(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
         staged.commit()
     return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index)
 
@@ -178,6 +186,13 @@ def _write_file(staged: StagedOutput, output_dir: str, name: str, write: Callabl
         write(staged.temp_path(name))
     except OSError as exc:
         raise output_error(os.path.join(output_dir, name), exc) from None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _write_text(path: str, text: str) -> None:

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .. import torchfile
+from .. import hf, torchfile
 from ..dtypes import BF16, FP16, FP32, DType
 from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
 from ..index import CheckpointIndex, Entry, Segment, TensorSource
@@ -68,6 +68,7 @@ class Location:
     checkpoint_dir: str
     tag: str
     tags: tuple[str, ...]
+    note: str | None = None  # how it was found, when the user named another folder
 
     @property
     def tag_dir(self) -> str:
@@ -112,6 +113,11 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
         return Location(path, tags[0], tags)
     if tags:
         raise UsageError(path, f"no 'latest' file and {len(tags)} tags ({listed}); pass --tag")
+    newest = hf.newest_trainer_checkpoint(path, looks_like_checkpoint)
+    if newest is not None:  # a Trainer's output_dir: its newest checkpoint-N, as get_last_checkpoint picks
+        found = locate(os.path.join(path, newest[0]), tag)
+        note = f"Trainer output folder: read {newest[0]}, the newest of {newest[1]} checkpoint-N folder(s)"
+        return Location(found.checkpoint_dir, found.tag, found.tags, note)
     raise CheckpointNotFoundError(path, "no DeepSpeed checkpoint here (no 'latest' file, no tag folder holding *_model_states.pt)")
 
 
@@ -184,6 +190,8 @@ def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
         raise
     except ZckptError as exc:
         return _unlocated(result, exc, tag)
+    if result.location.note:
+        result.notes.append(result.location.note)
     result.universal = is_universal_dir(result.location.tag_dir)
     reader = ZeroReader
     if result.universal:
