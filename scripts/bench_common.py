@@ -290,3 +290,17 @@ def damon_reclaim() -> str | None:
 def stats(values: list[float]) -> dict[str, float]:
     """Median, min and max."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def print_run_header(result: dict[str, Any]) -> None:
+    """The lines every benchmark report starts with: command, machine, versions, zckpt measured."""
+    f, v = result["machine"], result["machine"]["versions"]
+    print()
+    print("=" * 100)
+    print(f"command: {' '.join(result['argv'])}")
+    print(f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
+          f"{f['cpu_model']}, Linux {f['kernel']}; disk {result['filesystem']}")
+    print(f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
+          f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}")
+    if result.get("zckpt_source"):
+        print(f"zckpt measured: {describe_snapshot(result['zckpt_source'])}")

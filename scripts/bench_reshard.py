@@ -68,7 +68,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and the shared helpers)
-from bench_common import (Run, child_cwd, child_env, describe_snapshot, filesystem_of,  # noqa: E402
+from bench_common import (Run, child_cwd, child_env, describe_snapshot, filesystem_of, print_run_header,  # noqa: E402
                           run_measured, snapshot_zckpt, stats, wait_for_quiet)
 
 TARGET_WORLD = 3
@@ -294,15 +294,8 @@ def print_report(result: dict[str, Any]) -> None:
     s, f, c = result["summary"], result["machine"], result["checkpoint"]
     v = f["versions"]
     variants = result["variants"]
-    print()
-    print("=" * 100)
-    print(f"command: {' '.join(result['argv'])}")
-    print(f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
-          f"{f['cpu_model']}, Linux {f['kernel']}; disk {result['filesystem']}")
-    print(f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
-          f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}")
+    print_run_header(result)
     src = result["zckpt_source"]
-    print(f"zckpt measured: {describe_snapshot(src)}")
     print(f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
           f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files")
     print(f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of "

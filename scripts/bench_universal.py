@@ -68,7 +68,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and machine facts)
-from bench_common import (Run, child_cwd, child_env, damon_reclaim, describe_snapshot,  # noqa: E402
+from bench_common import (Run, child_cwd, child_env, damon_reclaim, describe_snapshot, print_run_header,  # noqa: E402
                           filesystem_of, run_measured, snapshot_zckpt, stats, wait_for_quiet)
 
 VARIANTS = ("cp", "zckpt", "zckpt-w1", "ds")
@@ -280,15 +280,7 @@ def print_report(result: dict[str, Any]) -> None:
     s, f, c = result["summary"], result["machine"], result["checkpoint"]
     v = f["versions"]
     variants = result["variants"]
-    print()
-    print("=" * 100)
-    print(f"command: {' '.join(result['argv'])}")
-    print(f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
-          f"{f['cpu_model']}, Linux {f['kernel']}; disk {result['filesystem']}")
-    print(f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
-          f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}")
-    if result.get("zckpt_source"):
-        print(f"zckpt measured: {describe_snapshot(result['zckpt_source'])}")
+    print_run_header(result)
     params = result["model"].get("params")
     print(f"checkpoint: {c['path']} ({result['tag']}), "
           f"{f'{params:,} params' if params else 'params: see the checkpoint'}; "
