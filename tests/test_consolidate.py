@@ -157,8 +157,9 @@ def test_torch_format_keeps_tied_weights_shared(tmp_path: Path) -> None:
 def test_hf_trainer_folder_files_are_copied(tmp_path: Path) -> None:
     case = sample("hf_trainer")
     consolidate(case.checkpoint, tmp_path / "out")
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (tmp_path / "out" / name).read_bytes() == (case.checkpoint / name).read_bytes()
+    assert (tmp_path / "out" / "config.json").exists()  # its dtype follows the weights: test_hf_folders.py
     assert not (tmp_path / "out" / "trainer_state.json").exists()
 
 
