@@ -304,3 +304,47 @@ def print_run_header(result: dict[str, Any]) -> None:
           f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}")
     if result.get("zckpt_source"):
         print(f"zckpt measured: {describe_snapshot(result['zckpt_source'])}")
+
+
+def variant_stats(runs: list[Run], variant: str) -> dict[str, Any] | None:
+    """Medians/min/max of one variant's successful runs (None if none succeeded)."""
+    rs = [r for r in runs if r.variant == variant and r.returncode == 0]
+    if not rs:
+        return None
+    pss = [getattr(r, "tree_pss_mib", None) for r in rs]
+    return {
+        "ok_runs": len(rs),
+        "failed_runs": sum(1 for r in runs if r.variant == variant and r.returncode != 0),
+        "wall_s": stats([r.wall_s for r in rs]),
+        "sync_s": stats([r.sync_s for r in rs]),
+        "wall_plus_sync_s": stats([r.wall_s + r.sync_s for r in rs]),
+        "cpu_s": stats([r.cpu_user_s + r.cpu_sys_s for r in rs]),
+        "cpu_user_s": stats([r.cpu_user_s for r in rs]),
+        "cpu_sys_s": stats([r.cpu_sys_s for r in rs]),
+        "max_proc_rss_mib": stats([r.max_proc_rss_mib for r in rs]),
+        "tree_rss_mib": stats([r.tree_rss_mib for r in rs]),
+        **({"tree_pss_mib": stats(pss)} if None not in pss else {}),
+        "tree_procs": max(r.tree_procs for r in rs),
+        "output_bytes": rs[0].output_bytes,
+    }
+
+
+def time_ratios(runs: list[Run], summary: dict[str, Any], num: str, den: str) -> dict[str, Any] | None:
+    """Wall, wall+sync and CPU of variant `num` over `den`: ratios of the medians, and the ratios
+    of runs of the same round (the machine's load drifts between rounds)."""
+    a, b = summary.get(num), summary.get(den)
+    if not a or not b:
+        return None
+    pairs = [(r, c) for r in runs if r.variant == num and r.returncode == 0
+             for c in runs if c.variant == den and c.round == r.round and c.returncode == 0]
+    per_wall = [r.wall_s / c.wall_s for r, c in pairs]
+    per_sync = [(r.wall_s + r.sync_s) / (c.wall_s + c.sync_s) for r, c in pairs]
+    return {
+        "wall": a["wall_s"]["median"] / b["wall_s"]["median"],
+        "wall_plus_sync": a["wall_plus_sync_s"]["median"] / b["wall_plus_sync_s"]["median"],
+        "cpu": a["cpu_s"]["median"] / b["cpu_s"]["median"],
+        "wall_per_round": per_wall,
+        "wall_per_round_median": statistics.median(per_wall) if per_wall else None,
+        "wall_plus_sync_per_round": per_sync,
+        "wall_plus_sync_per_round_median": statistics.median(per_sync) if per_sync else None,
+    }

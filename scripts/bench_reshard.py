@@ -59,7 +59,6 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict
@@ -68,8 +67,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and the shared helpers)
-from bench_common import (Run, child_cwd, child_env, describe_snapshot, filesystem_of, print_run_header,  # noqa: E402
-                          run_measured, snapshot_zckpt, stats, wait_for_quiet)
+from bench_common import (Run, child_cwd, child_env, filesystem_of, print_run_header, time_ratios, variant_stats,  # noqa: E402
+                          run_measured, snapshot_zckpt, wait_for_quiet)
 
 TARGET_WORLD = 3
 # variant -> (extra reshard arguments or None for cp, ZeRO stage of the output)
@@ -234,46 +233,13 @@ def verify_consolidated(python: str, ckpt_dir: Path, outputs: dict[str, Path], r
 
 def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
     """Per variant: medians/min/max; per reshard variant: ratios to cp and the targets."""
-    out: dict[str, Any] = {}
-    for v in variants:
-        rs = [r for r in runs if r.variant == v and r.returncode == 0]
-        if not rs:
-            out[v] = None
-            continue
-        out[v] = {
-            "ok_runs": len(rs),
-            "failed_runs": sum(1 for r in runs if r.variant == v and r.returncode != 0),
-            "wall_s": stats([r.wall_s for r in rs]),
-            "sync_s": stats([r.sync_s for r in rs]),
-            "wall_plus_sync_s": stats([r.wall_s + r.sync_s for r in rs]),
-            "cpu_s": stats([r.cpu_user_s + r.cpu_sys_s for r in rs]),
-            "cpu_user_s": stats([r.cpu_user_s for r in rs]),
-            "cpu_sys_s": stats([r.cpu_sys_s for r in rs]),
-            "max_proc_rss_mib": stats([r.max_proc_rss_mib for r in rs]),
-            "tree_rss_mib": stats([r.tree_rss_mib for r in rs]),
-            "tree_procs": max(r.tree_procs for r in rs),
-            "output_bytes": rs[0].output_bytes,
-        }
+    out: dict[str, Any] = {v: variant_stats(runs, v) for v in variants}
     cp = out.get("cp")
     ratios, targets = {}, {}
     for v in variants:
-        s = out.get(v)
-        if v == "cp" or not s or not cp:
+        if v == "cp" or not out.get(v) or not cp:
             continue
-        # per-run ratios against the cp run of the same round (the machine's load drifts)
-        pairs = [(r, c) for r in runs if r.variant == v and r.returncode == 0
-                 for c in runs if c.variant == "cp" and c.round == r.round and c.returncode == 0]
-        per_wall = [r.wall_s / c.wall_s for r, c in pairs]
-        per_sync = [(r.wall_s + r.sync_s) / (c.wall_s + c.sync_s) for r, c in pairs]
-        ratios[v] = {
-            "wall": s["wall_s"]["median"] / cp["wall_s"]["median"],
-            "wall_plus_sync": s["wall_plus_sync_s"]["median"] / cp["wall_plus_sync_s"]["median"],
-            "cpu": s["cpu_s"]["median"] / cp["cpu_s"]["median"],
-            "wall_per_round": per_wall,
-            "wall_per_round_median": statistics.median(per_wall) if per_wall else None,
-            "wall_plus_sync_per_round": per_sync,
-            "wall_plus_sync_per_round_median": statistics.median(per_sync) if per_sync else None,
-        }
+        ratios[v] = time_ratios(runs, out, v, "cp")
         # met only if both the ratio of the medians and the median of the per-round ratios are
         def met(a: float, b: float | None) -> bool:
             return a <= TIME_TARGET and b is not None and b <= TIME_TARGET
@@ -282,7 +248,7 @@ def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
             f"wall_le_{TIME_TARGET}x_cp": met(ratios[v]["wall"], ratios[v]["wall_per_round_median"]),
             f"wall_plus_sync_le_{TIME_TARGET}x_cp": met(ratios[v]["wall_plus_sync"],
                                                         ratios[v]["wall_plus_sync_per_round_median"]),
-            "tree_rss_lt_1GiB": s["tree_rss_mib"]["max"] < RSS_TARGET_MIB,
+            "tree_rss_lt_1GiB": out[v]["tree_rss_mib"]["max"] < RSS_TARGET_MIB,
         }
     out["ratio_over_cp"] = ratios
     out["target_met"] = targets
@@ -291,11 +257,9 @@ def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     """The human-readable table."""
-    s, f, c = result["summary"], result["machine"], result["checkpoint"]
-    v = f["versions"]
+    s, c = result["summary"], result["checkpoint"]
     variants = result["variants"]
     print_run_header(result)
-    src = result["zckpt_source"]
     print(f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
           f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files")
     print(f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of "

@@ -59,7 +59,6 @@ import os
 import resource
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -68,8 +67,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and machine facts)
-from bench_common import (Run, child_cwd, child_env, damon_reclaim, describe_snapshot, print_run_header,  # noqa: E402
-                          filesystem_of, run_measured, snapshot_zckpt, stats, wait_for_quiet)
+from bench_common import (Run, child_cwd, child_env, damon_reclaim, print_run_header, time_ratios, variant_stats,  # noqa: E402
+                          filesystem_of, run_measured, snapshot_zckpt, wait_for_quiet)
 
 VARIANTS = ("cp", "zckpt", "zckpt-w1", "ds")
 ZCKPT_VARIANTS = ("zckpt", "zckpt-w1")
@@ -213,43 +212,13 @@ def verify(python: str, zckpt_out: Path, ds_out: Path, tag: str, sample: int) ->
 # --------------------------------------------------------------------------------------
 def summarize(runs: list[URun], variants: list[str], rss_key: str) -> dict[str, Any]:
     """Per variant: medians/min/max; per zckpt variant: ratios to DeepSpeed and to cp, targets."""
-    out: dict[str, Any] = {}
-    for v in variants:
-        rs = [r for r in runs if r.variant == v and r.returncode == 0]
-        if not rs:
-            out[v] = None
-            continue
-        out[v] = {
-            "ok_runs": len(rs),
-            "failed_runs": sum(1 for r in runs if r.variant == v and r.returncode != 0),
-            "wall_s": stats([r.wall_s for r in rs]),
-            "sync_s": stats([r.sync_s for r in rs]),
-            "wall_plus_sync_s": stats([r.wall_s + r.sync_s for r in rs]),
-            "cpu_s": stats([r.cpu_user_s + r.cpu_sys_s for r in rs]),
-            "max_proc_rss_mib": stats([r.max_proc_rss_mib for r in rs]),
-            "tree_rss_mib": stats([r.tree_rss_mib for r in rs]),
-            "tree_pss_mib": stats([r.tree_pss_mib for r in rs]) if rs[0].tree_pss_mib is not None else None,
-            "tree_procs": max(r.tree_procs for r in rs),
-            "output_bytes": rs[0].output_bytes,
-        }
+    out: dict[str, Any] = {v: variant_stats(runs, v) for v in variants}
 
     def ratios(num: str, den: str) -> dict[str, Any] | None:
-        a, b = out.get(num), out.get(den)
-        if not a or not b:
+        res = time_ratios(runs, out, num, den)
+        if res is None:
             return None
-        # per-round ratios against the other tool's run in the same round (the machine's load drifts)
-        pairs = [(r, c) for r in runs if r.variant == num and r.returncode == 0
-                 for c in runs if c.variant == den and c.round == r.round and c.returncode == 0]
-        per_wall = [r.wall_s / c.wall_s for r, c in pairs]
-        per_sync = [(r.wall_s + r.sync_s) / (c.wall_s + c.sync_s) for r, c in pairs]
-        res = {
-            "wall": a["wall_s"]["median"] / b["wall_s"]["median"],
-            "wall_plus_sync": a["wall_plus_sync_s"]["median"] / b["wall_plus_sync_s"]["median"],
-            "cpu": a["cpu_s"]["median"] / b["cpu_s"]["median"],
-            "wall_per_round": per_wall,
-            "wall_per_round_median": statistics.median(per_wall) if per_wall else None,
-            "wall_plus_sync_per_round_median": statistics.median(per_sync) if per_sync else None,
-        }
+        a, b = out[num], out[den]
         if den != "cp":
             for key in ("max_proc_rss_mib", "tree_rss_mib", "tree_pss_mib"):
                 if a.get(key) and b.get(key):
@@ -277,8 +246,7 @@ def summarize(runs: list[URun], variants: list[str], rss_key: str) -> dict[str, 
 
 def print_report(result: dict[str, Any]) -> None:
     """The human-readable tables."""
-    s, f, c = result["summary"], result["machine"], result["checkpoint"]
-    v = f["versions"]
+    s, c = result["summary"], result["checkpoint"]
     variants = result["variants"]
     print_run_header(result)
     params = result["model"].get("params")
