@@ -128,6 +128,20 @@ def _guarded(action: Callable[[], Any], debug: bool = False) -> Any:
         _fail(f"internal error: {type(exc).__name__}: {exc} (run with ZCKPT_DEBUG=1 for the traceback)", EXIT_BAD_INPUT)
 
 
+def _with_progress(quiet: bool, description: str, call: Callable[[Callable[[int, int], None]], Any], debug: bool = False) -> Any:
+    """Run `call(progress)` guarded (see _guarded), with a progress bar while it runs."""
+    update, close = _progress_bar(quiet, description)
+    try:
+        return _guarded(lambda: call(update), debug)
+    finally:
+        close()
+
+
+def _primary_process() -> bool:
+    """The first process of a torchrun job (or the only process): the one that reports."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _file_list(files: tuple[str, ...]) -> str:
     """The files written, short however many shards: all of two, else the first and a count."""
     return ", ".join(files) if len(files) <= 2 else f"{files[0]} ... ({len(files)} files)"
@@ -186,24 +200,22 @@ def consolidate(
     if safe_serialization and format is Format.torch:
         _fail("--safe_serialization asks for safetensors, but --format torch was given", EXIT_USAGE)
     target = _guarded(lambda: output_dtype(dtype), debug)
-    update, close = _progress_bar(quiet, "consolidating")
-    try:
-        result = _guarded(
-            lambda: run_consolidate(
-                checkpoint,
-                output_dir,
-                tag=tag,
-                dtype=target,
-                format=format.value,
-                max_shard_size=max_shard_size,
-                exclude_frozen=exclude_frozen,
-                overwrite=overwrite,
-                progress=update,
-            ),
-            debug,
-        )
-    finally:
-        close()
+    result = _with_progress(
+        quiet,
+        "consolidating",
+        lambda progress: run_consolidate(
+            checkpoint,
+            output_dir,
+            tag=tag,
+            dtype=target,
+            format=format.value,
+            max_shard_size=max_shard_size,
+            exclude_frozen=exclude_frozen,
+            overwrite=overwrite,
+            progress=progress,
+        ),
+        debug,
+    )
     if not quiet:
         index = result.index
         typer.echo(
@@ -283,17 +295,15 @@ def reshard(
 
     if world_size < 1:
         _fail(f"--world-size must be at least 1, got {world_size}", EXIT_USAGE)
-    primary = os.environ.get("RANK", "0") == "0"
-    update, close = _progress_bar(quiet or not primary, "resharding")
-    try:
-        result = _guarded(
-            lambda: run_reshard(
-                checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
-                config=config, overwrite=overwrite, workers=workers, progress=update,
-            )
-        )
-    finally:
-        close()
+    primary = _primary_process()
+    result = _with_progress(
+        quiet or not primary,
+        "resharding",
+        lambda progress: run_reshard(
+            checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
+            config=config, overwrite=overwrite, workers=workers, progress=progress,
+        ),
+    )
     if not quiet and primary:
         source = result.source.index
         typer.echo(
@@ -336,17 +346,15 @@ def to_universal(
     from .shards import format_size
     from .universal import to_universal as run_to_universal
 
-    primary = os.environ.get("RANK", "0") == "0"
-    update, close = _progress_bar(quiet or not primary, "converting")
-    try:
-        result = _guarded(
-            lambda: run_to_universal(
-                checkpoint, output_dir, tag=tag, target_stage=int(target_stage.value) if target_stage else None,
-                overwrite=overwrite, workers=workers, progress=update,
-            )
-        )
-    finally:
-        close()
+    primary = _primary_process()
+    result = _with_progress(
+        quiet or not primary,
+        "converting",
+        lambda progress: run_to_universal(
+            checkpoint, output_dir, tag=tag, target_stage=int(target_stage.value) if target_stage else None,
+            overwrite=overwrite, workers=workers, progress=progress,
+        ),
+    )
     if not quiet and primary:
         source = result.source.index
         typer.echo(
