@@ -436,11 +436,7 @@ def worker(args: argparse.Namespace) -> None:
         stage = int(engine.zero_optimization_stage())
 
         model = engine.module
-        names_of: dict[int, list[str]] = {}
-        params: dict[int, Any] = {}
-        for n, p in model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(n)
-            params[id(p)] = p
+        names_of, params = gen.params_by_identity(model)
         got = capture(engine, stage, names_of, params)
         for n, b in model.named_buffers():
             got["live"][n] = b.detach().cpu().clone().contiguous()

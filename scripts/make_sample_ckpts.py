@@ -325,6 +325,16 @@ def optimizer_state_readable(model: Any, stage: int, key: str) -> tuple[bool, st
     return all_ranks_ok(ok), reason
 
 
+def params_by_identity(model: Any) -> tuple[dict[int, list[str]], dict[int, Any]]:
+    """Each param object by id, and every name it appears under in state_dict (tied: several)."""
+    names_of: dict[int, list[str]] = {}
+    params: dict[int, Any] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    return names_of, params
+
+
 def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     """Read the live truth from the engine (collective). Returns (weights, optim|None, note)."""
     import torch
@@ -332,12 +342,7 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     model = engine.module
-    # every name under which each param object appears in state_dict (tied -> several)
-    names_of: dict[int, list[str]] = {}
-    params: dict[int, Any] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(n)
-        params[id(p)] = p
+    names_of, params = params_by_identity(model)
 
     live: dict[str, Any] = {}
     for pid, p in params.items():
