@@ -373,11 +373,29 @@ class ZeroReader:
         return self._swap_path(rank, flat, self.saved_flat[rank][flat], layout, group, self.ds_ids, optim_path, state)
 
     def _list_rank_files(self) -> tuple[dict[int | None, str] | None, dict[int, tuple[str, str]]]:
+        scanned = self._scan_rank_files("tag folder")
+        if scanned is None:
+            return None, {}
+        model_files, optim_files = scanned
+        if not model_files:
+            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_model_states.pt file in the tag folder")
+            return None, optim_files
+        if not optim_files:
+            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from")
+            return None, optim_files
+        if None in model_files and len(model_files) > 1:
+            self._problem(LayoutError, self.tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed")
+            return None, optim_files
+        return model_files, optim_files
+
+    def _scan_rank_files(self, folder_kind: str) -> tuple[dict[int | None, str], dict[int, tuple[str, str]]] | None:
+        """The model-states files by dp rank (None: ZeRO-1/2's one file) and the optimizer files
+        by rank (with their bf16_ prefix); expert and model-parallel files are listed problems."""
         try:
             listing = sorted(os.listdir(self.tag_dir), key=natural_key)
         except OSError as exc:
-            self._problem(CheckpointNotFoundError, self.tag_dir, f"cannot list tag folder ({exc.strerror})")
-            return None, {}
+            self._problem(CheckpointNotFoundError, self.tag_dir, f"cannot list {folder_kind} ({exc.strerror})")
+            return None
         model_files: dict[int | None, str] = {}
         optim_files: dict[int, tuple[str, str]] = {}
         for name in listing:
@@ -397,15 +415,6 @@ class ZeroReader:
                     self._problem(LayoutError, self._path(name), f"two optimizer files for rank {rank} (also {os.path.basename(other)}): files of a bf16 and a non-bf16 run are mixed")
                     continue
                 optim_files[rank] = (prefix, self._path(name))
-        if not model_files:
-            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_model_states.pt file in the tag folder")
-            return None, optim_files
-        if not optim_files:
-            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from")
-            return None, optim_files
-        if None in model_files and len(model_files) > 1:
-            self._problem(LayoutError, self.tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed")
-            return None, optim_files
         return model_files, optim_files
 
     def _declare(self, model0: dict) -> None:

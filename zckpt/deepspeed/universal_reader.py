@@ -24,7 +24,7 @@ from ..torchfile import TensorRef
 from . import names as N
 from .layout import LayoutParam, zero12_layout
 from .optim_state import module_buffers, optimizer_order, uses_round_robin, saved_run_state
-from .reader import ZeroReader, as_shape, natural_key, numel_of, sub_group_param_groups
+from .reader import ZeroReader, as_shape, numel_of, sub_group_param_groups
 
 
 class _ParamFiles:
@@ -86,20 +86,10 @@ class UniversalReader(ZeroReader):
 
     # --- files --------------------------------------------------------------------------------
     def _model_files(self) -> dict[int | None, str] | None:
-        try:
-            listing = sorted(os.listdir(self.tag_dir), key=natural_key)
-        except OSError as exc:
-            self._problem(CheckpointNotFoundError, self.tag_dir, f"cannot list universal folder ({exc.strerror})")
+        scanned = self._scan_rank_files("universal folder")  # a universal folder holds no optimizer files
+        if scanned is None:
             return None
-        files: dict[int | None, str] = {}
-        for name in listing:
-            match = N.MODEL_STATES_RE.match(name)
-            if N.EXPERT_STATES_RE.match(name):
-                self._problem(LayoutError, self._path(name), "mixture-of-experts checkpoints (expert files) are not supported")
-            elif match and int(match["mp"]) != 0:
-                self._problem(LayoutError, self._path(name), "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported")
-            elif match:
-                files[int(match["dp"]) if match["dp"] is not None else None] = name
+        files = scanned[0]
         if not files:
             self._problem(CheckpointNotFoundError, self.tag_dir, "no *_model_states.pt file in the universal folder (DeepSpeed's loader reads the counters and scheduler from it)")
             return None
