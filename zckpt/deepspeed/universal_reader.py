@@ -13,6 +13,7 @@ a job is scheduled on it.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError
@@ -27,11 +28,15 @@ from .optim_state import module_buffers, optimizer_order, uses_round_robin, save
 from .reader import ZeroReader, as_shape, numel_of, sub_group_param_groups
 
 
+@dataclass(frozen=True)
 class _ParamFiles:
     """What one param's folder holds: its master, per-element states and step."""
 
-    def __init__(self, master: TensorSource, states: dict[str, TensorSource], step: Any, step_path: str | None) -> None:
-        self.master, self.states, self.step, self.step_path = master, states, step, step_path
+    master: TensorSource
+    states: dict[str, TensorSource]
+    step: Any = None  # the step's value, to compare across the group
+    step_saved: ScalarState | None = None  # the step as stored (a tensor in the file, or a value)
+    step_path: str | None = None
 
 
 class UniversalReader(ZeroReader):
@@ -145,7 +150,7 @@ class UniversalReader(ZeroReader):
         if N.UNIVERSAL_FP32 not in stems:
             self._problem(CheckpointNotFoundError, os.path.join(folder, "fp32.pt"), f"missing: the fp32 master of {name}")
             return None
-        master, states, step, step_path = None, {}, None, None
+        master, states, step, step_saved, step_path = None, {}, None, None, None
         for stem in stems:
             path = os.path.join(folder, f"{stem}.pt")
             self.result.files.append(path)
@@ -153,7 +158,12 @@ class UniversalReader(ZeroReader):
             if value is None:
                 return None
             if stem == N.UNIVERSAL_STEP:
-                step, step_path = (read_scalar(reader, source_of(value)) if isinstance(value, TensorRef) else value), path
+                if isinstance(value, TensorRef):
+                    step_saved = ScalarState(tensor=source_of(value))
+                    step = read_scalar(reader, step_saved.tensor)
+                else:
+                    step_saved, step = ScalarState(value=value), value
+                step_path = path
                 continue
             source = self._state_source(path, value, name, shape)
             if source is None:
@@ -163,7 +173,7 @@ class UniversalReader(ZeroReader):
             else:
                 states[stem] = source
         assert master is not None
-        return _ParamFiles(master, states, step, step_path)
+        return _ParamFiles(master, states, step, step_saved, step_path)
 
     def _state_source(self, path: str, value: Any, name: str, shape: tuple[int, ...]) -> TensorSource | None:
         """The tensor of one state file, viewed as the param's shape (flat files are accepted)."""
@@ -269,13 +279,12 @@ class UniversalReader(ZeroReader):
 
     def _group_step(self, names: list[str]) -> dict[str, ScalarState]:
         """The group's step from its params' step.pt files, which must agree (DeepSpeed asserts it)."""
-        steps = [(self.param_files[n].step, self.param_files[n].step_path) for n in names if self.param_files[n].step_path]
-        if not steps:
+        found = [self.param_files[n] for n in names if self.param_files[n].step_saved is not None]
+        if not found:
             return {}
-        first_value, first_path = steps[0]
-        for value, path in steps[1:]:
-            if value != first_value:
-                self._problem(LayoutError, path, f"step {value} differs from {first_value} in {first_path}: files of different conversions are mixed")
-        assert first_path is not None
-        ref = self._load(first_path)
-        return {N.UNIVERSAL_STEP: ScalarState(tensor=source_of(ref)) if isinstance(ref, TensorRef) else ScalarState(value=ref)}
+        first = found[0]
+        for other in found[1:]:
+            if other.step != first.step:
+                self._problem(LayoutError, other.step_path, f"step {other.step} differs from {first.step} in {first.step_path}: files of different conversions are mixed")
+        assert first.step_saved is not None
+        return {N.UNIVERSAL_STEP: first.step_saved}
