@@ -23,7 +23,7 @@ from typing import Any
 from ..state import ParamState, TrainingState
 from ..torchsave import OutTensor
 from . import names as N
-from .writer import CheckpointPlan, OptimPlanner, PlannedFile, plan_checkpoint, plan_target, scalar_of, tensor_of
+from .writer import CheckpointPlan, OptimPlanner, PlannedFile, plan_model_states, plan_target, scalar_of, target_layout, tensor_of
 
 
 def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> CheckpointPlan:
@@ -32,14 +32,13 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     `target_stage`: the ZeRO stage of the run that will load it (default: the input's).
     """
     target = plan_target(state, state.index.world_size, target_stage)
-    base = plan_checkpoint(state, target)
-    files = [f for f in base.files if N.MODEL_STATES_RE.match(f.name)]
-    optim = OptimPlanner(state, target, base.layout)
-    files.append(PlannedFile(f"{N.UNIVERSAL_ZERO_DIR}/{N.UNIVERSAL_OPTIMIZER_STATE}", optim.universal_state(), None))
+    layout = target_layout(state, target)
+    files = plan_model_states(state, target, layout)
+    files.append(PlannedFile(f"{N.UNIVERSAL_ZERO_DIR}/{N.UNIVERSAL_OPTIMIZER_STATE}", OptimPlanner(state, target, layout).universal_state(), None))
     zero3 = target.stage == 3
     for param in state.params:
         files.extend(_param_files(state, param, zero3))
-    return CheckpointPlan(N.universal_tag(base.tag), target, base.layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE)
+    return CheckpointPlan(N.universal_tag(state.index.source_tag), target, layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE)
 
 
 def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[PlannedFile]:

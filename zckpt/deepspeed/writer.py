@@ -124,15 +124,17 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
 def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None) -> CheckpointPlan:
     """Every file of the target checkpoint as an object tree; pure."""
     layout = target_layout(state, target)
-    tag = tag or state.index.source_tag
     optim = OptimPlanner(state, target, layout)
-    files = [PlannedFile(N.optim_states_name(rank, bf16=target.dtype == BF16), optim.file(rank), rank) for rank in range(target.world_size)]
+    optim_files = [PlannedFile(N.optim_states_name(rank, bf16=target.dtype == BF16), optim.file(rank), rank) for rank in range(target.world_size)]
+    return CheckpointPlan(tag or state.index.source_tag, target, layout, tuple(plan_model_states(state, target, layout) + optim_files))
+
+
+def plan_model_states(state: TrainingState, target: Target, layout: ZeroLayout) -> list[PlannedFile]:
+    """The model_states file(s) of the target run: one per rank for ZeRO-3, else one."""
     models = ModelPlanner(state, target, layout)
     if target.stage == 3:
-        files = [PlannedFile(N.model_states_name(3, rank), models.file(rank), rank) for rank in range(target.world_size)] + files
-    else:
-        files.insert(0, PlannedFile(N.model_states_name(target.stage), models.file(None), None))
-    return CheckpointPlan(tag, target, layout, tuple(files))
+        return [PlannedFile(N.model_states_name(3, rank), models.file(rank), rank) for rank in range(target.world_size)]
+    return [PlannedFile(N.model_states_name(target.stage), models.file(None), None)]
 
 
 # --- tensors -------------------------------------------------------------------------------------
