@@ -194,6 +194,7 @@ def consolidate(
     tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along.
     """
     from .consolidate import consolidate as run_consolidate
+    from .hf import TRAINER_FOLDER_NOTE
     from .dtypes import output_dtype
     from .shards import format_size
 
@@ -223,7 +224,7 @@ def consolidate(
             f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {_file_list(result.files)}"
         )
         for note in index.notes:
-            if note.startswith("Trainer output folder"):
+            if note.startswith(TRAINER_FOLDER_NOTE):
                 typer.echo(f"note: {note}", err=True)
 
 

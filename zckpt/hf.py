@@ -20,6 +20,9 @@ DTYPE_KEYS = ("dtype", "torch_dtype")
 TRAINER_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR folders
 
 
+TRAINER_FOLDER_NOTE = "Trainer output folder"  # starts the note saying which checkpoint-N was read
+
+
 def newest_trainer_checkpoint(folder: str, is_checkpoint: Callable[[str], bool]) -> tuple[str, int] | None:
     """The newest ``checkpoint-N`` folder in a Trainer's output folder (largest N, as
     transformers' ``get_last_checkpoint`` picks) that `is_checkpoint`, and how many there are."""

@@ -116,7 +116,7 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
     newest = hf.newest_trainer_checkpoint(path, looks_like_checkpoint)
     if newest is not None:  # a Trainer's output_dir: its newest checkpoint-N, as get_last_checkpoint picks
         found = locate(os.path.join(path, newest[0]), tag)
-        note = f"Trainer output folder: read {newest[0]}, the newest of {newest[1]} checkpoint-N folder(s)"
+        note = f"{hf.TRAINER_FOLDER_NOTE}: read {newest[0]}, the newest of {newest[1]} checkpoint-N folder(s)"
         return Location(found.checkpoint_dir, found.tag, found.tags, note)
     raise CheckpointNotFoundError(path, "no DeepSpeed checkpoint here (no 'latest' file, no tag folder holding *_model_states.pt)")
 
