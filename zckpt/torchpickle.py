@@ -37,13 +37,19 @@ class GlobalName:
 
 @dataclass(frozen=True, eq=False)
 class PickledInstance:
-    """An instance of a plain class, pickled as protocol 2 does: GLOBAL cls, (), NEWOBJ, state, BUILD.
+    """An instance of a plain class, pickled as protocol 2 does: GLOBAL cls, args, NEWOBJ, then
+    its list items (APPENDS), dict items (SETITEMS) and state (BUILD), as Python's pickler
+    writes what ``__reduce_ex__`` gives (zckpt's reader keeps each part: :class:`PickledObject`).
 
     Compared by identity, like the object it stands for: two equal instances are two objects.
     """
 
     cls: GlobalName
-    state: dict  # its __dict__; empty means no BUILD, as Python pickles an empty __dict__
+    state: Any  # BUILD's argument, usually its __dict__; None or {} means no BUILD, as Python pickles an empty __dict__
+    args: tuple = ()  # NEWOBJ's arguments (a namedtuple's fields)
+    kwargs: dict | None = None  # NEWOBJ_EX's keyword arguments (protocol 4's opcode, which torch.load reads)
+    list_items: tuple | list = ()  # a list subclass's items
+    dict_items: tuple | list = ()  # a dict subclass's (key, value) pairs
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class PickledEnum:
     members are singletons."""
 
     cls: GlobalName
-    value: int
+    value: int | str
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,9 +179,11 @@ class _StorageRef:
 
 
 _REBUILD_TENSOR = GlobalName("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_TENSOR_V3 = GlobalName("torch._utils", "_rebuild_tensor_v3")  # dtypes torch pickles untyped
+_UNTYPED_STORAGE = GlobalName("torch.storage", "UntypedStorage")
 _REBUILD_FROM_TYPE = GlobalName("torch._tensor", "_rebuild_from_type_v2")
 _TENSOR = GlobalName("torch", "Tensor")
-_PLAIN = (dict, OrderedDict, list, tuple, str, int, float, bool, type(None), bytes, set, frozenset)
+_PLAIN = (dict, OrderedDict, list, tuple, str, int, float, bool, type(None), bytes, set, frozenset, bytearray, complex, slice)
 _ALLOWED = frozenset(_PLAIN) | {GlobalName, DType, PickledInstance, PickledEnum, PickledReduce, OutTensor, _StorageRef}
 _LOCATION = "cpu"  # torch's location tag; one (interned) object, so torch's pickle memoizes it
 
@@ -254,12 +262,28 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
 
     def save_instance(self, obj: PickledInstance) -> None:
         self.save(obj.cls)
-        self.save(())
-        self.write(pickle.NEWOBJ)
+        self.save(tuple(obj.args))
+        if obj.kwargs:
+            self.save(dict(obj.kwargs))
+            self.write(pickle.NEWOBJ_EX)
+        else:
+            self.write(pickle.NEWOBJ)
         self.memoize(obj)
-        if obj.state:
+        self._batched(list(obj.list_items), pickle.APPEND, pickle.APPENDS, lambda item: self.save(item))
+        self._batched(list(obj.dict_items), pickle.SETITEM, pickle.SETITEMS, lambda pair: (self.save(pair[0]), self.save(pair[1])))
+        if obj.state is not None and not (isinstance(obj.state, dict) and not obj.state):
             self.save(obj.state)
             self.write(pickle.BUILD)
+
+    def _batched(self, items: list, one: bytes, many: bytes, save_item: Any) -> None:
+        """Items in batches of 1000, as pickle's _batch_appends/_batch_setitems write them."""
+        for start in range(0, len(items), self._BATCHSIZE):
+            batch = items[start : start + self._BATCHSIZE]
+            if len(batch) > 1:
+                self.write(pickle.MARK)
+            for item in batch:
+                save_item(item)
+            self.write(many if len(batch) > 1 else one)
 
     def save_enum(self, obj: PickledEnum) -> None:
         canon, hit = self._memo_get(("enum", obj.cls.module, obj.cls.name, obj.value), obj)
@@ -295,14 +319,19 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
             if not (type(offset) is int and offset >= 0 and offset + numel <= storage.numel):
                 raise ValueError(f"view [{offset}, {offset + numel}) reaches past its storage of {storage.numel} elements")
         key = self._storage_key(storage)
-        pid = ("storage", GlobalName("torch", obj.dtype.storage), key, _LOCATION, storage.numel)
         # Fresh tuples, as torch builds them per tensor (tuple(size), stride()): never memo hits.
         stride = _contiguous_stride(shape)
-        args = (_StorageRef(pid), offset, tuple([*shape]), tuple([*stride]), bool(obj.requires_grad), OrderedDict())
-        if obj.attributes:
-            self._reduce(_REBUILD_FROM_TYPE, (_REBUILD_TENSOR, _TENSOR, args, obj.attributes), obj)
+        geometry = (offset, tuple([*shape]), tuple([*stride]), bool(obj.requires_grad), OrderedDict())
+        if obj.dtype.storage is None:  # uint16-64, float8, complex32...: an untyped storage (bytes) and the dtype
+            pid = ("storage", _UNTYPED_STORAGE, key, _LOCATION, storage.nbytes)
+            rebuild, args = _REBUILD_TENSOR_V3, (_StorageRef(pid), *geometry, obj.dtype)
         else:
-            self._reduce(_REBUILD_TENSOR, args, obj)
+            pid = ("storage", GlobalName("torch", obj.dtype.storage), key, _LOCATION, storage.numel)
+            rebuild, args = _REBUILD_TENSOR, (_StorageRef(pid), *geometry)
+        if obj.attributes:
+            self._reduce(_REBUILD_FROM_TYPE, (rebuild, _TENSOR, args, obj.attributes), obj)
+        else:
+            self._reduce(rebuild, args, obj)
 
     dispatch[GlobalName] = save_global_name
     dispatch[DType] = save_dtype
@@ -313,13 +342,20 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
 
 
 def _is_numpy(obj: Any) -> bool:
-    """numpy scalars and dtypes (lr scheduler states hold np.float64); pickled by their reduce."""
+    """numpy scalars, dtypes and plain arrays (lr scheduler states hold np.float64, client state
+    RNG states): pickled by numpy's own reduce, as torch.save pickles them. Object arrays are not."""
+    if type(obj) is np.ndarray:
+        return not obj.dtype.hasobject
     return isinstance(obj, (np.generic, np.dtype)) and not (obj.dtype if isinstance(obj, np.generic) else obj).hasobject
 
 
 # Objects the pickler itself references, allowed by identity: OrderedDict and set reduce to their
-# class, bytes to codecs.encode (protocol 2), numpy scalars to numpy's scalar() and np.dtype.
-_INTERNAL_OBJECTS = (OrderedDict, set, frozenset, bytes, codecs.encode, np.dtype, np.float64(0).__reduce__()[0])
+# class, bytes to codecs.encode (protocol 2), numpy scalars to numpy's scalar() and np.dtype,
+# numpy arrays to numpy's _reconstruct(np.ndarray, ...).
+_INTERNAL_OBJECTS = (
+    OrderedDict, set, frozenset, bytes, bytearray, complex, slice, codecs.encode,
+    np.dtype, np.float64(0).__reduce__()[0], np.ndarray, np.empty(0).__reduce__()[0],
+)
 _INTERNAL = frozenset(id(o) for o in _INTERNAL_OBJECTS)
 
 

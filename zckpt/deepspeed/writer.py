@@ -24,11 +24,12 @@ from ..dtypes import BF16, BY_SHORT, FP32, DType
 from ..errors import UsageError
 from ..index import Segment, TensorSource
 from ..state import ScalarState, TrainingState
-from ..torchfile import PickledObject, TensorRef
-from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, Zeros, torch_size
+from ..torchfile import PickledEnumMember, PickledObject, TensorRef, TorchDevice, TorchSize, global_name
+from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
 from .partition import zero3_partition
 from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
+from .optim_state import slice_mapping_layout
 
 ZERO_STAGE_ENUM = GlobalName("deepspeed.runtime.zero.config", "ZeroStageEnum")
 LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
@@ -176,24 +177,39 @@ def _flat(pieces: list, sources: list[TensorSource], numel: int, dtype: DType) -
 
 
 def carry(obj: Any) -> Any:
-    """An object read by zckpt's unpickler, made writable again (tensors, DeepSpeed classes)."""
+    """An object read by zckpt's unpickler, made writable again, so that torch.load reads back
+    what it would have read from the input: tensors, read instances of any class (DeepSpeed's,
+    Megatron's ``args``) with their state, enum members, class references, torch.Size and
+    torch.device, numpy arrays, dtypes and scalars (pickled by numpy's own reduce)."""
     if isinstance(obj, TensorRef):
         from ..reading import source_of
 
         return tensor_of(source_of(obj))
     if isinstance(obj, PickledObject):
-        module, name = obj.original_class.rsplit(".", 1)
-        return PickledInstance(GlobalName(module, name), {k: carry(v) for k, v in vars(obj).items()})
+        return PickledInstance(
+            GlobalName(obj.original_module, obj.original_name), carry(obj.pickle_state), carry(obj.pickle_args), carry(obj.pickle_kwargs) or None,
+            carry(obj.pickle_list_items), [(carry(k), carry(v)) for k, v in obj.pickle_dict_items],
+        )
+    if (name := global_name(obj)) is not None:  # a class or function held by name, never called
+        return GlobalName(*name)
+    if isinstance(obj, PickledEnumMember):
+        return PickledEnum(GlobalName(*obj.original_class.rsplit(".", 1)), obj.value)
     if isinstance(obj, IntEnum):
         return PickledEnum(ZERO_STAGE_ENUM, int(obj))
+    if isinstance(obj, TorchSize):
+        return torch_size(tuple(obj))
+    if isinstance(obj, TorchDevice):
+        return PickledReduce(GlobalName("torch", "device"), obj.args)
     if isinstance(obj, OrderedDict):
-        return OrderedDict((k, carry(v)) for k, v in obj.items())
+        out = OrderedDict((k, carry(v)) for k, v in obj.items())
+        vars(out).update(carry(vars(obj)))  # a state_dict's _metadata
+        return out
     if isinstance(obj, dict):
         return {k: carry(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [carry(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(carry(v) for v in obj)
+    if type(obj) in (tuple, set, frozenset):
+        return type(obj)(carry(v) for v in obj)
     return obj
 
 
@@ -212,7 +228,8 @@ class OptimPlanner:
         self.state_sources = {key: [p.states.get(key, p.master) for p in self.params] for key in state.state_names}
         self.by_rank = layout.by_rank()
         self.version_at_least_018 = _version(target.ds_version) >= (0, 18)
-        self.optimizer_position = {p.name: i for i, p in enumerate(state.params)}
+        # what param_slice_mappings describe: the stored layout, or (round-robin) DeepSpeed's own
+        self.slice_mappings = slice_mapping_layout(layout, target.round_robin) if layout.stage != 3 else layout
 
     def file(self, rank: int) -> dict:
         inner = self._zero3(rank) if self.target.stage == 3 else self._zero12(rank)
@@ -253,11 +270,10 @@ class OptimPlanner:
             left = rank * group.partition
             paddings.append(max(0, min(group.partition, left + group.partition - max(padding_start, left))))
             mapping = OrderedDict()
-            for piece in sorted(pieces, key=lambda p: p.param):  # DeepSpeed lists them in param group order
-                mapping[self.layout.params[piece.param].name] = PickledInstance(FRAGMENT_ADDRESS, {"numel": piece.length, "start": piece.flat_offset})
+            described = self.slice_mappings.by_rank().get((rank, flat), []) if self.slice_mappings is not self.layout else pieces
+            for piece in sorted(described, key=lambda p: p.param):  # DeepSpeed lists them in param group order
+                mapping[self.slice_mappings.params[piece.param].name] = PickledInstance(FRAGMENT_ADDRESS, {"numel": piece.length, "start": piece.flat_offset})
             mappings.append(mapping)
-        if self.target.round_robin:
-            mappings = [OrderedDict(sorted(m.items(), key=lambda kv: self.optimizer_position[kv[0]])) for m in mappings]
         extras = dict(self.state.optimizer_extras)
         if N.CLIP_GRAD not in extras:  # ZeRO-3 files keep none: the engine saves its configured value
             config = self.target.ds_config
