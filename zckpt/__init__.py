@@ -16,6 +16,7 @@ Python API::
 
 from .api import iter_tensors, load_into_module, load_state_dict
 from .consolidate import consolidate, plan_consolidation
+from .diff import DiffReport, diff
 from .deepspeed.reader import open_checkpoint, open_training_state, survey
 from .errors import (
     CheckpointNotFoundError,
@@ -35,12 +36,14 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointNotFoundError",
     "CorruptFileError",
+    "DiffReport",
     "LayoutError",
     "OutputError",
     "UnsafePickleError",
     "UsageError",
     "ZckptError",
     "consolidate",
+    "diff",
     "inspect_path",
     "iter_tensors",
     "load_into_module",

@@ -43,9 +43,13 @@ def iter_tensors(
     with FileReader() as reader:
         for entry in _selected(index, exclude_frozen):
             out = target if entry.source.dtype.is_floating else entry.source.dtype
-            yield entry.name, read_tensor(reader, entry.source, out)
+            tensor = read_tensor(reader, entry.source, out)
+            reader.verify_now()  # checked before the caller sees it (a whole record at first use)
+            yield entry.name, tensor
             for key, source in optimizer.get(entry.name, {}).items() if entry.kind == "param" else ():
-                yield f"{entry.name}.{key}", read_tensor(reader, source)
+                tensor = read_tensor(reader, source)
+                reader.verify_now()
+                yield f"{entry.name}.{key}", tensor
 
 
 def load_state_dict(

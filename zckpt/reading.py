@@ -13,6 +13,7 @@ from types import TracebackType
 
 import numpy as np
 
+from .checksums import RecordChecker
 from .dtypes import DType
 from .errors import CorruptFileError
 from .index import Segment, TensorSource
@@ -21,11 +22,19 @@ from .torchfile import TensorRef
 
 class FileReader:
     """Keeps read-only descriptors open while a job runs, at most `max_open` at once (a
-    checkpoint of a thousand ranks must not exhaust the process's descriptor limit)."""
+    checkpoint of a thousand ranks must not exhaust the process's descriptor limit).
 
-    def __init__(self, max_open: int = 128) -> None:
+    With `verify` (the default), every byte read is checksummed against the CRC-32 of the zip
+    record it lies in (:mod:`zckpt.checksums`); the records touched are checked whole when the
+    reader is closed without an error, or earlier by :meth:`verify_now`. A `checker` shared by
+    several readers (the threads of one job) is checked by its owner instead.
+    """
+
+    def __init__(self, max_open: int = 128, *, verify: bool = True, checker: RecordChecker | None = None) -> None:
         self._fds: dict[str, int] = {}  # in order of last use
         self._max_open = max_open
+        self.checker = checker if checker is not None else (RecordChecker() if verify else None)
+        self._owns_checker = checker is None
 
     def descriptor(self, path: str) -> int:
         """An open read-only descriptor of `path` (valid until max_open others are opened)."""
@@ -49,6 +58,19 @@ class FileReader:
             if count == 0:
                 raise CorruptFileError(path, f"truncated: {total} bytes expected at offset {offset}, file ends sooner")
             done += count
+        if self.checker is not None:
+            self.checker.feed(path, offset, dest)
+
+    def touch(self, path: str, offset: int, nbytes: int) -> None:
+        """Bytes of `path` used without passing through this process (a kernel-side copy):
+        their records are read and checked by :meth:`verify_now` or on close."""
+        if self.checker is not None:
+            self.checker.touch(path, offset, nbytes)
+
+    def verify_now(self) -> None:
+        """Check the records read so far (CorruptFileError naming the first damaged one)."""
+        if self.checker is not None:
+            self.checker.finish()
 
     def read_segments(self, dtype: DType, segments: tuple[Segment, ...] | list[Segment], dest: np.ndarray) -> None:
         """Read the concatenation of `segments` into the raw array `dest` (exactly as long)."""
@@ -76,7 +98,11 @@ class FileReader:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        try:
+            if exc_type is None and self._owns_checker:
+                self.verify_now()
+        finally:
+            self.close()
 
 
 def source_of(ref: TensorRef) -> TensorSource:

@@ -119,6 +119,7 @@ def reshard(
     overwrite: bool = False,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    verify: bool = True,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -143,6 +144,6 @@ def reshard(
 
     result: SaveResult = write_checkpoint(
         plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier,
-        progress=progress, before_latest=copy_carried,
+        progress=progress, verify=verify, before_latest=copy_carried,
     )
     return ReshardResult(output_dir, plan.tag, source, plan.target, result.files, result.bytes_written, tuple(carried), tuple(dropped))

@@ -47,6 +47,18 @@ class ParamGroupState:
 
 
 @dataclass(frozen=True)
+class PaddingRun:
+    """Elements of rank `rank`'s partition of optimizer state `state` (flat group `flat`) that no
+    param owns. DeepSpeed keeps optimizer moments there at zero: the one trace of which rank a
+    ZeRO-3 partition belongs to (zckpt verify reads them)."""
+
+    rank: int
+    flat: int
+    state: str
+    source: TensorSource
+
+
+@dataclass(frozen=True)
 class TrainingState:
     """Everything a checkpoint holds for resuming training, laid out by param, not by rank."""
 
@@ -68,6 +80,7 @@ class TrainingState:
     rank_buffers: tuple[dict[str, TensorSource], ...] = ()
     optimizer_kind: str = "zero"  # "zero" or "bf16_optimizer" (DeepSpeed's BF16_Optimizer file layout)
     round_robin: bool = False  # the input's flat groups were in round-robin order
+    state_padding: tuple[PaddingRun, ...] = ()  # optimizer-state padding, by rank (see PaddingRun)
 
     @property
     def state_names(self) -> list[str]:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from . import ziparchive
+from .checksums import checksum_range, crc32_combine
 from .dtypes import DType
 from .errors import CorruptFileError
 from .index import Segment
@@ -54,21 +55,6 @@ __all__ = [
 
 _PARALLEL_CRC_BYTES = 1 << 20  # chunks from this size on are checksummed while being written
 _KERNEL_COPY_MIN_BYTES = 1 << 20  # smaller parts are not worth a mapping and a system call
-_CRC_BUFFER_BYTES = 1 << 20  # checksum reads: small enough to stay in the CPU cache
-
-
-def _checksum_range(fd: int, position: int, count: int, crc: int) -> int:
-    """CRC-32 of `count` bytes of `fd` at `position`, continued from `crc`."""
-    buffer = bytearray(min(count, _CRC_BUFFER_BYTES))
-    view = memoryview(buffer)
-    end = position + count
-    while position < end:
-        got = os.preadv(fd, [view[: min(len(buffer), end - position)]], position)
-        if got <= 0:
-            raise OSError(errno.EIO, f"short read at offset {position}")
-        crc = zlib.crc32(view[:got], crc)
-        position += got
-    return crc
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
 
@@ -282,7 +268,7 @@ class _TensorStream:
         while done < nbytes:
             count = min(CHUNK_BYTES // 2, nbytes - done)
             position = offset + done
-            pending = self.helpers.submit(_checksum_range, src, position, count, crc)
+            pending = self.helpers.submit(checksum_range, src, path, position, count)
             copied = 0
             try:
                 while copied < count:
@@ -296,7 +282,10 @@ class _TensorStream:
                     self.kernel_copy = False
                     return None
                 raise
-            crc = pending.result()
+            window = pending.result()
+            crc = crc32_combine(crc, window, count)
+            if self.reader.checker is not None:  # the same bytes check the input record too
+                self.reader.checker.feed_crc(path, position, count, window)
             self.progress(count)
             done += count
         return crc

@@ -54,6 +54,7 @@ def to_universal(
     overwrite: bool = False,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    verify: bool = True,
 ) -> UniversalResult:
     """Write the universal checkpoint of `checkpoint` (tag `tag`, default: the latest) into
     `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage)."""
@@ -64,5 +65,5 @@ def to_universal(
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
         raise UsageError(output_dir, f"would replace the input {index.tag_dir}; choose another folder")
     part, parts, barrier = job_share()
-    result = write_checkpoint(plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier, progress=progress)
+    result = write_checkpoint(plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier, progress=progress, verify=verify)
     return UniversalResult(output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written)

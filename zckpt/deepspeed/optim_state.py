@@ -15,10 +15,10 @@ from typing import Callable
 from ..errors import LayoutError
 from ..index import CheckpointIndex, Segment, TensorSource
 from ..reading import source_of
-from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
+from ..state import PaddingRun, ParamGroupState, ParamState, ScalarState, TrainingState
 from ..torchfile import TensorRef
 from . import names as N
-from .layout import FlatGroup, ZeroLayout, round_robin_order
+from .layout import FlatGroup, ZeroLayout, round_robin_order, zero12_layout
 
 # model_states keys that the engine writes itself; anything else came from the training script
 ENGINE_KEYS = (
@@ -95,6 +95,7 @@ def build_training_state(
             states[key] = TensorSource(refs[0].dtype if refs else masters[param.name].dtype, shapes[param.name], segments)
         params.append(ParamState(param.name, shapes[param.name], param.group, masters[param.name], states))
 
+    padding = tuple(_padding_runs(layout, tensors))
     groups = _param_groups(layout, per_rank[0], states0, element_keys, config)
     order = optimizer_order(layout, params, config)
     return TrainingState(
@@ -103,8 +104,27 @@ def build_training_state(
         groups=groups,
         rank_buffers=tuple(module_buffers(models[rank]) for rank in range(world)) if zero3 else (),
         round_robin=not zero3 and uses_round_robin(config),
+        state_padding=padding,
         **saved_run_state(model0, inner[0]),
     )
+
+
+def _padding_runs(layout: ZeroLayout, tensors: dict[tuple[int, int, str], TensorRef]) -> list[PaddingRun]:
+    """The elements of each rank's optimizer-state partitions that no param owns: ZeRO-3 pads
+    every param to a multiple of the world size, ZeRO-1/2 the group's tail. DeepSpeed keeps the
+    moments there at zero, so data there means the file holds another rank's partition."""
+    runs = []
+    by_rank = layout.by_rank()
+    for (rank, flat, key), ref in sorted(tensors.items()):
+        position = 0
+        for piece in [*by_rank.get((rank, flat), []), None]:
+            start = piece.flat_offset if piece is not None else layout.flat_groups[flat].partition
+            if start > position:
+                segment = Segment(ref.path, ref.offset + position * ref.dtype.itemsize, start - position)
+                runs.append(PaddingRun(rank, flat, key, TensorSource(ref.dtype, (start - position,), (segment,))))
+            if piece is not None:
+                position = max(position, piece.flat_offset + piece.length)
+    return runs
 
 
 def saved_run_state(model0: dict, optimizer: dict) -> dict:
@@ -150,6 +170,24 @@ def optimizer_order(layout: ZeroLayout, params: list[ParamState], config: dict) 
             original[source] = flat[position]
         order.extend(original)
     return order
+
+
+def slice_mapping_layout(layout: ZeroLayout, round_robin: bool) -> ZeroLayout:
+    """The layout DeepSpeed's ZeRO-1/2 ``param_slice_mappings`` describe: the stored one, except
+    under round-robin gradients, where DeepSpeed lays each group out in optimizer order instead
+    of the stored (round-robin) order, with the same partition size (so the mappings do not say
+    where the bytes are; sample_ckpts/FORMAT_OBSERVED.md). Readers check files against it and
+    the writer writes it, as DeepSpeed does."""
+    if not round_robin:
+        return layout
+    order = iter(optimizer_order(layout, list(layout.params), {N.CONFIG_ZERO: {N.CONFIG_ROUND_ROBIN: True}}))
+    groups, paddings = [], []
+    for group in layout.flat_groups:
+        indices = [next(order) for _ in group.params]
+        padding_of = dict(zip(group.params, group.alignment_paddings or [0] * len(group.params)))
+        groups.append([layout.params[i] for i in indices])
+        paddings.append([padding_of[i] for i in indices])
+    return zero12_layout(groups, layout.world_size, alignment_paddings=paddings, stage=layout.stage)
 
 
 def _param_groups(layout: ZeroLayout, saved: dict, states0: dict, element_keys: list[str], config: dict) -> tuple[ParamGroupState, ...]:

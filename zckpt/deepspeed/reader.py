@@ -14,7 +14,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from .. import hf, torchfile
+from ..checksums import RecordChecker, archive_records
 from ..dtypes import BF16, FP16, FP32, DType
 from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
 from ..index import CheckpointIndex, Entry, Segment, TensorSource
@@ -23,7 +26,7 @@ from ..materialize import read_scalar
 from ..reading import FileReader, source_of
 from ..torchfile import TensorRef
 from . import names as N
-from .optim_state import build_training_state
+from .optim_state import build_training_state, slice_mapping_layout, uses_round_robin
 from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
 from .partition import zero3_partition
 
@@ -54,7 +57,8 @@ def list_tags(checkpoint_dir: str) -> list[str]:
         children = os.listdir(checkpoint_dir)
     except OSError:
         return []
-    tags = [c for c in children if _is_tag_dir(os.path.join(checkpoint_dir, c))]
+    # zckpt's staging and moved-aside folders (`.<tag>.zckpt-staging`) are not tags
+    tags = [c for c in children if ".zckpt-" not in c and _is_tag_dir(os.path.join(checkpoint_dir, c))]
     return sorted(tags, key=natural_key)
 
 
@@ -366,6 +370,41 @@ class ZeroReader:
         except ZckptError as exc:
             self.problems.append(exc)
             self.result.index = None
+            return
+        if not self._check_padding(self.result.state):
+            self.result.index = self.result.state = None
+
+    def _check_padding(self, state: TrainingState) -> bool:
+        """Optimizer moments in each rank's padding must be zero, as DeepSpeed leaves them: data
+        there means the file holds another rank's partition (ZeRO-3 rank files swapped or copied
+        over each other have the same sizes, so nothing else tells). A few small reads, outside
+        the CRC checks (those would read the whole record); swap files keep no zeros there."""
+        dirty: dict[tuple[int, str], int] = {}
+        with FileReader(verify=False) as reader:
+            for run in state.state_padding:
+                path = run.source.segments[0].path
+                if run.state == "step" or not path.endswith(".pt"):
+                    continue
+                count = int(np.count_nonzero(reader.read_source(run.source)))
+                if count:
+                    dirty[(run.rank, path)] = dirty.get((run.rank, path), 0) + count
+        if dirty:
+            try:  # damaged bytes, rather than another rank's data? The CRC tells.
+                checker = RecordChecker()
+                for run in state.state_padding:
+                    segment = run.source.segments[0]
+                    if (run.rank, segment.path) in dirty:
+                        checker.touch(segment.path, segment.offset, run.source.nbytes)
+                checker.finish()
+            except CorruptFileError as exc:
+                self.problems.append(exc)
+                return False
+        for (rank, path), count in sorted(dirty.items()):
+            self._problem(
+                LayoutError, path,
+                f"{count} optimizer-state elements in rank {rank}'s padding are not zero: the file holds another rank's partition (rank files swapped or copied)",
+            )
+        return not dirty
 
     def _state_swap_path(self, rank: int, flat: int, ref: TensorRef, layout: ZeroLayout, group: FlatGroup, optim_path: str, state: str) -> str | None:
         """A swapped optimizer state's file, named like the sub-group's fp32 swap file (the empty
@@ -571,7 +610,12 @@ class ZeroReader:
         """Adam step counters must agree across ranks (cheap: a few scalars)."""
         steps: dict[int, Any] = {}
         for rank, state in sorted(inner.items()):
-            step = _first_step(reader, state)
+            try:
+                step = _first_step(reader, state)
+                reader.verify_now()  # a damaged counter is damage, not a sign of mixed runs
+            except CorruptFileError as exc:
+                self._problem(CorruptFileError, exc.path, exc.problem)
+                continue
             if step is not None:
                 steps[rank] = step
         if len(set(steps.values())) > 1:
@@ -595,6 +639,9 @@ class ZeroReader:
                 ref = module[name]
                 if isinstance(ref, TensorRef):
                     entries.append(Entry(name, "buffer", self._whole(ref)))
+            else:  # DeepSpeed lists the persistent buffers only, all of them in the state dict
+                self._problem(LayoutError, model0_path, f"buffer {name} is listed in buffer_names but missing from the module state dict")
+                return None
 
         param_shapes = model0[N.PARAM_SHAPES]
         if isinstance(param_shapes, dict):
@@ -605,6 +652,14 @@ class ZeroReader:
         shared = dict(model0.get(N.SHARED_PARAMS) or {})
 
         frozen_shapes = model0.get(N.FROZEN_PARAM_SHAPES)
+        if frozen_shapes is not None:
+            # ZeRO-2/3 record their frozen params: the module holds nothing else than those, the
+            # trainable ones, buffers, tied aliases and modules' extra state (torch's `_extra_state`)
+            known = trainable_names | set(frozen_shapes) | set(buffer_names) | set(shared)
+            unknown = [n for n, ref in module.items() if n not in known and isinstance(ref, TensorRef) and not n.endswith("_extra_state")]
+            if unknown:
+                self._problem(LayoutError, model0_path, f"param {unknown[0]} is in the module but neither trainable, recorded as frozen, a buffer nor a tied alias")
+                return None
         if frozen_shapes:
             for name, shape in frozen_shapes.items():
                 source = self._frozen_source(name, as_shape(shape), models, model_paths, zero3, world)
@@ -638,8 +693,29 @@ class ZeroReader:
     def _trainable(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, zero3: bool, model0: dict) -> list[Entry] | None:
         """The trainable params' entries (fp32 masters), from the optimizer files' partitions."""
         if zero3:
-            return self._zero3_params(param_shapes, inner, optim_files, world, _ds_ids(model0))
+            ds_ids = _ds_ids(model0)  # by module order: a param missing there would shift every later id
+            named = [n for shapes in param_shapes for n in shapes] + list(model0.get(N.FROZEN_PARAM_SHAPES) or {})
+            missing = [n for n in named if n not in ds_ids]
+            if missing:
+                self._problem(LayoutError, self._path(N.model_states_name(3, 0)), f"param {missing[0]} is missing from the module state dict (DeepSpeed numbers params by it)")
+                return None
+            if not self._check_not_copies(optim_files):
+                return None
+            return self._zero3_params(param_shapes, inner, optim_files, world, ds_ids)
         return self._zero12_params(param_shapes, inner, optim_files, world)
+
+    def _check_not_copies(self, optim_files: dict) -> bool:
+        """No ZeRO-3 optimizer file may hold the same tensor records as another rank's (a file
+        copied over another: compared by the CRC-32s and sizes in the zip directories, no data
+        read). Padding does not tell where the copied-over rank holds none."""
+        seen: dict[tuple, int] = {}
+        for rank, (_, path) in sorted(optim_files.items()):
+            records = tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
+            other = seen.setdefault(records, rank) if records else rank
+            if other != rank:
+                self._problem(LayoutError, path, f"its tensors are byte-identical to rank {other}'s file: one rank's file was copied over another's")
+                return False
+        return True
 
     def _whole(self, ref: TensorRef) -> TensorSource:
         try:
@@ -682,6 +758,8 @@ class ZeroReader:
             self._problem(LayoutError, optim_files[0][1], f"{[len(p) for p in paddings]} alignment paddings per group for {[len(g) for g in flat_order]} params")
             return None
         layout = zero12_layout(flat_order, world, alignment_paddings=paddings, stage=self.result.zero_stage or 2)
+        if not self._check_rank_identity(layout, inner, optim_files):
+            return None
         for g, group in enumerate(layout.flat_groups):
             sizes = [groups[rank][g].numel for rank in range(world)]
             # DeepSpeed drops the tail padding when saving, except BF16_Optimizer, which keeps it
@@ -692,8 +770,38 @@ class ZeroReader:
                     return None
         return self._param_entries(layout, groups)
 
+    def _check_rank_identity(self, layout: ZeroLayout, inner: dict, optim_files: dict) -> bool:
+        """Each ZeRO-1/2 optimizer file's param_slice_mappings must name the params (and
+        offsets) of the rank its file name says: swapped or copied rank files are caught here,
+        where equal partition sizes hide them. The mappings follow the param group's order even
+        under round-robin gradients (sample_ckpts/FORMAT_OBSERVED.md)."""
+        described = slice_mapping_layout(layout, uses_round_robin(self.config))
+        by_rank = described.by_rank()
+
+        def mapping_of(rank: int, flat: int) -> dict:
+            return {described.params[p.param].name: (p.length, p.flat_offset) for p in by_rank.get((rank, flat), [])}
+
+        for rank, state in sorted(inner.items()):
+            mappings = state.get(N.PARAM_SLICE_MAPPINGS)
+            if not isinstance(mappings, list) or len(mappings) != len(layout.flat_groups):
+                continue  # older files without them: nothing to tell by
+            for flat, mapping in enumerate(mappings):
+                expected = mapping_of(rank, flat)
+                found = {name: (getattr(a, "numel", None), getattr(a, "start", None)) for name, a in mapping.items()} if isinstance(mapping, dict) else None
+                if found != expected:
+                    owner = next((r for r in range(layout.world_size) if found == mapping_of(r, flat)), None)
+                    said = f"; they are rank {owner}'s: rank files swapped or copied" if owner is not None and owner != rank else ""
+                    self._problem(LayoutError, optim_files[rank][1], f"param group {flat}: its param_slice_mappings do not match rank {rank}'s partition{said}")
+                    return False
+        return True
+
     def _zero3_params(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, ds_ids: dict[str, int]) -> list[Entry] | None:
         sub_groups = [[LayoutParam(name, numel_of(shape), 0) for name, shape in shapes.items()] for shapes in param_shapes]
+        groups = (inner[0].get(N.OPTIMIZER_STATE_DICT) or {}).get("param_groups") or []
+        listed = sorted(i for g in (groups if isinstance(groups, list) else []) if isinstance(g, dict) and isinstance(g.get("params"), list) for i in g["params"] if isinstance(i, int))
+        if listed != list(range(len(sub_groups))):  # each sub-group in one param group, as DeepSpeed saves them
+            self._problem(LayoutError, optim_files[0][1], f"its param_groups list sub-groups {listed[:8]}, the model states have {len(sub_groups)}")
+            return None
         layout = zero3_layout_of_sub_groups(sub_groups, world, sub_group_param_groups(inner[0], len(sub_groups)))
         flat: dict[int, list[TensorRef]] = {}
         self.ds_ids = ds_ids

@@ -1,0 +1,286 @@
+"""CRC-32 checks of the zip records whose bytes a job uses.
+
+Why: torch stores a CRC-32 for every record of a ``torch.save`` archive, and a flipped bit in a
+tensor's data is invisible to every other check (sizes, offsets and the pickle stay intact).
+A job that reads tensor bytes hands them to a :class:`RecordChecker` as it reads them; before
+the job commits its output, :meth:`RecordChecker.finish` reads whatever part of each touched
+record was not seen (bytes moved by the kernel, padding the job skipped) and compares. Bytes
+are read once in the usual case: pieces are checksummed where they were read, in any order
+and on any thread, and joined with :func:`crc32_combine`.
+
+Raw swap files and safetensors files carry no checksum: nothing is checked for them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+import threading
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .errors import CorruptFileError
+
+_READ_BYTES = 1 << 20  # checksum reads go through a cache-sized buffer
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_ZIP_MAGIC = b"PK\x03\x04"
+_POLY = 0xEDB88320  # the reflected CRC-32 polynomial (zlib's)
+
+
+# --- combining CRCs ---------------------------------------------------------------------------
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    """A 32x32 GF(2) matrix (as 32 column words) times a 32-bit vector."""
+    total, index = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[index]
+        vector >>= 1
+        index += 1
+    return total
+
+
+def _square(matrix: list[int]) -> list[int]:
+    return [_times(matrix, column) for column in matrix]
+
+
+def _shift_operators() -> list[list[int]]:
+    """operator[k] appends 2**k zero bytes to a CRC's message (zlib's crc32_combine matrices)."""
+    one_bit = [_POLY] + [1 << n for n in range(31)]
+    operator = _square(_square(_square(one_bit)))  # 8 zero bits: one zero byte
+    table = [operator]
+    for _ in range(63):
+        operator = _square(operator)
+        table.append(operator)
+    return table
+
+
+_SHIFTS: list[list[int]] | None = None
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of A + B from crc(A), crc(B) and len(B), as zlib's crc32_combine.
+
+    >>> crc32_combine(zlib.crc32(b"zero"), zlib.crc32(b" checkpoint"), 11) == zlib.crc32(b"zero checkpoint")
+    True
+    """
+    global _SHIFTS
+    if length2 <= 0:
+        return crc1
+    if _SHIFTS is None:
+        _SHIFTS = _shift_operators()
+    bit = 0
+    while length2:
+        if length2 & 1:
+            crc1 = _times(_SHIFTS[bit], crc1)
+        length2 >>= 1
+        bit += 1
+    return crc1 ^ crc2
+
+
+# --- the records of one archive ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored zip record: its data lies at [start, start + size) and must hash to crc."""
+
+    name: str
+    start: int
+    size: int
+    crc: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+
+def archive_records(path: str) -> tuple[Record, ...]:
+    """The stored records of a zip archive, by data offset; () for a file that is not a zip
+    (raw swap files, safetensors: they carry no checksum). Structure problems are the
+    parser's to report (torchfile.load): records that cannot be located are left out."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != _ZIP_MAGIC:
+                return ()
+            with zipfile.ZipFile(handle) as archive:
+                records = []
+                for info in archive.infolist():
+                    if info.compress_type != zipfile.ZIP_STORED or info.file_size == 0:
+                        continue
+                    handle.seek(info.header_offset)
+                    header = handle.read(_LOCAL_HEADER.size)
+                    if len(header) != _LOCAL_HEADER.size or header[:4] != _ZIP_MAGIC:
+                        continue
+                    fields = _LOCAL_HEADER.unpack(header)
+                    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+                    records.append(Record(info.filename, start, info.file_size, info.CRC))
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return ()
+    return tuple(sorted(records, key=lambda r: r.start))
+
+
+# --- the checker --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Seen:
+    """Pieces of one record already checksummed: (offset in record, length, crc)."""
+
+    record: Record
+    pieces: list[tuple[int, int, int]]
+
+
+def checksum_range(fd: int, path: str, position: int, count: int) -> int:
+    """CRC-32 of `count` bytes of `fd` (the file at `path`) at `position`, through a buffer
+    small enough to stay in the CPU cache (page-cache pages cost less read than mapped)."""
+    buffer = bytearray(min(count, _READ_BYTES))
+    view = memoryview(buffer)
+    crc, end = 0, position + count
+    while position < end:
+        got = os.preadv(fd, [view[: min(len(buffer), end - position)]], position)
+        if got <= 0:
+            raise CorruptFileError(path, f"truncated: file ends at offset {position}, inside a record")
+        crc = zlib.crc32(view[:got], crc)
+        position += got
+    return crc
+
+
+class RecordChecker:
+    """Collects checksums of the bytes a job read, per zip record, and checks each touched
+    record whole at :meth:`finish`. Thread-safe: one checker serves every reader of a job."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tables: dict[str, tuple[tuple[Record, ...], list[int]]] = {}
+        self._seen: dict[tuple[str, int], _Seen] = {}
+        self._verified: set[tuple[str, int]] = set()  # records checked already: not again
+        self.records_checked = 0
+        self.bytes_checked = 0
+
+    def _table(self, path: str) -> tuple[tuple[Record, ...], list[int]]:
+        table = self._tables.get(path)
+        if table is None:
+            records = archive_records(path)
+            table = (records, [r.start for r in records])
+            with self._lock:
+                self._tables.setdefault(path, table)
+        return table
+
+    def _overlaps(self, path: str, offset: int, length: int) -> list[Record]:
+        records, starts = self._table(path)
+        found = []
+        index = max(0, bisect.bisect_right(starts, offset) - 1)
+        while index < len(records) and records[index].start < offset + length:
+            if records[index].end > offset:
+                found.append(records[index])
+            index += 1
+        return found
+
+    def _add(self, path: str, record: Record, start: int, length: int, crc: int | None) -> None:
+        key = (path, record.start)
+        with self._lock:
+            if key in self._verified:
+                return
+            seen = self._seen.get(key)
+            if seen is None:
+                seen = self._seen[key] = _Seen(record, [])
+            if crc is not None:
+                seen.pieces.append((start, length, crc))
+
+    def feed(self, path: str, offset: int, data: memoryview | bytes) -> None:
+        """Bytes of `path` read at `offset`: checksum the parts that lie inside records."""
+        for record in self._overlaps(path, offset, len(data)):
+            if (path, record.start) in self._verified:
+                continue
+            low, high = max(offset, record.start), min(offset + len(data), record.end)
+            piece = memoryview(data)[low - offset : high - offset]
+            self._add(path, record, low - record.start, high - low, zlib.crc32(piece))
+
+    def feed_crc(self, path: str, offset: int, length: int, crc: int) -> None:
+        """The CRC of bytes [offset, offset + length) of `path`, computed by the caller while
+        it used them; a range that is not inside one record is checked at finish instead."""
+        records = self._overlaps(path, offset, length)
+        if len(records) == 1 and records[0].start <= offset and offset + length <= records[0].end:
+            self._add(path, records[0], offset - records[0].start, length, crc)
+        else:
+            self.touch(path, offset, length)
+
+    def touch(self, path: str, offset: int, length: int) -> None:
+        """Bytes used without being read here (a kernel-side copy): checked at finish."""
+        for record in self._overlaps(path, offset, length):
+            self._add(path, record, 0, 0, None)
+
+    def finish(self, workers: int = 2) -> None:
+        """Check every touched record whole; CorruptFileError naming the first bad one."""
+        with self._lock:
+            pending = list(self._seen.items())
+            self._seen.clear()
+        if not pending:
+            return
+        if workers > 1 and len(pending) > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-crc") as pool:
+                results = list(pool.map(lambda item: self._check(item[0][0], item[1]), pending))
+        else:
+            results = [self._check(key[0], seen) for key, seen in pending]
+        for problem in results:
+            if problem is not None:
+                raise problem
+        with self._lock:
+            self._verified.update(key for key, _ in pending)
+            self.records_checked += len(pending)
+            self.bytes_checked += sum(seen.record.size for _, seen in pending)
+
+    @staticmethod
+    def _check(path: str, seen: _Seen) -> CorruptFileError | None:
+        record, crc, position = seen.record, 0, 0
+        fd = None
+        try:
+            for start, length, piece_crc in sorted(seen.pieces):
+                end = start + length
+                if end <= position:
+                    continue  # bytes read twice: counted once
+                if start > position:  # a gap: bytes the job did not read here
+                    fd = fd if fd is not None else os.open(path, os.O_RDONLY)
+                    crc = crc32_combine(crc, checksum_range(fd, path, record.start + position, start - position), start - position)
+                    position = start
+                if start < position:  # overlaps the last piece: read its new part again
+                    fd = fd if fd is not None else os.open(path, os.O_RDONLY)
+                    piece_crc = checksum_range(fd, path, record.start + position, end - position)
+                crc = crc32_combine(crc, piece_crc, end - position)
+                position = end
+            if position < record.size:
+                fd = fd if fd is not None else os.open(path, os.O_RDONLY)
+                crc = crc32_combine(crc, checksum_range(fd, path, record.start + position, record.size - position), record.size - position)
+        except CorruptFileError as exc:
+            return exc
+        except OSError as exc:
+            return CorruptFileError(path, f"cannot read record {record.name}: {exc.strerror or exc}")
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if crc != record.crc:
+            return CorruptFileError(
+                path, f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): the data is corrupted"
+            )
+        return None
+
+
+def check_archive(path: str, workers: int = 1) -> tuple[int, int, str | None]:
+    """Check every record of one file: (records, bytes checked, the problem or None). A file that
+    is not a zip archive has no records and no problem (it carries no checksum)."""
+    records = archive_records(path)
+    if not records:
+        return 0, 0, None
+    checker = RecordChecker()
+    for record in records:
+        checker.touch(path, record.start, record.size)
+    try:
+        checker.finish(workers=workers)
+    except CorruptFileError as exc:
+        return len(records), 0, str(exc)
+    return len(records), checker.bytes_checked, None

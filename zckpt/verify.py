@@ -1,0 +1,358 @@
+"""``zckpt verify``: judge a checkpoint, universal folder or weights output before anyone runs on it.
+
+`inspect` describes; this reads every byte and says yes or no. Checks, in order: every file the
+layout needs is present and parses (the reader's survey: world size, tag, version and sizes
+agree across ranks, ZeRO-1/2 rank files hold the partition their name says), every zip record
+matches its CRC-32, optimizer moments are zero in each rank's padding (a file holding data
+there belongs to another rank), no two rank files are copies of each other, every param has
+the optimizer states of its group, no leftovers of an interrupted zckpt run, and with `scan`
+no NaN or Inf anywhere. It also says what each zckpt operation on the input would need.
+
+What no check can tell is said, not hidden: raw NVMe swap files carry no checksum, and the fp32
+padding is uninitialised memory (DeepSpeed never clears it), so ZeRO-3 rank files of a model
+whose every param divides by the world size cannot be told apart.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from .checksums import archive_records, check_archive
+from .deepspeed.reader import Survey, looks_like_checkpoint, survey
+from .dtypes import BF16, FP16, DType
+from .errors import CheckpointNotFoundError, ZckptError
+from .index import TensorSource
+from .materialize import CHUNK_BYTES
+from .output import find_leftovers
+from .reading import FileReader
+from .shards import format_size
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verdict: `ok` False when it found a problem, None when it could not be run."""
+
+    name: str
+    ok: bool | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one zckpt operation on this input needs: disk for its output, memory at peak."""
+
+    operation: str
+    disk_bytes: int
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    path: str
+    kind: str  # "deepspeed_checkpoint", "universal_checkpoint" or "weights"
+    checks: tuple[Check, ...]
+    problems: tuple[str, ...]  # each names a file and what is wrong with it
+    notes: tuple[str, ...] = ()
+    needs: tuple[Need, ...] = ()
+    files: int = 0
+    bytes: int = 0
+    scanned: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, **asdict(self)}
+
+
+@dataclass
+class _Findings:
+    checks: list[Check] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, name: str, problems: list[str], passed: str, *, skipped: str | None = None) -> None:
+        if skipped is not None:
+            self.checks.append(Check(name, None, skipped))
+            return
+        self.problems.extend(problems)
+        self.checks.append(Check(name, not problems, passed if not problems else f"{len(problems)} problem{'s' * (len(problems) > 1)}"))
+
+
+def verify(path: str | os.PathLike[str], *, tag: str | None = None, scan: bool = False, workers: int = 2) -> VerifyReport:
+    """Check `path` (a ZeRO checkpoint folder or tag folder, a universal folder, or consolidated
+    weights: a folder, a .safetensors, a .index.json or a torch .bin) and report every problem."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(path, "no such file or directory")
+    if os.path.isfile(path) or not looks_like_checkpoint(path):
+        return _verify_weights(path, scan, workers)
+    return _verify_checkpoint(path, tag, scan, workers)
+
+
+# --- ZeRO checkpoints and universal folders ---------------------------------------------------
+
+
+def _verify_checkpoint(path: str, tag: str | None, scan: bool, workers: int) -> VerifyReport:
+    found = survey(path, tag)
+    findings = _Findings()
+    kind = "universal_checkpoint" if found.universal else "deepspeed_checkpoint"
+    files = _tag_files(found)
+    findings.add(
+        "layout",
+        [str(p) for p in found.problems],
+        f"ZeRO-{found.zero_stage}, world size {found.world_size}, {len(found.files)} rank files consistent"
+        if not found.universal
+        else "every param has its folder and states, shapes match the model states",
+    )
+    folder = found.location.checkpoint_dir if found.location is not None else path if os.path.isdir(path) else None
+    if folder is not None:  # no location: `latest` names a missing tag (a run killed while replacing it?)
+        findings.add("leftovers", [l.describe() for l in find_leftovers(folder) if l.alive is False], "no leftovers of an interrupted zckpt run")
+    _check_crcs(files, findings, workers)
+    state = found.state
+    if state is not None and not found.universal:
+        _check_identity(found, findings)
+        _check_optimizer_state(found, findings)
+    elif state is None:
+        for name in ("rank identity", "optimizer state"):
+            findings.add(name, [], "", skipped="not run: the layout has problems")
+    if scan:
+        sources = _checkpoint_sources(found)
+        findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
+    needs = _needs(found) if found.complete else ()
+    return VerifyReport(
+        path, kind, tuple(findings.checks), tuple(dict.fromkeys(findings.problems)), tuple(findings.notes), tuple(needs),
+        files=len(files), bytes=sum(_size(f) for f in files), scanned=scan,
+    )
+
+
+def _tag_files(found: Survey) -> list[str]:
+    """Every file of the tag folder (rank files, offloaded_tensors/, universal zero/)."""
+    if found.location is None:
+        return []
+    listed = []
+    for root, dirs, names in os.walk(found.location.tag_dir):
+        dirs.sort()
+        listed.extend(os.path.join(root, n) for n in sorted(names) if not n.startswith("."))
+    return listed
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
+    """Every record of every torch archive; files without a checksum are counted and named."""
+
+    archives = [f for f in files if f.endswith((".pt", ".pth", ".bin"))]
+    unchecked = [f for f in files if f not in archives]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        results = list(pool.map(check_archive, archives))
+    problems = [problem for _, _, problem in results if problem]
+    records = sum(r for r, _, _ in results)
+    checked = sum(b for _, b, _ in results)
+    if archives:
+        findings.add("checksums", problems, f"{records} records in {len(archives)} files match their CRC-32 ({format_size(checked)})")
+    else:
+        findings.add("checksums", [], "", skipped="no torch archives: nothing carries a checksum")
+    swaps = [f for f in unchecked if f.endswith(".swp")]
+    if swaps:
+        findings.notes.append(
+            f"{len(swaps)} NVMe swap files ({format_size(sum(map(_size, swaps)))}) carry no checksum: their sizes were checked, their bytes cannot be"
+        )
+
+
+def _check_identity(found: Survey, findings: _Findings) -> None:
+    """What tells rank files apart: the survey already refused ZeRO-1/2 files whose
+    param_slice_mappings name another rank and files with data in their optimizer-state padding;
+    here, whole rank files copied over another's (same records, byte for byte)."""
+    state = found.state
+    assert state is not None
+    runs = [r for r in state.state_padding if r.state != "step" and r.source.segments[0].path.endswith(".pt")]
+    ranks = len({r.rank for r in runs})
+    told = f"optimizer-state padding is zero on {ranks} rank{'s' * (ranks != 1)} ({sum(r.source.numel for r in runs)} elements)"
+    if found.zero_stage in (1, 2):
+        told += "; param_slice_mappings name each file's own rank"
+    if not runs and found.zero_stage == 3 and (found.world_size or 1) > 1:
+        findings.notes.append(
+            "no optimizer-state padding here (every param divides by the world size): nothing in a ZeRO-3 file tells which rank wrote it"
+        )
+    findings.add("rank identity", _copied_files(found.files), told)
+
+
+def _copied_files(files: list[str]) -> list[str]:
+    """Rank files whose tensor records are byte-identical to another rank's (by CRC and size)."""
+    seen: dict[tuple, str] = {}
+    problems = []
+    for path in files:
+        records = tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
+        if not records:
+            continue
+        other = seen.setdefault(records, path)
+        if other != path:
+            problems.append(f"{path}: its tensors are byte-identical to {os.path.basename(other)}'s: one rank's file was copied over another's")
+    return problems
+
+
+def _check_optimizer_state(found: Survey, findings: _Findings) -> None:
+    """Every trainable param has the states the rest of its param group has."""
+    state = found.state
+    assert state is not None
+    problems = []
+    by_group: dict[int, set[str]] = {}
+    for param in state.params:
+        by_group.setdefault(param.group, set()).update(param.states)
+    for param in state.params:
+        missing = sorted(by_group[param.group] - set(param.states))
+        if missing:
+            problems.append(f"{found.location.tag_dir if found.location else found.path}: param {param.name} lacks optimizer state {', '.join(missing)} that its group has")
+    names = ", ".join(state.state_names) or "none"
+    groups = len(state.groups)
+    findings.add("optimizer state", problems, f"{len(state.params)} params, states: {names}; {groups} param group{'s' * (groups != 1)}")
+
+
+def _checkpoint_sources(found: Survey) -> list[tuple[str, TensorSource]]:
+    sources: list[tuple[str, TensorSource]] = []
+    if found.index is not None:
+        sources += [(e.name, e.source) for e in found.index.entries if e.kind != "tied"]
+    if found.state is not None:
+        for param in found.state.params:
+            sources += [(f"{param.name}.{key}", source) for key, source in param.states.items()]
+    return sources
+
+
+# --- values ---------------------------------------------------------------------------------------
+
+
+def _non_finite(raw: np.ndarray, dtype: DType) -> int:
+    """How many elements are NaN or Inf: all exponent bits set (raw bits for 16-bit floats)."""
+    if dtype == BF16:
+        return int(np.count_nonzero((raw & 0x7F80) == 0x7F80))
+    if dtype == FP16:
+        return int(np.count_nonzero((raw.view(np.uint16) & 0x7C00) == 0x7C00))
+    return int(raw.size - np.count_nonzero(np.isfinite(raw)))
+
+
+def _chunks(reader: FileReader, source: TensorSource) -> Iterator[np.ndarray]:
+    """A tensor's elements in bounded chunks, as raw numpy arrays."""
+    raw_dtype = np.dtype(source.dtype.numpy_raw)
+    step = max(1, CHUNK_BYTES // source.dtype.itemsize)
+    for segment in source.segments:
+        for start in range(0, segment.numel, step):
+            count = min(step, segment.numel - start)
+            out = np.empty(count, dtype=raw_dtype)
+            reader.read_into(segment.path, segment.offset + start * source.dtype.itemsize, memoryview(out.view(np.uint8)))
+            yield out
+
+
+def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
+    floating = [(n, s) for n, s in sources if s.dtype.is_floating and s.numel]
+
+    def count(item: tuple[str, TensorSource]) -> str | None:
+        name, source = item
+        with FileReader(verify=False) as reader:
+            bad = sum(_non_finite(chunk, source.dtype) for chunk in _chunks(reader, source))
+        if not bad:
+            return None
+        where = source.segments[0].path if len({s.path for s in source.segments}) == 1 else f"{len({s.path for s in source.segments})} files"
+        return f"{where}: {name} holds {bad} NaN/Inf of {source.numel} elements"
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return [p for p in pool.map(count, floating) if p]
+
+
+# --- what operations would need --------------------------------------------------------------------
+
+
+def _needs(found: Survey) -> list[Need]:
+    """Disk each operation writes (planned exactly, nothing read) and its peak memory bound."""
+    from .consolidate import plan_consolidation
+    from .deepspeed.save import archives
+    from .deepspeed.universal import plan_universal
+    from .deepspeed.writer import plan_checkpoint, plan_target
+
+    assert found.index is not None
+    largest = max((e.source.nbytes for e in found.index.entries), default=0)
+    # the interpreter and the parsed pickles, plus one buffer per writing thread, each no bigger
+    # than the largest tensor and a conversion's temporaries (measured: BENCHMARKS.md)
+    base = 64 << 20
+    buffers = min(2 * CHUNK_BYTES, 2 * largest)
+    needs = []
+    for dtype in ("fp32", "bf16"):
+        plan = plan_consolidation(found.index, dtype=dtype)
+        needs.append(Need(f"consolidate --dtype {dtype}", plan.disk_bytes(), base + buffers))
+    if found.state is not None:
+        threads = 2 * (os.cpu_count() or 1)
+        buffers = threads * min(CHUNK_BYTES, 2 * largest)
+        try:
+            target = plan_target(found.state, found.state.index.world_size, None, None)
+            if not target.nvme_offload:
+                size = sum(a.total_size for _, a in archives(plan_checkpoint(found.state, target)))
+                needs.append(Need("reshard (about the same at any world size)", size, base + buffers))
+            size = sum(a.total_size for _, a in archives(plan_universal(found.state)))
+            needs.append(Need("to-universal", size, base + buffers))
+        except ZckptError:
+            pass
+    return needs
+
+
+# --- weights outputs --------------------------------------------------------------------------------
+
+
+def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
+    """A consolidated output: headers, shards and index agree (tensor_sources checks that), torch
+    files' CRCs, leftovers, and with `scan` the values."""
+    from .tensor_sources import open_tensors
+
+    findings = _Findings()
+    try:
+        found = open_tensors(path)
+    except ZckptError as exc:
+        findings.add("files", [str(exc)], "")
+        if os.path.isdir(path):  # a folder holding only what a killed run left: list it too
+            findings.add("leftovers", [l.describe() for l in find_leftovers(path) if l.alive is False], "no leftovers of an interrupted zckpt run")
+        return VerifyReport(path, "weights", tuple(findings.checks), tuple(findings.problems))
+    files = list(found.files)
+    sources = list(found.tensors.items())
+    findings.add("files", [], f"{len(files)} weights file{'s' * (len(files) != 1)}, {len(sources)} tensors, headers, index and sizes consistent")
+    _check_crcs(files, findings, workers)
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    findings.add("leftovers", [l.describe() for l in find_leftovers(folder) if l.alive is False], "no leftovers of an interrupted zckpt run")
+    if scan:
+        findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
+    if found.kind == "safetensors":
+        findings.notes.append("safetensors files carry no checksum: their headers and sizes were checked, their bytes cannot be")
+    return VerifyReport(
+        path, "weights", tuple(findings.checks), tuple(dict.fromkeys(findings.problems)), tuple(findings.notes),
+        files=len(files), bytes=sum(map(_size, files)), scanned=scan,
+    )
+
+
+# --- text -------------------------------------------------------------------------------------
+
+
+def render(report: VerifyReport) -> str:
+    """The readable verdict: one line per check, the problems, the notes and the needs."""
+    lines = [f"{report.path}: {report.kind.replace('_', ' ')}, {report.files} files, {format_size(report.bytes)}"]
+    for check in report.checks:
+        mark = {True: "ok  ", False: "FAIL", None: "skip"}[check.ok]
+        lines.append(f"  {mark} {check.name}: {check.detail}")
+    for problem in report.problems:
+        lines.append(f"problem: {problem}")
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    if report.needs:
+        lines.append("needs:")
+        for need in report.needs:
+            lines.append(f"  {need.operation}: {format_size(need.disk_bytes)} of disk, about {format_size(need.memory_bytes)} of memory")
+    lines.append("verified: OK" if report.ok else f"verified: {len(report.problems)} problem{'s' * (len(report.problems) > 1)} found")
+    return "\n".join(lines)
