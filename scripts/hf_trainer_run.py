@@ -35,6 +35,11 @@ and ``DIR/probe_step<N>.pt`` (rank 0) per probe: ``{param name: {"fp32": full fp
 "exp_avg": ..., "exp_avg_sq": ...}}`` for the probed params, for bit-for-bit comparisons.
 A failing rank writes ``DIR/error_rank<R>.txt`` (its traceback).
 
+With ``--dump-masters``, at every save (``on_save``, right after ``checkpoint-N`` is written) rank 0
+writes ``DIR/masters_step<N>.safetensors``: every parameter's full fp32 master
+(``safe_get_full_fp32_param`` on all ranks) under ``named_parameters`` names (a tied ``lm_head`` is
+not listed). ``--untied`` builds the model with ``tie_word_embeddings=False``.
+
 CPU workarounds (transformers 5.23, accelerate 1.15, DeepSpeed 0.19.8, no GPU; see
 /work/shared/FORMAT_NOTES.md "Hugging Face Trainer / PEFT checkpoints"):
 
@@ -95,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=192, help="data set size")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--probe-at", type=int, nargs="*", help="global steps to probe at (default: multiples of --save-steps)")
+    p.add_argument("--untied", action="store_true", help="tie_word_embeddings=False (default tied)")
+    p.add_argument("--dump-masters", action="store_true",
+                   help="at every save, rank 0 writes OUT/masters_step<N>.safetensors: every param's full fp32 master")
     return p.parse_args(argv)
 
 
@@ -244,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     set_seed(args.seed)  # model init (overwritten by the checkpoint when resuming)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-                         tie_word_embeddings=True, attention_dropout=0.0, bos_token_id=0, eos_token_id=1,
+                         tie_word_embeddings=not args.untied, attention_dropout=0.0, bos_token_id=0, eos_token_id=1,
                          pad_token_id=None)
     model = LlamaForCausalLM(config)
     dataset = make_dataset(args.samples, args.seed)
@@ -311,6 +319,17 @@ def run(args: argparse.Namespace) -> int:
             record["steps"].append({"step": st.global_step, "loss": float(mean.item()) / dist.get_world_size(),
                                     "lr": self.pending_lr})
             dump()
+
+        def on_save(self, a, st, control, **kw):
+            if args.dump_masters:  # collective: every rank, same order
+                from deepspeed.utils import safe_get_full_fp32_param
+                from safetensors.torch import save_file
+
+                masters = {name: safe_get_full_fp32_param(p).detach().float().cpu().clone()
+                           for name, p in trainer.model_wrapped.module.named_parameters()}
+                if dist.get_rank() == 0:
+                    save_file(masters, str(args.out / f"masters_step{st.global_step}.safetensors"))
+                dist.barrier()
 
         def on_log(self, a, st, control, logs=None, **kw):
             if logs and "loss" in logs:

@@ -3,7 +3,8 @@
 Exit codes: 0 success; 1 bad input or a failed write (one line on stderr naming the file and
 the problem; ``ZCKPT_DEBUG=1`` or ``--debug`` shows the traceback); 2 bad usage (unknown
 option, bad value, options that contradict each other or the input); 3 ``inspect`` found the
-checkpoint incomplete or inconsistent; 128 + the signal's number when stopped by a signal (130
+checkpoint incomplete or inconsistent, or ``diff`` found A and B different (the command worked
+and the answer is no, which a script can tell from 1, could not compare); 128 + the signal's number when stopped by a signal (130
 SIGINT/Ctrl-C, 143 SIGTERM from kill, timeout or Slurm, 129 SIGHUP), after removing its
 temporary files and staging folders.
 
@@ -61,7 +62,7 @@ app = typer.Typer(
     help=(
         "Read, consolidate, reshard and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.\n\n"
         "Exit codes: 0 success; 1 bad input or failed write (one line naming the file; ZCKPT_DEBUG=1 for the traceback); "
-        "2 bad usage; 3 inspect found the input incomplete; 130/143 interrupted by SIGINT/SIGTERM (temporary files removed)."
+        "2 bad usage; 3 inspect found the input incomplete, or diff found a difference; 130/143 interrupted by SIGINT/SIGTERM (temporary files removed)."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -97,6 +98,7 @@ TagOption = Annotated[
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
 WorkersOption = Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files written at once (default: two per CPU).")]
+NoVerifyOption = Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-32 check of the checkpoint records whose bytes are used (on by default; it costs one read of those bytes from the page cache).")]
 
 
 def _fail(message: str, code: int) -> None:
@@ -112,8 +114,12 @@ def _guarded(action: Callable[[], Any], debug: bool = False) -> Any:
         except Interrupted as exc:  # click would turn it into "Aborted!" and exit 1
             traceback.print_exc()
             raise typer.Exit(128 + exc.signum) from None
+    _RECEIVED.clear()
     try:
-        return action()
+        result = action()
+        if _RECEIVED:  # a signal whose exception a callback (a __del__, a weakref's) swallowed
+            raise Interrupted(_RECEIVED[0])
+        return result
     except UsageError as exc:
         _fail(str(exc), EXIT_USAGE)
     except ZckptError as exc:
@@ -170,7 +176,9 @@ def _progress_bar(quiet: bool, description: str) -> tuple[Callable[[int, int], N
         "\b\nExamples:\n"
         "  zckpt consolidate runs/ckpt out/      # fp32 model.safetensors\n"
         "  zckpt consolidate runs/ckpt out/ --dtype bf16 --max-shard-size 2GB\n"
-        "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch\n\n"
+        "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch\n"
+        "  zckpt consolidate out/checkpoint-500 adapter/   # PEFT run: adapter folder\n"
+        "  zckpt consolidate out/checkpoint-500 merged/ --merge-into base-model/\n\n"
         "zero_to_fp32.py's spellings work too: --max_shard_size, --exclude_frozen_parameters, "
         "-t, -d/--debug, and --safe_serialization (safetensors is the default here)."
     ),
@@ -179,19 +187,23 @@ def consolidate(
     checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it.")],
     output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Folder for the weights (created if missing). Files appear only when all are complete.")],
     tag: TagOption = None,
-    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="Dtype of floating tensors: fp32 (the exact masters), or bf16/fp16 (rounded to nearest); float32, bfloat16 and float16 work too. Integer buffers keep their dtype.")] = "fp32",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="Dtype of floating tensors: fp32 (the exact masters; the default), or bf16/fp16 (rounded to nearest); float32, bfloat16 and float16 work too. Integer buffers keep their dtype. With --merge-into the default is the base model's dtype.")] = None,
     format: Annotated[Format, typer.Option("--format", "-f", metavar="FORMAT", help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).")] = Format.safetensors,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", "--max_shard_size", metavar="SIZE", help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
     exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", "--exclude_frozen_parameters", help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
     safe_serialization: Annotated[bool, typer.Option("--safe_serialization", help="Accepted for zero_to_fp32.py's users: safetensors is already the default.")] = False,
+    peft: Annotated[Optional[bool], typer.Option("--peft/--no-peft", help="A PEFT run's checkpoint: write PEFT's adapter folder (adapter_model.safetensors under PEFT's names, adapter_config.json, README.md). Default: when adapter_config.json is beside the checkpoint. --no-peft writes the raw tensors under their training names.", show_default=False)] = None,
+    merge_into: Annotated[Optional[Path], typer.Option("--merge-into", metavar="BASE_DIR", help="Merge the PEFT LoRA adapter into this Hugging Face model folder (config.json + safetensors) and write the full merged model, streamed one base tensor at a time; equal to PEFT's merge_and_unload().")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace weights files already in OUTPUT_DIR (stale shards are removed).")] = False,
     quiet: QuietOption = False,
+    no_verify: NoVerifyOption = False,
     debug: Annotated[bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")] = False,
 ) -> None:
     """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
 
     Frozen params are kept, tied weights are written under every name, and the config and
-    tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along.
+    tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along. A PEFT
+    run's checkpoint gives PEFT's adapter folder, or with --merge-into the merged model.
     """
     from .consolidate import consolidate as run_consolidate
     from .hf import TRAINER_FOLDER_NOTE
@@ -200,7 +212,7 @@ def consolidate(
 
     if safe_serialization and format is Format.torch:
         _fail("--safe_serialization asks for safetensors, but --format torch was given", EXIT_USAGE)
-    target = _guarded(lambda: output_dtype(dtype), debug)
+    target = _guarded(lambda: output_dtype(dtype), debug) if dtype is not None else None
     result = _with_progress(
         quiet,
         "consolidating",
@@ -212,15 +224,19 @@ def consolidate(
             format=format.value,
             max_shard_size=max_shard_size,
             exclude_frozen=exclude_frozen,
+            peft=peft,
+            merge_into=merge_into,
             overwrite=overwrite,
             progress=progress,
+            verify=not no_verify,
         ),
         debug,
     )
     if not quiet:
         index = result.index
+        what = {"adapter": "PEFT adapter: ", "merged": f"adapter merged into {merge_into}: "}.get(result.peft or "", "")
         typer.echo(
-            f"wrote {result.tensors} tensors ({format_size(result.bytes_written)}, {target.short}) from "
+            f"wrote {what}{result.tensors} tensors ({format_size(result.bytes_written)}, {result.dtype.short}) from "
             f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {_file_list(result.files)}"
         )
         for note in index.notes:
@@ -254,6 +270,39 @@ def inspect(
         raise typer.Exit(EXIT_INCOMPLETE)
 
 
+@app.command(
+    cls=_Command,
+    short_help="Check a checkpoint before use; exit 3 on any problem.",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt verify runs/ckpt                # every file, CRC, rank, state\n"
+        "  zckpt verify runs/ckpt --scan         # also NaN/Inf in every tensor\n"
+        "  zckpt verify uc/global_step500_universal\n"
+        "  zckpt verify out/ --json | jq .ok"
+    ),
+)
+def verify(
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="A DeepSpeed checkpoint folder or tag folder, a universal folder, or consolidated weights (folder, .safetensors, .index.json, torch .bin).")],
+    tag: TagOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+    scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor and report NaN and Inf values.")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files read at once (default: 2).")] = None,
+) -> None:
+    """Judge a checkpoint before anyone runs on it: exit 0 when every check passes, 3 when any fails.
+
+    Reads every byte: files present and parsing, every CRC-32, ranks consistent (world size, tag,
+    version, sizes, which rank each file belongs to), optimizer state complete, no leftovers of
+    an interrupted zckpt run, with --scan no NaN/Inf; and says the disk and memory each zckpt
+    operation on it would need.
+    """
+    from .verify import render, verify as run_verify
+
+    report = _guarded(lambda: run_verify(path, tag=tag, scan=scan, workers=workers or 2))
+    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
+    if not report.ok:
+        raise typer.Exit(EXIT_INCOMPLETE)
+
+
 class Stage(str, enum.Enum):
     one = "1"
     two = "2"
@@ -283,6 +332,7 @@ def reshard(
     workers: WorkersOption = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already.")] = False,
     quiet: QuietOption = False,
+    no_verify: NoVerifyOption = False,
 ) -> None:
     """Rewrite a ZeRO checkpoint for another world size and/or ZeRO stage, with the whole training state.
 
@@ -302,7 +352,7 @@ def reshard(
         "resharding",
         lambda progress: run_reshard(
             checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
-            config=config, overwrite=overwrite, workers=workers, progress=progress,
+            config=config, overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify,
         ),
     )
     if not quiet and primary:
@@ -337,6 +387,7 @@ def to_universal(
     workers: WorkersOption = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the universal folder if OUTPUT_DIR has it already.")] = False,
     quiet: QuietOption = False,
+    no_verify: NoVerifyOption = False,
 ) -> None:
     """Write DeepSpeed's universal checkpoint: one file per param and optimizer state, for any world size.
 
@@ -353,7 +404,7 @@ def to_universal(
         "converting",
         lambda progress: run_to_universal(
             checkpoint, output_dir, tag=tag, target_stage=int(target_stage.value) if target_stage else None,
-            overwrite=overwrite, workers=workers, progress=progress,
+            overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify,
         ),
     )
     if not quiet and primary:
@@ -365,13 +416,77 @@ def to_universal(
         )
 
 
-def _raise_interrupted(signum: int, _frame: Any) -> None:
+EXIT_DIFFERENT = 3  # diff: A and B differ; like inspect's 3, the command worked and the answer is no
+
+
+@app.command(
+    cls=_Command,
+    short_help="Compare two checkpoints or weights; exit 3 if they differ.",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt diff runs/ckpt out/                  # vs its consolidation\n"
+        "  zckpt diff runs/ckpt runs/ckpt-8 --states  # reshard kept every state?\n"
+        "  zckpt diff out-fp32/ out-bf16/ --atol 1e-2\n"
+        "  zckpt diff a/model.safetensors b/pytorch_model.bin --json | jq .differing\n\n"
+        "Equal means: the same names and shapes, and every element within "
+        "atol + rtol * |B| (NaN equals NaN at the same position); dtype differences are "
+        "listed but do not count. Exit 0 equal, 3 different, 1 unreadable input, 2 bad option."
+    ),
+)
+def diff(
+    a: Annotated[Path, typer.Argument(metavar="A", help="A DeepSpeed checkpoint (folder, tag folder, checkpoint-N), a universal folder, or weights: a .safetensors or torch .bin/.pt file, an .index.json, or their folder.")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="The same kinds as A; relative differences are taken against B.")],
+    atol: Annotated[float, typer.Option("--atol", metavar="X", min=0.0, help="Absolute tolerance; with --rtol 0 too, values must be equal.")] = 0.0,
+    rtol: Annotated[float, typer.Option("--rtol", metavar="Y", min=0.0, help="Relative tolerance, a multiple of |B|.")] = 0.0,
+    states: Annotated[bool, typer.Option("--states", help="Also compare optimizer states (exp_avg, ..., steps, hyperparameters, counters); a side without them (weights) makes the states differ.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON.")] = False,
+    no_verify: NoVerifyOption = False,
+) -> None:
+    """Compare two checkpoints or weights outputs tensor by tensor, streaming (bounded memory).
+
+    Reports names only in A or B, shape and dtype differences, and per tensor the max absolute
+    and relative difference and how many elements differ. Values are compared in float64, so a
+    bf16 output can be compared with fp32 masters (its dtype difference is reported too).
+    """
+    from .diff import diff as run_diff, render
+
+    report = _with_progress(
+        False, "comparing", lambda progress: run_diff(a, b, atol=atol, rtol=rtol, states=states, progress=progress, verify=not no_verify)
+    )
+    for side in (report.a, report.b):
+        for note in side.notes:
+            typer.echo(f"note: {note}", err=True)
+    typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
+    if not report.equal:
+        raise typer.Exit(EXIT_DIFFERENT)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
     """Turn a termination signal into an exception, so the cleanup of temporary files and
     staging folders runs as for Ctrl-C. A second signal kills at once (default action), in case
     the cleanup itself hangs; what it leaves the next run removes."""
     for caught in CAUGHT_SIGNALS:
         signal.signal(caught, signal.SIG_DFL)
+    if not _in_guarded_call(frame):
+        # outside a command's library call (typer reading the command line, an import, the
+        # summary line) nothing of ours is half-written: one line and 128 + the signal, at once
+        # (typer would turn an exception into a silent exit 130, a callback would swallow it)
+        os.write(2, f"zckpt: error: {Interrupted(signum)}\n".encode())
+        os._exit(128 + signum)
+    _RECEIVED.append(signum)
     raise Interrupted(signum)
+
+
+_RECEIVED: list[int] = []  # the signal _raise_interrupted turned into an exception
+
+
+def _in_guarded_call(frame: Any) -> bool:
+    """Whether the code a signal interrupted runs inside `_guarded` (a command's library call)."""
+    while frame is not None:
+        if frame.f_code is _guarded.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _catch_signals() -> None:

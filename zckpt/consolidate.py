@@ -72,6 +72,15 @@ class ConsolidationPlan:
             return self.total_size
         return sum(t.nbytes for f in self.files for t in f.tensors)
 
+    def disk_bytes(self) -> int:
+        """The size of every output file: exact for safetensors (headers, index and the files
+        copied along included); torch pickles add a few KB of their own per file."""
+        total = sum(os.path.getsize(p) for p in self.extra_files if os.path.isfile(p))
+        total += len(_index_text(self).encode("utf-8")) if self.index_file else 0
+        if self.format == "torch":
+            return total + self.total_size
+        return total + sum(len(_safetensors_header(f, self.tied)) + sum(t.nbytes for t in f.tensors) for f in self.files)
+
 
 @dataclass(frozen=True)
 class ConsolidationResult:
@@ -80,6 +89,8 @@ class ConsolidationResult:
     tensors: int
     bytes_written: int
     index: CheckpointIndex
+    dtype: DType = FP32  # of the floating tensors written
+    peft: Literal["adapter", "merged"] | None = None  # a PEFT adapter folder, or the adapter merged into a base
 
 
 def plan_consolidation(
@@ -131,21 +142,46 @@ def consolidate(
     output_dir: str | os.PathLike[str],
     *,
     tag: str | None = None,
-    dtype: DTypeLike = "fp32",
+    dtype: DTypeLike | None = None,
     format: OutputFormat = "safetensors",
     max_shard_size: str | int = "5GB",
     exclude_frozen: bool = False,
+    peft: bool | None = None,
+    merge_into: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    verify: bool = True,
 ) -> ConsolidationResult:
-    """Read a ZeRO checkpoint and write its consolidated weights into `output_dir`."""
+    """Read a ZeRO checkpoint and write its consolidated weights into `output_dir`.
+
+    With `verify` (the default), every record of the checkpoint whose bytes are used passes its
+    CRC-32 check before the output is moved into place.
+
+    A PEFT run's checkpoint (adapter_config.json beside the tag folders, or `peft` True) gives
+    PEFT's adapter folder instead; with `merge_into` (a Hugging Face model folder) the adapter
+    merged into that base model (see :mod:`zckpt.peft`). `peft` False writes the raw tensors.
+    `dtype` defaults to fp32, or for a merge to the base's own dtype.
+    """
     index = open_checkpoint(checkpoint, tag)
+    from .peft import consolidate_peft  # (here: zckpt.peft builds on this module's plan and writer)
+
+    done = consolidate_peft(index, os.fspath(output_dir), peft=peft, merge_into=merge_into, dtype=dtype, format=format,
+                            max_shard_size=max_shard_size, overwrite=overwrite, progress=progress, verify=verify)
+    if done is not None:
+        return done
+    dtype = FP32 if dtype is None else dtype
     plan = plan_consolidation(index, dtype=dtype, format=format, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen)
-    return write_consolidated(index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress)
+    return write_consolidated(index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress, verify=verify)
 
 
 def write_consolidated(
-    index: CheckpointIndex, plan: ConsolidationPlan, output_dir: str, *, overwrite: bool = False, progress: Progress | None = None
+    index: CheckpointIndex,
+    plan: ConsolidationPlan,
+    output_dir: str,
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    verify: bool = True,
 ) -> ConsolidationResult:
     """Execute a plan: stream every tensor into staged files, then move them into place."""
     names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
@@ -162,22 +198,22 @@ def write_consolidated(
         if progress:
             progress(done, total)
 
-    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader() as reader:
+    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader(verify=verify) as reader:
         for planned in plan.files:
             if plan.format == "safetensors":
                 _write_file(staged, output_dir, planned.name, lambda path, f=planned: _write_safetensors(path, f, plan.tied, reader, advance))
             else:
                 _write_file(staged, output_dir, planned.name, lambda path, f=planned: _write_torch(path, f, reader, advance))
         if plan.index_file:
-            content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
-            _write_file(staged, output_dir, plan.index_file, lambda path: _write_text(path, json.dumps(content, indent=2, sort_keys=True) + "\n"))
+            _write_file(staged, output_dir, plan.index_file, lambda path: _write_text(path, _index_text(plan)))
         for source in extra:
             if os.path.basename(source) == hf.CONFIG_FILE:
                 _write_file(staged, output_dir, hf.CONFIG_FILE, lambda path, source=source: _write_text(path, hf.config_with_dtype(source, plan.dtype.name)))
             else:
                 _write_file(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
+        reader.verify_now()  # before anything is moved into place
         staged.commit()
-    return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index)
+    return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index, plan.dtype)
 
 
 def _write_file(staged: StagedOutput, output_dir: str, name: str, write: Callable[[str], object]) -> None:
@@ -200,11 +236,22 @@ def _write_text(path: str, text: str) -> None:
         handle.write(text)
 
 
-def _write_safetensors(path: str, planned: PlannedFile, tied: dict[str, str], reader: FileReader, advance: Callable[[int], None]) -> None:
+def _index_text(plan: ConsolidationPlan) -> str:
+    """The shard index (model.safetensors.index.json), as transformers writes it."""
+    content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
+    return json.dumps(content, indent=2, sort_keys=True) + "\n"
+
+
+def _safetensors_header(planned: PlannedFile, tied: dict[str, str]) -> bytes:
     metadata = {"format": "pt"}
     if tied:
         metadata[TIED_METADATA_KEY] = json.dumps(tied, sort_keys=True)
     header, _ = build_header([(t.name, t.dtype, t.shape) for t in planned.tensors], metadata)
+    return header
+
+
+def _write_safetensors(path: str, planned: PlannedFile, tied: dict[str, str], reader: FileReader, advance: Callable[[int], None]) -> None:
+    header = _safetensors_header(planned, tied)
     writer = StreamWriter(reader, advance)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -7,7 +7,9 @@ import os
 import re
 from typing import Any, Callable
 
-from .errors import CorruptFileError
+from .errors import CheckpointNotFoundError, CorruptFileError
+from .index import Segment, TensorSource
+from .safetensors_format import read_header
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -17,7 +19,14 @@ CONFIG_FILE = "config.json"
 # the keys a config names its weights' dtype by: transformers 5 writes "dtype", 4.x "torch_dtype"
 # (5 still reads it); loading with dtype="auto" (5's default) takes the weights in that dtype
 DTYPE_KEYS = ("dtype", "torch_dtype")
-TRAINER_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR folders
+# What PEFT's save_pretrained writes (peft.utils.constants): the adapter's config and weights
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_SAFETENSORS = "adapter_model.safetensors"
+ADAPTER_TORCH = "adapter_model.bin"
+ADAPTER_README = "README.md"  # PEFT's model card, written beside the adapter
+# transformers' PREFIX_CHECKPOINT_DIR folders (checkpoint-N), and Accelerate's save_state folders
+# under ProjectConfiguration(automatic_checkpoint_naming=True) (project_dir/checkpoints/checkpoint_N)
+TRAINER_CHECKPOINT_RE = re.compile(r"^checkpoint[-_](\d+)$")
 
 
 TRAINER_FOLDER_NOTE = "Trainer output folder"  # starts the note saying which checkpoint-N was read
@@ -83,3 +92,42 @@ def _set_dtype(node: Any, dtype_name: str) -> bool:
             elif isinstance(value, dict):
                 found = _set_dtype(value, dtype_name) or found
     return found
+
+
+# The files of a PEFT adapter folder besides its weights: the config and model card PEFT writes,
+# and the tokenizer/processor files the Trainer saves beside them. Not the base model's
+# config.json or generation_config.json: they describe the base, not the adapter.
+ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_README) + tuple(n for n in MODEL_FILES if n not in (CONFIG_FILE, "generation_config.json"))
+
+
+def model_weights(folder: str) -> list[tuple[str, TensorSource]]:
+    """Every tensor of a Hugging Face model folder's safetensors weights (``model.safetensors``,
+    or the shards its ``model.safetensors.index.json`` names), in file and offset order, as
+    sources in those files: nothing is read but the headers."""
+    index_path = os.path.join(folder, SAFETENSORS_INDEX)
+    single = os.path.join(folder, SAFETENSORS_PATTERN.format(suffix=""))
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as handle:
+                weight_map = json.load(handle)["weight_map"]
+            files = list(dict.fromkeys(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptFileError(index_path, f"not a weights index ({exc})") from None
+    elif os.path.isfile(single):
+        weight_map, files = None, [os.path.basename(single)]
+    else:
+        held = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".safetensors"))) if os.path.isdir(folder) else []
+        problem = f"holds {', '.join(held)}; only safetensors weights are read" if held else f"no {os.path.basename(single)} or {SAFETENSORS_INDEX}"
+        raise CheckpointNotFoundError(folder, f"not a Hugging Face model folder: {problem}")
+    tensors: list[tuple[str, TensorSource]] = []
+    for name in files:
+        path = os.path.join(folder, name)
+        header = read_header(path)
+        for t in header.tensors:
+            if weight_map is not None and weight_map.get(t.name) != name:
+                raise CorruptFileError(path, f"holds {t.name}, which {SAFETENSORS_INDEX} does not map to it")
+            segments = (Segment(path, header.data_start + t.begin, t.numel),) if t.numel else ()
+            tensors.append((t.name, TensorSource(t.dtype, t.shape, segments)))
+    if weight_map is not None and (missing := sorted(set(weight_map) - {n for n, _ in tensors})):
+        raise CorruptFileError(index_path, f"maps {missing[0]} to {weight_map[missing[0]]}, which does not hold it")
+    return tensors

@@ -16,11 +16,13 @@ from . import hf, torchfile
 from .deepspeed import names as N
 from .deepspeed.reader import list_tags, looks_like_checkpoint, survey
 from .dtypes import BY_SHORT
+from .checksums import check_archive
 from .errors import CheckpointNotFoundError, CorruptFileError, ZckptError
 from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
 from .materialize import read_scalar
 from .output import find_leftovers
+from .peft import describe_adapter
 from .reading import FileReader
 from .state import TrainingState
 from .torchfile import TensorRef
@@ -36,10 +38,11 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
         raise CheckpointNotFoundError(path, "no such file or directory")
     if os.path.isdir(path):
         if not looks_like_checkpoint(path):  # a consolidated folder: report on its weights
-            weights = (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, hf.SAFETENSORS_PATTERN.format(suffix=""), hf.TORCH_PATTERN.format(suffix=""))
+            weights = (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, hf.SAFETENSORS_PATTERN.format(suffix=""), hf.TORCH_PATTERN.format(suffix=""),
+                       hf.ADAPTER_SAFETENSORS, hf.ADAPTER_TORCH)
             for name in weights:
                 if os.path.isfile(os.path.join(path, name)):
-                    return _with_leftovers(inspect_path(os.path.join(path, name)), path)
+                    return _with_leftovers(_with_adapter(inspect_path(os.path.join(path, name)), path), path)
             if find_leftovers(path):  # only what a killed run left: say so rather than "no checkpoint"
                 return _with_leftovers({"kind": "folder", "path": path, "complete": False, "problems": [f"{path}: holds no checkpoint or weights file"], "parameters": []}, path)
         return inspect_checkpoint(path, tag, verify)
@@ -94,7 +97,7 @@ def _param(name: str, shape: tuple[int, ...], dtype: str, **extra: Any) -> dict[
 
 def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) -> dict[str, Any]:
     found = survey(path, tag)
-    checksum_problems = [p for p in map(torchfile.verify_checksums, found.files if verify else []) if p]
+    checksum_problems = [p for _, _, p in map(check_archive, found.files if verify else []) if p]
     location = found.location
     report: dict[str, Any] = {
         "kind": "deepspeed_checkpoint",
@@ -136,8 +139,42 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
             "parameters": [_param(n, s, d, kind=k, **({"alias_of": tied[n]} if k == "tied" else {})) for n, s, k, d in entries],
         }
     )
-    report["training_state"] = _training_state(found.state) if found.state is not None else None
+    try:
+        report["training_state"] = _training_state(found.state) if found.state is not None else None
+    except ZckptError as exc:  # a damaged step counter: described, not raised
+        report["training_state"] = None
+        report["problems"].append(str(exc))
+        report["complete"] = False
+    _describe_peft(report, dict(found.tied), location.checkpoint_dir if location else path)
     return _with_leftovers(report, location.checkpoint_dir if location else path)
+
+
+def _describe_peft(report: dict[str, Any], declared_tied: dict[str, str], checkpoint_dir: str) -> None:
+    """A PEFT run's adapter, a frozen base left out of the files (the Trainer saves PEFT models
+    with exclude_frozen_parameters), and tied aliases whose source is not in the files."""
+    present = {p["name"] for p in report["parameters"]}
+    dangling = {alias: source for alias, source in declared_tied.items() if source not in present}
+    trainable = [p["name"] for p in report["parameters"] if p.get("kind") == "param"]
+    _with_adapter(report, checkpoint_dir, trainable)
+    adapter = report["adapter"]
+    report["tied_missing_source"] = dangling
+    report["frozen_excluded"] = bool(dangling) or (adapter is not None and not report["frozen"])
+    if adapter is not None:
+        report["notes"].append("a PEFT run's checkpoint: consolidate writes PEFT's adapter folder, --merge-into BASE_DIR the base model with the adapter merged")
+
+
+def _with_adapter(report: dict[str, Any], folder: str, names: list[str] | None = None) -> dict[str, Any]:
+    """Add the PEFT adapter described by `folder`'s adapter_config.json (None without one); a
+    damaged config is a problem."""
+    if names is None:
+        names = [p["name"] for p in report.get("parameters", [])]
+    try:
+        report["adapter"] = describe_adapter(folder, names)
+    except ZckptError as exc:
+        report["adapter"] = None
+        report["problems"] = [*report.get("problems", []), str(exc)]
+        report["complete"] = False
+    return report
 
 
 def _training_state(state: TrainingState) -> dict[str, Any]:
@@ -314,8 +351,24 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
         lines.append(f"{report['kind']} weights: {report['path']}")
         if "tensors" in report:
             lines.append(f"  tensors        {report['tensors']} ({format_size(report['total_bytes'])})")
+    adapter = report.get("adapter")
+    if adapter:
+        patterns = "".join(f"; {k} {json.dumps(adapter[k])}" for k in ("rank_pattern", "alpha_pattern") if adapter[k])
+        saved = f"; modules_to_save {', '.join(adapter['modules_to_save'])}" if adapter["modules_to_save"] else ""
+        targets = adapter["target_modules"]
+        lines.append(
+            f"  adapter        {adapter['type']} r={adapter['r']} alpha={adapter['lora_alpha']}{' (rsLoRA)' if adapter['use_rslora'] else ''}: "
+            f"{adapter['lora_tensors']} LoRA tensors + {adapter['other_tensors']} other; targets "
+            f"{', '.join(targets) if isinstance(targets, list) else targets}{patterns}{saved}"
+        )
+        if not adapter["mergeable"]:
+            lines.append(f"  merge          not supported: {adapter['not_mergeable_because']}")
+    if report.get("frozen_excluded"):
+        lines.append("  frozen base    not in these files (saved with exclude_frozen_parameters)")
     for alias, source in report.get("tied", {}).items():
         lines.append(f"  tied           {alias} -> {source}")
+    for alias, source in report.get("tied_missing_source", {}).items():
+        lines.append(f"  tied           {alias} -> {source} (source not in the files: left out)")
     for note in report.get("notes", []):
         lines.append(f"  note           {note}")
     lines.append(f"  complete       {'yes' if report['complete'] else 'NO'}")
