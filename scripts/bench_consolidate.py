@@ -24,9 +24,16 @@ Commands measured::
     PY -m zckpt consolidate CKPT OUT --quiet
     PY -m deepspeed.utils.zero_to_fp32 CKPT OUT --safe_serialization
 
+With ``--dtypes fp32,bf16,fp16`` it measures zckpt's output dtypes against each other instead
+of against DeepSpeed (issue #10: 16-bit output no slower than fp32 output), alternating
+``PY -m zckpt consolidate CKPT OUT --quiet --dtype D`` for each D in turn every round; the
+warm-up outputs are verified against torch's ``.to()`` of the fp32 output, and the report gives
+each dtype's wall time and peak RSS over fp32's (ratio of medians and median per-round ratio).
+
 Usage::
 
     python scripts/bench_consolidate.py --python /work/venv-ds19/bin/python [--json out.json]
+    python scripts/bench_consolidate.py --skip-make --dtypes fp32,bf16,fp16 --repeats 5
 
 The driver itself needs only the standard library (the tools, the checkpoint maker and the
 verifier run under ``--python``); it stays small on purpose, because on Linux a child's
@@ -267,9 +274,11 @@ def warm_page_cache(ckpt_dir: Path) -> float:
 
 
 def tool_command(tool: str, python: str, ckpt_dir: Path, out_dir: Path) -> list[str]:
-    """The exact command line measured for `tool`."""
-    if tool == "zckpt":
-        return [python, "-m", "zckpt", "consolidate", str(ckpt_dir), str(out_dir), "--quiet"]
+    """The exact command line measured for `tool` ("zckpt", "zckpt:bf16", "deepspeed")."""
+    if tool.startswith("zckpt"):
+        dtype = tool.partition(":")[2]
+        return [python, "-m", "zckpt", "consolidate", str(ckpt_dir), str(out_dir), "--quiet",
+                *(["--dtype", dtype] if dtype else [])]
     return [python, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt_dir), str(out_dir),
             "--safe_serialization"]
 
@@ -357,6 +366,56 @@ print(json.dumps({"tensors_a": len(a), "tensors_b": len(b), "only_in_zckpt": onl
 """
 
 
+VERIFY_DTYPE_CODE = r"""
+import json, sys
+from pathlib import Path
+import torch
+from safetensors import safe_open
+
+def names(d):
+    m = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                m[k] = f
+    return m
+
+# argv: the fp32 output, then the 16-bit outputs (folders named ...zckpt:DTYPE)
+ref = names(sys.argv[1])
+report = {}
+for out in sys.argv[2:]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[out.rsplit(":", 1)[1]]
+    got = names(out)
+    diff, nbytes = [], 0
+    for k in sorted(set(ref) & set(got)):
+        with safe_open(str(ref[k]), framework="pt") as h:
+            x = h.get_tensor(k)
+        with safe_open(str(got[k]), framework="pt") as h:
+            y = h.get_tensor(k)
+        x = x.to(dtype) if x.is_floating_point() else x
+        same = (x.dtype == y.dtype and x.shape == y.shape
+                and torch.equal(x.contiguous().reshape(-1).view(torch.uint8),
+                                y.contiguous().reshape(-1).view(torch.uint8)))
+        if not same:
+            diff.append(k)
+        nbytes += y.numel() * y.element_size()
+        del x, y
+    report[out] = {"tensors": len(got), "same_names": set(got) == set(ref), "different": diff[:20],
+                   "bytes_compared": nbytes}
+print(json.dumps({"identical": all(r["same_names"] and not r["different"] and r["tensors"]
+                                   for r in report.values()), "outputs": report}))
+"""
+
+
+def verify_dtype_outputs(python: str, fp32_out: Path, others: list[Path]) -> dict[str, Any]:
+    """Each 16-bit output must equal torch's ``.to()`` of the fp32 output (in a child)."""
+    proc = subprocess.run([python, "-c", VERIFY_DTYPE_CODE, str(fp32_out), *map(str, others)],
+                          env=tool_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"identical": False, "error": proc.stderr.strip().splitlines()[-5:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def verify_outputs(python: str, zckpt_out: Path, ds_out: Path) -> dict[str, Any]:
     """Compare the two outputs tensor by tensor (in a child running `python`)."""
     proc = subprocess.run([python, "-c", VERIFY_CODE, str(zckpt_out), str(ds_out)],
@@ -416,10 +475,10 @@ def wait_until_idle(max_wait_s: float, poll_s: float = 5.0) -> float:
     return time.perf_counter() - t0
 
 
-def summarize(runs: list[Run]) -> dict[str, Any]:
+def summarize(runs: list[Run], tools: tuple[str, ...] = TOOLS) -> dict[str, Any]:
     """Median / min / max of wall, wall+sync and peak RSS per tool, plus the ratios."""
     out: dict[str, Any] = {}
-    for tool in TOOLS:
+    for tool in tools:
         rs = [r for r in runs if r.tool == tool and r.returncode == 0]
         if not rs:
             out[tool] = None
@@ -435,6 +494,9 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
                                  "max": max(durable)},
             "peak_rss_mib": {"median": statistics.median(rss), "min": min(rss), "max": max(rss)},
         }
+    if tools != TOOLS:
+        out["ratio_over_first"] = dtype_ratios(runs, tools, out)
+        return out
     z, d = out.get("zckpt"), out.get("deepspeed")
     if z and d:
         out["ratio_zckpt_over_deepspeed"] = {
@@ -447,6 +509,30 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
             "rss_le_0.5x": out["ratio_zckpt_over_deepspeed"]["peak_rss"] <= 0.5,
         }
     return out
+
+
+def dtype_ratios(runs: list[Run], tools: tuple[str, ...], stats: dict[str, Any]) -> dict[str, Any]:
+    """Each tool's wall, wall+sync and peak RSS over the first tool's (fp32): the ratio of the
+    medians, and the median of the per-round ratios (both runs of a round saw the same load)."""
+    base = tools[0]
+    by_round = {(r.tool, r.round): r for r in runs if r.returncode == 0}
+    ratios: dict[str, Any] = {}
+    for tool in tools[1:]:
+        if not stats.get(tool) or not stats.get(base):
+            continue
+        rounds = [(by_round[(tool, n)], by_round[(base, n)]) for (t, n) in by_round
+                  if t == tool and (base, n) in by_round]
+        ratios[tool] = {
+            "wall": stats[tool]["wall_s"]["median"] / stats[base]["wall_s"]["median"],
+            "wall_per_round_median": statistics.median(a.wall_s / b.wall_s for a, b in rounds),
+            "wall_plus_sync": stats[tool]["wall_plus_sync_s"]["median"] / stats[base]["wall_plus_sync_s"]["median"],
+            "peak_rss": stats[tool]["peak_rss_mib"]["median"] / stats[base]["peak_rss_mib"]["median"],
+            "target_met": {  # issue #10: no slower than fp32 output, under 200 MB of peak RSS
+                "wall_le_1x": stats[tool]["wall_s"]["median"] <= stats[base]["wall_s"]["median"],
+                "rss_lt_200MB": stats[tool]["peak_rss_mib"]["max"] * 2**20 < 200e6,
+            },
+        }
+    return ratios
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -464,28 +550,34 @@ def print_report(result: dict[str, Any]) -> None:
           f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk ({c['tag_bytes'] / 1e9:.2f} GB in tag)")
     print(f"page cache: warmed by reading all files ({result['warm_read_s']:.1f} s) and one untimed "
           f"run of each tool")
-    print(f"rounds: {result['repeats']} (alternating {' / '.join(TOOLS)}); load average before/after: "
+    tools = tuple(result.get("tools", TOOLS))
+    print(f"rounds: {result['repeats']} (alternating {' / '.join(tools)}); load average before/after: "
           f"{result['loadavg_before']} / {result['loadavg_after']}")
     if result["busy_during_measurement"]:
         print("WARNING: other heavy jobs ran during the measurement:")
         for line in result["busy_during_measurement"]:
             print(f"  {line}")
     print()
-    for tool in TOOLS:
-        print(f"  {tool:9s}: {' '.join(tool_command(tool, f['tool_python'], Path('CKPT'), Path('OUT'))[1:])}")
+    for tool in tools:
+        print(f"  {tool:10s}: {' '.join(tool_command(tool, f['tool_python'], Path('CKPT'), Path('OUT'))[1:])}")
     print()
-    hdr = (f"{'tool':10s} {'runs':>4s} {'wall med':>9s} {'min':>7s} {'max':>7s} "
+    hdr = (f"{'tool':11s} {'runs':>4s} {'wall med':>9s} {'min':>7s} {'max':>7s} "
            f"{'wall+sync med':>14s} {'peak RSS med':>14s} {'min':>7s} {'max':>7s}")
     print(hdr)
     print("-" * len(hdr))
-    for tool in TOOLS:
+    for tool in tools:
         t = s.get(tool)
         if not t:
-            print(f"{tool:10s} all runs failed")
+            print(f"{tool:11s} all runs failed")
             continue
         w, ws, r = t["wall_s"], t["wall_plus_sync_s"], t["peak_rss_mib"]
-        print(f"{tool:10s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>6.2f}s {w['max']:>6.2f}s "
+        print(f"{tool:11s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>6.2f}s {w['max']:>6.2f}s "
               f"{ws['median']:>13.2f}s {r['median']:>10.0f} MiB {r['min']:>7.0f} {r['max']:>7.0f}")
+    for tool, q in s.get("ratio_over_first", {}).items():
+        tm = q["target_met"]
+        print(f"{tool} / {tools[0]}: wall {q['wall']:.2f}x (per-round median {q['wall_per_round_median']:.2f}x; "
+              f"{'meets' if tm['wall_le_1x'] else 'MISSES'} <= 1x), wall+sync {q['wall_plus_sync']:.2f}x, "
+              f"peak RSS {q['peak_rss']:.2f}x ({'meets' if tm['rss_lt_200MB'] else 'MISSES'} < 200 MB)")
     ratio = s.get("ratio_zckpt_over_deepspeed")
     if ratio:
         tm = s["target_met"]
@@ -496,7 +588,11 @@ def print_report(result: dict[str, Any]) -> None:
               f"({'meets' if tm['rss_le_0.5x'] else 'MISSES'} <= 0.5x)")
     ver = result["verification"]
     print()
-    if ver.get("identical"):
+    if ver.get("identical") and "outputs" in ver:
+        for out, o in ver["outputs"].items():
+            print(f"verification: {Path(out).name} equals torch's .to() of the fp32 output - "
+                  f"{o['tensors']} tensors, same names, {o['bytes_compared'] / 1e9:.2f} GB compared")
+    elif ver.get("identical"):
         print(f"verification: identical - {ver['tensors_a']} tensors, same names, bit-identical "
               f"({ver['bytes_compared'] / 1e9:.2f} GB compared, dtypes {ver['dtypes']})")
     else:
@@ -530,6 +626,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remake", action="store_true", help="make the checkpoint even if one exists")
     p.add_argument("--make-only", action="store_true", help="make (or reuse) the checkpoint and stop")
     p.add_argument("--json", type=Path, help="also write the results here as JSON")
+    p.add_argument("--dtypes", metavar="LIST",
+                   help="measure zckpt's output dtypes against each other instead of against DeepSpeed, "
+                        "e.g. fp32,bf16,fp16 (the first is the baseline of the ratios)")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each run, wait up to this long while a make_sample_ckpts job runs "
                         "(default 0: do not wait; runs next to one are flagged either way)")
@@ -576,30 +675,34 @@ def main(argv: list[str] | None = None) -> int:
     print("warming page cache ...", flush=True)
     wait_until_idle(args.wait_idle)
     warm_s = warm_page_cache(ckpt_dir)
+    tools = tuple(f"zckpt:{d}" for d in args.dtypes.split(",")) if args.dtypes else TOOLS
     print("untimed warm-up run of each tool, then verification ...", flush=True)
     warm_runs: dict[str, Run] = {}
-    for tool in TOOLS:
+    for tool in tools:
         out = runs_dir / f"warm_{tool}"
         wait_until_idle(args.wait_idle)
         warm_runs[tool] = run_measured(tool, tool_command(tool, args.python, ckpt_dir, out), out,
                                        runs_dir / f"warm_{tool}.log", 0, keep=True)
         print(f"  warm-up {tool}: {warm_runs[tool].wall_s:.2f} s, {warm_runs[tool].peak_rss_mib:.0f} MiB, "
               f"exit {warm_runs[tool].returncode}", flush=True)
-    if all(r.returncode == 0 for r in warm_runs.values()):
-        verification = verify_outputs(args.python, runs_dir / "warm_zckpt", runs_dir / "warm_deepspeed")
-    else:
+    if not all(r.returncode == 0 for r in warm_runs.values()):
         verification = {"identical": False, "error": "a warm-up run failed",
                         "tails": {t: r.log_tail for t, r in warm_runs.items() if r.returncode}}
+    elif args.dtypes:
+        outs = [runs_dir / f"warm_{t}" for t in tools]
+        verification = verify_dtype_outputs(args.python, outs[0], outs[1:])
+    else:
+        verification = verify_outputs(args.python, runs_dir / "warm_zckpt", runs_dir / "warm_deepspeed")
     print(f"  verification: {'identical' if verification.get('identical') else 'NOT identical'}",
           flush=True)
-    for tool in TOOLS:
+    for tool in tools:
         shutil.rmtree(runs_dir / f"warm_{tool}", ignore_errors=True)
     os.sync()
 
     loadavg_before = [round(x, 2) for x in os.getloadavg()]
     runs: list[Run] = []
     for rnd in range(1, args.repeats + 1):
-        for tool in TOOLS:
+        for tool in tools:
             out = runs_dir / f"{tool}_{rnd}"
             waited = wait_until_idle(args.wait_idle)
             if waited > 1:
@@ -625,12 +728,13 @@ def main(argv: list[str] | None = None) -> int:
         "verification": verification,
         "output_files": {t: r.output_files for t, r in warm_runs.items()},
         "runs": [asdict(r) for r in runs],
-        "summary": summarize(runs),
+        "tools": list(tools),
+        "summary": summarize(runs, tools),
         "loadavg_before": loadavg_before,
         "loadavg_after": loadavg_after,
         "busy_during_measurement": busy,
         "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-        "commands": {t: tool_command(t, args.python, ckpt_dir, Path("OUT")) for t in TOOLS},
+        "commands": {t: tool_command(t, args.python, ckpt_dir, Path("OUT")) for t in tools},
     }
     print_report(result)
     if args.json:

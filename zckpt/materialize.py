@@ -1,27 +1,37 @@
 """Turn a TensorSource into bytes in a file, or into a torch tensor, in a chosen dtype.
 
 Streaming keeps memory bounded: same-dtype copies move file to file in the kernel
-(``copy_file_range``) or through one reused buffer; dtype conversions work chunk by chunk,
-which gives the same bits as converting the whole tensor (conversion is elementwise).
+(``copy_file_range``); dtype conversions (and copies where the kernel cannot) stream in small
+chunks through a few reused buffers, which gives the same bits as converting the whole tensor
+(conversion is elementwise).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from .checksums import checksum_range
 from .dtypes import BF16, FP16, FP32, DType
 from .errors import CorruptFileError
-from .index import TensorSource
+from .index import Segment, TensorSource
 from .reading import FileReader
 
 if TYPE_CHECKING:
     import torch
 
 CHUNK_BYTES = 64 * 1024 * 1024
+# Chunks of a streamed conversion, each read, checksummed and written whole, and converted in
+# blocks of _BLOCK elements whose passes stay in the CPU's cache (1 MiB of L2 per core here):
+# 64 MiB chunks went through DRAM at every pass and took 3x longer (BENCHMARKS.md, 16-bit
+# output); chunks of 2 MiB rather than 1 halve the per-chunk overhead for 10 MiB more memory.
+STREAM_CHUNK_BYTES = 2 << 20
+_IN_FLIGHT = 4  # chunks being read and converted by the helper threads, or waiting to be written
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
 
@@ -34,11 +44,15 @@ def numpy_to_torch(raw: np.ndarray, dtype: DType) -> "torch.Tensor":
     return torch.from_numpy(raw)
 
 
-def convert(raw: np.ndarray, source: DType, target: DType) -> np.ndarray:
+def convert(raw: np.ndarray, source: DType, target: DType, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
     """Cast raw elements from `source` to `target` with torch's rounding (round to nearest even).
 
     Widening 16-bit floats to fp32 is exact and done in numpy (bf16 is the top half of an fp32),
-    so fp32 output never needs torch; narrowing goes through torch so the rounding is torch's.
+    so fp32 output never needs torch; fp32 -> bf16/fp16 is numpy arithmetic that gives torch's
+    bits (:func:`fp32_to_bf16`, :func:`fp32_to_fp16`); the rest, and chunks holding a NaN, go
+    through torch. `out` (room for `raw`'s elements in `target`) and `scratch` (uint32; the
+    narrowing goes through it in blocks of half its length) are optional reused buffers for the
+    numpy narrowings; the result may be a view of `out` or a new array.
     """
     if source == target:
         return raw
@@ -50,7 +64,9 @@ def convert(raw: np.ndarray, source: DType, target: DType) -> np.ndarray:
         if nan.any():  # the CPU's conversion (torch's) quiets signalling NaNs; numpy keeps them
             widened.view(np.uint32)[nan] |= 0x00400000
         return widened
-    if source == FP32 and target == BF16 and (rounded := fp32_to_bf16(raw)) is not None:
+    if source == FP32 and target == BF16 and (rounded := fp32_to_bf16(raw, out, scratch)) is not None:
+        return rounded
+    if source == FP32 and target == FP16 and (rounded := fp32_to_fp16(raw, out, scratch)) is not None:
         return rounded
     import torch
 
@@ -60,15 +76,84 @@ def convert(raw: np.ndarray, source: DType, target: DType) -> np.ndarray:
     return converted.numpy()
 
 
-def fp32_to_bf16(raw: np.ndarray) -> np.ndarray | None:
-    """fp32 -> bf16 bits exactly as torch rounds finite and infinite values (round to nearest
-    even: add 0x7FFF plus the lowest kept bit, keep the top half), in single-threaded numpy:
-    torch's threaded .to() spent more time waking its threads than converting (BENCHMARKS.md).
-    None when `raw` holds a NaN: torch's NaN bits depend on its code path, so it converts those."""
-    if np.isnan(raw).any():
+# Why numpy and not torch for fp32 -> 16 bits: torch's threaded .to() spent more time waking its
+# threads than converting (BENCHMARKS.md), and importing torch alone costs ~200 MB of RSS. The
+# arithmetic runs in place, block by block, in a uint32 scratch of cache size: the passes then
+# stay in the CPU cache, and a whole tensor needs no more memory than its output. NaN is the
+# exception: torch's NaN bits depend on its build and CPU (bf16: 0xFFFF from its AVX kernels,
+# 0x7FC0 from its scalar code; fp16: the CPU's payload truncation), so an array holding one
+# goes through torch. The NaN test is a max(): a NaN propagates through it, in one pass that
+# writes nothing.
+
+_BLOCK = 1 << 18  # elements per block: 1 MiB of fp32
+
+
+def fp32_to_bf16(raw: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray | None:
+    """fp32 -> bf16 bits (as uint16) exactly as torch rounds finite and infinite values (round
+    to nearest even: add 0x7FFF plus the lowest kept bit, keep the top half; checked on all 2^32
+    patterns). None when `raw` holds a NaN (see above)."""
+    return _narrow(raw, np.uint16, out, scratch, 1, _bf16_block)
+
+
+def fp32_to_fp16(raw: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray | None:
+    """fp32 -> fp16 bits exactly as torch rounds finite and infinite values (checked on all 2^32
+    patterns). Results in fp16's normal range are integer arithmetic as for bf16: rebias the
+    exponent (127 -> 15) and round to nearest even at bit 13; the few others (fp16 subnormals,
+    zeros, overflow to Inf: a few per thousand weights) take numpy's cast, exact but per element
+    (numpy has no vectorised fp16 cast here): 1.6x faster than casting everything.
+    None when `raw` holds a NaN (see above)."""
+    return _narrow(raw, np.float16, out, scratch, 2, _fp16_block)
+
+
+def _narrow(raw: np.ndarray, dtype: type, out: np.ndarray | None, scratch: np.ndarray | None, words: int,
+            block: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray | None:
+    """Run `block` over `raw` in pieces of at most _BLOCK elements that fit `scratch` (`words`
+    uint32 per element)."""
+    if _has_nan(raw):
         return None
-    bits = raw.view(np.uint32)
-    return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    result = np.empty(raw.size, dtype) if out is None else out.view(dtype)[: raw.size]
+    if scratch is None or scratch.size < words:
+        scratch = np.empty(words * max(1, min(raw.size, _BLOCK)), np.uint32)
+    step = min(scratch.size // words, _BLOCK)
+    for start in range(0, raw.size, step):
+        piece = raw[start : start + step]
+        block(piece, piece.view(np.uint32), result.view(np.uint16)[start : start + step], scratch)
+    return result
+
+
+def _has_nan(raw: np.ndarray) -> bool:
+    return raw.size > 0 and bool(np.isnan(raw.max()))
+
+
+def _bf16_block(raw: np.ndarray, bits: np.ndarray, result: np.ndarray, scratch: np.ndarray) -> None:
+    t = scratch[: bits.size]
+    np.right_shift(bits, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, 0x7FFF, out=t)
+    np.add(t, bits, out=t)  # no overflow: only NaNs are above 0xFFFF8000
+    np.right_shift(t, 16, out=t)
+    np.copyto(result, t, casting="unsafe")
+
+
+def _fp16_block(raw: np.ndarray, bits: np.ndarray, result: np.ndarray, scratch: np.ndarray) -> None:
+    n = bits.size
+    t, magnitude = scratch[:n], scratch[n : 2 * n]
+    np.bitwise_and(bits, 0x7FFFFFFF, out=magnitude)
+    np.subtract(magnitude, 0x38800000, out=t)  # |x| - 2^-14, wrapping below 0: so |x| outside
+    outside = np.greater_equal(t, 0x477FF000 - 0x38800000, out=result.view(np.bool_)[:n])  # [2^-14, 65520)
+    others = np.flatnonzero(outside)
+    np.right_shift(magnitude, 13, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, magnitude, out=t)
+    np.add(t, 0xC8000FFF, out=t)  # 0xFFF - ((127 - 15) << 23), modulo 2^32
+    np.right_shift(t, 13, out=t)
+    np.bitwise_xor(bits, magnitude, out=magnitude)  # the sign bit alone
+    np.right_shift(magnitude, 16, out=magnitude)
+    np.bitwise_or(t, magnitude, out=t)
+    np.copyto(result, t, casting="unsafe")
+    if others.size:
+        with np.errstate(over="ignore"):  # beyond fp16's range: Inf, as in torch
+            result[others] = raw[others].astype(np.float16).view(np.uint16)
 
 
 def read_scalar(reader: FileReader, source: TensorSource) -> int | float | bool:
@@ -94,53 +179,127 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         data = data[written:]
 
 
+class _Slot:
+    """The buffers of one chunk in flight: its input bytes, a uint32 scratch for the rounding
+    passes, and the converted output."""
+
+    def __init__(self) -> None:
+        self.raw = memoryview(np.empty(STREAM_CHUNK_BYTES, dtype=np.uint8))
+        self.scratch = np.empty(2 * _BLOCK, dtype=np.uint32)
+        self.out = np.empty(STREAM_CHUNK_BYTES // 2, dtype=np.uint8)  # 16-bit out of fp32 in
+
+
 class StreamWriter:
-    """Writes TensorSources into an open file descriptor at its current position."""
+    """Writes TensorSources into an open file descriptor at its current position.
+
+    Bytes that need no conversion move file to file in the kernel. The others stream in small
+    chunks (STREAM_CHUNK_BYTES) through a few reused buffers: the helper threads read, checksum
+    and convert up to _IN_FLIGHT chunks at once while this thread writes the finished ones in
+    order. pread, zlib.crc32, numpy's ufuncs and write all release the GIL, so on 2 cores a
+    16-bit output takes less time than the kernel copy of the fp32 bytes (BENCHMARKS.md), and
+    memory stays a few MiB whatever the tensor sizes.
+    """
 
     def __init__(self, reader: FileReader, progress: Callable[[int], None] | None = None) -> None:
         self.reader = reader
         self.progress = progress or (lambda _n: None)
-        self._buffer: np.ndarray | None = None
+        self._slots: list[_Slot] = []
         self._kernel_copy = hasattr(os, "copy_file_range")
-
-    def _scratch(self, nbytes: int) -> memoryview:
-        if self._buffer is None or self._buffer.nbytes < nbytes:
-            self._buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return memoryview(self._buffer)[:nbytes]
 
     def write(self, fd: int, source: TensorSource, dtype: DType) -> None:
         """Append `source`'s elements to `fd`, converted to `dtype`."""
-        same = dtype == source.dtype
-        in_size = source.dtype.itemsize
-        chunk = CHUNK_BYTES // max(in_size, dtype.itemsize)
-        for segment in source.segments:
-            if same and self._kernel_copy and self._copy(fd, segment.path, segment.offset, segment.numel * in_size):
-                continue
-            done = 0
-            while done < segment.numel:
-                count = min(chunk, segment.numel - done)
-                view = self._scratch(count * in_size)
-                self.reader.read_into(segment.path, segment.offset + done * in_size, view)
-                raw = np.frombuffer(view, dtype=np.dtype(source.dtype.numpy_raw))
-                out = convert(raw, source.dtype, dtype)
-                write_all(fd, memoryview(out).cast("B"))
-                self.progress(count * dtype.itemsize)
-                done += count
+        segments = source.segments
+        if dtype == source.dtype and self._kernel_copy:
+            for index, segment in enumerate(segments):
+                if not self._copy(fd, segment.path, segment.offset, segment.numel * dtype.itemsize):
+                    segments = segments[index:]  # nothing of it written: stream it and the rest
+                    break
+            else:
+                return
+        self._stream(fd, segments, source.dtype, dtype)
+
+    def _stream(self, fd: int, segments: tuple[Segment, ...], source: DType, target: DType) -> None:
+        if not self._slots:
+            self._slots = [_Slot() for _ in range(_IN_FLIGHT)]
+        step = STREAM_CHUNK_BYTES // source.itemsize * source.itemsize
+        pending: deque[Future[np.ndarray]] = deque()
+        index = 0
+        try:
+            for segment in segments:
+                nbytes = segment.numel * source.itemsize
+                for start in range(0, nbytes, step):
+                    if len(pending) == _IN_FLIGHT:  # the slot to reuse is written first
+                        self._emit(fd, pending.popleft().result())
+                    slot = self._slots[index % _IN_FLIGHT]
+                    index += 1
+                    # The descriptor is taken here: FileReader's table is not for several threads.
+                    src = self.reader.descriptor(segment.path)
+                    count = min(step, nbytes - start)
+                    pending.append(_helpers().submit(self._convert, slot, src, segment.path, segment.offset + start, count, source, target))
+            while pending:
+                self._emit(fd, pending.popleft().result())
+        finally:  # after an error, no helper may still be filling a slot
+            for future in pending:
+                future.cancel()
+            wait(pending)
+
+    def _convert(self, slot: _Slot, src: int, path: str, offset: int, nbytes: int, source: DType, target: DType) -> np.ndarray:
+        """Read `nbytes` at `offset` into the slot and checksum them (what FileReader.read_into
+        does, on a descriptor the writing thread took), then return them converted."""
+        view = slot.raw[:nbytes]
+        done = 0
+        while done < nbytes:
+            count = os.preadv(src, [view[done:]], offset + done)
+            if count == 0:
+                raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+            done += count
+        if self.reader.checker is not None:
+            self.reader.checker.feed(path, offset, view)
+        return convert(np.frombuffer(view, dtype=np.dtype(source.numpy_raw)), source, target, slot.out, slot.scratch)
+
+    def _emit(self, fd: int, out: np.ndarray) -> None:
+        data = memoryview(out).cast("B")
+        write_all(fd, data)
+        self.progress(len(data))
 
     def _copy(self, fd: int, path: str, offset: int, nbytes: int) -> bool:
-        """Kernel-side copy; False (nothing written) when the filesystem cannot do it."""
+        """Kernel-side copy; False (nothing written) when the filesystem cannot do it. With a
+        checking reader, each window is checksummed on a helper thread while it is copied."""
         src = self.reader.descriptor(path)
+        checker = self.reader.checker
         done = 0
         try:
             while done < nbytes:
-                count = os.copy_file_range(src, fd, min(nbytes - done, 1 << 30), offset + done)
-                if count == 0:
-                    raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
-                done += count
-                self.progress(count)
+                window = min(nbytes - done, CHUNK_BYTES // 2)
+                pending = _helpers().submit(checksum_range, src, path, offset + done, window) if checker else None
+                copied = 0
+                try:
+                    while copied < window:
+                        count = os.copy_file_range(src, fd, window - copied, offset + done + copied)
+                        if count == 0:
+                            raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+                        copied += count
+                        self.progress(count)
+                finally:
+                    crc = pending.result() if pending is not None else None
+                if checker is not None and crc is not None:
+                    checker.feed_crc(path, offset + done, window, crc)
+                done += window
         except OSError as exc:
             if done == 0 and exc.errno in _NO_COPY_FILE_RANGE:
                 self._kernel_copy = False
                 return False
             raise
         return True
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _helpers() -> ThreadPoolExecutor:
+    """Threads that checksum bytes being copied by the kernel, and read, checksum and convert
+    the chunks of a streamed conversion (zlib.crc32, pread and numpy release the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(2, thread_name_prefix="zckpt-stream")
+    return _POOL
