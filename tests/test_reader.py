@@ -1,41 +1,17 @@
-"""The DeepSpeed reader: finding the tag, and DeepSpeed's layout rules checked against files
-real DeepSpeed wrote."""
+"""The DeepSpeed reader: finding the tag, param ids, and where its segments lie. (DeepSpeed's
+layout rules against the files it wrote: tests/test_layout.py.)"""
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLE_LIST, Sample, sample
+from conftest import SAMPLE_LIST, sample
 from zckpt import CheckpointNotFoundError, UsageError, torchfile
 from zckpt.deepspeed import names as N
-from zckpt.deepspeed.partition import zero3_partition, zero3_sub_groups
 from zckpt.deepspeed.reader import locate, open_checkpoint
-
-ZERO3 = [s for s in SAMPLE_LIST if s.meta["zero_stage"] == 3]
-
-
-@pytest.mark.parametrize("case", ZERO3, ids=lambda s: s.name)
-def test_sub_group_math_matches_deepspeed(case: Sample) -> None:
-    """The sub-groups zckpt computes (needed for NVMe swap files) are the ones DeepSpeed made."""
-    tag_dir = case.checkpoint / case.meta["tag"]
-    model = torchfile.load(tag_dir / N.model_states_name(3, 0))
-    config = model[N.DS_CONFIG][N.CONFIG_ZERO]
-    group_numels = [[math.prod(s) for s in group.values()] for group in model[N.PARAM_SHAPES]]
-    world = case.meta["world_size"]
-    sub_groups = zero3_sub_groups(group_numels, world, int(config.get(N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE)))
-    flat = [n for g in group_numels for n in g]
-    expected = [sum(zero3_partition(flat[i], world)[0] for i in members) for members in sub_groups]
-    swapped = {i for i, g in enumerate(case.meta.get("fp32_sub_groups") or []) if g.get("swapped_to_nvme")}
-    for rank in range(world):
-        optim = next(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        groups = torchfile.load(optim)[N.OPTIMIZER_STATE_DICT][N.FP32_FLAT_GROUPS]
-        # Sub-groups offloaded to NVMe are saved empty; their data is in offloaded_tensors/.
-        held = [0 if i in swapped else n for i, n in enumerate(expected)]
-        assert [g.numel for g in groups] == held, optim.name
 
 
 def test_nvme_swap_files_are_named_by_module_order_ids_too() -> None:

@@ -130,7 +130,10 @@ def find_leftovers(folder: str) -> list[Leftover]:
                 found.append(Leftover(path, None, None, False, None if os.path.exists(final) else final))
             else:
                 host, pid = _read_owner(path)
-                found.append(Leftover(path, host, pid, _owner_alive(host, pid)))
+                # no owner file: a commit cut between removing it and the rename (a staging
+                # folder is only ever made with its owner file inside): its run is gone
+                orphan = not os.path.exists(os.path.join(path, OWNER_FILE))
+                found.append(Leftover(path, host, pid, False if orphan else _owner_alive(host, pid)))
     return found
 
 
@@ -155,15 +158,27 @@ def remove_dead_leftovers(folder: str) -> list[str]:
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """Hold back SIGINT, SIGTERM and SIGHUP (delivered on exit) while files are renamed into
-    place: a handler raising in between would leave some renamed and some not."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):  # handlers run in the main thread only
+    place: a handler raising in between would leave some renamed and some not.
+
+    The handlers are swapped for one that notes the signal, and the first one noted is raised
+    again once they are back. (A signal mask would not do: it is per thread, the kernel hands a
+    signal sent to the process to any thread that leaves it unblocked, such as the CRC helper
+    threads, and Python then runs the handler in the main thread all the same.)"""
+    if threading.current_thread() is not threading.main_thread():  # handlers can be set in the main thread only
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+    pending: list[int] = []
+    previous = {}
+    for signum in _DEFERRED_SIGNALS:
+        if signal.getsignal(signum) not in (signal.SIG_IGN, None):  # None: set outside Python; left alone
+            previous[signum] = signal.signal(signum, lambda received, _frame: pending.append(received))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if pending:
+            signal.raise_signal(pending[0])
 
 
 def check_free_space(path: str, needed_bytes: int) -> None:
@@ -234,18 +249,20 @@ class StagedOutput:
                 raise output_error(os.path.join(self.output_dir, name), exc) from None
         ordered = sorted(self._temps.items(), key=lambda kv: kv[0].endswith(".index.json"))
         with signals_deferred():
+            # stale files first: a run killed (SIGKILL) anywhere in here leaves temporary files
+            # that say so, never new weights beside an old output's shards and nothing to tell
+            for name in self._stale:
+                os.remove(os.path.join(self.output_dir, name))
             for name, temp in ordered:
                 os.replace(temp, os.path.join(self.output_dir, name))
             self._temps.clear()
-            for name in self._stale:
-                os.remove(os.path.join(self.output_dir, name))
         _fsync_dir(self.output_dir)
 
     def abort(self) -> None:
         for temp in self._temps.values():
             try:
                 os.remove(temp)
-            except FileNotFoundError:
+            except OSError:  # not there (a read-only folder says EROFS then): the error being handled is what counts
                 pass
         self._temps.clear()
         if self._created_dir:
@@ -293,17 +310,27 @@ class StagedFolder:
 
     def create(self) -> None:
         """Make an empty staging folder, owned by this process (a leftover of an interrupted run
-        is removed first, as are other dead runs' leftovers beside it)."""
+        is removed first, as are other dead runs' leftovers beside it).
+
+        It is made under this process's temporary name with the owner file inside, then renamed:
+        killed at any point, no staging folder is left without an owner (which no later run
+        could tell from a live one's)."""
+        fresh = os.path.join(self.parent, temp_name(os.path.basename(self.final_dir)))
         try:
             self._created_parent = not os.path.isdir(self.parent)
             os.makedirs(self.parent, exist_ok=True)
             remove_dead_leftovers(self.parent)
             shutil.rmtree(self.staging, ignore_errors=True)
-            os.makedirs(self.staging)
-            with open(os.path.join(self.staging, OWNER_FILE), "w", encoding="utf-8") as handle:
+            os.makedirs(fresh)
+            with open(os.path.join(fresh, OWNER_FILE), "w", encoding="utf-8") as handle:
                 handle.write(owner_tag() + "\n")
-        except OSError as exc:
-            raise output_error(self.staging, exc) from None
+            os.rename(fresh, self.staging)
+        except BaseException as exc:  # an error, or a signal turned into an exception: nothing left
+            shutil.rmtree(fresh, ignore_errors=True)
+            self.abort()
+            if isinstance(exc, OSError):
+                raise output_error(self.staging, exc) from None
+            raise
 
     def path(self, name: str) -> str:
         return os.path.join(self.staging, name)
@@ -324,11 +351,13 @@ class StagedFolder:
                 os.replace(self.final_dir, self._old)
             os.replace(self.staging, self.final_dir)
         _fsync_dir(self.parent)
-        if replaced:
-            shutil.rmtree(self._old, ignore_errors=True)
+        # the previous version moved aside, by this run or by one killed while replacing it
+        shutil.rmtree(self._old, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+        if os.path.isdir(self.final_dir):  # interrupted once committed: the previous version moved aside goes too
+            shutil.rmtree(self._old, ignore_errors=True)
         if getattr(self, "_created_parent", False):
             try:
                 os.rmdir(self.parent)  # only if still empty

@@ -51,6 +51,17 @@ def _record_data_offset(handle: Any, info: zipfile.ZipInfo, path: str) -> int:
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
+def _check_record(handle: Any, info: zipfile.ZipInfo, path: str) -> None:
+    """A record's directory entry against its own header: the header's signature and name, one
+    disk, a stored record's two sizes equal."""
+    _record_data_offset(handle, info, path)
+    handle.seek(info.header_offset + 26)
+    name = handle.read(int.from_bytes(handle.read(2), "little") + 2)[2:]
+    expected = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
+    if name != expected or info.volume != 0 or (info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size):
+        raise CorruptFileError(path, f"zip record {info.filename}: its directory entry and its header disagree (damaged)")
+
+
 _END = struct.Struct("<4sHHHHIIH")  # end of central directory record
 _LOCATOR = struct.Struct("<4sIQI")  # zip64 end of central directory locator
 _END64 = struct.Struct("<4sQHHIIQQQQ")  # zip64 end of central directory record
@@ -99,8 +110,8 @@ def load(path: str | os.PathLike[str]) -> Any:
     try:
         with open(path, "rb") as handle, zipfile.ZipFile(handle) as archive:
             infos = archive.infolist()
-            for info in infos:  # every record's header, read here or not, as torch's reader checks them
-                _record_data_offset(handle, info, path)
+            for info in infos:  # every record, read here or not: torch's reader takes none of these damaged
+                _check_record(handle, info, path)
             _check_end_records(handle, file_size, len(infos), path)
             pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
             if len(pickles) != 1:
