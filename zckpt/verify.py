@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .checksums import check_archive
+from .checksums import archive_records, check_archive
 from .deepspeed.reader import Survey, looks_like_checkpoint, survey
 from .dtypes import BF16, FP16, DType
 from .errors import CheckpointNotFoundError, ZckptError
@@ -186,7 +186,24 @@ def _check_identity(found: Survey, findings: _Findings) -> None:
         findings.notes.append(
             "no optimizer-state padding here (every param divides by the world size): nothing in a ZeRO-3 file tells which rank wrote it"
         )
+    for path, other in _identical_files(found.files):
+        findings.notes.append(
+            f"{path} holds the same tensors as {os.path.basename(other)}: legitimate when every rank's buffers are "
+            "the same and nothing is frozen, else one rank's file was copied over the other's; nothing else tells"
+        )
     findings.add("rank identity", [], told + "; no optimizer file is a copy of another rank's")
+
+
+def _identical_files(files: list[str]) -> list[tuple[str, str]]:
+    """Pairs of files whose tensor records are the same (sizes and CRC-32s), read from their zip
+    directories. The survey refuses such optimizer files; model-states files are described."""
+    seen: dict[tuple, str] = {}
+    pairs = []
+    for path in files:
+        records = tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
+        if records and seen.setdefault(records, path) != path:
+            pairs.append((path, seen[records]))
+    return pairs
 
 
 def _check_optimizer_state(found: Survey, findings: _Findings) -> None:

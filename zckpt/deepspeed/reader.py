@@ -660,6 +660,8 @@ class ZeroReader:
             if unknown:
                 self._problem(LayoutError, model0_path, f"param {unknown[0]} is in the module but neither trainable, recorded as frozen, a buffer nor a tied alias")
                 return None
+        if frozen_shapes and zero3 and not self._check_not_copies(model_paths):
+            return None  # each rank's file holds its own partition of the frozen params
         if frozen_shapes:
             for name, shape in frozen_shapes.items():
                 source = self._frozen_source(name, as_shape(shape), models, model_paths, zero3, world)
@@ -699,17 +701,18 @@ class ZeroReader:
             if missing:
                 self._problem(LayoutError, self._path(N.model_states_name(3, 0)), f"param {missing[0]} is missing from the module state dict (DeepSpeed numbers params by it)")
                 return None
-            if not self._check_not_copies(optim_files):
+            if not self._check_not_copies({rank: path for rank, (_, path) in optim_files.items()}):
                 return None
             return self._zero3_params(param_shapes, inner, optim_files, world, ds_ids)
         return self._zero12_params(param_shapes, inner, optim_files, world)
 
-    def _check_not_copies(self, optim_files: dict) -> bool:
-        """No ZeRO-3 optimizer file may hold the same tensor records as another rank's (a file
-        copied over another: compared by the CRC-32s and sizes in the zip directories, no data
-        read). Padding does not tell where the copied-over rank holds none."""
+    def _check_not_copies(self, paths: dict[int, str]) -> bool:
+        """No ZeRO-3 optimizer file, nor model-states file holding frozen-param partitions, may
+        hold the same tensor records as another rank's (a file copied over another: compared by
+        the CRC-32s and sizes in the zip directories, no data read). Padding does not tell where
+        the copied-over rank holds none."""
         seen: dict[tuple, int] = {}
-        for rank, (_, path) in sorted(optim_files.items()):
+        for rank, path in sorted(paths.items()):
             records = tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
             other = seen.setdefault(records, rank) if records else rank
             if other != rank:
