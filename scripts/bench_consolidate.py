@@ -57,6 +57,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shm_leaks import removing_shm_leaks  # noqa: E402
+
 DEFAULT_WORKDIR = Path("/work/bench_data")
 DEFAULT_PARAMS = 400_000_000
 DIM = 1024
@@ -228,7 +231,7 @@ def make_checkpoint(python: str, ckpt_dir: Path, meta_path: Path, params: int) -
     print(f"making checkpoint: {total_params(n_layers):,} params ({n_layers} blocks), "
           f"log in {log}", flush=True)
     t0 = time.perf_counter()
-    with log.open("w") as fh:
+    with log.open("w") as fh, removing_shm_leaks():
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
         proc = subprocess.run(cmd, env=tool_env(ckpt_dir.parent / "torch_extensions"), stdout=fh,

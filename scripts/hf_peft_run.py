@@ -48,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_trainer_run import SEQ_LEN, VOCAB, ds_config, make_dataset, setup_distributed  # noqa: E402
+from shm_leaks import removing_shm_leaks  # noqa: E402
 
 LORA = {
     "llama": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
@@ -101,8 +102,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     script = str(Path(__file__).resolve())
     train = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.processes),
              "--master-port", str(args.master_port), script, *argv, "--role", "train"]
-    if subprocess.run(train, env=env).returncode != 0:
-        return 1
+    with removing_shm_leaks():
+        if subprocess.run(train, env=env).returncode != 0:
+            return 1
     return subprocess.run([sys.executable, script, *argv, "--role", "merge"], env=env).returncode
 
 

@@ -61,7 +61,7 @@ CPU workarounds (transformers 5.23, accelerate 1.15, DeepSpeed 0.19.8, no GPU; s
   every group itself (``mixed_precision_linkage.lazy_init_hp_params_optimizer_state``, the
   function DeepSpeed uses) before reading; the links are views into the state and change no value.
 * DeepSpeed's CPU runs leak ``/dev/shm/deepspeed_allreduce_buffer_*``; the caller removes them
-  (``tests/interop_helpers.cleanup_shm_leaks``).
+  (``scripts/shm_leaks.py``).
 """
 from __future__ import annotations
 

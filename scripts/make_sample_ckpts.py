@@ -37,6 +37,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shm_leaks import removing_shm_leaks  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PY = {"ds19": "/work/venv-ds19/bin/python", "ds14": "/work/venv-ds14/bin/python"}
 SEED = 1234
@@ -575,11 +578,12 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
             shutil.rmtree(nvme_dir, ignore_errors=True)
             nvme_dir.mkdir(parents=True)
             env["ZCKPT_NVME_PATH"] = str(nvme_dir)
-        run([pythons[case.release], "-m", "torch.distributed.run", "--nproc_per_node",
-             str(case.world_size), "--master_port", str(free_port()),
-             str(Path(__file__).resolve()), "--worker", "--case-json", json.dumps(asdict(case)),
-             "--outdir", str(casedir.resolve())],
-            cwd=REPO, log=log, env=env)
+        with removing_shm_leaks():
+            run([pythons[case.release], "-m", "torch.distributed.run", "--nproc_per_node",
+                 str(case.world_size), "--master_port", str(free_port()),
+                 str(Path(__file__).resolve()), "--worker", "--case-json", json.dumps(asdict(case)),
+                 "--outdir", str(casedir.resolve())],
+                cwd=REPO, log=log, env=env)
     finally:
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)

@@ -37,8 +37,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "scripts" / "ds_probe.py"
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def _load_script(name: str) -> Any:
+    """A module of scripts/ (stdlib-only helpers shared with the scripts), loaded once."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+# the /dev/shm leak helpers live in scripts/shm_leaks.py, for the scripts that launch DeepSpeed too
+_shm = _load_script("shm_leaks")
+SHM_DIR, SHM_PREFIX = _shm.SHM_DIR, _shm.SHM_PREFIX
+shm_listing, held_shm_paths, cleanup_shm_leaks = _shm.shm_listing, _shm.held_shm_paths, _shm.cleanup_shm_leaks
 
 
 class ProbeError(RuntimeError):
@@ -61,72 +76,7 @@ class ProbeError(RuntimeError):
 # --------------------------------------------------------------------------------------
 def sample_generator() -> Any:
     """scripts/make_sample_ckpts.py as a module (its Case and generate), loaded once."""
-    if "make_sample_ckpts" in sys.modules:
-        return sys.modules["make_sample_ckpts"]
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("make_sample_ckpts", root / "scripts" / "make_sample_ckpts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def shm_listing() -> set[str]:
-    """Names of DeepSpeed's shm allreduce buffers now in /dev/shm."""
-    try:
-        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIX)}
-    except OSError:
-        return set()
-
-
-def held_shm_paths() -> set[str]:
-    """Paths under /dev/shm that some live process has open (``/proc/*/fd``) or mapped (``/proc/*/maps``)."""
-    held: set[str] = set()
-    prefix = str(SHM_DIR) + "/"
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                try:
-                    target = os.readlink(fd)
-                except OSError:
-                    continue
-                if target.startswith(prefix):
-                    held.add(target.removesuffix(" (deleted)"))
-        except OSError:
-            pass
-        try:
-            with open(proc / "maps", encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    i = line.find(prefix)
-                    if i >= 0:
-                        held.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
-        except OSError:
-            pass
-    return held
-
-
-def cleanup_shm_leaks(before: set[str]) -> list[str]:
-    """Remove DeepSpeed shm buffers that appeared since ``before`` (a ``shm_listing()``) and that no
-    live process holds open or mapped. Returns the names removed."""
-    new = shm_listing() - set(before)
-    if not new:
-        return []
-    held = held_shm_paths()
-    removed = []
-    for name in sorted(new):
-        path = SHM_DIR / name
-        if str(path) in held:
-            continue
-        try:
-            path.unlink()
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            continue
-    return removed
+    return _load_script("make_sample_ckpts")
 
 
 @pytest.fixture(scope="session", autouse=True)
