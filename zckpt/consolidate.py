@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 from . import hf
 from .deepspeed.reader import open_checkpoint
@@ -76,7 +76,7 @@ class ConsolidationPlan:
         """The size of every output file: exact for safetensors (headers, index and the files
         copied along included); torch pickles add a few KB of their own per file."""
         total = sum(os.path.getsize(p) for p in self.extra_files if os.path.isfile(p))
-        total += len(_index_text(self).encode("utf-8")) if self.index_file else 0
+        total += len(index_text(self.total_size, self.weight_map).encode("utf-8")) if self.index_file else 0
         if self.format == "torch":
             return total + self.total_size
         return total + sum(len(_safetensors_header(f, self.tied)) + sum(t.nbytes for t in f.tensors) for f in self.files)
@@ -190,6 +190,23 @@ def write_consolidated(
     extra = [p for p in plan.extra_files if not _same_file(p, os.path.join(output_dir, os.path.basename(p)))]
     names += [os.path.basename(p) for p in extra]
     total = plan.bytes_to_write
+    advance = byte_counter(progress, total)
+    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader(verify=verify) as reader:
+        for planned in plan.files:
+            if plan.format == "safetensors":
+                write_staged(staged, output_dir, planned.name, lambda path, f=planned: _write_safetensors(path, f, plan.tied, reader, advance))
+            else:
+                write_staged(staged, output_dir, planned.name, lambda path, f=planned: _write_torch(path, f, reader, advance))
+        if plan.index_file:
+            write_staged(staged, output_dir, plan.index_file, lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)))
+        write_extra_files(staged, output_dir, extra, plan.dtype)
+        reader.verify_now()  # before anything is moved into place
+        staged.commit()
+    return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index, plan.dtype)
+
+
+def byte_counter(progress: Progress | None, total: int) -> Callable[[int], None]:
+    """`advance(count)`: count more bytes written, reported to `progress` as (done, total)."""
     done = 0
 
     def advance(count: int) -> None:
@@ -198,30 +215,24 @@ def write_consolidated(
         if progress:
             progress(done, total)
 
-    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader(verify=verify) as reader:
-        for planned in plan.files:
-            if plan.format == "safetensors":
-                _write_file(staged, output_dir, planned.name, lambda path, f=planned: _write_safetensors(path, f, plan.tied, reader, advance))
-            else:
-                _write_file(staged, output_dir, planned.name, lambda path, f=planned: _write_torch(path, f, reader, advance))
-        if plan.index_file:
-            _write_file(staged, output_dir, plan.index_file, lambda path: _write_text(path, _index_text(plan)))
-        for source in extra:
-            if os.path.basename(source) == hf.CONFIG_FILE:
-                _write_file(staged, output_dir, hf.CONFIG_FILE, lambda path, source=source: _write_text(path, hf.config_with_dtype(source, plan.dtype.name)))
-            else:
-                _write_file(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
-        reader.verify_now()  # before anything is moved into place
-        staged.commit()
-    return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index, plan.dtype)
+    return advance
 
 
-def _write_file(staged: StagedOutput, output_dir: str, name: str, write: Callable[[str], object]) -> None:
+def write_staged(staged: StagedOutput, output_dir: str, name: str, write: Callable[[str], object]) -> None:
     """Write one output file under its temporary name; an OS error names the final file."""
     try:
         write(staged.temp_path(name))
     except OSError as exc:
         raise output_error(os.path.join(output_dir, name), exc) from None
+
+
+def write_extra_files(staged: StagedOutput, output_dir: str, sources: Sequence[str], dtype: DType) -> None:
+    """The Hugging Face files copied along; config.json told the dtype written."""
+    for source in sources:
+        if os.path.basename(source) == hf.CONFIG_FILE:
+            write_staged(staged, output_dir, hf.CONFIG_FILE, lambda path, source=source: write_text(path, hf.config_with_dtype(source, dtype.name)))
+        else:
+            write_staged(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -231,14 +242,14 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
 
 
-def _index_text(plan: ConsolidationPlan) -> str:
+def index_text(total_size: int, weight_map: dict[str, str]) -> str:
     """The shard index (model.safetensors.index.json), as transformers writes it."""
-    content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
+    content = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     return json.dumps(content, indent=2, sort_keys=True) + "\n"
 
 

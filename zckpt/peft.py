@@ -33,7 +33,6 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -42,7 +41,7 @@ from .dtypes import FP32, OUTPUT_DTYPES, DType, DTypeLike, output_dtype
 from .errors import CorruptFileError, LayoutError, UsageError
 from .index import CheckpointIndex, Entry, TensorSource
 from .materialize import StreamWriter, read_tensor, write_all
-from .output import StagedOutput, output_error
+from .output import StagedOutput
 from .reading import FileReader
 from .safetensors_format import build_header
 from .shards import ShardItem, parse_size, plan_shards
@@ -408,30 +407,18 @@ def write_merged(
 ) -> "ConsolidationResult":
     """Execute a merge plan: the base streamed tensor by tensor into staged files (unchanged
     tensors copied, changed ones computed one at a time), then moved into place."""
-    from .consolidate import ConsolidationResult
+    from .consolidate import ConsolidationResult, byte_counter, index_text, write_extra_files, write_staged, write_text
 
     names = [f for f, _ in plan.files] + ([plan.index_file] if plan.index_file else []) + [os.path.basename(p) for p in plan.extra_files]
     total = plan.bytes_to_write
-    done = 0
-
-    def advance(count: int) -> None:
-        nonlocal done
-        done += count
-        if progress:
-            progress(done, total)
-
+    advance = byte_counter(progress, total)
     with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader(verify=verify) as reader:
         loras: dict[TensorSource, "torch.Tensor"] = {}  # the adapter's fp32 masters (small), read once
         for filename, tensors in plan.files:
-            _staged(staged, output_dir, filename, lambda path, t=tensors: _write_merged_file(path, t, reader, loras, advance))
+            write_staged(staged, output_dir, filename, lambda path, t=tensors: _write_merged_file(path, t, reader, loras, advance))
         if plan.index_file:
-            content = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
-            _staged(staged, output_dir, plan.index_file, lambda path: _write_text(path, json.dumps(content, indent=2, sort_keys=True) + "\n"))
-        for source in plan.extra_files:
-            if os.path.basename(source) == hf.CONFIG_FILE:
-                _staged(staged, output_dir, hf.CONFIG_FILE, lambda path, s=source: _write_text(path, hf.config_with_dtype(s, plan.dtype.name)))
-            else:
-                _staged(staged, output_dir, os.path.basename(source), lambda path, s=source: shutil.copyfile(s, path))
+            write_staged(staged, output_dir, plan.index_file, lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)))
+        write_extra_files(staged, output_dir, plan.extra_files, plan.dtype)
         reader.verify_now()  # before anything is moved into place
         staged.commit()
     return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index, dtype=plan.dtype, peft="merged")
@@ -480,19 +467,6 @@ def merged_value(tensor: MergedTensor, reader: FileReader, loras: dict | None = 
                 step = (product.T if delta.transpose else product) * delta.scaling
             value += step.to(value.dtype) if delta.round_first else step
     return value
-
-
-def _staged(staged: StagedOutput, output_dir: str, name: str, write: Callable[[str], object]) -> None:
-    """Write one output file under its temporary name; an OS error names the final file."""
-    try:
-        write(staged.temp_path(name))
-    except OSError as exc:
-        raise output_error(os.path.join(output_dir, name), exc) from None
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
 
 
 # --- the entry point consolidate() calls ---------------------------------------------------------
