@@ -124,6 +124,12 @@ def archive_records(path: str) -> tuple[Record, ...]:
     return tuple(sorted(records, key=lambda r: r.start))
 
 
+def tensor_records(path: str) -> tuple[tuple[int, int], ...]:
+    """(size, CRC-32) of each tensor record of at least 64 bytes, from the zip directory alone:
+    two files with the same tuple hold the same tensors (one was copied over the other)."""
+    return tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
+
+
 # --- the checker --------------------------------------------------------------------------------
 
 

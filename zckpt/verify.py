@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .checksums import archive_records, check_archive
+from .checksums import check_archive, tensor_records
 from .deepspeed.reader import Survey, looks_like_checkpoint, survey
 from .dtypes import BF16, FP16, DType
 from .errors import CheckpointNotFoundError, ZckptError
@@ -31,6 +31,7 @@ from .materialize import CHUNK_BYTES
 from .output import find_leftovers
 from .reading import FileReader
 from .shards import format_size
+from .tensor_sources import open_tensors, read_range
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def _identical_files(files: list[str]) -> list[tuple[str, str]]:
     seen: dict[tuple, str] = {}
     pairs = []
     for path in files:
-        records = tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
+        records = tensor_records(path)
         if records and seen.setdefault(records, path) != path:
             pairs.append((path, seen[records]))
     return pairs
@@ -246,15 +247,13 @@ def _non_finite(raw: np.ndarray, dtype: DType) -> int:
 
 
 def _chunks(reader: FileReader, source: TensorSource) -> Iterator[np.ndarray]:
-    """A tensor's elements in bounded chunks, as raw numpy arrays."""
-    raw_dtype = np.dtype(source.dtype.numpy_raw)
+    """A tensor's elements in bounded chunks (raw numpy, one reused buffer)."""
     step = max(1, CHUNK_BYTES // source.dtype.itemsize)
-    for segment in source.segments:
-        for start in range(0, segment.numel, step):
-            count = min(step, segment.numel - start)
-            out = np.empty(count, dtype=raw_dtype)
-            reader.read_into(segment.path, segment.offset + start * source.dtype.itemsize, memoryview(out.view(np.uint8)))
-            yield out
+    buffer = np.empty(min(step, source.numel), dtype=np.dtype(source.dtype.numpy_raw))
+    for start in range(0, source.numel, step):
+        chunk = buffer[: min(step, source.numel - start)]
+        read_range(reader, source, start, chunk)
+        yield chunk
 
 
 def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
@@ -314,7 +313,6 @@ def _needs(found: Survey) -> list[Need]:
 def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
     """A consolidated output: headers, shards and index agree (tensor_sources checks that), torch
     files' CRCs, leftovers, and with `scan` the values."""
-    from .tensor_sources import open_tensors
 
     findings = _Findings()
     try:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import hf, torchfile
-from ..checksums import RecordChecker, archive_records
+from ..checksums import RecordChecker, tensor_records
 from ..dtypes import BF16, FP16, FP32, DType
 from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
 from ..index import CheckpointIndex, Entry, Segment, TensorSource
@@ -713,7 +713,7 @@ class ZeroReader:
         the copied-over rank holds none."""
         seen: dict[tuple, int] = {}
         for rank, path in sorted(paths.items()):
-            records = tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
+            records = tensor_records(path)
             other = seen.setdefault(records, rank) if records else rank
             if other != rank:
                 self._problem(LayoutError, path, f"its tensors are byte-identical to rank {other}'s file: one rank's file was copied over another's")
