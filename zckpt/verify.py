@@ -313,7 +313,6 @@ def _needs(found: Survey) -> list[Need]:
 def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
     """A consolidated output: headers, shards and index agree (tensor_sources checks that), torch
     files' CRCs, leftovers, and with `scan` the values."""
-
     findings = _Findings()
     try:
         found = open_tensors(path)
