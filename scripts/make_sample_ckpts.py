@@ -86,10 +86,16 @@ class Case:
     dim: int = DIM
     hidden: int = HIDDEN
     seed: int = SEED
+    # NVMe cases: steps trained after the last save before the live swap folder is copied into
+    # live_swap/ (with the engine's values at that moment as truth); 0: no live copy
+    live_swap_steps: int = 0
+    # NVMe cases: DeepSpeed's swap threshold (swap_tensor.utils.MIN_AIO_BYTES, 1 MiB) and the aio
+    # block size lowered to this many bytes, so a small model has swapped params; 0: DeepSpeed's
+    min_aio_bytes: int = 0
 
     @property
     def steps(self) -> int:
-        """Number of optimizer steps trained in total."""
+        """Number of optimizer steps trained up to the last save."""
         return max(self.save_steps)
 
 
@@ -149,6 +155,25 @@ CASES: list[Case] = [
                "in the optim files are empty); smaller sub-groups stay in the optim files. "
                "nvme_path in ds_config was a temp dir, gone. DeepSpeed's zero_to_fp32 fails on "
                "it (reference_error). Bigger model: vocab 29, dim 63, hidden 4147"),
+    # ZeRO-Infinity (optimizer and params on NVMe), the live swap folder copied 2 steps after the
+    # checkpoint. The swap threshold is lowered to 64 KiB (see min_aio_bytes) to keep the sample
+    # small: with sub_group_size 30000 the decay group splits into [embed, fc1.weight] (35564 per
+    # rank) and [fc2.weight] (34650), both swapped, and [pos.weight] (158, in memory); the no-decay
+    # group (1746 per rank) stays in memory. fc1.weight and fc2.weight (69300 elements: 34650,
+    # 69300 bf16 bytes, per rank) also get 16-bit param swap files.
+    Case("z3_bf16_ws2_nvme_live_swap", "ds19", 3, "bf16", 2, frozen=True, tied=True, groups=True,
+         sub_group_size=30_000, vocab=29, dim=63, hidden=1100, live_swap_steps=2,
+         min_aio_bytes=65536,
+         zero_extra=(("offload_optimizer", {"device": "nvme", "nvme_path": NVME_PATH}),
+                     ("offload_param", {"device": "nvme", "nvme_path": NVME_PATH,
+                                        "buffer_size": 100_000, "buffer_count": 5})),
+         config_extra=(("zero_force_ds_cpu_optimizer", False),),
+         notes="ZeRO-3 with optimizer and params offloaded to NVMe (torch AdamW), DeepSpeed's "
+               "swap threshold lowered from 1 MiB to 64 KiB (swap_tensor MIN_AIO_BYTES and aio "
+               "block_size) to keep the files small. checkpoint/ is saved after step 3; after "
+               "2 more steps the live swap folder <nvme_path>/zero_stage_3 was copied into "
+               "live_swap/ and the engine's fp32 masters, Adam moments and 16-bit params dumped "
+               "into live_swap_reference/ at the same moment"),
     Case("z2_bf16_ws2_cpuoffload_frozen", "ds19", 2, "bf16", 2, frozen=True,
          zero_extra=(("offload_optimizer", {"device": "cpu"}),),
          config_extra=(("zero_force_ds_cpu_optimizer", False),),
@@ -261,6 +286,8 @@ def ds_config(case: Case) -> dict[str, Any]:
     cfg.update(dict(case.config_extra))
     if case.grad_accum_fp32:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if case.min_aio_bytes:
+        cfg["aio"] = {"block_size": case.min_aio_bytes}
     if case.scheduler:
         cfg["scheduler"] = {"type": "WarmupLR",
                             "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
@@ -387,6 +414,57 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
     return live, optim, note
 
 
+def copy_live_swap_folder(engine: Any, case: Case, casedir: Path) -> dict[str, Any] | None:
+    """Copy the live swap folder into ``live_swap/`` and dump the engine's values of that moment
+    (fp32 masters, Adam moments, gathered 16-bit params) into ``live_swap_reference/``
+    (collective). The copy is taken first, between barriers, while no rank is swapping."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank()
+    root = Path(os.environ["ZCKPT_NVME_PATH"])
+    dist.barrier()
+    listing: dict[str, int] = {}
+    if rank == 0:
+        shutil.copytree(root, casedir / "live_swap")
+        listing = {str(f.relative_to(root)): f.stat().st_size
+                   for f in sorted(root.rglob("*")) if f.is_file()}
+    dist.barrier()
+    live, optim, note = capture_live(engine, case)
+    names_of, params = params_by_identity(engine.module)
+    params16: dict[str, Any] = {}
+    for pid, p in params.items():
+        if p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                v = p.data.detach().cpu().clone()
+            for n in names_of[pid]:
+                params16[n] = v.clone().contiguous()
+    if rank != 0:
+        return None
+    opt = engine.optimizer
+    steps = []
+    for flat in opt.fp32_partitioned_groups_flat:
+        state = opt.optimizer.state.get(flat, {})
+        step = state.get("step")
+        steps.append(None if step is None else float(step))
+    ref = casedir / "live_swap_reference"
+    ref.mkdir(parents=True, exist_ok=True)
+    save_file(live, str(ref / "live.safetensors"), metadata={"format": "pt"})
+    if optim is not None:
+        save_file(optim, str(ref / "live_optimizer.safetensors"), metadata={"format": "pt"})
+    save_file(params16, str(ref / "params16.safetensors"), metadata={"format": "pt"})
+    for f in ref.glob("*.safetensors"):
+        f.chmod(0o644)
+    return {"global_steps": engine.global_steps, "steps_after_checkpoint": case.live_swap_steps,
+            "adam_step_per_sub_group": steps, "files": listing, "live_optimizer": note,
+            "min_aio_bytes": case.min_aio_bytes,
+            "copied": "shutil.copytree(<nvme_path>, live_swap/) on rank 0 between two "
+                      "dist.barrier() calls after the last engine.step(); then the engine's "
+                      "values read with safe_get_full_fp32_param / safe_get_full_optimizer_state "
+                      "and GatheredParameters"}
+
+
 def write_hf_extras(ckpt_dir: Path, case: Case, steps: int) -> None:
     """Small plausible Hugging Face Trainer side files (transformers is not needed)."""
     files: dict[str, Any] = {
@@ -436,6 +514,10 @@ def worker(case: Case, casedir: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == case.world_size, (world, case.world_size)
 
+    if case.min_aio_bytes:  # the swappers read the threshold from their module globals
+        from deepspeed.runtime.swap_tensor import optimizer_utils, partitioned_param_swapper
+        optimizer_utils.MIN_AIO_BYTES = case.min_aio_bytes
+        partitioned_param_swapper.MIN_AIO_BYTES = case.min_aio_bytes
     model = build_model(case)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case),
                                            config=ds_config(case))
@@ -443,7 +525,8 @@ def worker(case: Case, casedir: Path) -> None:
     gen = torch.Generator().manual_seed(case.seed + 1000 * rank)
     tags: list[str] = []
     nvme_listing: dict[str, int] | None = None
-    for step in range(1, case.steps + 1):
+    live_swap: dict[str, Any] | None = None
+    for step in range(1, case.steps + case.live_swap_steps + 1):
         tokens = torch.randint(0, case.vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
         target = torch.randint(0, case.vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
         logits = engine(tokens)
@@ -470,6 +553,8 @@ def worker(case: Case, casedir: Path) -> None:
                 root = Path(os.environ["ZCKPT_NVME_PATH"])
                 nvme_listing = {str(f.relative_to(root)): f.stat().st_size
                                 for f in sorted(root.rglob("*")) if f.is_file()}
+        if case.live_swap_steps and step == case.steps + case.live_swap_steps:
+            live_swap = copy_live_swap_folder(engine, case, casedir)
 
     if rank == 0:
         model = engine.module
@@ -512,6 +597,7 @@ def worker(case: Case, casedir: Path) -> None:
             "fp32_sub_groups": sub_groups,
             "ds_ids": ds_ids,
             "nvme_swap_folder": nvme_listing,
+            "live_swap": live_swap,
             "final_loss_scale": loss_scale,
             "live_optimizer": optim_note,
             "ds_config": ds_config(case),
@@ -652,6 +738,8 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
                   "micro_batch": MICRO_BATCH, "seed": case.seed},
         "ds_config": info["ds_config"],
     }
+    if info.get("live_swap"):
+        meta["live_swap"] = info["live_swap"]
     (casedir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return time.time() - t0
 

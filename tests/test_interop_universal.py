@@ -303,6 +303,7 @@ print("RESULTS " + json.dumps(results))
 # For these two zckpt's output is compared with the live truth only.
 DS_TO_UNIVERSAL_UNUSABLE = {
     "z3_bf16_ws2_nvmeoffload_frozen_tied_groups": "ds_to_universal fails: it ignores offloaded_tensors/",
+    "z3_bf16_ws2_nvme_live_swap": "ds_to_universal fails: it ignores offloaded_tensors/",
     "z1_fp32_ws2_roundrobin": "ds_to_universal's output is wrong: DeepSpeed's param_slice_mappings ignore round-robin order",
 }
 

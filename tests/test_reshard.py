@@ -215,13 +215,6 @@ def test_output_inside_the_input_is_refused(copy_checkpoint, tmp_path: Path) -> 
     assert result.returncode == 2 and sorted(p.name for p in checkpoint.rglob("*")) == before
 
 
-def test_nvme_target_is_refused_for_now(tmp_path: Path) -> None:
-    """The input's config offloads to NVMe: the target run would expect offloaded_tensors/."""
-    result = run_cli("reshard", sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups").checkpoint, tmp_path / "out", "-w", "3", cwd=tmp_path)
-    assert result.returncode == 1 and "the target run offloads to NVMe" in one_line(result)
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("world_size,stage", [(3, 3), (1, 2)])
 def test_nvme_offloaded_input_reshards_for_a_run_without_nvme(world_size: int, stage: int, tmp_path: Path) -> None:
     """Masters and Adam moments come from offloaded_tensors/ and land in plain files."""

@@ -26,7 +26,8 @@ def _selected(index: CheckpointIndex, exclude_frozen: bool) -> list[Entry]:
 
 
 def iter_tensors(
-    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False, states: bool = False
+    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False, states: bool = False,
+    swap_folder: PathLike | None = None,
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Yield ``(name, tensor)`` one at a time; only one tensor is in memory at once.
 
@@ -35,10 +36,12 @@ def iter_tensors(
     their own. A tied alias is yielded as a fresh copy of its source. With `states`, each
     trainable param is followed by its optimizer states as ``<name>.<state>`` (``exp_avg``,
     ``exp_avg_sq`` for Adam; whatever the optimizer keeps), full shape, in their stored dtype.
+    With `swap_folder` (a live ZeRO-Infinity ``<nvme_path>`` of the same run), swapped
+    sub-groups are read from there: the run's newest state.
     """
     target = output_dtype(dtype)
-    state = open_training_state(checkpoint, tag) if states else None
-    index = state.index if state else open_checkpoint(checkpoint, tag)
+    state = open_training_state(checkpoint, tag, swap_folder) if states else None
+    index = state.index if state else open_checkpoint(checkpoint, tag, swap_folder)
     optimizer = {p.name: p.states for p in state.params} if state else {}
     with FileReader() as reader:
         for entry in _selected(index, exclude_frozen):
@@ -53,12 +56,14 @@ def iter_tensors(
 
 
 def load_state_dict(
-    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False
+    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False,
+    swap_folder: PathLike | None = None,
 ) -> dict[str, "torch.Tensor"]:
     """The whole consolidated state dict, as zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint
-    returns it, plus frozen params; tied aliases share their source's tensor."""
+    returns it, plus frozen params; tied aliases share their source's tensor. With `swap_folder`,
+    swapped sub-groups come from that live ZeRO-Infinity folder."""
     target = output_dtype(dtype)
-    index = open_checkpoint(checkpoint, tag)
+    index = open_checkpoint(checkpoint, tag, swap_folder)
     state: dict[str, torch.Tensor] = {}
     with FileReader() as reader:
         for entry in _selected(index, exclude_frozen):

@@ -98,6 +98,10 @@ TagOption = Annotated[
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
 WorkersOption = Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files written at once (default: two per CPU).")]
+SwapFolderOption = Annotated[
+    Optional[Path],
+    typer.Option("--swap-folder", metavar="NVME_PATH", help="A live ZeRO-Infinity swap folder of the same run (the nvme_path, or its zero_stage_3/): CHECKPOINT, any checkpoint of the run, gives the layout; the swap folder the newest fp32 masters and optimizer states of every swapped sub-group."),
+]
 NoVerifyOption = Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-32 check of the checkpoint records whose bytes are used (on by default; it costs one read of those bytes from the page cache).")]
 
 
@@ -198,6 +202,7 @@ def consolidate(
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     debug: Annotated[bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")] = False,
+    swap_folder: SwapFolderOption = None,
 ) -> None:
     """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
 
@@ -229,6 +234,7 @@ def consolidate(
             overwrite=overwrite,
             progress=progress,
             verify=not no_verify,
+            swap_folder=swap_folder,
         ),
         debug,
     )
@@ -242,6 +248,14 @@ def consolidate(
         for note in index.notes:
             if note.startswith(TRAINER_FOLDER_NOTE):
                 typer.echo(f"note: {note}", err=True)
+    _swap_notes(swap_folder, result.index.notes)
+
+
+def _swap_notes(swap_folder: Path | None, notes: tuple[str, ...]) -> None:
+    """With --swap-folder: say where the data came from (some may be the checkpoint's, older)."""
+    if swap_folder is not None:
+        for note in notes:
+            typer.echo(f"note: {note}", err=True)
 
 
 @app.command(
@@ -260,11 +274,12 @@ def inspect(
     tag: TagOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Also read every byte of the checkpoint files and check their CRC-32 checksums (a full pass over the data).")] = False,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", metavar="CKPT", help="With a swap folder as PATH: a checkpoint of the same run, to name what each swap file holds, check the files against its layout and compare the 16-bit param swaps with the fp32 masters.")] = None,
 ) -> None:
-    """Tell what a checkpoint or weights file holds and whether it is complete (exit 3 if not)."""
+    """Tell what a checkpoint, weights file or live ZeRO-Infinity swap folder holds and whether it is complete (exit 3 if not)."""
     from .inspect import inspect_path, render
 
-    report = _guarded(lambda: inspect_path(path, tag, verify))
+    report = _guarded(lambda: inspect_path(path, tag, verify, checkpoint=checkpoint))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if not report["complete"]:
         raise typer.Exit(EXIT_INCOMPLETE)
@@ -287,6 +302,8 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
     scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor and report NaN and Inf values.")] = False,
     workers: Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files read at once (default: 2).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", metavar="CKPT", help="With a swap folder as PATH: a checkpoint of the same run, whose layout the swap files must fit.")] = None,
+    swap_folder: SwapFolderOption = None,
 ) -> None:
     """Judge a checkpoint before anyone runs on it: exit 0 when every check passes, 3 when any fails.
 
@@ -297,7 +314,7 @@ def verify(
     """
     from .verify import render, verify as run_verify
 
-    report = _guarded(lambda: run_verify(path, tag=tag, scan=scan, workers=workers or 2))
+    report = _guarded(lambda: run_verify(path, tag=tag, scan=scan, workers=workers or 2, checkpoint=checkpoint, swap_folder=swap_folder))
     typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
     if not report.ok:
         raise typer.Exit(EXIT_INCOMPLETE)
@@ -333,6 +350,7 @@ def reshard(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already.")] = False,
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
+    swap_folder: SwapFolderOption = None,
 ) -> None:
     """Rewrite a ZeRO checkpoint for another world size and/or ZeRO stage, with the whole training state.
 
@@ -352,9 +370,11 @@ def reshard(
         "resharding",
         lambda progress: run_reshard(
             checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
-            config=config, overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify,
+            config=config, overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify, swap_folder=swap_folder,
         ),
     )
+    if primary:
+        _swap_notes(swap_folder, result.source.index.notes)
     if not quiet and primary:
         source = result.source.index
         typer.echo(
@@ -388,6 +408,7 @@ def to_universal(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the universal folder if OUTPUT_DIR has it already.")] = False,
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
+    swap_folder: SwapFolderOption = None,
 ) -> None:
     """Write DeepSpeed's universal checkpoint: one file per param and optimizer state, for any world size.
 
@@ -404,9 +425,11 @@ def to_universal(
         "converting",
         lambda progress: run_to_universal(
             checkpoint, output_dir, tag=tag, target_stage=int(target_stage.value) if target_stage else None,
-            overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify,
+            overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify, swap_folder=swap_folder,
         ),
     )
+    if primary:
+        _swap_notes(swap_folder, result.source.index.notes)
     if not quiet and primary:
         source = result.source.index
         typer.echo(
@@ -459,6 +482,116 @@ def diff(
     typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
     if not report.equal:
         raise typer.Exit(EXIT_DIFFERENT)
+
+
+@app.command(
+    "nvme-plan",
+    cls=_Command,
+    short_help="ZeRO-3 NVMe swap settings that cannot fail; exit 3 if a given config would.",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt nvme-plan Qwen3-0.6B/config.json                 # settings + JSON to paste\n"
+        "  zckpt nvme-plan runs/ckpt --config ds_config.json      # which settings fail, why\n"
+        "  zckpt nvme-plan model/ --world-size 8 --memory-budget 32GB\n"
+        "  zckpt nvme-plan model/ --json | jq .config_snippet\n\n"
+        "Pinned memory and --memory-budget are per rank. Exit 0 when the plan fits the budget and "
+        "the given config would not fail, 3 otherwise, 1 unreadable input, 2 bad option."
+    ),
+)
+def nvme_plan(
+    model: Annotated[Path, typer.Argument(metavar="MODEL", help="A DeepSpeed checkpoint, a weights file or folder (safetensors or torch, sharded or not), or a Hugging Face config.json (llama, mistral, qwen2, qwen3, gpt2).")],
+    world_size: Annotated[Optional[int], typer.Option("--world-size", metavar="N", min=1, help="Ranks the run partitions over (default: a checkpoint's, else 1).")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32 (default: the config's, else the checkpoint's, else bf16).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", metavar="JSON", help="The run's DeepSpeed config: its aio, sub_group_size, pipelining and nvme_path are used, and each swap setting that would fail is named.")] = None,
+    memory_budget: Annotated[Optional[str], typer.Option("--memory-budget", metavar="SIZE", help="Pinned host memory one rank may use, e.g. 8GB or 512MiB.")] = None,
+    frozen: Annotated[bool, typer.Option("--frozen", help="Count every param of MODEL as frozen, as the base of a PEFT (LoRA) run is: no optimizer state, all kept on NVMe.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON.")] = False,
+) -> None:
+    """Plan ZeRO-3 NVMe offload: offload_param buffer_size, buffer_count and max_in_cpu and
+    offload_optimizer buffer_count with which DeepSpeed's swap-buffer assertions cannot fire,
+    the pinned memory and swap-folder disk they cost, and cheaper alternatives."""
+    from .nvme_plan import nvme_plan as plan_nvme, render
+
+    report = _guarded(lambda: plan_nvme(model, world_size=world_size, dtype=dtype, config=config, memory_budget=memory_budget, frozen=frozen))
+    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
+    if not report.ok:
+        raise typer.Exit(EXIT_INCOMPLETE)
+
+
+@app.command(
+    cls=_Command,
+    short_help="Train a small GPT with ZeRO-3; checkpoints in DeepSpeed's layout.",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt train --out runs/gpt --steps 100 --save-every 50\n"
+        "  torchrun --nproc-per-node 2 -m zckpt train --out runs/gpt --dtype bf16 --tie-embeddings\n"
+        "  torchrun --nproc-per-node 3 -m zckpt train --out runs/gpt --steps 200 --resume runs/gpt"
+    ),
+)
+def train(
+    out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="Checkpoint folder (latest, global_stepN/, model_config.json). Without it nothing is saved.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps to reach (counted from the start of the run, resumed steps included).")] = 20,
+    save_every: Annotated[int, typer.Option("--save-every", min=0, metavar="N", help="Save every N steps (0: only at the end).")] = 0,
+    layers: Annotated[int, typer.Option("--layers", min=1)] = 2,
+    dim: Annotated[int, typer.Option("--dim", min=1)] = 64,
+    heads: Annotated[int, typer.Option("--heads", min=1)] = 4,
+    vocab: Annotated[int, typer.Option("--vocab", min=1)] = 256,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=1)] = 64,
+    micro_batch: Annotated[int, typer.Option("--micro-batch", min=1, help="Sequences per rank per micro-step.")] = 4,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", min=1, help="Micro-steps per optimizer step.")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (DeepSpeed's WarmupDecayLR: linear warmup from 0, then linear decay to 0 at --steps).")] = 1e-3,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warmup steps (0: no warmup and no decay, a constant lr).")] = 0,
+    clip: Annotated[float, typer.Option("--clip", min=0.0, help="Gradient clipping by global norm (0: none).")] = 1.0,
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="Compute dtype: fp32, bf16 or fp16 (dynamic loss scaling). Masters are fp32.")] = "fp32",
+    tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings", help="The lm head shares the token embedding.")] = False,
+    freeze: Annotated[Optional[str], typer.Option("--freeze", metavar="REGEX", help="Freeze the params whose names match.")] = None,
+    sub_group_size: Annotated[int, typer.Option("--sub-group-size", min=1, help="ZeRO-3 optimizer sub-group size (elements per rank), as DeepSpeed's.")] = 1_000_000_000,
+    nvme_path: Annotated[Optional[Path], typer.Option("--nvme-path", metavar="DIR", help="Swap optimizer state to this folder (not implemented yet).")] = None,
+    resume: Annotated[Optional[Path], typer.Option("--resume", metavar="PATH", help="Resume from a checkpoint: zckpt's, DeepSpeed's ZeRO-3, resharded or universal; any world size.")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
+    data: Annotated[Optional[Path], typer.Option("--data", metavar="FILE", help="A text file read as bytes (--vocab >= 256); default: deterministic synthetic tokens.")] = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Train a GPT-style model with ZeRO-3 on torch.distributed (gloo on CPU, nccl with CUDA).
+
+    One process as is; several under torchrun. Checkpoints are DeepSpeed ZeRO-3 checkpoints
+    (zero_to_fp32, zckpt consolidate and a DeepSpeed engine read them)."""
+    from .trainer import TrainConfig, train as run_train
+
+    def text(path: Optional[Path]) -> Optional[str]:
+        return None if path is None else str(path)
+
+    config = _guarded(lambda: TrainConfig(
+        out=text(out), steps=steps, save_every=save_every, layers=layers, dim=dim, heads=heads, vocab=vocab, seq_len=seq_len,
+        micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup=warmup, clip=clip, dtype=dtype.lower(), tie_embeddings=tie_embeddings,
+        freeze=freeze, sub_group_size=sub_group_size, nvme_path=text(nvme_path), resume=text(resume), seed=seed, data=text(data),
+    ))
+    bar = None
+    if not quiet and _primary_process() and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, unit="step", desc="train", leave=False, file=sys.stderr)
+
+    def on_step(log: Any) -> None:
+        if quiet:
+            return
+        line = f"step {log.step}  loss {log.loss:.4f}  lr {log.lr:.3e}  tokens/s {log.tokens_per_s:,.0f}"
+        line += "  (skipped: fp16 overflow)" if log.skipped else ""
+        line += f"  saved {log.saved}" if log.saved else ""
+        if bar is not None:
+            bar.n = log.step
+            bar.write(line)
+            bar.refresh()
+        else:
+            typer.echo(line)
+
+    try:
+        result = _guarded(lambda: run_train(config, on_step))
+    finally:
+        if bar is not None:
+            bar.close()
+    if not quiet and _primary_process() and result.checkpoints and out is not None:
+        typer.echo(f"wrote {out}/{result.checkpoints[-1]} ({result.global_steps} steps, {result.skipped_steps} skipped)")
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:

@@ -151,6 +151,7 @@ def consolidate(
     overwrite: bool = False,
     progress: Progress | None = None,
     verify: bool = True,
+    swap_folder: str | os.PathLike[str] | None = None,
 ) -> ConsolidationResult:
     """Read a ZeRO checkpoint and write its consolidated weights into `output_dir`.
 
@@ -161,8 +162,12 @@ def consolidate(
     PEFT's adapter folder instead; with `merge_into` (a Hugging Face model folder) the adapter
     merged into that base model (see :mod:`zckpt.peft`). `peft` False writes the raw tensors.
     `dtype` defaults to fp32, or for a merge to the base's own dtype.
+
+    `swap_folder` (a live ZeRO-Infinity ``<nvme_path>``): `checkpoint` (any checkpoint of the same
+    run) gives the layout, the swap folder the fp32 masters of every swapped sub-group, so the
+    run's newest weights are written (16-bit output rounds those masters to nearest).
     """
-    index = open_checkpoint(checkpoint, tag)
+    index = open_checkpoint(checkpoint, tag, swap_folder)
     from .peft import consolidate_peft  # (here: zckpt.peft builds on this module's plan and writer)
 
     done = consolidate_peft(index, os.fspath(output_dir), peft=peft, merge_into=merge_into, dtype=dtype, format=format,

@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 from . import hf, torchfile
 from .deepspeed import names as N
+from .deepspeed import swap_folder as swap
 from .deepspeed.reader import list_tags, looks_like_checkpoint, survey
 from .dtypes import BY_SHORT
 from .checksums import check_archive
-from .errors import CheckpointNotFoundError, CorruptFileError, ZckptError
+from .errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
 from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
 from .materialize import read_scalar
@@ -28,14 +29,19 @@ from .state import TrainingState
 from .torchfile import TensorRef
 
 
-def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: bool = False) -> dict[str, Any]:
-    """Report on a DeepSpeed checkpoint folder, a consolidated output folder, or a weights file.
+def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: bool = False, *, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Report on a DeepSpeed checkpoint folder, a consolidated output folder, a weights file, or
+    a live ZeRO-Infinity swap folder (`checkpoint`, of the same run, names what it holds).
 
     With `verify`, every checkpoint file is read in full and its CRC-32 checksums checked.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(path, "no such file or directory")
+    if os.path.isdir(path) and not looks_like_checkpoint(path) and swap.is_swap_folder(path):
+        return inspect_swap_folder(path, checkpoint, tag)
+    if checkpoint is not None:
+        raise UsageError(path, "--checkpoint goes with a swap folder as PATH (<nvme_path> or its zero_stage_3/)")
     if os.path.isdir(path):
         if not looks_like_checkpoint(path):  # a consolidated folder: report on its weights
             weights = (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, hf.SAFETENSORS_PATTERN.format(suffix=""), hf.TORCH_PATTERN.format(suffix=""),
@@ -55,6 +61,71 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
     if magic == b"PK\x03\x04" or torchfile.is_legacy_torch_file(path):
         return _inspect_file(path, "torch", _torch_file_tensors)
     return _inspect_file(path, "safetensors", _safetensors_tensors)
+
+
+def inspect_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None = None, tag: str | None = None) -> dict[str, Any]:
+    """Report on a live swap folder: per rank its files, sizes and what each holds, gradient and
+    orphan files, disk use; with `checkpoint`, the layout check and the 16-bit/fp32 agreement."""
+    folder = swap.scan(path)
+    problems = swap.rank_problems(folder)
+    notes: list[str] = []
+    report_swap = None
+    if checkpoint is not None:
+        found = survey(checkpoint, tag, path)
+        problems += [str(p) for p in found.problems]
+        report_swap = found.swap
+        notes += found.swap.notes() if found.swap is not None else []
+    else:
+        notes.append("no --checkpoint: files named by DeepSpeed param ids; pass a checkpoint of the same run to name the params, check the layout and compare the 16-bit param swaps with the fp32 masters")
+    rows = swap.file_roles(folder, report_swap)
+    ranks = sorted({r["rank"] for r in rows if r["rank"] is not None})
+    agreement = report_swap.agreement if report_swap is not None else None
+    return {
+        "kind": "swap_folder",
+        "path": path,
+        "root": folder.root,
+        "checkpoint": os.fspath(checkpoint) if checkpoint is not None else None,
+        "world_size": len(folder.optimizer_ranks) or len(ranks),
+        "param_dtypes": list(folder.param_dtypes),
+        "total_bytes": folder.total_bytes,
+        "ranks": [
+            {"rank": rank, "bytes": sum(r["size"] for r in rows if r["rank"] == rank), "files": [r for r in rows if r["rank"] == rank]}
+            for rank in ranks
+        ],
+        "gradient_files": [f.path for f in folder.of_kind("gradient")],
+        "orphans": [f.path for f in folder.of_kind("orphan")],
+        "sub_groups": [
+            {"index": g.index, "swap_id": g.swap_id, "params": list(g.params), "partition_numel": g.partition, "swapped": g.swapped}
+            for g in (report_swap.sub_groups if report_swap is not None else ())
+        ],
+        "agreement_16bit": None if agreement is None else {
+            "dtype": agreement.dtype, "params": agreement.params, "elements": agreement.elements,
+            "differing": agreement.differing, "per_param": agreement.per_param, "agrees": agreement.agrees,
+        },
+        "checksums": swap.NO_CRC_NOTE,
+        "notes": notes,
+        "complete": not problems,
+        "problems": problems,
+    }
+
+
+def _render_swap_folder(report: dict[str, Any]) -> list[str]:
+    lines = [f"ZeRO-Infinity swap folder: {report['root']}"]
+    lines.append(f"  ranks          {report['world_size']}   16-bit params {', '.join(report['param_dtypes']) or 'none'}   disk {format_size(report['total_bytes'])}")
+    if report["checkpoint"]:
+        lines.append(f"  layout from    {report['checkpoint']}")
+    for group in report["sub_groups"]:
+        where = f"swapped as {group['swap_id']}" if group["swapped"] else "in memory (not in the swap folder)"
+        lines.append(f"  sub-group {group['index']:<4} {where}: {', '.join(group['params'])} ({group['partition_numel']} per rank)")
+    for rank in report["ranks"]:
+        lines.append(f"  rank {rank['rank']}         {len(rank['files'])} files, {format_size(rank['bytes'])}")
+        for row in rank["files"]:
+            lines.append(f"    {row['folder'] + '/' + row['name']:<44} {format_size(row['size']):>10}  {row['holds']}")
+    lines.append(f"  gradients      {len(report['gradient_files'])} file(s) in flight")
+    for orphan in report["orphans"]:
+        lines.append(f"  orphan         {orphan}")
+    lines.append(f"  checksums      none: {report['checksums']}")
+    return lines
 
 
 def _inspect_latest(path: str, tag: str | None, verify: bool) -> dict[str, Any]:
@@ -315,7 +386,9 @@ def _shown(value: Any) -> str:
 def render(report: dict[str, Any], max_rows: int = 40) -> str:
     """The readable summary of a report."""
     lines = []
-    if report["kind"] == "deepspeed_checkpoint":
+    if report["kind"] == "swap_folder":
+        lines += _render_swap_folder(report)
+    elif report["kind"] == "deepspeed_checkpoint":
         universal = report.get("universal")
         lines.append(f"DeepSpeed {'universal' if universal else 'ZeRO'} checkpoint: {report['path']}")
         tags = ", ".join(report["tags"]) or "none"

@@ -19,7 +19,7 @@ from .deepspeed import names as N
 from .deepspeed.reader import open_training_state
 from .deepspeed.save import SaveResult, write_checkpoint
 from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
-from .errors import CorruptFileError, LayoutError, OutputError, UsageError
+from .errors import CorruptFileError, OutputError, UsageError
 from .jobs import job_share
 from .output import is_inside, replace_atomically
 from .state import TrainingState
@@ -64,21 +64,17 @@ def plan_reshard(
     stage: int | None = None,
     tag: str | None = None,
     config: dict | str | os.PathLike[str] | None = None,
+    swap_folder: str | os.PathLike[str] | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
-    state = open_training_state(checkpoint, tag)
+    state = open_training_state(checkpoint, tag, swap_folder)
     return plan_checkpoint(state, _target(state, world_size, stage, config))
 
 
 def _target(state: TrainingState, world_size: int, stage: int | None, config: dict | str | os.PathLike[str] | None) -> Target:
-    target = plan_target(state, world_size, stage, config if isinstance(config, dict) or config is None else load_config(config))
-    if target.nvme_offload:
-        raise LayoutError(
-            state.index.tag_dir,
-            "the target run offloads to NVMe, and writing offloaded_tensors/ for a new world size is not supported yet; "
-            "pass --config with zero_optimization.offload_optimizer/offload_param device 'cpu' or 'none', or use to-universal",
-        )
-    return target
+    """The target run: the input's config, `config` over it. A ZeRO-3 target that offloads its
+    optimizer to NVMe gets its swapped sub-groups written to ``offloaded_tensors/rankRR/``."""
+    return plan_target(state, world_size, stage, config if isinstance(config, dict) or config is None else load_config(config))
 
 
 def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str], list[str]]:
@@ -120,14 +116,17 @@ def reshard(
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     verify: bool = True,
+    swap_folder: str | os.PathLike[str] | None = None,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
     `config`: the target run's DeepSpeed config (a dict or a JSON file) where its layout
     settings (``round_robin_gradients``, ``sub_group_size``, ...) differ from the checkpoint's.
+    `swap_folder`: a live ZeRO-Infinity ``<nvme_path>`` of the same run; the masters and
+    optimizer states of its swapped sub-groups replace the checkpoint's (see consolidate).
     """
     output_dir = os.fspath(output_dir)
-    source = open_training_state(checkpoint, tag)
+    source = open_training_state(checkpoint, tag, swap_folder)
     plan = plan_checkpoint(source, _target(source, world_size, stage, config))
     index = source.index
     if is_inside(output_dir, index.checkpoint_dir) or is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):

@@ -34,9 +34,11 @@ class UniversalResult:
     bytes_written: int
 
 
-def plan_to_universal(checkpoint: str | os.PathLike[str], *, tag: str | None = None, target_stage: int | None = None) -> CheckpointPlan:
+def plan_to_universal(
+    checkpoint: str | os.PathLike[str], *, tag: str | None = None, target_stage: int | None = None, swap_folder: str | os.PathLike[str] | None = None
+) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every file of its universal folder."""
-    return plan_universal(open_training_state(checkpoint, tag), target_stage=_stage(target_stage))
+    return plan_universal(open_training_state(checkpoint, tag, swap_folder), target_stage=_stage(target_stage))
 
 
 def _stage(stage: int | None) -> int | None:
@@ -55,11 +57,14 @@ def to_universal(
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     verify: bool = True,
+    swap_folder: str | os.PathLike[str] | None = None,
 ) -> UniversalResult:
     """Write the universal checkpoint of `checkpoint` (tag `tag`, default: the latest) into
-    `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage)."""
+    `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage).
+    With `swap_folder`, the masters and optimizer states of swapped sub-groups come from that
+    live ZeRO-Infinity folder (`checkpoint` gives the layout)."""
     output_dir = os.fspath(output_dir)
-    source = open_training_state(checkpoint, tag)
+    source = open_training_state(checkpoint, tag, swap_folder)
     plan = plan_universal(source, target_stage=_stage(target_stage))
     index = source.index
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):

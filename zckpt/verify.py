@@ -23,10 +23,11 @@ from typing import Any, Iterator
 import numpy as np
 
 from .checksums import check_archive, tensor_records
+from .deepspeed import swap_folder as swap
 from .deepspeed.reader import Survey, looks_like_checkpoint, survey
-from .dtypes import BF16, FP16, DType
-from .errors import CheckpointNotFoundError, ZckptError
-from .index import TensorSource
+from .dtypes import BF16, FP16, FP32, DType
+from .errors import CheckpointNotFoundError, UsageError, ZckptError
+from .index import Segment, TensorSource
 from .materialize import CHUNK_BYTES
 from .output import find_leftovers
 from .reading import FileReader
@@ -86,12 +87,25 @@ class _Findings:
         self.checks.append(Check(name, not problems, passed if not problems else f"{len(problems)} problem{'s' * (len(problems) > 1)}"))
 
 
-def verify(path: str | os.PathLike[str], *, tag: str | None = None, scan: bool = False, workers: int = 2) -> VerifyReport:
-    """Check `path` (a ZeRO checkpoint folder or tag folder, a universal folder, or consolidated
-    weights: a folder, a .safetensors, a .index.json or a torch .bin) and report every problem."""
+def verify(
+    path: str | os.PathLike[str], *, tag: str | None = None, scan: bool = False, workers: int = 2,
+    checkpoint: str | os.PathLike[str] | None = None, swap_folder: str | os.PathLike[str] | None = None,
+) -> VerifyReport:
+    """Check `path` (a ZeRO checkpoint folder or tag folder, a universal folder, consolidated
+    weights: a folder, a .safetensors, a .index.json or a torch .bin, or a live ZeRO-Infinity
+    swap folder) and report every problem. A swap folder is checked against the layout of
+    `checkpoint`; ``verify(CHECKPOINT, swap_folder=NVME_PATH)`` is the same check."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(path, "no such file or directory")
+    if swap_folder is not None:
+        if checkpoint is not None:
+            raise UsageError(path, "give the checkpoint either as PATH with --swap-folder, or with --checkpoint and the swap folder as PATH")
+        return _verify_swap_folder(os.fspath(swap_folder), path, tag, scan, workers)
+    if os.path.isdir(path) and not looks_like_checkpoint(path) and swap.is_swap_folder(path):
+        return _verify_swap_folder(path, checkpoint, tag, scan, workers)
+    if checkpoint is not None:
+        raise UsageError(path, "--checkpoint goes with a swap folder as PATH (<nvme_path> or its zero_stage_3/)")
     if os.path.isfile(path) or not looks_like_checkpoint(path):
         return _verify_weights(path, scan, workers)
     return _verify_checkpoint(path, tag, scan, workers)
@@ -234,6 +248,56 @@ def _checkpoint_sources(found: Survey) -> list[tuple[str, TensorSource]]:
     return sources
 
 
+# --- live swap folders -------------------------------------------------------------------------
+
+
+def _verify_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None, tag: str | None, scan: bool, workers: int) -> VerifyReport:
+    """What can be checked on raw swap files, which carry no checksum: every rank holds the same
+    files with the same sizes; with a checkpoint of the run, every file its layout needs is
+    there with the partition's size, none is foreign, and the 16-bit param swaps agree with the
+    fp32 masters (a difference is reported, not failed: those copies can lag a step); with
+    `scan`, no NaN or Inf."""
+    folder = swap.scan(path)
+    findings = _Findings()
+    findings.add("ranks", swap.rank_problems(folder), f"{len(folder.optimizer_ranks)} rank(s) hold the same files with the same sizes")
+    found = survey(checkpoint, tag, path) if checkpoint is not None else None
+    if found is None:
+        no_layout = "not run: pass --checkpoint, a checkpoint of the same run (any step), for the layout"
+        findings.add("layout", [], "", skipped=no_layout)
+        findings.add("16-bit params", [], "", skipped=no_layout)
+    else:
+        findings.add("layout", [str(p) for p in found.problems], f"every swapped sub-group of {found.location.tag if found.location else checkpoint} has its files, sizes fit, no foreign sub-group files")
+        agreement = found.swap.agreement if found.swap is not None else None
+        if agreement is None:
+            findings.add("16-bit params", [], "", skipped="not run: " + ("the layout has problems" if found.problems else "no 16-bit param swap files"))
+        else:
+            findings.checks.append(Check("16-bit params", True, agreement.describe()))
+        if found.swap is not None:
+            findings.notes.extend(n for n in found.swap.notes() if n != (agreement.describe() if agreement else None))
+    orphans = folder.of_kind("orphan")
+    findings.checks.append(Check("orphans", True, f"{len(orphans)} file(s) DeepSpeed does not name this way (ignored)" + (f": {', '.join(f.path for f in orphans[:4])}" if orphans else "")))
+    findings.checks.append(Check("checksums", None, swap.NO_CRC_NOTE))
+    if scan:
+        sources = _swap_sources(folder, found)
+        findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
+    return VerifyReport(path, "swap_folder", tuple(findings.checks), tuple(dict.fromkeys(findings.problems)), tuple(findings.notes),
+                        files=len(folder.files), bytes=folder.total_bytes, scanned=scan)
+
+
+def _swap_sources(folder: swap.SwapFolder, found: Survey | None) -> list[tuple[str, TensorSource]]:
+    """What --scan reads: with a usable layout, the masters and states (padding left out);
+    otherwise every sub-group file whole, as fp32 (padding included: DeepSpeed may leave any
+    bits there). The 16-bit copies are not scanned: the masters are what is recovered."""
+    sources: list[tuple[str, TensorSource]] = []
+    if found is not None and found.state is not None:
+        for param in found.state.params:
+            sources.append((param.name, param.master))
+            sources += [(f"{param.name}.{key}", source) for key, source in param.states.items()]
+    else:
+        sources += [(f.path, TensorSource(FP32, (f.size // 4,), (Segment(f.path, 0, f.size // 4),))) for f in folder.of_kind("sub_group")]
+    return sources
+
+
 # --- values ---------------------------------------------------------------------------------------
 
 
@@ -297,9 +361,8 @@ def _needs(found: Survey) -> list[Need]:
         buffers = threads * min(CHUNK_BYTES, 2 * largest)
         try:
             target = plan_target(found.state, found.state.index.world_size, None, None)
-            if not target.nvme_offload:
-                size = sum(a.total_size for _, a in archives(plan_checkpoint(found.state, target)))
-                needs.append(Need("reshard (about the same at any world size)", size, base + buffers))
+            size = sum(a.total_size for _, a in archives(plan_checkpoint(found.state, target)))
+            needs.append(Need("reshard (about the same at any world size)", size, base + buffers))
             size = sum(a.total_size for _, a in archives(plan_universal(found.state)))
             needs.append(Need("to-universal", size, base + buffers))
         except ZckptError:

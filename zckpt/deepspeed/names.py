@@ -116,6 +116,11 @@ CONFIG_FP16 = "fp16"
 CONFIG_GRADIENT_CLIPPING = "gradient_clipping"
 CONFIG_DATA_TYPES = "data_types"
 CONFIG_GRAD_ACCUM_DTYPE = "grad_accum_dtype"
+CONFIG_OFFLOAD_DEVICE = "device"
+OFFLOAD_DEVICE_NVME = "nvme"
+CONFIG_AIO = "aio"  # swap_tensor/constants.py
+CONFIG_AIO_BLOCK_SIZE = "block_size"
+CONFIG_AIO_INTRA_OP_PARALLELISM = "intra_op_parallelism"
 
 
 def default_gradient_clipping(version: tuple[int, int]) -> float:

@@ -8,6 +8,7 @@ stopping (``zckpt inspect``); :func:`open_checkpoint` raises the first (``consol
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -26,6 +27,7 @@ from ..materialize import read_scalar
 from ..reading import FileReader, source_of
 from ..torchfile import TensorRef
 from . import names as N
+from . import swap_folder as swap
 from .optim_state import build_training_state, slice_mapping_layout, uses_round_robin
 from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
 from .partition import zero3_partition
@@ -150,15 +152,17 @@ class Survey:
     named_tag: str | None = None
     state: TrainingState | None = None  # the whole training state, when the checkpoint is complete
     universal: bool = False  # a universal folder (zero/<param>/<state>.pt), not rank partitions
+    swap: swap.SwapReport | None = None  # read with a live swap folder: what it held and where data came from
 
     @property
     def complete(self) -> bool:
         return self.index is not None and not self.problems
 
 
-def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> CheckpointIndex:
-    """Read and validate a checkpoint; raise the first problem found."""
-    result = _checked(survey(path, tag))
+def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None) -> CheckpointIndex:
+    """Read and validate a checkpoint; raise the first problem found. With `swap_folder` (a
+    live ZeRO-Infinity ``<nvme_path>``), the swapped sub-groups' data comes from there."""
+    result = _checked(survey(path, tag, swap_folder))
     assert result.index is not None
     return result.index
 
@@ -174,15 +178,19 @@ def _checked(result: "Survey") -> "Survey":
     return result
 
 
-def open_training_state(path: str | os.PathLike[str], tag: str | None = None) -> TrainingState:
-    """Read and validate a checkpoint's whole training state; raise the first problem found."""
-    result = _checked(survey(path, tag))
+def open_training_state(path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None) -> TrainingState:
+    """Read and validate a checkpoint's whole training state; raise the first problem found.
+    With `swap_folder`, masters and optimizer states of swapped sub-groups come from there."""
+    result = _checked(survey(path, tag, swap_folder))
     assert result.state is not None
     return result.state
 
 
-def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
-    """Look at a checkpoint and report what it holds and what is wrong with it."""
+def survey(path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None) -> Survey:
+    """Look at a checkpoint and report what it holds and what is wrong with it. With
+    `swap_folder`, the checkpoint gives the layout and the live swap folder the data of every
+    swapped sub-group (see :mod:`zckpt.deepspeed.swap_folder`)."""
+    folder = swap.scan(swap_folder) if swap_folder is not None else None
     result = Survey(os.fspath(path))
     try:
         result.location = locate(path, tag)
@@ -197,11 +205,15 @@ def survey(path: str | os.PathLike[str], tag: str | None = None) -> Survey:
     if result.location.note:
         result.notes.append(result.location.note)
     result.universal = is_universal_dir(result.location.tag_dir)
-    reader = ZeroReader
-    if result.universal:
-        from .universal_reader import UniversalReader as reader  # it builds on ZeroReader
+    if result.universal and folder is not None:
+        raise UsageError(os.fspath(path), "--swap-folder needs a ZeRO-3 checkpoint of the run (its layout), not a universal folder")
     try:
-        reader(result).run()
+        if result.universal:
+            from .universal_reader import UniversalReader  # it builds on ZeroReader
+
+            UniversalReader(result).run()
+        else:
+            ZeroReader(result, folder).run()
     except ZckptError as exc:  # a damage the readers raise rather than list: still a listed problem
         result.problems.append(exc)
         result.index = result.state = None
@@ -295,7 +307,7 @@ def as_shape(value: Any) -> tuple[int, ...]:
 class ZeroReader:
     """One pass over a tag folder of a ZeRO checkpoint, filling a Survey."""
 
-    def __init__(self, result: Survey) -> None:
+    def __init__(self, result: Survey, swap_folder: swap.SwapFolder | None = None) -> None:
         assert result.location is not None
         self.result = result
         self.tag_dir = result.location.tag_dir
@@ -304,6 +316,9 @@ class ZeroReader:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.saved_flat: dict[int, list[TensorRef]] = {}  # ZeRO-3 fp32 groups as saved (NVMe ones empty)
         self.ds_ids: dict[str, int] = {}
+        self.swap_folder = swap_folder  # a live swap folder giving the swapped sub-groups' data
+        self.swap_claimed: set[str] = set()  # its files that the layout reads
+        self.swap_ids: dict[int, str] = {}  # swapped sub-group -> "<first>_<last>"
 
     # --- helpers ------------------------------------------------------------------------------
     def _problem(self, error: type[ZckptError], path: str | None, text: str) -> None:
@@ -339,6 +354,8 @@ class ZeroReader:
         self._describe(model0, inner[0], optim_files[0][0], zero3)
         if not self._check_world(models, inner, model_paths, optim_files, zero3):
             return
+        if self.swap_folder is not None and not self._check_swap_folder(zero3):
+            return
         self._check_same_run(models, optims, model_paths, optim_files)
         with FileReader() as reader:
             self._check_steps(reader, inner, optim_files)
@@ -373,6 +390,59 @@ class ZeroReader:
             return
         if not self._check_padding(self.result.state):
             self.result.index = self.result.state = None
+            return
+        if self.swap_folder is not None:
+            self._report_swap_folder()
+
+    def _check_swap_folder(self, zero3: bool) -> bool:
+        """A swap folder belongs to a ZeRO-3 NVMe-offloaded run of the checkpoint's world size."""
+        assert self.swap_folder is not None
+        if not zero3 or self.result.offload != "nvme":
+            self._problem(LayoutError, self.tag_dir, f"saved by a {'ZeRO-3' if zero3 else f'ZeRO-{self.result.zero_stage}'} run without offload_optimizer on NVMe: the swap folder {self.swap_folder.root} cannot belong to its run")
+            return False
+        problem = swap.check_world(self.swap_folder, self.result.world_size or 0)
+        if problem is not None:
+            self.problems.append(problem)
+            return False
+        return True
+
+    def _report_swap_folder(self) -> None:
+        """Refuse sub-group files the layout does not claim, compare the 16-bit param swaps with
+        the masters, and put what was read from where into the index notes."""
+        folder, state = self.swap_folder, self.result.state
+        assert folder is not None and state is not None and self.result.index is not None
+        for orphan in swap.sub_group_orphans(folder, self.swap_claimed):
+            self._problem(LayoutError, orphan.path, f"not in the checkpoint's layout (it swaps no sub-group {orphan.swap_id} with this state): a swap folder of another run or layout")
+        if self.problems:
+            self.result.index = self.result.state = None
+            return
+        layout = self.layout
+        sub_groups = tuple(
+            swap.SwappedSubGroup(i, self.swap_ids.get(i), tuple(layout.params[p].name for p in group.params), group.partition, i in self.swap_ids)
+            for i, group in enumerate(layout.flat_groups)
+        )
+        agreement = None
+        dtype = swap.PARAM_DTYPES.get(folder.param_dtypes[0]) if folder.param_dtypes else None
+        if dtype is not None:
+            masters = {e.name: e.source for e in self.result.index.entries if e.kind == "param"}
+            world = layout.world_size
+            pieces = [
+                (param.name, self.ds_ids[param.name], masters[param.name], [p.rank for p in parts], -(-param.numel // world))
+                for param, parts in zip(layout.params, layout.by_param())
+                if param.name in self.ds_ids and param.name in masters
+            ]
+            agreement = swap.compare_16bit(folder, pieces, dtype)
+        report = swap.SwapReport(
+            root=folder.root, world_size=layout.world_size, sub_groups=sub_groups,
+            gradient_files=len(folder.of_kind("gradient")), orphans=tuple(f.path for f in folder.of_kind("orphan")),
+            total_bytes=folder.total_bytes, checkpoint_tag=self.result.index.tag, checkpoint_step=state.global_steps, agreement=agreement,
+            param_names={i: name for name, i in self.ds_ids.items()},
+        )
+        self.result.swap = report
+        self.result.notes.extend(report.notes())
+        index = dataclasses.replace(self.result.index, notes=tuple(self.result.notes))
+        self.result.index = index
+        self.result.state = dataclasses.replace(state, index=index)
 
     def _check_padding(self, state: TrainingState) -> bool:
         """Optimizer moments in each rank's padding must be zero, as DeepSpeed leaves them: data
@@ -853,7 +923,7 @@ class ZeroReader:
             if path is None:
                 return None
             located.append(TensorRef.flat(path, 0, ref.dtype, group.partition))
-        if swapped_count := sum(1 for a, b in zip(refs, located) if a is not b):
+        if (swapped_count := sum(1 for a, b in zip(refs, located) if a is not b)) and self.swap_folder is None:
             self.result.notes.append(f"rank {rank}: fp32 masters of {swapped_count} sub-group(s) read from NVMe swap files")
         return located
 
@@ -866,6 +936,8 @@ class ZeroReader:
         if name is None:
             self._problem(LayoutError, optim_path, f"cannot name the swap file of {what}: no ds_id recorded and its params are not in the module state dict")
             return None
+        if self.swap_folder is not None:
+            return self._live_swap_path(rank, index, name, group.partition, what)
         path = os.path.join(self.tag_dir, N.OFFLOADED_TENSORS_DIR, N.offloaded_rank_dir(rank), name)
         if not os.path.isfile(path):
             self._problem(CheckpointNotFoundError, path, f"missing: {what} were offloaded to NVMe and belong here")
@@ -874,6 +946,25 @@ class ZeroReader:
         if os.path.getsize(path) < needed:
             self._problem(CorruptFileError, path, f"truncated: holds {os.path.getsize(path)} bytes, {what} need {needed}")
             return None
+        return path
+
+
+    def _live_swap_path(self, rank: int, index: int, name: str, numel: int, what: str) -> str | None:
+        """The file of a swapped sub-group in the live swap folder, checked to hold exactly the
+        partition (padded to the I/O alignment)."""
+        assert self.swap_folder is not None
+        path = self.swap_folder.optimizer_path(rank, name)
+        if not os.path.isfile(path):
+            held = sorted({f.swap_id for f in self.swap_folder.of_kind("sub_group") if f.rank == rank and f.swap_id})
+            other = f" (it holds sub-groups {', '.join(held[:6])}: the swap folder of another run or layout)" if held and name[: -len(N.SWAP_SUFFIX)].rsplit("-", 1)[-1] not in held else ""
+            self._problem(CheckpointNotFoundError, path, f"missing: the checkpoint's layout swaps {what} to NVMe, so the swap folder must hold it{other}")
+            return None
+        problem = swap.size_problem(os.path.getsize(path), numel, swap.run_swap_rule(self.config))
+        if problem is not None:
+            self._problem(CorruptFileError if problem.startswith("truncated") else LayoutError, path, f"{what}: {problem}")
+            return None
+        self.swap_claimed.add(path)
+        self.swap_ids[index] = name[: -len(N.SWAP_SUFFIX)].rsplit("-", 1)[-1]
         return path
 
 

@@ -15,8 +15,8 @@ from ..checksums import RecordChecker
 from ..errors import OutputError
 from ..output import StagedFolder, fsync_file, output_error, write_text_atomic
 from ..reading import FileReader
-from ..torchsave import ArchivePlan, archive_name_for, plan_archive, write_archive
-from .writer import CheckpointPlan
+from ..torchsave import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
+from .writer import CheckpointPlan, RawFile
 
 PARALLEL_MIN_BYTES = 64 << 20  # below this, one thread does it
 
@@ -29,9 +29,10 @@ class SaveResult:
     bytes_written: int
 
 
-def archives(plan: CheckpointPlan) -> list[tuple[str, ArchivePlan]]:
-    """Each file's archive plan (pickled object tree, record layout, exact size); reads nothing."""
-    return [(f.name, plan_archive(f.obj, archive_name_for(f.name))) for f in plan.files]
+def archives(plan: CheckpointPlan) -> list[tuple[str, ArchivePlan | RawPlan]]:
+    """Each file's archive plan (pickled object tree, record layout, exact size), or for a raw
+    swap file its byte plan; reads nothing."""
+    return [(f.name, plan_raw(f.obj.tensor) if isinstance(f.obj, RawFile) else plan_archive(f.obj, archive_name_for(f.name))) for f in plan.files]
 
 
 def share_of(sizes: list[int], part: int, parts: int) -> list[int]:
@@ -50,9 +51,12 @@ def share_of(sizes: list[int], part: int, parts: int) -> list[int]:
     return [i for i in sorted(owner, key=lambda i: (-sizes[i], i)) if owner[i] == part]
 
 
-def _write_one(path: str, archive: ArchivePlan, checker: RecordChecker | None) -> int:
+def _write_one(path: str, archive: ArchivePlan | RawPlan, checker: RecordChecker | None) -> int:
     with FileReader(verify=False, checker=checker) as reader:
-        write_archive(path, archive, reader)
+        if isinstance(archive, RawPlan):
+            write_raw(path, archive, reader)
+        else:
+            write_archive(path, archive, reader)
     return archive.total_size
 
 
@@ -68,6 +72,7 @@ def write_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     before_latest: Callable[[], None] | None = None,
     verify: bool = True,
+    by_rank: bool = False,
 ) -> SaveResult:
     """Write every file of `plan` into ``output_dir/<tag>/`` and point ``output_dir/latest`` (the
     plan's `latest_file`) at it.
@@ -76,6 +81,8 @@ def write_checkpoint(
     share and process 0 commits; `barrier` must synchronise them. `before_latest` runs (on
     process 0) once the tag folder is in place, before ``latest`` names it. With `verify`, every
     input record whose bytes were copied passes its CRC-32 check before anything is committed.
+    With `by_rank`, process `part` writes the files of data-parallel rank `part` (and process 0
+    the shared ones) instead of a size-balanced share.
     """
     planned = archives(plan)
     total = sum(a.total_size for _, a in planned)
@@ -84,12 +91,15 @@ def write_checkpoint(
     if part == 0:
         folder.create()
     sync()
-    mine = share_of([a.total_size for _, a in planned], part, parts)
+    if by_rank:  # each process holds only its own rank's data (the trainer): it writes that rank's files
+        mine = [i for i, f in enumerate(plan.files) if (f.rank or 0) % parts == part]
+    else:
+        mine = share_of([a.total_size for _, a in planned], part, parts)
     done = 0
     checker = RecordChecker() if verify else None
     try:
         jobs = [(folder.path(planned[i][0]), planned[i][1], checker) for i in mine]
-        for folder_name in sorted({os.path.dirname(name) for name, _ in planned} - {""}):
+        for folder_name in sorted(({os.path.dirname(name) for name, _ in planned} | set(plan.folders)) - {""}):
             os.makedirs(folder.path(folder_name), exist_ok=True)
         # Threads, not processes: checksums, kernel copies, reads, writes and dtype conversion all
         # release the GIL, and a thread per file keeps every core busy however the sizes fall.

@@ -28,6 +28,7 @@ from ..torchfile import PickledEnumMember, PickledObject, TensorRef, TorchDevice
 from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
 from .partition import zero3_partition
+from .swap_rules import SwapRule, run_swap_rule
 from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
 from .optim_state import slice_mapping_layout
 
@@ -50,13 +51,22 @@ class Target:
     bf16_optimizer: bool  # DeepSpeed picks BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation)
     ds_version: str  # the release whose format is written
     nvme_offload: bool = False  # the run swaps optimizer state (or params) to NVMe
+    # ZeRO-3 with the optimizer offloaded to NVMe: which sub-groups are swapped (they are saved
+    # in offloaded_tensors/, not in the optim files); None when the optimizer is not swapped
+    swap: SwapRule | None = None
 
+
+@dataclass(frozen=True)
+class RawFile:
+    """A file of raw little-endian tensor bytes, no header: an NVMe swap file."""
+
+    tensor: OutTensor
 
 
 @dataclass(frozen=True)
 class PlannedFile:
     name: str  # file name inside the tag folder
-    obj: Any  # the object tree torch.save would pickle
+    obj: Any  # the object tree torch.save would pickle, or a RawFile
     rank: int | None  # the data-parallel rank it belongs to (None: shared)
 
 
@@ -67,6 +77,9 @@ class CheckpointPlan:
     layout: ZeroLayout
     files: tuple[PlannedFile, ...]  # names relative to the tag folder ("zero/<param>/fp32.pt")
     latest_file: str = N.LATEST_FILE  # written last, naming the tag folder
+    # folders made even when no file goes in them: a run offloading to NVMe copies
+    # offloaded_tensors/rankRR/ back on load, and fails where it is missing
+    folders: tuple[str, ...] = ()
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -93,6 +106,10 @@ def plan_target(state: TrainingState, world_size: int, stage: int | None = None,
     zero[N.CONFIG_STAGE] = stage
     merged[N.CONFIG_ZERO] = zero
     grad_accum = str(((merged.get(N.CONFIG_DATA_TYPES) or {}).get(N.CONFIG_GRAD_ACCUM_DTYPE)) or "").lower()
+    nvme = {key for key in (N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_OFFLOAD_PARAM) if (zero.get(key) or {}).get(N.CONFIG_OFFLOAD_DEVICE) == N.OFFLOAD_DEVICE_NVME}
+    swap = None
+    if stage == 3 and N.CONFIG_OFFLOAD_OPTIMIZER in nvme:  # ZeRO-1/2 runs treat "nvme" as CPU offload
+        swap = run_swap_rule(merged)
     return Target(
         stage=stage,
         world_size=world_size,
@@ -103,7 +120,8 @@ def plan_target(state: TrainingState, world_size: int, stage: int | None = None,
         sub_group_size=int(zero.get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE),
         bf16_optimizer=stage == 1 and index.dtype == BF16 and grad_accum in ("fp32", "float32", "float"),
         ds_version=index.ds_version or "0.0.0",
-        nvme_offload=any((zero.get(key) or {}).get("device") == "nvme" for key in (N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_OFFLOAD_PARAM)),
+        nvme_offload=bool(nvme),
+        swap=swap,
     )
 
 
@@ -123,11 +141,15 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
 
 
 def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None) -> CheckpointPlan:
-    """Every file of the target checkpoint as an object tree; pure."""
+    """Every file of the target checkpoint as an object tree (swap files as RawFiles); pure."""
     layout = target_layout(state, target)
     optim = OptimPlanner(state, target, layout)
     optim_files = [PlannedFile(N.optim_states_name(rank, bf16=target.dtype == BF16), optim.file(rank), rank) for rank in range(target.world_size)]
-    return CheckpointPlan(tag or state.index.source_tag, target, layout, tuple(plan_model_states(state, target, layout) + optim_files))
+    swap_files = [f for rank in range(target.world_size) for f in optim.swap_files(rank)]
+    # DeepSpeed saves every rank's swap folder, empty where no sub-group is swapped
+    folders = tuple(f"{N.OFFLOADED_TENSORS_DIR}/{N.offloaded_rank_dir(rank)}" for rank in range(target.world_size)) if optim.swaps else ()
+    files = tuple(plan_model_states(state, target, layout) + optim_files + swap_files)
+    return CheckpointPlan(tag or state.index.source_tag, target, layout, files, folders=folders)
 
 
 def plan_model_states(state: TrainingState, target: Target, layout: ZeroLayout) -> list[PlannedFile]:
@@ -230,10 +252,22 @@ class OptimPlanner:
         self.version_at_least_018 = _version(target.ds_version) >= (0, 18)
         # what param_slice_mappings describe: the stored layout, or (round-robin) DeepSpeed's own
         self.slice_mappings = slice_mapping_layout(layout, target.round_robin) if layout.stage != 3 else layout
+        # ZeRO-3 sub-groups whose master and per-element states live in offloaded_tensors/
+        swap = target.swap if layout.stage == 3 else None
+        self.swaps = swap is not None
+        self.swapped = frozenset(f for f, g in enumerate(layout.flat_groups) if swap is not None and swap.swapped(g.partition))
+        self.ds_ids = _ds_ids(state) if layout.stage == 3 else {}
 
     def file(self, rank: int) -> dict:
         inner = self._zero3(rank) if self.target.stage == 3 else self._zero12(rank)
         return {N.OPTIMIZER_STATE_DICT: inner, N.DS_CONFIG: carry(self.target.ds_config), N.DS_VERSION: self.target.ds_version}
+
+    def _element_states(self, flat: int) -> list[str]:
+        """The per-element optimizer states of a flat group (exp_avg, ...), in saved key order."""
+        group = self.layout.flat_groups[flat]
+        saved = self.state.groups[group.param_group]
+        keys = saved.state_keys or list(saved.scalars) + self.state.state_names
+        return [k for k in keys if k not in saved.scalars and all(k in self.params[i].states for i in group.params)]
 
     def _torch_state(self, rank: int) -> dict:
         """The torch optimizer's state_dict over this rank's flat groups."""
@@ -241,16 +275,47 @@ class OptimPlanner:
         for flat, group in enumerate(self.layout.flat_groups):
             saved = self.state.groups[group.param_group]
             pieces = self.by_rank.get((rank, flat), [])
+            element_states = self._element_states(flat)
             entry: dict[str, Any] = {}
             for key in saved.state_keys or list(saved.scalars) + self.state.state_names:
                 if key in saved.scalars:
                     entry[key] = scalar_of(saved.scalars[key])
-                elif all(key in self.params[i].states for i in group.params):
+                elif key in element_states and flat in self.swapped:
+                    # swapped out: an emptied tensor that keeps the swapper's ds_id (names its file)
+                    entry[key] = OutTensor(FP32, (0,), (), attributes={"ds_id": f"{key}-{self._sub_group_id(flat)}"})
+                elif key in element_states:
                     sources = self.state_sources[key]
                     entry[key] = _flat(pieces, sources, group.partition, sources[group.params[0]].dtype if group.params else FP32)
             if entry:
                 state[flat] = entry
         return {"state": state, "param_groups": self._param_groups()}
+
+    def _sub_group_ids(self, flat: int) -> tuple[int, int]:
+        """The ds_ids of a ZeRO-3 sub-group's first and last params: they name it (``0_7``)."""
+        group = self.layout.flat_groups[flat]
+        return self.ds_ids[self.layout.params[group.params[0]].name], self.ds_ids[self.layout.params[group.params[-1]].name]
+
+    def _sub_group_id(self, flat: int) -> str:
+        """A ZeRO-3 sub-group's ``ds_id`` attribute (``0_7``)."""
+        return "{}_{}".format(*self._sub_group_ids(flat))
+
+    def swap_files(self, rank: int) -> list[PlannedFile]:
+        """This rank's NVMe swap files, as the engine copies its swap folder into
+        ``offloaded_tensors/rankRR/``: per swapped sub-group the fp32 master and each
+        per-element state, raw fp32 in the flat layout, zero-padded to the I/O alignment."""
+        swap = self.target.swap
+        files = []
+        for flat in sorted(self.swapped):
+            assert swap is not None
+            group = self.layout.flat_groups[flat]
+            pieces = self.by_rank.get((rank, flat), [])
+            length = swap.file_numel(group.partition)
+            padding = (Zeros(length - group.partition),) if length > group.partition else ()
+            folder = f"{N.OFFLOADED_TENSORS_DIR}/{N.offloaded_rank_dir(rank)}"
+            for key, sources in [(None, self.masters)] + [(k, self.state_sources[k]) for k in self._element_states(flat)]:
+                raw = OutTensor(FP32, (length,), _flat(pieces, sources, group.partition, FP32).parts + padding)
+                files.append(PlannedFile(f"{folder}/{N.swap_file_name(*self._sub_group_ids(flat), key)}", RawFile(raw), rank))
+        return files
 
     def _param_groups(self) -> list[dict]:
         """The torch optimizer's param groups: hyperparameters, and the flat groups as params."""
@@ -305,12 +370,11 @@ class OptimPlanner:
     def _zero3(self, rank: int) -> dict:
         extras = self.state.optimizer_extras
         fp32 = []
-        ds_ids = _ds_ids(self.state)
         for flat, group in enumerate(self.layout.flat_groups):
-            tensor = _flat(self.by_rank.get((rank, flat), []), self.masters, group.partition, FP32)
-            first, last = (self.layout.params[group.params[i]].name for i in (0, -1))
+            # swapped to NVMe: saved empty (the master is in offloaded_tensors/)
+            tensor = _flat(self.by_rank.get((rank, flat), []), self.masters, group.partition, FP32) if flat not in self.swapped else OutTensor(FP32, (0,), ())
             # saved as the optimizer's own flat params: requires_grad set, ds_id naming the sub-group
-            fp32.append(OutTensor(tensor.dtype, tensor.shape, tensor.parts, attributes={"ds_id": f"{ds_ids[first]}_{ds_ids[last]}"}, requires_grad=True))
+            fp32.append(OutTensor(tensor.dtype, tensor.shape, tensor.parts, attributes={"ds_id": self._sub_group_id(flat)}, requires_grad=True))
         return {
             N.ZERO_STAGE: PickledEnum(ZERO_STAGE_ENUM, 3),
             N.LOSS_SCALER: self._loss_scaler(),
