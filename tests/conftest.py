@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,3 +92,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a, b = a.contiguous(), b.contiguous()
     return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))) if a.numel() else True
+
+
+def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedProcess[str]":
+    """`torchrun --nproc-per-node <processes> -m zckpt <args>` on a free port; fails the test
+    with the processes' stderr when they fail."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(port), "-m", "zckpt", *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import SAMPLE_LIST, Sample, same_bits, sample
+from conftest import SAMPLE_LIST, Sample, run_zckpt_torchrun, same_bits, sample
 from zckpt import torchfile
 from zckpt.consolidate import consolidate
 from zckpt.deepspeed.reader import open_training_state
@@ -195,7 +195,7 @@ def one_line(result) -> str:
     [
         (["--world-size", "0"], 2, "--world-size must be at least 1"),
         (["--world-size", "2", "--stage", "4"], 2, "4"),
-        (["--world-size", "2", "--config", "missing.json"], 2, "config file not found"),
+        (["--world-size", "2", "--config", "missing.json"], 2, "DeepSpeed config not found"),
     ],
 )
 def test_bad_options_are_refused(tmp_path: Path, args: list[str], code: int, text: str) -> None:
@@ -312,25 +312,9 @@ def test_rng_states_of_missing_processes_are_dropped(tmp_path: Path) -> None:
 def test_torchrun_processes_split_the_files_byte_identically(tmp_path: Path) -> None:
     """`torchrun --nproc-per-node 2 -m zckpt reshard ...`: two processes write their share of
     the files into one folder; the result equals the single-process run byte for byte."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     case = sample("z3_fp16_ws4_subgroups_frozen")
     reshard(case.checkpoint, tmp_path / "single", world_size=3, stage=2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         "-m", "zckpt", "reshard", str(case.checkpoint), str(tmp_path / "multi"), "-w", "3", "--stage", "2"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_zckpt_torchrun("reshard", str(case.checkpoint), str(tmp_path / "multi"), "-w", "3", "--stage", "2")
     assert result.stdout.count("wrote global_step3") == 1  # only the first process reports
     single = {p.relative_to(tmp_path / "single"): p.read_bytes() for p in (tmp_path / "single").rglob("*") if p.is_file()}
     multi = {p.relative_to(tmp_path / "multi"): p.read_bytes() for p in (tmp_path / "multi").rglob("*") if p.is_file()}

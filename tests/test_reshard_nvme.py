@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import same_bits, sample
+from conftest import run_zckpt_torchrun, same_bits, sample
 from test_reshard import compare_trees, tag_files
 from zckpt import inspect_path, torchfile
 from zckpt.deepspeed.reader import open_training_state
@@ -280,24 +280,8 @@ def test_torchrun_processes_write_the_swap_files_byte_identically(tmp_path: Path
     """`torchrun --nproc-per-node 2 -m zckpt reshard ...` to an NVMe target: the processes split
     swap files and pickles between them; the result equals the single-process run, empty rank
     folders included."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     reshard(CASE.checkpoint, tmp_path / "single", world_size=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         "-m", "zckpt", "reshard", str(CASE.checkpoint), str(tmp_path / "multi"), "-w", "1"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_zckpt_torchrun("reshard", str(CASE.checkpoint), str(tmp_path / "multi"), "-w", "1")
     tree = lambda root: {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}  # noqa: E731
     single, multi = tree(tmp_path / "single"), tree(tmp_path / "multi")
     assert single == multi and any(name.endswith(".swp") for name in single)

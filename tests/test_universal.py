@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SAMPLE_LIST, Sample, same_bits, sample
+from conftest import SAMPLE_LIST, Sample, run_zckpt_torchrun, same_bits, sample
 from test_reshard import RESHARDABLE, compare_trees, one_line, run_cli, tag_files
 from zckpt import torchfile
 from zckpt.consolidate import consolidate
@@ -168,25 +168,9 @@ def test_same_input_gives_byte_identical_output(tmp_path: Path) -> None:
 def test_torchrun_processes_split_the_params_byte_identically(tmp_path: Path) -> None:
     """`torchrun --nproc-per-node 2 -m zckpt to-universal ...`: two processes write their share
     of the param files into one folder; the result equals the single-process run byte for byte."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     case = sample("z3_bf16_ws3_subgroups_groups")
     to_universal(case.checkpoint, tmp_path / "single")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         "-m", "zckpt", "to-universal", str(case.checkpoint), str(tmp_path / "multi")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_zckpt_torchrun("to-universal", str(case.checkpoint), str(tmp_path / "multi"))
     assert result.stdout.count("wrote global_step3_universal") == 1  # only the first process reports
     files = lambda root: {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}  # noqa: E731
     assert files(tmp_path / "single") == files(tmp_path / "multi")

@@ -23,6 +23,7 @@ from .deepspeed import names as N
 from .deepspeed import swap_rules as R
 from .deepspeed.partition import zero3_sub_groups
 from .errors import CorruptFileError, UsageError
+from .reading import read_json_object
 from .shards import format_size, parse_size
 
 DEFAULT_NVME_PATH = "/local_nvme"  # in the snippet when the config names none
@@ -526,15 +527,7 @@ def load_params(path: str | os.PathLike[str]) -> LoadedModel:
             and os.path.isfile(os.path.join(path, "config.json")):
         config_json = os.path.join(path, "config.json")
     if config_json is not None:
-        try:
-            with open(config_json, encoding="utf-8") as handle:
-                config = json.load(handle)
-        except FileNotFoundError:
-            raise UsageError(config_json, "no such file") from None
-        except (OSError, ValueError) as exc:
-            raise CorruptFileError(config_json, f"not a JSON model config ({exc})") from None
-        if not isinstance(config, dict):
-            raise CorruptFileError(config_json, "not a JSON object")
+        config = read_json_object(config_json, "model config")
         note = ("shapes computed from config.json: every param counted as trainable (a PEFT run trains far fewer; "
                 "pass its checkpoint for exact optimizer sizes)")
         return LoadedModel(tuple(shapes_from_hf_config(config, config_json)), "hf_config", notes=(note,))

@@ -8,14 +8,16 @@ that are needed.
 
 from __future__ import annotations
 
+import json
 import os
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
 from .checksums import RecordChecker
 from .dtypes import DType
-from .errors import CorruptFileError
+from .errors import CorruptFileError, UsageError
 from .index import Segment, TensorSource
 from .torchfile import TensorRef
 
@@ -116,3 +118,18 @@ def read_ref(reader: FileReader, ref: TensorRef) -> np.ndarray:
     """Read a small whole tensor (a buffer, a step counter) as a raw numpy array of its shape."""
     return reader.read_source(source_of(ref)).reshape(ref.shape)
 
+
+def read_json_object(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """The JSON object in the file at `path` (`what` names it in errors: "DeepSpeed config").
+    A missing file is a usage error; unreadable or non-object JSON is a corrupt file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        raise UsageError(path, f"{what} not found") from None
+    except (OSError, ValueError) as exc:
+        raise CorruptFileError(path, f"not a JSON {what} ({exc})") from None
+    if not isinstance(data, dict):
+        raise CorruptFileError(path, "not a JSON object")
+    return data

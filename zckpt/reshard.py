@@ -8,7 +8,6 @@ the job's processes split the files between them on a shared filesystem.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,9 +18,10 @@ from .deepspeed import names as N
 from .deepspeed.reader import open_training_state
 from .deepspeed.save import SaveResult, write_checkpoint
 from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
-from .errors import CorruptFileError, OutputError, UsageError
+from .errors import OutputError, UsageError
 from .jobs import job_share
 from .output import is_inside, replace_atomically
+from .reading import read_json_object
 from .state import TrainingState
 
 # Hugging Face Trainer's per-process RNG files: rng_state.pth (one process) or rng_state_<i>.pth
@@ -42,19 +42,7 @@ class ReshardResult:
 
 def load_config(path: str | os.PathLike[str] | None) -> dict | None:
     """A DeepSpeed config JSON of the target run."""
-    if path is None:
-        return None
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except FileNotFoundError:
-        raise UsageError(path, "config file not found") from None
-    except (OSError, ValueError) as exc:
-        raise CorruptFileError(path, f"not a JSON DeepSpeed config ({exc})") from None
-    if not isinstance(config, dict):
-        raise CorruptFileError(path, "not a JSON object")
-    return config
+    return None if path is None else read_json_object(path, "DeepSpeed config")
 
 
 def plan_reshard(

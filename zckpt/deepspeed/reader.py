@@ -28,6 +28,7 @@ from ..reading import FileReader, source_of
 from ..torchfile import TensorRef
 from . import names as N
 from . import swap_folder as swap
+from .swap_rules import run_swap_rule
 from .optim_state import build_training_state, slice_mapping_layout, uses_round_robin
 from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
 from .partition import zero3_partition
@@ -959,7 +960,7 @@ class ZeroReader:
             other = f" (it holds sub-groups {', '.join(held[:6])}: the swap folder of another run or layout)" if held and name[: -len(N.SWAP_SUFFIX)].rsplit("-", 1)[-1] not in held else ""
             self._problem(CheckpointNotFoundError, path, f"missing: the checkpoint's layout swaps {what} to NVMe, so the swap folder must hold it{other}")
             return None
-        problem = swap.size_problem(os.path.getsize(path), numel, swap.run_swap_rule(self.config))
+        problem = swap.size_problem(os.path.getsize(path), numel, run_swap_rule(self.config))
         if problem is not None:
             self._problem(CorruptFileError if problem.startswith("truncated") else LayoutError, path, f"{what}: {problem}")
             return None

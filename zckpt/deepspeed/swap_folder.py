@@ -35,7 +35,7 @@ from ..index import TensorSource
 from ..materialize import convert
 from ..reading import FileReader
 from . import names as N
-from .swap_rules import SwapRule, run_swap_rule
+from .swap_rules import SwapRule
 
 STAGE_DIR = "zero_stage_3"
 OPTIMIZER_DIR = "optimizer"
