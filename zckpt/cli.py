@@ -552,7 +552,7 @@ def train(
     data: Annotated[Optional[Path], typer.Option("--data", metavar="FILE", help="A text file read as bytes (--vocab >= 256); default: deterministic synthetic tokens.")] = None,
     quiet: QuietOption = False,
 ) -> None:
-    """Train a GPT-style model with ZeRO-3 on torch.distributed (gloo on CPU, nccl with CUDA).
+    """Train a GPT-style model with ZeRO-3 on torch.distributed (CPU, gloo).
 
     One process as is; several under torchrun. Checkpoints are DeepSpeed ZeRO-3 checkpoints
     (zero_to_fp32, zckpt consolidate and a DeepSpeed engine read them)."""
@@ -592,6 +592,12 @@ def train(
             bar.close()
     if not quiet and _primary_process() and result.checkpoints and out is not None:
         typer.echo(f"wrote {out}/{result.checkpoints[-1]} ({result.global_steps} steps, {result.skipped_steps} skipped)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torch 2.13's gloo threads can abort a rank's interpreter exit ("terminate called without
+        # an active exception"), which torchrun reports as a failed job; everything is written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:

@@ -1,0 +1,210 @@
+"""Save and resume the trainer's state as DeepSpeed ZeRO-3 checkpoints, through the shared writer.
+
+Saving describes the live state as a :class:`~zckpt.state.TrainingState` whose tensors are byte
+ranges of the trainer's memory files (:mod:`.arena`): the writer that reshards checkpoints then
+plans and streams the files, each rank writing its own rank's files, and rank 0 moves ``latest``
+only after every rank has written and synced (``write_checkpoint``'s barrier). A rank's sources
+name the other ranks' pieces too (the planner needs whole params) but never reads them.
+
+Resuming reads any checkpoint zckpt reads (its own, DeepSpeed's, a universal or a resharded one)
+as whole params and takes this rank's share of each, so the world size may change.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..deepspeed import engine_config as E
+from ..deepspeed.reader import open_training_state
+from ..deepspeed.save import write_checkpoint
+from ..deepspeed.writer import plan_checkpoint, plan_target
+from ..dtypes import FP32, from_torch
+from ..errors import LayoutError, OutputError
+from ..index import CheckpointIndex, Entry, Segment, TensorSource
+from ..materialize import read_tensor
+from ..output import write_text_atomic
+from ..reading import FileReader
+from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
+from ..tensor_sources import read_range
+from ..torchpickle import Inline, OutTensor
+from .model import MODEL_CONFIG_FILE
+from .optim import ADAM_STATES
+
+if TYPE_CHECKING:
+    from .loop import Trainer
+    from .zero3 import Comm
+
+STEP = "step"
+
+
+def tag_for(global_steps: int) -> str:
+    return f"global_step{global_steps}"
+
+
+def _whole_param(path: str, byte_offset: int, numel: int, share: int, rank: int, world: int) -> tuple[Segment, ...]:
+    """Segments of a whole param whose rank-`rank` share lies at `byte_offset` of `path`; the
+    other ranks' shares are named after their owner and never read on this rank."""
+    segments = []
+    for owner in range(world):
+        length = max(0, min(share, numel - owner * share))
+        if length:
+            segments.append(Segment(path, byte_offset, length) if owner == rank else Segment(f"<rank {owner}'s memory>", 0, length))
+    return tuple(segments)
+
+
+def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> TrainingState:
+    """The trainer's live state in zckpt's own types (no byte copied)."""
+    plan, optimizer, rank, world = trainer.plan, trainer.optimizer, trainer.comm.rank, trainer.comm.world
+    dtype = from_torch(trainer.dtype)
+    arena = optimizer.arena
+    entries: list[Entry] = []
+    params: dict[str, ParamState] = {}
+    for index, spec in enumerate(plan.params):
+        if spec.trainable:
+            slot = optimizer.slots[index]
+
+            def source(kind: int) -> TensorSource:
+                offset = arena.byte_offset(3 * slot.flat + kind) + slot.offset * 4
+                return TensorSource(FP32, spec.shape, _whole_param(arena.path, offset, spec.numel, spec.share, rank, world))
+
+            master = source(0)
+            params[spec.name] = ParamState(spec.name, spec.shape, plan.group_names.index(spec.group), master, {k: source(1 + i) for i, k in enumerate(ADAM_STATES)})
+            entries.append(Entry(spec.name, "param", master))
+        else:
+            model_arena = trainer.model.arena
+            segments = _whole_param(model_arena.path, model_arena.byte_offset(index), spec.numel, spec.share, rank, world)
+            entries.append(Entry(spec.name, "frozen", TensorSource(dtype, spec.shape, segments)))
+    sources = {e.name: e.source for e in entries}
+    entries += [Entry(alias, "tied", sources[origin], alias_of=origin) for alias, origin in plan.tied.items()]
+    index = CheckpointIndex(
+        checkpoint_dir=checkpoint_dir, tag=tag, tag_dir=os.path.join(checkpoint_dir, tag), tags=(tag,), zero_stage=3, world_size=world,
+        dtype=dtype, ds_version=E.FORMAT_VERSION, offload="none", entries=tuple(entries),
+    )
+    groups = []
+    for g, _ in enumerate(plan.group_names):
+        flats = [f for f, group in enumerate(plan.layout.flat_groups) if group.param_group == g]
+        step = OutTensor(FP32, (), (Inline(np.float32(float(optimizer.steps[flats[0]])).tobytes()),))
+        names = tuple(plan.layout.params[i].name for f in flats for i in plan.layout.flat_groups[f].params)
+        groups.append(ParamGroupState(dict(optimizer.hyperparams[g]), {STEP: ScalarState(value=step)}, names, (STEP, *ADAM_STATES)))
+    config = trainer.config
+    scaler = optimizer.loss_scale
+    return TrainingState(
+        index=index,
+        params=tuple(params[p.name] for p in plan.layout.params),
+        groups=tuple(groups),
+        module_names=plan.module_names,
+        module_dtype_names={name: dtype.short for name in plan.module_names},
+        loss_scaler=E.dynamic_loss_scaler(vars(scaler)) if scaler is not None else None,
+        lr_scheduler=E.scheduler_state(trainer.last_batch_iteration),
+        global_steps=trainer.global_steps,
+        global_samples=trainer.global_samples,
+        skipped_steps=trainer.skipped_steps,
+        ds_config=E.engine_config(
+            micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=world, dtype=config.dtype, lr=config.lr, betas=config.betas,
+            eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=trainer.schedule.ds_scheduler(),
+        ),
+        optimizer_extras=E.optimizer_extras(scaler is not None),
+    )
+
+
+def save_checkpoint(trainer: "Trainer", checkpoint_dir: str) -> str:
+    """Write ``checkpoint_dir/global_stepN/`` (every rank its own files), then ``latest`` and
+    ``model_config.json``; returns the tag. Collective: every rank calls it."""
+    tag = tag_for(trainer.global_steps)
+    state = training_state(trainer, checkpoint_dir, tag)
+    plan = plan_checkpoint(state, plan_target(state, trainer.comm.world, stage=3), tag)
+    config_text = trainer.model_config.to_json()
+    sync = _AgreedSync(trainer.comm, checkpoint_dir)
+    try:
+        write_checkpoint(
+            plan, checkpoint_dir, overwrite=True, part=trainer.comm.rank, parts=trainer.comm.world, barrier=sync,
+            before_latest=lambda: write_text_atomic(os.path.join(checkpoint_dir, MODEL_CONFIG_FILE), config_text),
+            verify=False,  # the sources are memory, not archives with checksums
+            by_rank=True,
+        )
+    except BaseException:
+        sync.fail()
+        raise
+    sync()  # nobody goes on before `latest` names the new checkpoint (or knows that it could not)
+    return tag
+
+
+class _AgreedSync:
+    """A barrier that also tells every rank whether some rank failed, so that a rank that cannot
+    write its files (disk full) makes the others stop too, instead of leaving them waiting or
+    committing a checkpoint without its files. Every rank calls it at the same points; a failed
+    rank answers the call the others are waiting in with :meth:`fail`, and they raise."""
+
+    def __init__(self, comm: "Comm", checkpoint_dir: str) -> None:
+        self.comm, self.checkpoint_dir = comm, checkpoint_dir
+        self.raised = False
+
+    def __call__(self) -> None:
+        flag = self.comm.all_reduce(torch.zeros(1), dist.ReduceOp.MAX) if self.comm.world > 1 else torch.zeros(1)
+        if flag.item():
+            self.raised = True
+            raise OutputError(self.checkpoint_dir, "another rank could not write its part of the checkpoint; the previous checkpoint is kept")
+
+    def fail(self) -> None:
+        if not self.raised and self.comm.world > 1:  # this rank is the one that failed
+            self.comm.all_reduce(torch.ones(1), dist.ReduceOp.MAX)
+
+
+def load_checkpoint(trainer: "Trainer", path: str) -> None:
+    """Take this rank's share of every param's master and Adam moments, the step counters, the
+    lr scheduler and the loss scaler from any checkpoint zckpt reads."""
+    state = open_training_state(path)
+    plan, optimizer, rank = trainer.plan, trainer.optimizer, trainer.comm.rank
+    saved = {p.name: p for p in state.params}
+    entries = {e.name: e for e in state.index.entries}
+    with FileReader() as reader:
+        for index, spec in enumerate(plan.params):
+            start = min(spec.numel, rank * spec.share)
+            length = max(0, min(spec.share, spec.numel - start))
+            if spec.trainable:
+                param = saved.get(spec.name)
+                if param is None or tuple(param.shape) != spec.shape:
+                    found = "absent" if param is None else f"of shape {list(param.shape)}"
+                    raise LayoutError(path, f"trainable param {spec.name} of shape {list(spec.shape)} is {found} in the checkpoint (another model?)")
+                slot = optimizer.slots[index]
+                targets = [(param.master, optimizer.masters)] + [(param.states.get(k), optimizer.states[k]) for k in ADAM_STATES]
+                for source, flats in targets:
+                    if source is None:
+                        raise LayoutError(path, f"param {spec.name} has no Adam moments (exp_avg, exp_avg_sq) in the checkpoint")
+                    if source.dtype != FP32:
+                        raise LayoutError(path, f"param {spec.name}: optimizer state stored as {source.dtype}, fp32 expected")
+                    dest = flats[slot.flat][slot.offset : slot.offset + slot.share]
+                    dest.zero_()
+                    read_range(reader, source, start, dest[:length].numpy())
+            else:
+                entry = entries.get(spec.name)
+                if entry is None or tuple(entry.source.shape) != spec.shape:
+                    raise LayoutError(path, f"frozen param {spec.name} of shape {list(spec.shape)} is absent or mis-shaped in the checkpoint")
+                whole = read_tensor(reader, entry.source, from_torch(trainer.dtype)).reshape(-1)
+                shard = trainer.model.shards[index].data
+                shard.zero_()
+                shard[:length] = whole[start : start + length]
+        for g, group in enumerate(state.groups[: len(plan.group_names)]):
+            step = group.scalars.get(STEP)
+            value = float(read_tensor(reader, step.tensor)) if step is not None and step.tensor is not None else float(step.value if step else 0)
+            for f, flat in enumerate(plan.layout.flat_groups):
+                if flat.param_group == g:
+                    optimizer.steps[f].fill_(value)
+    optimizer.copy_to_shards(trainer.model.shards)
+    trainer.global_steps = int(state.global_steps or 0)
+    trainer.skipped_steps = int(state.skipped_steps or 0)
+    iteration = E.scheduler_iteration(state.lr_scheduler)
+    trainer.last_batch_iteration = iteration if iteration is not None else trainer.global_steps - trainer.skipped_steps - 1
+    for group in optimizer.hyperparams:
+        group["lr"] = trainer.lr()
+    scaler = optimizer.loss_scale
+    if scaler is not None and state.loss_scaler is not None:
+        values = vars(state.loss_scaler)  # DeepSpeed's DynamicLossScaler, read as plain data
+        for key in vars(scaler):
+            if key in values and key != "dtype":
+                setattr(scaler, key, values[key])

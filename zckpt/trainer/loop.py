@@ -1,0 +1,144 @@
+"""The training loop: micro-steps, the optimizer step, logging through a callback, saving.
+
+One code path for every world size: with one process the collectives are identities.
+The library never prints; :func:`train` reports each step to `on_step` (rank 0 only).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainConfig
+from .data import TokenData
+from .model import build_model
+from .optim import DynamicLossScale, LRSchedule, ShardedAdamW, param_group_defaults
+from .zero3 import DECAY, Comm, ShardedModel, plan_zero3
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepLog:
+    step: int  # optimizer steps done (global_steps)
+    loss: float  # mean over micro-steps and ranks
+    lr: float  # the lr this step used
+    grad_norm: float
+    skipped: bool  # fp16 overflow: the step was skipped
+    tokens_per_s: float
+    saved: str | None = None  # the checkpoint tag folder written after this step
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    losses: tuple[float, ...]
+    global_steps: int
+    skipped_steps: int
+    checkpoints: tuple[str, ...]
+
+
+def init_distributed() -> bool:
+    """Join the torchrun job if there is one; True if this call created the process group (and
+    so must destroy it). gloo: the trainer computes on CPU (CUDA and nccl are not wired in yet)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group("gloo")
+    return True
+
+
+class Trainer:
+    """The model, its ZeRO-3 shards, the sharded optimizer and the counters DeepSpeed keeps."""
+
+    def __init__(self, config: TrainConfig, comm: Comm | None = None) -> None:
+        self.config = config
+        self.comm = comm or Comm()
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.model_config = config.model_config()
+        full = build_model(self.model_config, seed=config.seed)
+        self.plan = plan_zero3(full, self.comm.world, config.sub_group_size, config.freeze)
+        # no warmup: DeepSpeed's schedule with min lr = max lr (its warmup is at least 2 steps)
+        self.schedule = LRSchedule(config.lr, config.warmup, config.steps, min_lr=0.0 if config.warmup else config.lr)
+        hyper = [param_group_defaults(self.schedule.at(-1), config.betas, config.eps, config.weight_decay if g == DECAY else 0.0) for g in self.plan.group_names]
+        scaler = DynamicLossScale() if config.dtype == "fp16" else None
+        self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler)
+        self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate)
+        self.optimizer.load_masters(self.model.shards)
+        self.data = TokenData(self.model_config.vocab, self.model_config.seq_len, config.seed, config.data)
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_batch_iteration = -1  # DeepSpeed's lr scheduler counter
+        if config.resume:
+            from .checkpoint import load_checkpoint
+
+            load_checkpoint(self, config.resume)
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.micro_batch * self.config.grad_accum * self.comm.world
+
+    @property
+    def global_samples(self) -> int:
+        return self.global_steps * self.global_batch
+
+    def lr(self) -> float:
+        return self.schedule.at(self.last_batch_iteration)
+
+    def train_step(self) -> StepLog:
+        """One optimizer step: grad_accum micro-steps, then the sharded AdamW step."""
+        started = time.perf_counter()
+        config = self.config
+        scale = self.optimizer.loss_scale.cur_scale if self.optimizer.loss_scale else 1.0
+        total = torch.zeros(1, dtype=torch.float64)
+        for micro in range(config.grad_accum):
+            first = (self.global_steps * config.grad_accum + micro) * config.micro_batch * self.comm.world
+            inputs, targets = self.data.micro_batch(first, self.comm.rank, config.micro_batch)
+            loss = self.model(inputs, targets)
+            (loss * (scale / config.grad_accum)).backward()
+            total += loss.detach().double()
+        self.comm.all_reduce(total)
+        lr = self.lr()
+        result = self.optimizer.step([lr] * len(self.plan.group_names))
+        if result.skipped:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.copy_to_shards(self.model.shards)
+            self.last_batch_iteration += 1
+            for group in self.optimizer.hyperparams:  # saved after the scheduler step, as DeepSpeed does
+                group["lr"] = self.lr()
+        self.global_steps += 1
+        elapsed = time.perf_counter() - started
+        loss_value = float(total) / (config.grad_accum * self.comm.world)
+        tokens = self.global_batch * self.model_config.seq_len
+        return StepLog(self.global_steps, loss_value, lr, result.grad_norm, result.skipped, tokens / elapsed if elapsed > 0 else 0.0)
+
+    def save(self) -> str:
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, self.config.out or "")
+
+
+def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
+    """Train as `config` says, in this process and (under torchrun) its peers."""
+    created = init_distributed()
+    try:
+        trainer = Trainer(config)
+        losses, saved = [], []
+        while trainer.global_steps < config.steps:
+            log = trainer.train_step()
+            losses.append(log.loss)
+            due = config.out and (trainer.global_steps == config.steps or (config.save_every and trainer.global_steps % config.save_every == 0))
+            if due:
+                saved.append(trainer.save())
+                log = StepLog(**{**log.__dict__, "saved": saved[-1]})
+            if on_step is not None and trainer.comm.rank == 0:
+                on_step(log)
+        return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved))
+    finally:
+        if created:
+            dist.barrier()  # no rank tears gloo down while another still talks to it (it aborts)
+            dist.destroy_process_group()

@@ -1,0 +1,197 @@
+"""AdamW on each rank's fp32 master partitions, one ZeRO-3 sub-group at a time.
+
+Per sub-group a rank keeps DeepSpeed's three flat fp32 tensors (master, ``exp_avg``,
+``exp_avg_sq``: its shares of the sub-group's params, concatenated, padding included) and an
+fp32 gradient of the same shape that the micro-steps accumulate into. The step mirrors
+DeepSpeed's ZeRO-3 optimizer: unscale and clip by the global norm (``stage3.unscale_and_clip_grads``),
+skip the step on an fp16 overflow, then ``torch.optim.AdamW``'s own update on each flat tensor, and
+finally the new masters, rounded to the compute dtype, become the shards the model gathers.
+
+The masters and moments live in a :class:`MemoryArena`: a memory file, so the checkpoint writer
+streams them with the same code that copies file bytes (no copy, no scratch file).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.optim.adamw import adamw
+
+from .arena import MemoryArena
+from .zero3 import Comm, Zero3Plan
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class DynamicLossScale:
+    """DeepSpeed's DynamicLossScaler (fp16): same fields, same update rule, so it is saved and
+    loaded as DeepSpeed's own object."""
+
+    cur_scale: float = 2.0**16
+    scale_window: int = 1000
+    min_scale: float = 1.0
+    delayed_shift: int = 2
+    consecutive_hysteresis: bool = False
+    raise_error_at_min_scale: bool = True
+    cur_iter: int = 0
+    last_overflow_iter: int = -1
+    scale_factor: float = 2.0
+    cur_hysteresis: int = 2
+    dynamic: bool = True
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise FloatingPointError("fp16 loss scale is at its minimum and gradients still overflow")
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """DeepSpeed's WarmupDecayLR with linear warmup, stepped as the engine steps it: the lr of
+    optimizer step k (1-based) is the scheduler's value at iteration k - 2 (``min_lr`` before 0)."""
+
+    max_lr: float
+    warmup_steps: int
+    total_steps: int
+    min_lr: float = 0.0
+
+    def at(self, iteration: int) -> float:
+        if iteration < 0:
+            return self.min_lr
+        warmup = max(2, self.warmup_steps)
+        if iteration < warmup:
+            gamma = iteration / warmup
+        else:
+            gamma = max(0.0, (self.total_steps - iteration) / max(1.0, self.total_steps - warmup))
+        return self.min_lr + (self.max_lr - self.min_lr) * gamma
+
+    def ds_scheduler(self) -> dict:
+        params = {"total_num_steps": self.total_steps, "warmup_min_lr": self.min_lr, "warmup_max_lr": self.max_lr,
+                  "warmup_num_steps": max(1, self.warmup_steps), "warmup_type": "linear"}
+        return {"type": "WarmupDecayLR", "params": params}
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a trainable param's share lies: flat group `flat`, element `offset`."""
+
+    flat: int
+    offset: int
+    share: int
+
+
+def param_group_defaults(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict:
+    """A param group's hyperparameters exactly as torch.optim.AdamW keeps (and saves) them."""
+    group = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).param_groups[0])
+    group.pop("params")
+    return group
+
+
+@dataclass
+class ShardedAdamW:
+    plan: Zero3Plan
+    comm: Comm
+    hyperparams: list[dict]  # per param group (plan.group_names), torch AdamW's keys
+    clip: float = 0.0
+    loss_scale: DynamicLossScale | None = None  # fp16 only
+    arena: MemoryArena = field(init=False)
+
+    def __post_init__(self) -> None:
+        layout = self.plan.layout
+        sizes = [g.partition * 4 for g in layout.flat_groups for _ in range(3)]
+        self.arena = MemoryArena(sizes)
+        count = len(layout.flat_groups)
+        self.masters = [self.arena.tensor(3 * f, g.partition) for f, g in enumerate(layout.flat_groups)]
+        self.states = {key: [self.arena.tensor(3 * f + 1 + k, g.partition) for f, g in enumerate(layout.flat_groups)] for k, key in enumerate(ADAM_STATES)}
+        self.grads = [torch.zeros(g.partition) for g in layout.flat_groups]
+        self.steps = [torch.tensor(0.0) for _ in range(count)]
+        index_of = {s.name: i for i, s in enumerate(self.plan.params)}
+        self.slots: dict[int, Slot] = {}
+        for f, group in enumerate(layout.flat_groups):
+            offset = 0
+            for member in group.params:
+                spec_index = index_of[layout.params[member].name]
+                share = self.plan.params[spec_index].share
+                self.slots[spec_index] = Slot(f, offset, share)
+                offset += share
+
+    def load_masters(self, shards: Sequence[torch.Tensor]) -> None:
+        """Masters from the model's initial shards (fp32 copies of them)."""
+        for index, slot in self.slots.items():
+            self.masters[slot.flat][slot.offset : slot.offset + slot.share].copy_(shards[index].detach())
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        slot = self.slots[index]
+        self.grads[slot.flat][slot.offset : slot.offset + slot.share].add_(grad)
+
+    def zero_grad(self) -> None:
+        for grad in self.grads:
+            grad.zero_()
+
+    def step(self, lrs: Sequence[float]) -> StepResult:
+        scale = self.loss_scale.cur_scale if self.loss_scale else 1.0
+        local = torch.zeros(2, dtype=torch.float64)
+        for grad in self.grads:
+            local[0] += grad.double().pow(2).sum()
+        local[1] = float(not all(bool(torch.isfinite(g).all()) for g in self.grads))
+        self.comm.all_reduce(local)
+        overflow = bool(local[1] > 0) or not math.isfinite(float(local[0]))
+        norm = math.sqrt(float(local[0])) if not overflow else float("inf")
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow)
+        if overflow:
+            self.zero_grad()
+            return StepResult(norm, True)
+        combined = scale
+        if self.clip > 0:
+            combined = max(1.0, (norm / scale + 1e-6) / self.clip) * scale
+        for f, group in enumerate(self.plan.layout.flat_groups):
+            grad = self.grads[f]
+            if combined != 1.0:
+                grad.mul_(1.0 / combined)
+            hyper = self.hyperparams[group.param_group]
+            # torch's own AdamW update (it counts the step itself), on this sub-group's flat tensors
+            adamw([self.masters[f]], [grad], [self.states["exp_avg"][f]], [self.states["exp_avg_sq"][f]], [], [self.steps[f]],
+                  foreach=False, amsgrad=False, beta1=hyper["betas"][0], beta2=hyper["betas"][1], lr=lrs[group.param_group],
+                  weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False)
+        self.zero_grad()
+        return StepResult(norm / scale, False)
+
+    def full_state(self, index: int, key: str = "master") -> torch.Tensor:
+        """Param `index`'s whole fp32 master (or Adam state `key`), gathered from every rank (a
+        collective: every rank calls it)."""
+        spec, slot = self.plan.params[index], self.slots[index]
+        flats = self.masters if key == "master" else self.states[key]
+        out = torch.empty(slot.share * self.comm.world)
+        self.comm.all_gather(out, flats[slot.flat][slot.offset : slot.offset + slot.share])
+        return out[: spec.numel].view(spec.shape)
+
+    def copy_to_shards(self, shards: Sequence[torch.Tensor]) -> None:
+        """The new masters, rounded to the compute dtype, become the shards the model gathers."""
+        with torch.no_grad():
+            for index, slot in self.slots.items():
+                shards[index].copy_(self.masters[slot.flat][slot.offset : slot.offset + slot.share])
