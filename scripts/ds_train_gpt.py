@@ -5,7 +5,7 @@ Per-rank worker, started by torchrun with an interpreter that has DeepSpeed::
 
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc-per-node N scripts/ds_train_gpt.py \\
         --model-config CKPT/model_config.json --ds-config CONFIG.json --out OUT \\
-        [--load CKPT] [--train-steps K] [--seed S] [--freeze REGEX] [--save DIR]
+        [--load CKPT] [--train-steps K] [--seed S] [--freeze REGEX] [--save DIR] [--no-live]
 
 The model is ``zckpt.trainer.build_model(model_config.json, seed=S)`` (the trainer's own init),
 its param groups the trainer's (matrices with the config's weight decay, biases and norms
@@ -13,7 +13,10 @@ without), the data the trainer's (``zckpt.trainer.data``: rank r takes rows r*mb
 global micro-batch). ``--load`` runs a plain ``engine.load_checkpoint(CKPT)``. Rank 0 writes
 ``OUT/live.pt`` (per param: ``<name>.master``, ``.exp_avg``, ``.exp_avg_sq`` from DeepSpeed's
 ``safe_get_full_*``, fp32, full shape; after the training steps if any) and ``OUT/state.json``
-(global_steps, skipped_steps, lr, losses of the trained steps).
+(global_steps, skipped_steps, lr, losses of the trained steps, each step's wall seconds, each
+rank's peak RSS in KiB: what scripts/bench_trainer.py compares). ``--no-live`` skips live.pt;
+``--masters-only`` leaves the Adam moments out of it (a DeepSpeed run with NVMe optimizer offload
+has none after a load until it steps).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import argparse
 import json
 import os
 import re
+import resource
 import sys
+import time
 
 
 def main() -> None:
@@ -35,6 +40,8 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--freeze")
+    parser.add_argument("--no-live", action="store_true")
+    parser.add_argument("--masters-only", action="store_true")
     args, _ = parser.parse_known_args()
 
     import torch
@@ -68,8 +75,9 @@ def main() -> None:
     cfg = model.config
     data = TokenData(cfg.vocab, cfg.seq_len, args.seed)
     micro_batch, grad_accum = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
-    losses, lrs = [], []
+    losses, lrs, step_times = [], [], []
     for _ in range(args.train_steps):
+        started = time.perf_counter()
         step = engine.global_steps
         lrs.append(engine.get_lr()[0])
         total = torch.zeros(1, dtype=torch.float64)
@@ -81,20 +89,26 @@ def main() -> None:
             total += loss.detach().double()
         torch.distributed.all_reduce(total)
         losses.append(float(total) / (grad_accum * world))
+        step_times.append(time.perf_counter() - started)
     if args.save:
         engine.save_checkpoint(args.save)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
+    peaks = [torch.zeros_like(peak) for _ in range(world)]
+    torch.distributed.all_gather(peaks, peak)
     live = {}
     for name, param in engine.module.named_parameters():
-        if not param.requires_grad:
+        if not param.requires_grad or args.no_live:
             continue
         live[f"{name}.master"] = safe_get_full_fp32_param(param).float().clone()
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in () if args.masters_only else ("exp_avg", "exp_avg_sq"):
             live[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).float().clone()
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        torch.save(live, os.path.join(args.out, "live.pt"))
+        if not args.no_live:
+            torch.save(live, os.path.join(args.out, "live.pt"))
         state = {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps, "lr": engine.get_lr()[0], "losses": losses, "lrs": lrs,
-                 "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0))}
+                 "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)), "step_times": step_times,
+                 "peak_rss_kib": [int(p) for p in peaks]}
         with open(os.path.join(args.out, "state.json"), "w", encoding="utf-8") as handle:
             json.dump(state, handle)
     torch.distributed.barrier()

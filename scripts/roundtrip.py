@@ -2,6 +2,7 @@
 """Round-trip check of ``zckpt train`` checkpoints across world sizes (see zckpt/trainer/roundtrip.py).
 
     python scripts/roundtrip.py --from-world 2 --to-world 3 --steps 8 --save-at 4 --dtype bf16
+    python scripts/roundtrip.py --nvme --dim 256 --layers 1 --sub-group-size 800000   # NVMe offload
 
 Prints a table of what matched; exits 1 on any mismatch, 2 on bad options.
 """
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--sub-group-size", type=int, default=2000)
     parser.add_argument("--tie-embeddings", action="store_true")
+    parser.add_argument("--nvme", action="store_true", help="every run offloads its optimizer state to a swap folder in the work folder "
+                        "(sub-groups of at least 1 MiB fp32 per rank are swapped: pick --dim and --sub-group-size so some are)")
     parser.add_argument("--work-dir", help="keep the checkpoints here (default: a temporary folder)")
     args = parser.parse_args(argv)
 
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig(steps=args.steps, dtype=args.dtype, micro_batch=args.micro_batch, grad_accum=args.grad_accum, layers=args.layers, dim=args.dim,
                              heads=args.heads, vocab=args.vocab, seq_len=args.seq_len, sub_group_size=args.sub_group_size, tie_embeddings=args.tie_embeddings,
                              lr=3e-3, warmup=2)
-        report = roundtrip(config, args.from_world, args.to_world, args.save_at, args.work_dir)
+        report = roundtrip(config, args.from_world, args.to_world, args.save_at, args.work_dir, nvme=args.nvme)
     except ZckptError as exc:
         print(f"roundtrip: error: {exc}", file=sys.stderr)
         return 2

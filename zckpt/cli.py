@@ -546,7 +546,7 @@ def train(
     tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings", help="The lm head shares the token embedding.")] = False,
     freeze: Annotated[Optional[str], typer.Option("--freeze", metavar="REGEX", help="Freeze the params whose names match.")] = None,
     sub_group_size: Annotated[int, typer.Option("--sub-group-size", min=1, help="ZeRO-3 optimizer sub-group size (elements per rank), as DeepSpeed's.")] = 1_000_000_000,
-    nvme_path: Annotated[Optional[Path], typer.Option("--nvme-path", metavar="DIR", help="Swap optimizer state to this folder (not implemented yet).")] = None,
+    nvme_path: Annotated[Optional[Path], typer.Option("--nvme-path", metavar="DIR", help="NVMe offload: the fp32 masters and Adam moments of sub-groups of at least 1 MiB per rank live in DeepSpeed's swap files under DIR/zero_stage_3/optimizer/rank<R>/, streamed through a fixed buffer pool; checkpoints get offloaded_tensors/.")] = None,
     resume: Annotated[Optional[Path], typer.Option("--resume", metavar="PATH", help="Resume from a checkpoint: zckpt's, DeepSpeed's ZeRO-3, resharded or universal; any world size.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
     data: Annotated[Optional[Path], typer.Option("--data", metavar="FILE", help="A text file read as bytes (--vocab >= 256); default: deterministic synthetic tokens.")] = None,
@@ -592,6 +592,10 @@ def train(
             bar.close()
     if not quiet and _primary_process() and result.checkpoints and out is not None:
         typer.echo(f"wrote {out}/{result.checkpoints[-1]} ({result.global_steps} steps, {result.skipped_steps} skipped)")
+    if not quiet and _primary_process() and result.swapped_sub_groups is not None:
+        swapped, total = result.swapped_sub_groups
+        typer.echo(f"NVMe offload: {swapped} of {total} optimizer sub-groups per rank in {nvme_path}/zero_stage_3/optimizer/ "
+                   "(DeepSpeed swaps those of at least 1 MiB of fp32 per rank)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torch 2.13's gloo threads can abort a rank's interpreter exit ("terminate called without
         # an active exception"), which torchrun reports as a failed job; everything is written

@@ -10,7 +10,9 @@ from typing import Any
 from ..dtypes import FP16
 from ..torchpickle import GlobalName, PickledInstance
 from . import names as N
+from .swap_rules import OPTIMIZER_BUFFER_COUNT_DEFAULT, offload_optimizer_section
 
+FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
 FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint format the trainer writes
 DYNAMIC_LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 # DynamicLossScaler's attributes in the order its __init__ sets them (FORMAT_OBSERVED.md)
@@ -31,16 +33,25 @@ def engine_config(
     clip: float,
     sub_group_size: int,
     scheduler: dict[str, Any],
+    nvme_path: str | None = None,
 ) -> dict[str, Any]:
-    """A ZeRO-3 ds_config describing the run (torch's AdamW, DeepSpeed's lr scheduler)."""
+    """A ZeRO-3 ds_config describing the run (torch's AdamW, DeepSpeed's lr scheduler); with
+    `nvme_path`, the optimizer state offloaded there (DeepSpeed's aio defaults: what decides
+    which sub-groups are swapped and how their files are padded)."""
+    zero: dict[str, Any] = {N.CONFIG_STAGE: 3, N.CONFIG_SUB_GROUP_SIZE: sub_group_size}
+    offload: dict[str, Any] = {}
+    if nvme_path is not None:
+        zero[N.CONFIG_OFFLOAD_OPTIMIZER] = offload_optimizer_section(OPTIMIZER_BUFFER_COUNT_DEFAULT, nvme_path)
+        offload[FORCE_DS_CPU_OPTIMIZER] = False  # DeepSpeed refuses torch's AdamW with an offloaded optimizer otherwise
     return {
+        **offload,
         "train_batch_size": micro_batch * grad_accum * world_size,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         N.CONFIG_GRADIENT_CLIPPING: clip,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay, "torch_adam": True}},
         "scheduler": scheduler,
-        N.CONFIG_ZERO: {N.CONFIG_STAGE: 3, N.CONFIG_SUB_GROUP_SIZE: sub_group_size},
+        N.CONFIG_ZERO: zero,
         N.CONFIG_BF16[0]: {"enabled": dtype == "bf16"},
         N.CONFIG_FP16: {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
     }

@@ -39,6 +39,12 @@ def swap_file_name(first_ds_id: int, last_ds_id: int, state: str | None = None) 
     return f"{state + '-' if state else ''}{first_ds_id}_{last_ds_id}{SWAP_SUFFIX}"
 
 
+def swap_rank_dir(dp_rank: int) -> str:
+    """``rank3``-style folder of one rank's files in a live swap folder (not zero-padded, unlike
+    offloaded_tensors/)."""
+    return f"rank{dp_rank}"
+
+
 def offloaded_rank_dir(dp_rank: int) -> str:
     """``rank00``-style folder of one rank's NVMe swap files inside offloaded_tensors/."""
     return f"rank{dp_rank:02d}"

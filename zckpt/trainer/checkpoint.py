@@ -69,8 +69,11 @@ def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> Trainin
             slot = optimizer.slots[index]
 
             def source(kind: int) -> TensorSource:
-                offset = arena.byte_offset(3 * slot.flat + kind) + slot.offset * 4
-                return TensorSource(FP32, spec.shape, _whole_param(arena.path, offset, spec.numel, spec.share, rank, world))
+                if optimizer.swapper is not None and slot.flat in optimizer.swapped:  # in the live swap file
+                    path, offset = optimizer.swapper.paths[slot.flat][kind], slot.offset * 4
+                else:
+                    path, offset = arena.path, arena.byte_offset(3 * slot.flat + kind) + slot.offset * 4
+                return TensorSource(FP32, spec.shape, _whole_param(path, offset, spec.numel, spec.share, rank, world))
 
             master = source(0)
             params[spec.name] = ParamState(spec.name, spec.shape, plan.group_names.index(spec.group), master, {k: source(1 + i) for i, k in enumerate(ADAM_STATES)})
@@ -83,7 +86,7 @@ def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> Trainin
     entries += [Entry(alias, "tied", sources[origin], alias_of=origin) for alias, origin in plan.tied.items()]
     index = CheckpointIndex(
         checkpoint_dir=checkpoint_dir, tag=tag, tag_dir=os.path.join(checkpoint_dir, tag), tags=(tag,), zero_stage=3, world_size=world,
-        dtype=dtype, ds_version=E.FORMAT_VERSION, offload="none", entries=tuple(entries),
+        dtype=dtype, ds_version=E.FORMAT_VERSION, offload="nvme" if optimizer.swapper is not None else "none", entries=tuple(entries),
     )
     groups = []
     for g, _ in enumerate(plan.group_names):
@@ -91,7 +94,6 @@ def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> Trainin
         step = OutTensor(FP32, (), (Inline(np.float32(float(optimizer.steps[flats[0]])).tobytes()),))
         names = tuple(plan.layout.params[i].name for f in flats for i in plan.layout.flat_groups[f].params)
         groups.append(ParamGroupState(dict(optimizer.hyperparams[g]), {STEP: ScalarState(value=step)}, names, (STEP, *ADAM_STATES)))
-    config = trainer.config
     scaler = optimizer.loss_scale
     return TrainingState(
         index=index,
@@ -104,10 +106,7 @@ def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> Trainin
         global_steps=trainer.global_steps,
         global_samples=trainer.global_samples,
         skipped_steps=trainer.skipped_steps,
-        ds_config=E.engine_config(
-            micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=world, dtype=config.dtype, lr=config.lr, betas=config.betas,
-            eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=trainer.schedule.ds_scheduler(),
-        ),
+        ds_config=trainer.ds_config(),
         optimizer_extras=E.optimizer_extras(scaler is not None),
     )
 
@@ -171,16 +170,15 @@ def load_checkpoint(trainer: "Trainer", path: str) -> None:
                 if param is None or tuple(param.shape) != spec.shape:
                     found = "absent" if param is None else f"of shape {list(param.shape)}"
                     raise LayoutError(path, f"trainable param {spec.name} of shape {list(spec.shape)} is {found} in the checkpoint (another model?)")
-                slot = optimizer.slots[index]
-                targets = [(param.master, optimizer.masters)] + [(param.states.get(k), optimizer.states[k]) for k in ADAM_STATES]
-                for source, flats in targets:
+                targets = [(param.master, "master")] + [(param.states.get(k), k) for k in ADAM_STATES]
+                for source, key in targets:
                     if source is None:
                         raise LayoutError(path, f"param {spec.name} has no Adam moments (exp_avg, exp_avg_sq) in the checkpoint")
                     if source.dtype != FP32:
                         raise LayoutError(path, f"param {spec.name}: optimizer state stored as {source.dtype}, fp32 expected")
-                    dest = flats[slot.flat][slot.offset : slot.offset + slot.share]
-                    dest.zero_()
-                    read_range(reader, source, start, dest[:length].numpy())
+                    share = torch.zeros(spec.share)
+                    read_range(reader, source, start, share[:length].numpy())
+                    optimizer.write_share(index, key, share)  # into memory, or the live swap file
             else:
                 entry = entries.get(spec.name)
                 if entry is None or tuple(entry.source.shape) != spec.shape:

@@ -33,7 +33,7 @@ class TrainConfig:
     tie_embeddings: bool = False
     freeze: str | None = None  # a regex of param names
     sub_group_size: int = 1_000_000_000
-    nvme_path: str | None = None
+    nvme_path: str | None = None  # NVMe offload: swap folder root, DeepSpeed's layout
     resume: str | None = None
     seed: int = 0
     data: str | None = None
@@ -51,8 +51,8 @@ class TrainConfig:
             raise UsageError(None, "--lr must be positive, --clip and the weight decay not negative")
         if self.save_every and not self.out:
             raise UsageError(None, "--save-every needs --out (where checkpoints go)")
-        if self.nvme_path is not None:
-            raise UsageError(None, "--nvme-path: NVMe offload is not implemented yet in zckpt train")
+        if self.nvme_path is not None and os.path.exists(self.nvme_path) and not os.path.isdir(self.nvme_path):
+            raise UsageError(self.nvme_path, "--nvme-path must be a folder (the swap files go in it)")
         if self.resume is not None and not os.path.exists(self.resume):
             raise UsageError(self.resume, "--resume: no such checkpoint")
         self.model_config()  # shape checks

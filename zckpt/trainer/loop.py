@@ -14,9 +14,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..deepspeed import engine_config as E
+from ..deepspeed.swap_rules import run_swap_rule
 from .config import TrainConfig
 from .data import TokenData
 from .model import build_model
+from .swap import live_optimizer_folder
 from .optim import DynamicLossScale, LRSchedule, ShardedAdamW, param_group_defaults
 from .zero3 import DECAY, Comm, ShardedModel, plan_zero3
 
@@ -40,6 +43,7 @@ class TrainResult:
     global_steps: int
     skipped_steps: int
     checkpoints: tuple[str, ...]
+    swapped_sub_groups: tuple[int, int] | None = None  # NVMe offload: (swapped, all) sub-groups of rank 0
 
 
 def init_distributed() -> bool:
@@ -65,7 +69,8 @@ class Trainer:
         self.schedule = LRSchedule(config.lr, config.warmup, config.steps, min_lr=0.0 if config.warmup else config.lr)
         hyper = [param_group_defaults(self.schedule.at(-1), config.betas, config.eps, config.weight_decay if g == DECAY else 0.0) for g in self.plan.group_names]
         scaler = DynamicLossScale() if config.dtype == "fp16" else None
-        self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler)
+        swap_folder = live_optimizer_folder(config.nvme_path, self.comm.rank) if config.nvme_path else None
+        self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler, swap_folder, run_swap_rule(self.ds_config()))
         self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate)
         self.optimizer.load_masters(self.model.shards)
         self.data = TokenData(self.model_config.vocab, self.model_config.seq_len, config.seed, config.data)
@@ -76,6 +81,15 @@ class Trainer:
             from .checkpoint import load_checkpoint
 
             load_checkpoint(self, config.resume)
+
+    def ds_config(self) -> dict:
+        """The ds_config of the DeepSpeed run this one is (saved in its checkpoints)."""
+        config = self.config
+        return E.engine_config(
+            micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=self.comm.world, dtype=config.dtype, lr=config.lr, betas=config.betas,
+            eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=self.schedule.ds_scheduler(),
+            nvme_path=config.nvme_path,
+        )
 
     @property
     def global_batch(self) -> int:
@@ -102,11 +116,10 @@ class Trainer:
             total += loss.detach().double()
         self.comm.all_reduce(total)
         lr = self.lr()
-        result = self.optimizer.step([lr] * len(self.plan.group_names))
+        result = self.optimizer.step([lr] * len(self.plan.group_names), self.model.shards)
         if result.skipped:
             self.skipped_steps += 1
         else:
-            self.optimizer.copy_to_shards(self.model.shards)
             self.last_batch_iteration += 1
             for group in self.optimizer.hyperparams:  # saved after the scheduler step, as DeepSpeed does
                 group["lr"] = self.lr()
@@ -120,6 +133,10 @@ class Trainer:
         from .checkpoint import save_checkpoint
 
         return save_checkpoint(self, self.config.out or "")
+
+    def close(self) -> None:
+        """Close the NVMe swap files (they stay, as DeepSpeed's swap folder does)."""
+        self.optimizer.close()
 
 
 def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
@@ -137,7 +154,9 @@ def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None)
                 log = StepLog(**{**log.__dict__, "saved": saved[-1]})
             if on_step is not None and trainer.comm.rank == 0:
                 on_step(log)
-        return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved))
+        trainer.close()
+        swapped = (len(trainer.optimizer.swapped), len(trainer.plan.layout.flat_groups)) if config.nvme_path else None
+        return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved), swapped)
     finally:
         if created:
             dist.barrier()  # no rank tears gloo down while another still talks to it (it aborts)

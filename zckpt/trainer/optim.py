@@ -8,7 +8,9 @@ skip the step on an fp16 overflow, then ``torch.optim.AdamW``'s own update on ea
 finally the new masters, rounded to the compute dtype, become the shards the model gathers.
 
 The masters and moments live in a :class:`MemoryArena`: a memory file, so the checkpoint writer
-streams them with the same code that copies file bytes (no copy, no scratch file).
+streams them with the same code that copies file bytes (no copy, no scratch file). With NVMe
+offload, the sub-groups DeepSpeed would swap live in swap files instead (:mod:`.swap`) and the
+step streams them through the swapper's buffer pool.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Sequence
 import torch
 from torch.optim.adamw import adamw
 
+from ..deepspeed.swap_rules import SwapRule
 from .arena import MemoryArena
+from .swap import OptimizerSwapper, SwappedGroup
 from .zero3 import Comm, Zero3Plan
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -118,31 +122,64 @@ class ShardedAdamW:
     hyperparams: list[dict]  # per param group (plan.group_names), torch AdamW's keys
     clip: float = 0.0
     loss_scale: DynamicLossScale | None = None  # fp16 only
+    swap_folder: str | None = None  # NVMe offload: this rank's live swap folder
+    swap_rule: SwapRule | None = None  # which sub-groups are swapped (DeepSpeed's rule)
     arena: MemoryArena = field(init=False)
 
     def __post_init__(self) -> None:
         layout = self.plan.layout
-        sizes = [g.partition * 4 for g in layout.flat_groups for _ in range(3)]
+        rule = self.swap_rule if self.swap_folder is not None else None
+        self.swapped = frozenset(f for f, g in enumerate(layout.flat_groups) if rule is not None and rule.swapped(g.partition))
+        sizes = [0 if f in self.swapped else g.partition * 4 for f, g in enumerate(layout.flat_groups) for _ in range(3)]
         self.arena = MemoryArena(sizes)
         count = len(layout.flat_groups)
-        self.masters = [self.arena.tensor(3 * f, g.partition) for f, g in enumerate(layout.flat_groups)]
-        self.states = {key: [self.arena.tensor(3 * f + 1 + k, g.partition) for f, g in enumerate(layout.flat_groups)] for k, key in enumerate(ADAM_STATES)}
+        # swapped sub-groups hold nothing here (empty tensors): their bytes are in the swap files
+        self.masters = [self.arena.tensor(3 * f, 0 if f in self.swapped else g.partition) for f, g in enumerate(layout.flat_groups)]
+        self.states = {key: [self.arena.tensor(3 * f + 1 + k, 0 if f in self.swapped else g.partition) for f, g in enumerate(layout.flat_groups)]
+                       for k, key in enumerate(ADAM_STATES)}
+        self.swapper: OptimizerSwapper | None = None
+        if self.swap_folder is not None and rule is not None:
+            ds_id = {s.name: i for i, s in enumerate(self.plan.params)}  # module order, tied params once: DeepSpeed's ds_id
+            groups = [SwappedGroup(f, g.partition, rule.file_numel(g.partition), ds_id[layout.params[g.params[0]].name], ds_id[layout.params[g.params[-1]].name])
+                      for f, g in enumerate(layout.flat_groups) if f in self.swapped]
+            self.swapper = OptimizerSwapper(self.swap_folder, groups)
         self.grads = [torch.zeros(g.partition) for g in layout.flat_groups]
         self.steps = [torch.tensor(0.0) for _ in range(count)]
         index_of = {s.name: i for i, s in enumerate(self.plan.params)}
         self.slots: dict[int, Slot] = {}
+        self._spec_index: dict[int, int] = {}  # layout param -> plan param
         for f, group in enumerate(layout.flat_groups):
             offset = 0
             for member in group.params:
                 spec_index = index_of[layout.params[member].name]
                 share = self.plan.params[spec_index].share
                 self.slots[spec_index] = Slot(f, offset, share)
+                self._spec_index[member] = spec_index
                 offset += share
 
     def load_masters(self, shards: Sequence[torch.Tensor]) -> None:
         """Masters from the model's initial shards (fp32 copies of them)."""
         for index, slot in self.slots.items():
-            self.masters[slot.flat][slot.offset : slot.offset + slot.share].copy_(shards[index].detach())
+            self.write_share(index, "master", shards[index].detach().float())
+
+    def read_share(self, index: int, key: str = "master") -> torch.Tensor:
+        """This rank's share of param `index`'s fp32 master (or Adam state `key`), padding included."""
+        slot = self.slots[index]
+        if slot.flat in self.swapped:
+            assert self.swapper is not None
+            return torch.from_numpy(self.swapper.read_range(slot.flat, _file_key(key), slot.offset, slot.share))
+        flats = self.masters if key == "master" else self.states[key]
+        return flats[slot.flat][slot.offset : slot.offset + slot.share]
+
+    def write_share(self, index: int, key: str, values: torch.Tensor) -> None:
+        """Set this rank's share of param `index`'s master (or Adam state `key`) to `values`."""
+        slot = self.slots[index]
+        if slot.flat in self.swapped:
+            assert self.swapper is not None
+            self.swapper.write_range(slot.flat, _file_key(key), slot.offset, values.numpy())
+        else:
+            flats = self.masters if key == "master" else self.states[key]
+            flats[slot.flat][slot.offset : slot.offset + slot.share].copy_(values)
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         slot = self.slots[index]
@@ -152,7 +189,10 @@ class ShardedAdamW:
         for grad in self.grads:
             grad.zero_()
 
-    def step(self, lrs: Sequence[float]) -> StepResult:
+    def step(self, lrs: Sequence[float], shards: Sequence[torch.Tensor] | None = None) -> StepResult:
+        """One AdamW step on every sub-group; with `shards`, the new masters (rounded to the
+        compute dtype) are copied into them as each sub-group is done (while a swapped one is
+        still in its buffer)."""
         scale = self.loss_scale.cur_scale if self.loss_scale else 1.0
         local = torch.zeros(2, dtype=torch.float64)
         for grad in self.grads:
@@ -169,29 +209,52 @@ class ShardedAdamW:
         combined = scale
         if self.clip > 0:
             combined = max(1.0, (norm / scale + 1e-6) / self.clip) * scale
-        for f, group in enumerate(self.plan.layout.flat_groups):
-            grad = self.grads[f]
-            if combined != 1.0:
-                grad.mul_(1.0 / combined)
-            hyper = self.hyperparams[group.param_group]
-            # torch's own AdamW update (it counts the step itself), on this sub-group's flat tensors
-            adamw([self.masters[f]], [grad], [self.states["exp_avg"][f]], [self.states["exp_avg_sq"][f]], [], [self.steps[f]],
-                  foreach=False, amsgrad=False, beta1=hyper["betas"][0], beta2=hyper["betas"][1], lr=lrs[group.param_group],
-                  weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False)
+        flats = self.plan.layout.flat_groups
+        in_memory = [(f, [self.masters[f], self.states["exp_avg"][f], self.states["exp_avg_sq"][f]]) for f in range(len(flats)) if f not in self.swapped]
+        streamed = self.swapper.stream(sorted(self.swapped)) if self.swapper is not None else iter(())
+        for source in (streamed, iter(in_memory)):
+            for f, (master, exp_avg, exp_avg_sq) in source:
+                grad = self.grads[f]
+                if combined != 1.0:
+                    grad.mul_(1.0 / combined)
+                group = flats[f]
+                hyper = self.hyperparams[group.param_group]
+                # torch's own AdamW update (it counts the step itself), on this sub-group's flat tensors
+                adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [self.steps[f]],
+                      foreach=False, amsgrad=False, beta1=hyper["betas"][0], beta2=hyper["betas"][1], lr=lrs[group.param_group],
+                      weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False)
+                if shards is not None:
+                    self._copy_flat_to_shards(f, master, shards)
         self.zero_grad()
         return StepResult(norm / scale, False)
+
+    def _copy_flat_to_shards(self, flat: int, master: torch.Tensor, shards: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for member in self.plan.layout.flat_groups[flat].params:
+                index = self._spec_index[member]
+                slot = self.slots[index]
+                shards[index].copy_(master[slot.offset : slot.offset + slot.share])
 
     def full_state(self, index: int, key: str = "master") -> torch.Tensor:
         """Param `index`'s whole fp32 master (or Adam state `key`), gathered from every rank (a
         collective: every rank calls it)."""
         spec, slot = self.plan.params[index], self.slots[index]
-        flats = self.masters if key == "master" else self.states[key]
         out = torch.empty(slot.share * self.comm.world)
-        self.comm.all_gather(out, flats[slot.flat][slot.offset : slot.offset + slot.share])
+        self.comm.all_gather(out, self.read_share(index, key))
         return out[: spec.numel].view(spec.shape)
 
     def copy_to_shards(self, shards: Sequence[torch.Tensor]) -> None:
         """The new masters, rounded to the compute dtype, become the shards the model gathers."""
         with torch.no_grad():
-            for index, slot in self.slots.items():
-                shards[index].copy_(self.masters[slot.flat][slot.offset : slot.offset + slot.share])
+            for index in self.slots:
+                shards[index].copy_(self.read_share(index))
+
+    def close(self) -> None:
+        """Close the swap files (they stay on the disk, as DeepSpeed leaves its swap folder)."""
+        if self.swapper is not None:
+            self.swapper.close()
+
+
+def _file_key(key: str) -> int:
+    """Which of a swapped sub-group's files holds `key`: 0 the master, then the Adam moments."""
+    return 0 if key == "master" else 1 + ADAM_STATES.index(key)

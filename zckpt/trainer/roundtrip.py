@@ -10,6 +10,10 @@ another world size, each result compared with what it must equal.
    tolerance (the gradient is reduced in another order at another world size: rounding only;
    bf16 compute rounds gradients at other points), their final masters within lr per step.
 
+With NVMe offload (`nvme`), every run keeps the big sub-groups' optimizer state in its own swap
+folder, the checkpoint holds them in ``offloaded_tensors/`` (checked: one folder per rank, the
+files the live swap folder holds), and the resumes load them into their swap folders.
+
 Each phase runs its ranks as processes on gloo (torch.multiprocessing), so the comparison is of
 real distributed runs; the caller gets a :class:`RoundtripReport` and prints it.
 """
@@ -62,6 +66,12 @@ def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def _swap_files(trainer: Trainer) -> list[str]:
+    """The files of this rank's live swap folder (none without NVMe offload)."""
+    swapper = trainer.optimizer.swapper
+    return sorted(os.path.basename(p) for paths in swapper.paths.values() for p in paths) if swapper is not None else []
+
+
 def _train_save_continue(rank: int, world: int, config: TrainConfig, save_at: int) -> dict:
     trainer = Trainer(config)
     losses, saved = [], {}
@@ -70,7 +80,9 @@ def _train_save_continue(rank: int, world: int, config: TrainConfig, save_at: in
         if trainer.global_steps == save_at:
             trainer.save()
             saved = _state(trainer)
-    return {"losses": losses, "saved": saved, "final": _state(trainer)}
+    swap_files = _swap_files(trainer)
+    trainer.close()
+    return {"losses": losses, "saved": saved, "final": _state(trainer), "swap_files": swap_files}
 
 
 def _resume(rank: int, world: int, config: TrainConfig) -> dict:
@@ -78,12 +90,20 @@ def _resume(rank: int, world: int, config: TrainConfig) -> dict:
     loaded = _state(trainer)
     start = trainer.global_steps
     losses = [trainer.train_step().loss for _ in range(config.steps - start)]
-    return {"start": start, "loaded": loaded, "losses": losses, "final": _state(trainer)}
+    swapped = len(trainer.optimizer.swapped)
+    final = _state(trainer)
+    trainer.close()
+    return {"start": start, "loaded": loaded, "losses": losses, "final": final, "swapped": swapped}
 
 
-def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int, work_dir: str | None = None) -> RoundtripReport:
+def _nvme(config: TrainConfig, work_dir: str, run: str, nvme: bool) -> TrainConfig:
+    return replace(config, nvme_path=os.path.join(work_dir, f"nvme_{run}") if nvme else None)
+
+
+def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int, work_dir: str | None = None, nvme: bool = False) -> RoundtripReport:
     """Run the round trip for `config` (its `steps` is the end of the run; the checkpoint is at
-    `save_at`); `config.micro_batch` is the micro-batch at `from_world`."""
+    `save_at`); `config.micro_batch` is the micro-batch at `from_world`; with `nvme`, every run
+    offloads its optimizer state to a swap folder of its own under the work folder."""
     from ..api import load_state_dict
     from ..reshard import reshard
     from ..universal import to_universal
@@ -94,8 +114,15 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
         raise UsageError(None, f"a global batch of {config.micro_batch * from_world} sequences cannot be split over {to_world} ranks")
     own_dir = work_dir or tempfile.mkdtemp(prefix="zckpt-roundtrip-")
     ckpt = os.path.join(own_dir, "ckpt")
-    first = on_ranks(from_world, os.path.join(own_dir, "run_a"), _train_save_continue, replace(config, out=ckpt, resume=None, save_every=0), save_at)
+    first = on_ranks(from_world, os.path.join(own_dir, "run_a"), _train_save_continue, _nvme(replace(config, out=ckpt, resume=None, save_every=0), own_dir, "a", nvme), save_at)
     checks: list[Check] = []
+    if nvme:
+        tag_dir = os.path.join(ckpt, f"global_step{save_at}", "offloaded_tensors")
+        held = sorted(os.listdir(tag_dir)) if os.path.isdir(tag_dir) else []
+        saved_files = sorted(os.listdir(os.path.join(tag_dir, "rank00"))) if "rank00" in held else []
+        ok = held == [f"rank{r:02d}" for r in range(from_world)] and bool(first["swap_files"]) and saved_files == first["swap_files"]
+        checks.append(Check(f"checkpoint holds offloaded_tensors/ of the {from_world} ranks", ok,
+                            f"{len(saved_files)} swap files per rank, named as the live swap folder's" if ok else f"found {held}, rank 0: {saved_files} vs live {first['swap_files']}"))
 
     weights = load_state_dict(ckpt)
     masters = {k[: -len(".master")]: v for k, v in first["saved"].items() if k.endswith(".master")}
@@ -107,14 +134,15 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
     reshard(ckpt, resharded, world_size=to_world)
     to_universal(ckpt, universal)
     later = replace(config, micro_batch=config.micro_batch * from_world // to_world, save_every=0)
-    resumed = {kind: on_ranks(to_world, os.path.join(own_dir, f"run_b_{kind}"), _resume, replace(later, resume=path, out=None))
+    resumed = {kind: on_ranks(to_world, os.path.join(own_dir, f"run_b_{kind}"), _resume, _nvme(replace(later, resume=path, out=None), own_dir, f"b_{kind}", nvme))
                for kind, path in (("resharded", resharded), ("universal", universal))}
     tolerance = TOLERANCE[config.dtype]
     reference_losses = first["losses"][save_at:]
     for kind, run in resumed.items():
         differing = [n for n, t in first["saved"].items() if not torch.equal(run["loaded"][n], t)]
-        checks.append(Check(f"{kind} at {to_world} ranks loads the saved state", not differing and run["start"] == save_at,
-                            f"step {run['start']}, {len(first['saved'])} masters/moments equal bit for bit" if not differing else f"differ: {', '.join(differing[:3])}"))
+        swapped = f", {run['swapped']} sub-group(s) per rank on NVMe" if nvme else ""
+        checks.append(Check(f"{kind} at {to_world} ranks loads the saved state", not differing and run["start"] == save_at and (run["swapped"] > 0 or not nvme),
+                            f"step {run['start']}, {len(first['saved'])} masters/moments equal bit for bit{swapped}" if not differing else f"differ: {', '.join(differing[:3])}"))
         worst = max((abs(a - b) / abs(b) for a, b in zip(run["losses"], reference_losses)), default=0.0)
         checks.append(Check(f"{kind}: {len(run['losses'])} losses vs uninterrupted {from_world}-rank run", worst <= tolerance and len(run["losses"]) == len(reference_losses),
                             f"max relative difference {worst:.2e} (tolerance {tolerance:g})"))

@@ -1,0 +1,216 @@
+"""NVMe offload of ZeRO-3 optimizer sub-groups, in DeepSpeed's live swap layout.
+
+A swapped sub-group's fp32 master and Adam moments live in three files of
+``<nvme_path>/zero_stage_3/optimizer/rank<R>/`` (``<first>_<last>.tensor.swp``,
+``exp_avg-<first>_<last>.tensor.swp``, ``exp_avg_sq-...``): raw fp32, zero-padded to the swap
+rule's alignment, the names and sizes DeepSpeed's optimizer swapper gives them, so zckpt's swap
+folder reader and the checkpoint writer read them as they read DeepSpeed's.
+
+The optimizer step streams the sub-groups through a fixed pool of page-aligned buffers (three
+sets of three, fewer when fewer sub-groups are swapped): one background thread reads sub-group
+i+1 and writes sub-group i-1 back while AdamW runs on sub-group i. Memory is the pool, whatever
+the model's size. On local filesystems the whole blocks of each file move with O_DIRECT (no
+page-cache copy, as DeepSpeed's aio does) and a tail shorter than a block through the page
+cache; elsewhere everything is buffered.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..deepspeed import names as N
+from ..deepspeed.swap_folder import OPTIMIZER_DIR, STAGE_DIR
+from ..direct_write import BLOCK, DIRECT_MIN_BYTES, wants_direct
+from ..errors import OutputError
+
+SWAP_KEYS = (None, "exp_avg", "exp_avg_sq")  # the master's file, then each Adam moment's
+IN_FLIGHT = 3  # buffer sets: one being read, one in AdamW, one being written back
+
+
+def live_optimizer_folder(nvme_path: str, rank: int) -> str:
+    """DeepSpeed's live optimizer swap folder of `rank` (``rank<R>``, not zero-padded)."""
+    return os.path.join(nvme_path, STAGE_DIR, OPTIMIZER_DIR, N.swap_rank_dir(rank))
+
+
+@dataclass(frozen=True)
+class SwappedGroup:
+    """One swapped sub-group: flat group `flat`, `numel` elements per rank, files of `file_numel`."""
+
+    flat: int
+    numel: int
+    file_numel: int
+    first_ds_id: int
+    last_ds_id: int
+
+    def file_names(self) -> tuple[str, ...]:
+        return tuple(N.swap_file_name(self.first_ds_id, self.last_ds_id, key) for key in SWAP_KEYS)
+
+
+@dataclass
+class SwapCounters:
+    """What the swapper moved, and the seconds its I/O thread spent moving it."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class OptimizerSwapper:
+    """The swap files of one rank's swapped sub-groups and the buffer pool that streams them."""
+
+    def __init__(self, folder: str, groups: Sequence[SwappedGroup], in_flight: int = IN_FLIGHT) -> None:
+        self.folder = folder
+        self.groups = {g.flat: g for g in groups}
+        self.counters = SwapCounters()
+        self.paths: dict[int, tuple[str, ...]] = {}
+        self._fds: dict[int, list[tuple[int, int | None]]] = {}  # (buffered, O_DIRECT or None) per file
+        try:
+            os.makedirs(folder, exist_ok=True)
+            for group in groups:
+                self.paths[group.flat] = tuple(os.path.join(folder, name) for name in group.file_names())
+                self._fds[group.flat] = [self._create(path, group.file_numel * 4) for path in self.paths[group.flat]]
+        except OSError as exc:
+            self.close()
+            raise OutputError(folder, f"cannot create the NVMe swap files: {exc.strerror or exc}") from exc
+        largest = max((g.file_numel for g in groups), default=0)
+        self.buffer_bytes = _round_up(max(largest * 4, 1), BLOCK)
+        # three sets pipeline reads, AdamW and writes; fewer sub-groups than that need fewer
+        self._buffers = [[mmap.mmap(-1, self.buffer_bytes) for _ in SWAP_KEYS] for _ in range(min(in_flight, len(groups)))]
+        self._views = [[torch.frombuffer(b, dtype=torch.float32) for b in slot] for slot in self._buffers]
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="zckpt-swap")
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the buffer pool: all the memory the swapped optimizer state takes."""
+        return sum(len(b) for slot in self._buffers for b in slot)
+
+    @staticmethod
+    def _create(path: str, size: int) -> tuple[int, int | None]:
+        """A zero-filled swap file of `size` bytes: its buffered descriptor and, where the
+        filesystem takes O_DIRECT, an O_DIRECT one (None elsewhere)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, size)
+        if not wants_direct(path, DIRECT_MIN_BYTES):  # the filesystem check (swap files stream whatever their size)
+            return fd, None
+        try:
+            return fd, os.open(path, os.O_RDWR | os.O_DIRECT)
+        except OSError:  # EINVAL: this filesystem refuses O_DIRECT after all
+            return fd, None
+
+    @staticmethod
+    def _pieces(fds: tuple[int, int | None], size: int) -> list[tuple[int, int, int]]:
+        """(descriptor, start, end): the whole blocks through O_DIRECT, the rest buffered."""
+        fd, direct = fds
+        cut = size // BLOCK * BLOCK if direct is not None else 0
+        pieces = [(direct, 0, cut)] if direct is not None and cut else []
+        return pieces + ([(fd, cut, size)] if cut < size else [])
+
+    @property
+    def direct(self) -> bool:
+        """Whether the swap files move with O_DIRECT."""
+        return any(direct is not None for fds in self._fds.values() for _, direct in fds)
+
+    # -- streaming through the pool -------------------------------------------------------------
+    def _submit(self, move, flat: int, slot: int) -> Future:
+        """`move` (read or write) on the I/O thread; a failing disk becomes one clear error."""
+
+        def run() -> None:
+            try:
+                move(flat, slot)
+            except OSError as exc:
+                raise OutputError(self.folder, f"NVMe swap I/O of sub-group {flat} failed: {exc.strerror or exc}") from exc
+
+        return self._io.submit(run)
+
+    def _read(self, flat: int, slot: int) -> None:
+        started, size = time.perf_counter(), self.groups[flat].file_numel * 4
+        for fds, buffer in zip(self._fds[flat], self._buffers[slot]):
+            view = memoryview(buffer)
+            for fd, start, end in self._pieces(fds, size):
+                while start < end:
+                    count = os.preadv(fd, [view[start:end]], start)
+                    if count <= 0:
+                        raise OSError(f"{self.folder}: a swap file of sub-group {flat} is shorter than {size} bytes")
+                    start += count
+        self.counters.bytes_read += 3 * size
+        self.counters.read_seconds += time.perf_counter() - started
+
+    def _write(self, flat: int, slot: int) -> None:
+        started, size = time.perf_counter(), self.groups[flat].file_numel * 4
+        for fds, buffer in zip(self._fds[flat], self._buffers[slot]):
+            view = memoryview(buffer)
+            for fd, start, end in self._pieces(fds, size):
+                while start < end:
+                    start += os.pwritev(fd, [view[start:end]], start)
+        self.counters.bytes_written += 3 * size
+        self.counters.write_seconds += time.perf_counter() - started
+
+    def stream(self, flats: Sequence[int]) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Yield (flat, [master, exp_avg, exp_avg_sq]) for each swapped sub-group in `flats`, the
+        tensors views of pool buffers holding the file contents; what the caller changes in them
+        is written back once it asks for the next one. Sub-group i+1 is read meanwhile."""
+        reads: dict[int, Future] = {}
+        writes: dict[int, Future] = {}
+        slots = len(self._buffers)
+        try:
+            if flats:
+                reads[0] = self._submit(self._read, flats[0], 0)
+            for i, flat in enumerate(flats):
+                reads.pop(i).result()
+                if i + 1 < len(flats):
+                    if i + 1 - slots in writes:  # the buffer set it reuses has been written back
+                        writes.pop(i + 1 - slots).result()
+                    reads[i + 1] = self._submit(self._read, flats[i + 1], (i + 1) % slots)
+                numel = self.groups[flat].numel
+                yield flat, [view[:numel] for view in self._views[i % slots]]
+                writes[i] = self._submit(self._write, flat, i % slots)
+        finally:
+            for future in [*reads.values(), *writes.values()]:
+                future.result()
+
+    # -- random access (initial masters, checkpoint loads, gathers) -----------------------------
+    def read_range(self, flat: int, key: int, offset: int, count: int) -> np.ndarray:
+        """`count` fp32 elements of sub-group `flat`'s file `key` (0 master, 1, 2 the moments)."""
+        with open(self.paths[flat][key], "rb", buffering=0) as f:
+            f.seek(offset * 4)
+            data = f.read(count * 4)
+        return np.frombuffer(data, dtype=np.float32).copy()
+
+    def write_range(self, flat: int, key: int, offset: int, values: np.ndarray) -> None:
+        fd = os.open(self.paths[flat][key], os.O_WRONLY)
+        try:
+            data = np.ascontiguousarray(values, dtype=np.float32).tobytes()
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset * 4 + done)
+        finally:
+            os.close(fd)
+
+    def flush(self) -> None:
+        """Every swap file on the disk (before a checkpoint copies them)."""
+        for fds in self._fds.values():
+            for fd, _ in fds:
+                os.fsync(fd)
+
+    def close(self) -> None:
+        if hasattr(self, "_io"):
+            self._io.shutdown(wait=True)
+        for fds in self._fds.values():
+            for fd, direct in fds:
+                os.close(fd)
+                if direct is not None:
+                    os.close(direct)
+        self._fds = {}
