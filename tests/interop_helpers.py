@@ -228,6 +228,22 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -
         cleanup_shm_leaks(before)
 
 
+def run_hf_job(what: str, cmd: list[str], out: Path, processes: int, python: str, *, log_name: str = "run.log",
+               outputs: tuple[str, ...] = (), timeout: float = 300) -> dict:
+    """Run a Hugging Face job script of scripts/ (offline, `processes` DeepSpeed ranks) with its
+    output in ``out/<log_name>``; fail the test with the ranks' error files and the log's tail
+    unless it exits 0 leaving ``run.json`` and `outputs` in `out`. Returns ``run.json``."""
+    log = out / log_name
+    env = {**ds_env(processes, python), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    returncode = run_logged(cmd, env, log, timeout)
+    if returncode != 0 or not all((out / name).is_file() for name in ("run.json", *outputs)):
+        errors = "\n".join(p.read_text() for p in sorted(out.glob("error_*.txt")))
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        status = f"timed out after {timeout:.0f}s" if returncode is None else f"exit status {returncode}"
+        pytest.fail(f"{what}: {status}\n{errors}\n{tail}")
+    return json.loads((out / "run.json").read_text())
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """Stop torchrun and its ranks (their own session, started by us)."""
     try:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import ROOT
-from interop_helpers import ds_env, ds_python, free_port, run_logged, shm_leak_safety_net  # noqa: F401 (autouse fixture)
+from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -57,16 +57,9 @@ def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
     def get(name: str) -> tuple[Path, dict[str, Any]]:
         if name not in made:
             out = tmp_path_factory.mktemp(name)
-            log = out / "run.log"
             cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                    str(SCRIPT), "--out", str(out), "--steps", str(STEPS), *RUNS[name]]
-            env = {**ds_env(2, python), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            code = run_logged(cmd, env, log, timeout=300)
-            if code != 0 or not (out / "run.json").is_file():
-                errors = "\n".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-                pytest.fail(f"accelerate_run.py {name}: exit {code}\n{errors}\n{tail}")
-            made[name] = (out, json.loads((out / "run.json").read_text()))
+            made[name] = (out, run_hf_job(f"accelerate_run.py {name}", cmd, out, 2, python))
         return made[name]
 
     return get

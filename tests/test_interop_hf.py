@@ -28,7 +28,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import ROOT
-from interop_helpers import ds_env, ds_python, free_port, run_logged, shm_leak_safety_net  # noqa: F401 (autouse fixture)
+from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
 from zckpt import reshard
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -61,7 +61,6 @@ def run_trainer(out: Path, processes: int, stage: int, dtype: str, resume_from: 
     are removed whatever happens."""
     python = hf_python()
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "trainer.log"
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(free_port()),
            str(SCRIPT), "--out", str(out), "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS),
            "--stage", str(stage), "--batch-size", "8", "--samples", "192", "--lr", "0.02"]
@@ -69,15 +68,8 @@ def run_trainer(out: Path, processes: int, stage: int, dtype: str, resume_from: 
         cmd.append("--bf16")
     if resume_from is not None:
         cmd += ["--resume-from", str(resume_from)]
-    env = {**ds_env(processes, python), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    returncode = run_logged(cmd, env, log, timeout)
-    run_file = out / "run.json"
-    if returncode != 0 or not run_file.exists():
-        errors = "\n".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        what = f"timed out after {timeout:.0f}s" if returncode is None else f"exit status {returncode}"
-        pytest.fail(f"hf_trainer_run.py {what} ({processes} processes, ZeRO-{stage} {dtype}, out {out})\n{errors}\n{tail}")
-    return json.loads(run_file.read_text())
+    return run_hf_job(f"hf_trainer_run.py ({processes} processes, ZeRO-{stage} {dtype}, out {out})", cmd, out, processes,
+                      python, log_name="trainer.log", timeout=timeout)
 
 
 @pytest.fixture(scope="module")

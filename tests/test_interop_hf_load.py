@@ -25,7 +25,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import ROOT
-from interop_helpers import ds_env, ds_python, free_port, run_logged, shm_leak_safety_net  # noqa: F401 (autouse fixture)
+from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
 from zckpt import consolidate
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -49,17 +49,11 @@ def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tup
     def get(name: str) -> tuple[Path, dict[str, Any]]:
         if name not in made:
             out = tmp_path_factory.mktemp(name)
-            log = out / "trainer.log"
             cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                    str(SCRIPT), "--out", str(out), "--max-steps", str(STEPS), "--save-steps", str(STEPS),
                    "--batch-size", "8", "--samples", "64", "--dump-masters", *RUNS[name]]
-            env = {**ds_env(2, python), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            code = run_logged(cmd, env, log, timeout=300)
-            if code != 0 or not (out / "run.json").is_file() or not (out / f"masters_step{STEPS}.safetensors").is_file():
-                errors = "\n".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-                pytest.fail(f"hf_trainer_run.py {name}: exit {code}\n{errors}\n{tail}")
-            made[name] = (out, json.loads((out / "run.json").read_text()))
+            made[name] = (out, run_hf_job(f"hf_trainer_run.py {name}", cmd, out, 2, python, log_name="trainer.log",
+                                          outputs=(f"masters_step{STEPS}.safetensors",)))
         return made[name]
 
     return get

@@ -17,14 +17,13 @@ fp32). About a minute on 2 cores.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from conftest import ROOT
-from interop_helpers import ds_env, ds_python, free_port, run_logged, shm_leak_safety_net  # noqa: F401 (autouse fixture)
+from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
 from zckpt import consolidate
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -50,13 +49,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path,
             out = tmp_path_factory.mktemp(name)
             cmd = [python, str(SCRIPT), "--out", str(out), "--processes", "2", "--max-steps", str(STEPS),
                    "--master-port", str(free_port()), *RUNS[name]]
-            env = {**ds_env(2, python), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            code = run_logged(cmd, env, out / "run.log", timeout=300)
-            if code != 0 or not (out / "run.json").is_file():
-                errors = "\n".join(p.read_text() for p in sorted(out.glob("error_*.txt")))
-                tail = "\n".join((out / "run.log").read_text(errors="replace").splitlines()[-30:])
-                pytest.fail(f"hf_peft_run.py {name}: exit {code}\n{errors}\n{tail}")
-            made[name] = (out, json.loads((out / "run.json").read_text()))
+            made[name] = (out, run_hf_job(f"hf_peft_run.py {name}", cmd, out, 2, python))
         return made[name]
 
     return get
