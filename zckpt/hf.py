@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from .errors import CheckpointNotFoundError, CorruptFileError
 from .index import Segment, TensorSource
+from .reading import read_json_object
 from .safetensors_format import read_header
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
@@ -70,13 +71,7 @@ def config_with_dtype(path: str, dtype_name: str) -> str:
     ...) wherever it states a dtype (sub-configs of composite models too), or adding ``dtype``:
     a bf16 run's config says bfloat16, and an fp32 consolidation loaded by it would silently
     come back in bf16."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise CorruptFileError(path, f"not a JSON config ({exc})") from None
-    if not isinstance(config, dict):
-        raise CorruptFileError(path, "not a JSON object")
+    config = read_json_object(path, "config")
     if not _set_dtype(config, dtype_name):
         config["dtype"] = dtype_name
     return json.dumps(config, indent=2) + "\n"

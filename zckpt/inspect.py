@@ -18,7 +18,7 @@ from .deepspeed import swap_folder as swap
 from .deepspeed.reader import list_tags, looks_like_checkpoint, survey
 from .dtypes import BY_SHORT
 from .checksums import check_archive
-from .errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
+from .errors import CheckpointNotFoundError, UsageError, ZckptError
 from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
 from .materialize import read_scalar
@@ -26,7 +26,7 @@ from .output import find_leftovers
 from .peft import describe_adapter
 from .reading import FileReader
 from .state import TrainingState
-from .torchfile import TensorRef
+from .tensor_sources import torch_state_refs
 
 
 def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: bool = False, *, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -296,7 +296,7 @@ def _safetensors_tensors(path: str) -> TensorList:
 
 
 def _torch_file_tensors(path: str) -> TensorList:
-    return [(n, r.shape, r.dtype.short) for n, r in _torch_tensors(path)], {}
+    return [(n, r.shape, r.dtype.short) for n, r in torch_state_refs(path)], {}
 
 
 def _summary(tensors: list[tuple[str, tuple[int, ...], str, str]], metadata: dict[str, str]) -> dict[str, Any]:
@@ -338,7 +338,7 @@ def _inspect_index(path: str) -> dict[str, Any]:
                 metadata = metadata or header.metadata
                 held = [(t.name, t.shape, t.dtype.short, name) for t in header.tensors]
             else:
-                held = [(n, r.shape, r.dtype.short, name) for n, r in _torch_tensors(file_path)]
+                held = [(n, r.shape, r.dtype.short, name) for n, r in torch_state_refs(file_path)]
         except ZckptError as exc:
             problems.append(str(exc))
             continue
@@ -352,23 +352,6 @@ def _inspect_index(path: str) -> dict[str, Any]:
             problems.append(f"{os.path.join(folder, name)}: lacks {tensor_name}, which the index maps to it")
     summary = _summary(tensors, metadata)
     return {**report, "files": files, "declared_total_size": declared_total, **summary, "complete": not problems, "problems": problems}
-
-
-def _torch_tensors(path: str) -> list[tuple[str, TensorRef]]:
-    state = torchfile.load(path)
-    if not isinstance(state, dict):
-        raise CorruptFileError(path, "is not a state dict (a dict of tensors)")
-    found: list[tuple[str, TensorRef]] = []
-
-    def walk(prefix: str, obj: Any) -> None:
-        if isinstance(obj, TensorRef):
-            found.append((prefix, obj))
-        elif isinstance(obj, dict):
-            for key, value in obj.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), value)
-
-    walk("", state)
-    return found
 
 
 def _human(numel: int) -> str:

@@ -29,7 +29,6 @@ something else are refused with one line.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -42,7 +41,7 @@ from .errors import CorruptFileError, LayoutError, UsageError
 from .index import CheckpointIndex, Entry, TensorSource
 from .materialize import StreamWriter, read_tensor, write_all
 from .output import StagedOutput
-from .reading import FileReader
+from .reading import FileReader, read_json_object
 from .safetensors_format import build_header
 from .shards import ShardItem, parse_size, plan_shards
 
@@ -118,14 +117,7 @@ def peft_key(name: str, adapter: str) -> str:
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise CorruptFileError(path, f"not a JSON adapter config ({exc})") from None
-    if not isinstance(config, dict):
-        raise CorruptFileError(path, "not a JSON object")
-    return config
+    return read_json_object(path, "adapter config")
 
 
 def adapter_names(names: list[str]) -> list[str]:

@@ -164,16 +164,21 @@ def _safetensors_file(path: str) -> dict[str, TensorSource]:
 
 
 def _torch_file(path: str) -> dict[str, TensorSource]:
-    """The tensors of a torch.save state dict (nested dicts give dotted names), read with the
-    restricted unpickler: nothing in the pickle runs."""
+    # a non-contiguous tensor is refused by source_of, by name of the file
+    return {name: source_of(ref) for name, ref in torch_state_refs(path)}
+
+
+def torch_state_refs(path: str) -> list[tuple[str, TensorRef]]:
+    """The tensors of a torch.save state dict (nested dicts give dotted names), in pickle order,
+    read with the restricted unpickler: nothing in the pickle runs."""
     state = torchfile.load(path)
     if not isinstance(state, dict):
         raise CorruptFileError(path, "is not a state dict (a dict of tensors)")
-    found: dict[str, TensorSource] = {}
+    found: list[tuple[str, TensorRef]] = []
 
     def walk(prefix: str, obj: Any) -> None:
         if isinstance(obj, TensorRef):
-            found[prefix] = source_of(obj)  # a non-contiguous tensor is refused here, by name of the file
+            found.append((prefix, obj))
         elif isinstance(obj, dict):
             for key, value in obj.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), value)
