@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     counters = vars(swapper.counters) if swapper else {}
     mine = {"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "counters": counters, "pool_bytes": swapper.pool_bytes if swapper else 0,
             "swapped_groups": len(trainer.optimizer.swapped), "sub_groups": len(trainer.plan.layout.flat_groups), "direct": bool(swapper and swapper.direct),
-            "swapped_state_bytes": sum(12 * g.file_numel for g in swapper.groups.values()) if swapper else 0}
+            "swapped_state_bytes": sum(12 * g.file_numel + 4 * g.numel for g in swapper.groups.values()) if swapper else 0}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -65,15 +65,23 @@ def worker(args: argparse.Namespace) -> None:
         (args.work_dir / "zckpt_run" / "state.json").write_text(json.dumps({"losses": losses, "step_times": step_times, "ranks": gathered}))
         (args.work_dir / "ds_config.json").write_text(json.dumps(trainer.ds_config()))
         (args.work_dir / "model_config.json").write_text(trainer.model_config.to_json())
+    end_worker(trainer)
+
+
+def end_worker(trainer) -> None:  # type: ignore[no-untyped-def]
+    """Close the trainer, leave the process group together, exit at once (torch 2.13's gloo
+    threads can abort the interpreter's normal exit)."""
+    import torch.distributed as dist
+
     trainer.close()
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # torch 2.13's gloo threads can abort the interpreter's exit
+    os._exit(0)
 
 
 # --- the driver -----------------------------------------------------------------------------
-def _port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -86,7 +94,7 @@ def _env() -> dict[str, str]:
 def _torchrun(script_args: list[str], log: Path) -> None:
     from shm_leaks import removing_shm_leaks
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()), *script_args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), *script_args]
     with removing_shm_leaks(), log.open("w") as out:
         done = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
     if done.returncode:
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"options": _options(args), "zckpt": ours, "deepspeed": theirs, "dd": dd, "median_step_s": {"zckpt": step_ours, "deepspeed": step_theirs},
               "ratio": step_ours / step_theirs, "swap_read_mb_s": read_mbs, "swap_write_mb_s": write_mbs, "max_relative_loss_gap": loss_gap}
     print(f"model: {_options(args)}; {rank0['sub_groups']} sub-groups per rank, {rank0['swapped_groups']} swapped "
-          f"({rank0['swapped_state_bytes'] / 2**20:.1f} MiB of optimizer state per rank on NVMe, buffer pool {rank0['pool_bytes'] / 2**20:.1f} MiB, O_DIRECT {rank0['direct']})")
+          f"({rank0['swapped_state_bytes'] / 2**20:.1f} MiB of optimizer state and gradients per rank on NVMe, buffer pool {rank0['pool_bytes'] / 2**20:.1f} MiB, O_DIRECT {rank0['direct']})")
     print("| | zckpt train | DeepSpeed 0.19.8 |\n|---|---|---|")
     print(f"| median step time (steps {skip + 1}-{args.steps}) | {step_ours:.3f} s | {step_theirs:.3f} s |")
     print(f"| ratio zckpt / DeepSpeed | {step_ours / step_theirs:.2f}x | |")

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tie-embeddings", action="store_true")
     parser.add_argument("--nvme", action="store_true", help="every run offloads its optimizer state to a swap folder in the work folder "
                         "(sub-groups of at least 1 MiB fp32 per rank are swapped: pick --dim and --sub-group-size so some are)")
+    parser.add_argument("--nvme-params", action="store_true", help="with --nvme, the param shares too (those of at least 1 MiB per rank)")
     parser.add_argument("--work-dir", help="keep the checkpoints here (default: a temporary folder)")
     args = parser.parse_args(argv)
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig(steps=args.steps, dtype=args.dtype, micro_batch=args.micro_batch, grad_accum=args.grad_accum, layers=args.layers, dim=args.dim,
                              heads=args.heads, vocab=args.vocab, seq_len=args.seq_len, sub_group_size=args.sub_group_size, tie_embeddings=args.tie_embeddings,
                              lr=3e-3, warmup=2)
-        report = roundtrip(config, args.from_world, args.to_world, args.save_at, args.work_dir, nvme=args.nvme)
+        report = roundtrip(config, args.from_world, args.to_world, args.save_at, args.work_dir, nvme=args.nvme or args.nvme_params, nvme_params=args.nvme_params)
     except ZckptError as exc:
         print(f"roundtrip: error: {exc}", file=sys.stderr)
         return 2

@@ -121,12 +121,12 @@ def _toy_run(rank: int, world: int, steps: int) -> dict:
     hyper = [param_group_defaults(0.05, (0.9, 0.99), 1e-8, wd) for wd in (0.1, 0.0)]
     optimizer = ShardedAdamW(plan, comm, hyper)
     sharded = ShardedModel(model, plan, comm, torch.float32, grad_ready=optimizer.accumulate)
-    optimizer.load_masters(sharded.shards)
+    optimizer.load_masters(sharded.store)
     inputs = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         sharded(inputs[rank * 6 // world : (rank + 1) * 6 // world]).backward()
         optimizer.step([0.05, 0.05])
-        optimizer.copy_to_shards(sharded.shards)
+        optimizer.copy_to_shards(sharded.store)
     return {"params": dict(sharded.full_params()), "sub_groups": len(plan.layout.flat_groups)}
 
 

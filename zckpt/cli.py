@@ -546,7 +546,8 @@ def train(
     tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings", help="The lm head shares the token embedding.")] = False,
     freeze: Annotated[Optional[str], typer.Option("--freeze", metavar="REGEX", help="Freeze the params whose names match.")] = None,
     sub_group_size: Annotated[int, typer.Option("--sub-group-size", min=1, help="ZeRO-3 optimizer sub-group size (elements per rank), as DeepSpeed's.")] = 1_000_000_000,
-    nvme_path: Annotated[Optional[Path], typer.Option("--nvme-path", metavar="DIR", help="NVMe offload: the fp32 masters and Adam moments of sub-groups of at least 1 MiB per rank live in DeepSpeed's swap files under DIR/zero_stage_3/optimizer/rank<R>/, streamed through a fixed buffer pool; checkpoints get offloaded_tensors/.")] = None,
+    nvme_path: Annotated[Optional[Path], typer.Option("--nvme-path", metavar="DIR", help="NVMe offload: the fp32 masters, Adam moments and gradients of sub-groups of at least 1 MiB per rank live in DeepSpeed's swap files under DIR/zero_stage_3/optimizer/rank<R>/, streamed through a fixed buffer pool; checkpoints get offloaded_tensors/.")] = None,
+    nvme_params: Annotated[bool, typer.Option("--nvme-params", help="With --nvme-path, the param shares too (DeepSpeed's offload_param): those of at least 1 MiB per rank live in DIR/zero_stage_3/<dtype>params/rank<R>/<ds_id>_param.tensor.swp and are read when a module gathers them.")] = False,
     resume: Annotated[Optional[Path], typer.Option("--resume", metavar="PATH", help="Resume from a checkpoint: zckpt's, DeepSpeed's ZeRO-3, resharded or universal; any world size.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
     data: Annotated[Optional[Path], typer.Option("--data", metavar="FILE", help="A text file read as bytes (--vocab >= 256); default: deterministic synthetic tokens.")] = None,
@@ -564,7 +565,7 @@ def train(
     config = _guarded(lambda: TrainConfig(
         out=text(out), steps=steps, save_every=save_every, layers=layers, dim=dim, heads=heads, vocab=vocab, seq_len=seq_len,
         micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup=warmup, clip=clip, dtype=dtype.lower(), tie_embeddings=tie_embeddings,
-        freeze=freeze, sub_group_size=sub_group_size, nvme_path=text(nvme_path), resume=text(resume), seed=seed, data=text(data),
+        freeze=freeze, sub_group_size=sub_group_size, nvme_path=text(nvme_path), nvme_params=nvme_params, resume=text(resume), seed=seed, data=text(data),
     ))
     bar = None
     if not quiet and _primary_process() and sys.stderr.isatty():
@@ -596,6 +597,13 @@ def train(
         swapped, total = result.swapped_sub_groups
         typer.echo(f"NVMe offload: {swapped} of {total} optimizer sub-groups per rank in {nvme_path}/zero_stage_3/optimizer/ "
                    "(DeepSpeed swaps those of at least 1 MiB of fp32 per rank)")
+    if not quiet and _primary_process() and result.swapped_params is not None:
+        swapped, total = result.swapped_params
+        from .trainer.loop import TORCH_DTYPES
+        from .trainer.param_store import live_param_folder
+
+        folder = os.path.dirname(live_param_folder(str(nvme_path), TORCH_DTYPES[config.dtype], 0))
+        typer.echo(f"NVMe offload: {swapped} of {total} params per rank in {folder}/ (those of at least 1 MiB per rank)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torch 2.13's gloo threads can abort a rank's interpreter exit ("terminate called without
         # an active exception"), which torchrun reports as a failed job; everything is written

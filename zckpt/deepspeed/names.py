@@ -39,6 +39,12 @@ def swap_file_name(first_ds_id: int, last_ds_id: int, state: str | None = None) 
     return f"{state + '-' if state else ''}{first_ds_id}_{last_ds_id}{SWAP_SUFFIX}"
 
 
+def swap_gradient_file_name(first_ds_id: int, last_ds_id: int, offset: int, numel: int) -> str:
+    """NVMe swap file of `numel` fp32 gradient elements of a sub-group, from element `offset` of
+    its partition: ``3_7_gradient_0_1048576.tensor.swp`` (optimizer_utils.get_or_create_gradient_paths)."""
+    return f"{first_ds_id}_{last_ds_id}_gradient_{offset}_{numel}{SWAP_SUFFIX}"
+
+
 def swap_rank_dir(dp_rank: int) -> str:
     """``rank3``-style folder of one rank's files in a live swap folder (not zero-padded, unlike
     offloaded_tensors/)."""

@@ -7,6 +7,7 @@ second writer), and NVMe offload swaps the same byte ranges to disk.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from typing import Sequence
@@ -14,6 +15,22 @@ from typing import Sequence
 import torch
 
 _ALIGN = 64
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_big_frees_to_the_system(threshold: int = 1 << 20) -> bool:
+    """Have glibc serve every allocation of `threshold` bytes or more with its own mapping,
+    unmapped when freed.
+
+    glibc raises its mmap threshold each time a big block is freed (up to 32 MiB), so the
+    gathered params and gradients a ZeRO-3 step allocates and frees then come from the heap,
+    which keeps the freed memory: resident memory grows with the model's depth although no
+    more than a few params are alive at once (measured: scripts/trainer_memory.py). A fixed
+    threshold stops that. False where the C library has no mallopt (not glibc)."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 class MemoryArena:

@@ -79,8 +79,8 @@ def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> Trainin
             params[spec.name] = ParamState(spec.name, spec.shape, plan.group_names.index(spec.group), master, {k: source(1 + i) for i, k in enumerate(ADAM_STATES)})
             entries.append(Entry(spec.name, "param", master))
         else:
-            model_arena = trainer.model.arena
-            segments = _whole_param(model_arena.path, model_arena.byte_offset(index), spec.numel, spec.share, rank, world)
+            path, offset = trainer.model.store.location(index)
+            segments = _whole_param(path, offset, spec.numel, spec.share, rank, world)
             entries.append(Entry(spec.name, "frozen", TensorSource(dtype, spec.shape, segments)))
     sources = {e.name: e.source for e in entries}
     entries += [Entry(alias, "tied", sources[origin], alias_of=origin) for alias, origin in plan.tied.items()]
@@ -184,16 +184,16 @@ def load_checkpoint(trainer: "Trainer", path: str) -> None:
                 if entry is None or tuple(entry.source.shape) != spec.shape:
                     raise LayoutError(path, f"frozen param {spec.name} of shape {list(spec.shape)} is absent or mis-shaped in the checkpoint")
                 whole = read_tensor(reader, entry.source, from_torch(trainer.dtype)).reshape(-1)
-                shard = trainer.model.shards[index].data
-                shard.zero_()
+                shard = torch.zeros(spec.share, dtype=trainer.dtype)
                 shard[:length] = whole[start : start + length]
+                trainer.model.store.write(index, shard)
         for g, group in enumerate(state.groups[: len(plan.group_names)]):
             step = group.scalars.get(STEP)
             value = float(read_tensor(reader, step.tensor)) if step is not None and step.tensor is not None else float(step.value if step else 0)
             for f, flat in enumerate(plan.layout.flat_groups):
                 if flat.param_group == g:
                     optimizer.steps[f].fill_(value)
-    optimizer.copy_to_shards(trainer.model.shards)
+    optimizer.copy_to_shards(trainer.model.store)
     trainer.global_steps = int(state.global_steps or 0)
     trainer.skipped_steps = int(state.skipped_steps or 0)
     iteration = E.scheduler_iteration(state.lr_scheduler)

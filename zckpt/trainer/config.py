@@ -34,6 +34,7 @@ class TrainConfig:
     freeze: str | None = None  # a regex of param names
     sub_group_size: int = 1_000_000_000
     nvme_path: str | None = None  # NVMe offload: swap folder root, DeepSpeed's layout
+    nvme_params: bool = False  # the param shares too (DeepSpeed's offload_param: nvme), not only the optimizer
     resume: str | None = None
     seed: int = 0
     data: str | None = None
@@ -53,6 +54,8 @@ class TrainConfig:
             raise UsageError(None, "--save-every needs --out (where checkpoints go)")
         if self.nvme_path is not None and os.path.exists(self.nvme_path) and not os.path.isdir(self.nvme_path):
             raise UsageError(self.nvme_path, "--nvme-path must be a folder (the swap files go in it)")
+        if self.nvme_params and self.nvme_path is None:
+            raise UsageError(None, "--nvme-params needs --nvme-path (where the param swap files go)")
         if self.resume is not None and not os.path.exists(self.resume):
             raise UsageError(self.resume, "--resume: no such checkpoint")
         self.model_config()  # shape checks

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -17,8 +17,10 @@ import torch.distributed as dist
 from ..deepspeed import engine_config as E
 from ..deepspeed.swap_rules import run_swap_rule
 from .config import TrainConfig
+from .arena import return_big_frees_to_the_system
 from .data import TokenData
-from .model import build_model
+from .model import build_empty_model, initial_value
+from .param_store import ParamStore, live_param_folder
 from .swap import live_optimizer_folder
 from .optim import DynamicLossScale, LRSchedule, ShardedAdamW, param_group_defaults
 from .zero3 import DECAY, Comm, ShardedModel, plan_zero3
@@ -44,6 +46,7 @@ class TrainResult:
     skipped_steps: int
     checkpoints: tuple[str, ...]
     swapped_sub_groups: tuple[int, int] | None = None  # NVMe offload: (swapped, all) sub-groups of rank 0
+    swapped_params: tuple[int, int] | None = None  # NVMe offload of params: (swapped, all) params of rank 0
 
 
 def init_distributed() -> bool:
@@ -63,16 +66,26 @@ class Trainer:
         self.comm = comm or Comm()
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model_config = config.model_config()
-        full = build_model(self.model_config, seed=config.seed)
+        if config.nvme_path:  # memory bounded by the params in use and the swap buffers
+            return_big_frees_to_the_system()
+        # modules on the meta device, each param materialised alone while it is sharded: memory
+        # never holds the whole model (the values are build_model(model_config, seed)'s)
+        full = build_empty_model(self.model_config)
         self.plan = plan_zero3(full, self.comm.world, config.sub_group_size, config.freeze)
         # no warmup: DeepSpeed's schedule with min lr = max lr (its warmup is at least 2 steps)
         self.schedule = LRSchedule(config.lr, config.warmup, config.steps, min_lr=0.0 if config.warmup else config.lr)
         hyper = [param_group_defaults(self.schedule.at(-1), config.betas, config.eps, config.weight_decay if g == DECAY else 0.0) for g in self.plan.group_names]
         scaler = DynamicLossScale() if config.dtype == "fp16" else None
         swap_folder = live_optimizer_folder(config.nvme_path, self.comm.rank) if config.nvme_path else None
-        self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler, swap_folder, run_swap_rule(self.ds_config()))
-        self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate)
-        self.optimizer.load_masters(self.model.shards)
+        rule = run_swap_rule(self.ds_config())
+        self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler, swap_folder, rule)
+        param_folder = live_param_folder(config.nvme_path, self.dtype, self.comm.rank) if config.nvme_path and config.nvme_params else None
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        store = ParamStore([s.share for s in self.plan.params], self.dtype, param_folder, replace(rule, itemsize=itemsize))
+        specs = self.plan.params
+        self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate, store=store,
+                                  values=lambda i: initial_value(self.model_config, i, specs[i].name, specs[i].shape, config.seed))
+        self.optimizer.load_masters(self.model.store)
         self.data = TokenData(self.model_config.vocab, self.model_config.seq_len, config.seed, config.data)
         self.global_steps = 0
         self.skipped_steps = 0
@@ -88,7 +101,7 @@ class Trainer:
         return E.engine_config(
             micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=self.comm.world, dtype=config.dtype, lr=config.lr, betas=config.betas,
             eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=self.schedule.ds_scheduler(),
-            nvme_path=config.nvme_path,
+            nvme_path=config.nvme_path, nvme_params=config.nvme_params,
         )
 
     @property
@@ -111,12 +124,13 @@ class Trainer:
         for micro in range(config.grad_accum):
             first = (self.global_steps * config.grad_accum + micro) * config.micro_batch * self.comm.world
             inputs, targets = self.data.micro_batch(first, self.comm.rank, config.micro_batch)
+            self.optimizer.begin_micro_step(last=micro == config.grad_accum - 1)
             loss = self.model(inputs, targets)
             (loss * (scale / config.grad_accum)).backward()
             total += loss.detach().double()
         self.comm.all_reduce(total)
         lr = self.lr()
-        result = self.optimizer.step([lr] * len(self.plan.group_names), self.model.shards)
+        result = self.optimizer.step([lr] * len(self.plan.group_names), self.model.store)
         if result.skipped:
             self.skipped_steps += 1
         else:
@@ -137,6 +151,7 @@ class Trainer:
     def close(self) -> None:
         """Close the NVMe swap files (they stay, as DeepSpeed's swap folder does)."""
         self.optimizer.close()
+        self.model.store.close()
 
 
 def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
@@ -156,7 +171,8 @@ def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None)
                 on_step(log)
         trainer.close()
         swapped = (len(trainer.optimizer.swapped), len(trainer.plan.layout.flat_groups)) if config.nvme_path else None
-        return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved), swapped)
+        params = (len(trainer.model.store.swapped), len(trainer.plan.params)) if config.nvme_params else None
+        return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved), swapped, params)
     finally:
         if created:
             dist.barrier()  # no rank tears gloo down while another still talks to it (it aborts)

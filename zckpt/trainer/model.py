@@ -85,7 +85,7 @@ class GPT(nn.Module):
     """Token + position embeddings, pre-norm transformer blocks, a final norm and an lm head
     (tied to the token embedding with ``tie_embeddings``: one param, two state-dict names)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, seed: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab, config.dim)
@@ -95,19 +95,15 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.dim, config.vocab, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """GPT-2's init (normal 0.02, residual projections scaled by depth), from torch's RNG."""
-        for name, param in self.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:  # LayerNorm weights
-                param.fill_(1.0)
-            else:
-                std = 0.02 / math.sqrt(2 * self.config.layers) if name.endswith("proj.weight") else 0.02
-                param.normal_(0.0, std)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """GPT-2's init (normal 0.02, residual projections scaled by depth): with `seed`, each
+        param from its own generator (:func:`initial_value` gives the same values one param at
+        a time); without, from torch's global RNG."""
+        for index, (name, param) in enumerate(self.named_parameters()):
+            _init(param, name, self.config.layers, _generator(seed, index))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy loss when `targets` are given."""
@@ -144,8 +140,38 @@ def load_model_config(source: GPTConfig | dict[str, Any] | str | os.PathLike[str
 
 
 def build_model(source: GPTConfig | dict[str, Any] | str | os.PathLike[str], seed: int | None = None) -> GPT:
-    """The GPT a config describes; with `seed`, initialised from ``torch.manual_seed(seed)``."""
+    """The GPT a config describes; with `seed`, its init is a function of the seed alone."""
     config = load_model_config(source)
     if seed is not None:
         torch.manual_seed(seed)
-    return GPT(config)
+    return GPT(config, seed)
+
+
+def build_empty_model(source: GPTConfig | dict[str, Any] | str | os.PathLike[str]) -> GPT:
+    """The GPT's modules with params on the meta device (shapes, no memory): what the ZeRO-3
+    trainer shards, with :func:`initial_value` giving one param's values at a time."""
+    with torch.device("meta"):
+        return GPT(load_model_config(source))
+
+
+def initial_value(config: GPTConfig, index: int, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Param `index` (``named_parameters`` order) of ``build_model(config, seed)``, alone."""
+    value = torch.empty(shape)
+    _init(value, name, config.layers, _generator(seed, index))
+    return value
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator | None:
+    """Param `index`'s own random stream (None: torch's global one)."""
+    return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+@torch.no_grad()
+def _init(param: torch.Tensor, name: str, layers: int, generator: torch.Generator | None) -> None:
+    if name.endswith("bias"):
+        param.zero_()
+    elif param.dim() == 1:  # LayerNorm weights
+        param.fill_(1.0)
+    else:
+        std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+        param.normal_(0.0, std, generator=generator)

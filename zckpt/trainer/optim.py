@@ -9,8 +9,12 @@ finally the new masters, rounded to the compute dtype, become the shards the mod
 
 The masters and moments live in a :class:`MemoryArena`: a memory file, so the checkpoint writer
 streams them with the same code that copies file bytes (no copy, no scratch file). With NVMe
-offload, the sub-groups DeepSpeed would swap live in swap files instead (:mod:`.swap`) and the
-step streams them through the swapper's buffer pool.
+offload, the sub-groups DeepSpeed would swap live in swap files instead (:mod:`.swap`), their
+fp32 gradients too, and the step streams them through the swapper's buffer pool.
+
+The global gradient norm is summed share by share (float64, in the plan's param order), each
+share's square taken when its last micro-step's gradient is in: the same sum whether a
+gradient is in memory or in a swap file, so NVMe training is in-memory training bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.optim.adamw import adamw
 
 from ..deepspeed.swap_rules import SwapRule
 from .arena import MemoryArena
+from .param_store import ParamStore
 from .swap import OptimizerSwapper, SwappedGroup
 from .zero3 import Comm, Zero3Plan
 
@@ -143,8 +148,12 @@ class ShardedAdamW:
             groups = [SwappedGroup(f, g.partition, rule.file_numel(g.partition), ds_id[layout.params[g.params[0]].name], ds_id[layout.params[g.params[-1]].name])
                       for f, g in enumerate(layout.flat_groups) if f in self.swapped]
             self.swapper = OptimizerSwapper(self.swap_folder, groups)
-        self.grads = [torch.zeros(g.partition) for g in layout.flat_groups]
+        # fp32 gradients: swapped sub-groups' are in their gradient swap files
+        self.grads = [torch.zeros(0 if f in self.swapped else g.partition) for f, g in enumerate(layout.flat_groups)]
         self.steps = [torch.tensor(0.0) for _ in range(count)]
+        self.last_micro_step = True  # whether the gradients backward hands over now are the step's last
+        self._written: set[int] = set()  # swapped shares with a gradient in their file this step
+        self._square_sums: dict[int, tuple[float, bool]] = {}  # param -> (sum of squares, all finite)
         index_of = {s.name: i for i, s in enumerate(self.plan.params)}
         self.slots: dict[int, Slot] = {}
         self._spec_index: dict[int, int] = {}  # layout param -> plan param
@@ -157,10 +166,10 @@ class ShardedAdamW:
                 self._spec_index[member] = spec_index
                 offset += share
 
-    def load_masters(self, shards: Sequence[torch.Tensor]) -> None:
+    def load_masters(self, store: ParamStore) -> None:
         """Masters from the model's initial shards (fp32 copies of them)."""
         for index, slot in self.slots.items():
-            self.write_share(index, "master", shards[index].detach().float())
+            self.write_share(index, "master", store.read(index).float())
 
     def read_share(self, index: int, key: str = "master") -> torch.Tensor:
         """This rank's share of param `index`'s fp32 master (or Adam state `key`), padding included."""
@@ -181,23 +190,61 @@ class ShardedAdamW:
             flats = self.masters if key == "master" else self.states[key]
             flats[slot.flat][slot.offset : slot.offset + slot.share].copy_(values)
 
+    def begin_micro_step(self, last: bool) -> None:
+        """Say whether the coming backward is the optimizer step's last micro-step (its
+        gradients are then final: their squares go into the norm as they arrive)."""
+        self.last_micro_step = last
+
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add param `index`'s reduce-scattered share `grad` (any float dtype) to its fp32
+        gradient: in memory, or in the sub-group's gradient swap file (the first micro-step
+        writes, later ones add)."""
         slot = self.slots[index]
-        self.grads[slot.flat][slot.offset : slot.offset + slot.share].add_(grad)
+        if slot.flat not in self.swapped:
+            self.grads[slot.flat][slot.offset : slot.offset + slot.share].add_(grad)
+            return
+        assert self.swapper is not None
+        accumulate = index in self._written
+        self._written.add(index)
+        on_written = (lambda values: self._square_sums.__setitem__(index, _square_sum(values))) if self.last_micro_step else None
+        self.swapper.put_gradient(slot.flat, slot.offset, grad.detach().float(), accumulate, on_written)
 
     def zero_grad(self) -> None:
         for grad in self.grads:
             grad.zero_()
+        self._written.clear()
+        self._square_sums.clear()
 
-    def step(self, lrs: Sequence[float], shards: Sequence[torch.Tensor] | None = None) -> StepResult:
+    def _norm_terms(self) -> tuple[float, bool]:
+        """The sum of the squared gradients of this rank's shares and whether all are finite."""
+        if self.swapper is not None:
+            self.swapper.drain_gradients()
+        total, finite = 0.0, True
+        for index, slot in sorted(self.slots.items()):
+            if slot.flat in self.swapped:
+                square, ok = self._square_sums.get(index, (0.0, True))  # no gradient: zeros
+            else:
+                square, ok = _square_sum(self.grads[slot.flat][slot.offset : slot.offset + slot.share])
+            total += square
+            finite = finite and ok
+        return total, finite
+
+    def _zero_missing_gradients(self, flat: int, grad: torch.Tensor) -> None:
+        """Shares of a swapped sub-group that got no gradient this step hold an older one in the
+        file: zero them in the buffer (in memory, zero_grad did)."""
+        for member in self.plan.layout.flat_groups[flat].params:
+            index = self._spec_index[member]
+            if index not in self._written:
+                slot = self.slots[index]
+                grad[slot.offset : slot.offset + slot.share].zero_()
+
+    def step(self, lrs: Sequence[float], shards: ParamStore | None = None) -> StepResult:
         """One AdamW step on every sub-group; with `shards`, the new masters (rounded to the
-        compute dtype) are copied into them as each sub-group is done (while a swapped one is
-        still in its buffer)."""
+        compute dtype) become the model's shares as each sub-group is done (while a swapped one
+        is still in its buffer)."""
         scale = self.loss_scale.cur_scale if self.loss_scale else 1.0
-        local = torch.zeros(2, dtype=torch.float64)
-        for grad in self.grads:
-            local[0] += grad.double().pow(2).sum()
-        local[1] = float(not all(bool(torch.isfinite(g).all()) for g in self.grads))
+        square, finite = self._norm_terms()
+        local = torch.tensor([square, float(not finite)], dtype=torch.float64)
         self.comm.all_reduce(local)
         overflow = bool(local[1] > 0) or not math.isfinite(float(local[0]))
         norm = math.sqrt(float(local[0])) if not overflow else float("inf")
@@ -210,11 +257,12 @@ class ShardedAdamW:
         if self.clip > 0:
             combined = max(1.0, (norm / scale + 1e-6) / self.clip) * scale
         flats = self.plan.layout.flat_groups
-        in_memory = [(f, [self.masters[f], self.states["exp_avg"][f], self.states["exp_avg_sq"][f]]) for f in range(len(flats)) if f not in self.swapped]
+        in_memory = [(f, [self.masters[f], self.states["exp_avg"][f], self.states["exp_avg_sq"][f], self.grads[f]]) for f in range(len(flats)) if f not in self.swapped]
         streamed = self.swapper.stream(sorted(self.swapped)) if self.swapper is not None else iter(())
         for source in (streamed, iter(in_memory)):
-            for f, (master, exp_avg, exp_avg_sq) in source:
-                grad = self.grads[f]
+            for f, (master, exp_avg, exp_avg_sq, grad) in source:
+                if f in self.swapped:
+                    self._zero_missing_gradients(f, grad)
                 if combined != 1.0:
                     grad.mul_(1.0 / combined)
                 group = flats[f]
@@ -228,12 +276,12 @@ class ShardedAdamW:
         self.zero_grad()
         return StepResult(norm / scale, False)
 
-    def _copy_flat_to_shards(self, flat: int, master: torch.Tensor, shards: Sequence[torch.Tensor]) -> None:
+    def _copy_flat_to_shards(self, flat: int, master: torch.Tensor, shards: ParamStore) -> None:
         with torch.no_grad():
             for member in self.plan.layout.flat_groups[flat].params:
                 index = self._spec_index[member]
                 slot = self.slots[index]
-                shards[index].copy_(master[slot.offset : slot.offset + slot.share])
+                shards.write(index, master[slot.offset : slot.offset + slot.share])
 
     def full_state(self, index: int, key: str = "master") -> torch.Tensor:
         """Param `index`'s whole fp32 master (or Adam state `key`), gathered from every rank (a
@@ -243,16 +291,22 @@ class ShardedAdamW:
         self.comm.all_gather(out, self.read_share(index, key))
         return out[: spec.numel].view(spec.shape)
 
-    def copy_to_shards(self, shards: Sequence[torch.Tensor]) -> None:
-        """The new masters, rounded to the compute dtype, become the shards the model gathers."""
+    def copy_to_shards(self, shards: ParamStore) -> None:
+        """The masters, rounded to the compute dtype, become the shares the model gathers."""
         with torch.no_grad():
             for index in self.slots:
-                shards[index].copy_(self.read_share(index))
+                shards.write(index, self.read_share(index))
 
     def close(self) -> None:
         """Close the swap files (they stay on the disk, as DeepSpeed leaves its swap folder)."""
         if self.swapper is not None:
             self.swapper.close()
+
+
+def _square_sum(grad: torch.Tensor) -> tuple[float, bool]:
+    """A gradient share's contribution to the global norm: its sum of squares (float64) and
+    whether it is all finite."""
+    return float(grad.double().pow(2).sum()), bool(torch.isfinite(grad).all())
 
 
 def _file_key(key: str) -> int:

@@ -90,20 +90,22 @@ def _resume(rank: int, world: int, config: TrainConfig) -> dict:
     loaded = _state(trainer)
     start = trainer.global_steps
     losses = [trainer.train_step().loss for _ in range(config.steps - start)]
-    swapped = len(trainer.optimizer.swapped)
+    swapped, swapped_params = len(trainer.optimizer.swapped), len(trainer.model.store.swapped)
     final = _state(trainer)
     trainer.close()
-    return {"start": start, "loaded": loaded, "losses": losses, "final": final, "swapped": swapped}
+    return {"start": start, "loaded": loaded, "losses": losses, "final": final, "swapped": swapped, "swapped_params": swapped_params}
 
 
-def _nvme(config: TrainConfig, work_dir: str, run: str, nvme: bool) -> TrainConfig:
-    return replace(config, nvme_path=os.path.join(work_dir, f"nvme_{run}") if nvme else None)
+def _nvme(config: TrainConfig, work_dir: str, run: str, nvme: bool, nvme_params: bool) -> TrainConfig:
+    return replace(config, nvme_path=os.path.join(work_dir, f"nvme_{run}") if nvme else None, nvme_params=nvme and nvme_params)
 
 
-def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int, work_dir: str | None = None, nvme: bool = False) -> RoundtripReport:
+def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int, work_dir: str | None = None, nvme: bool = False,
+              nvme_params: bool = False) -> RoundtripReport:
     """Run the round trip for `config` (its `steps` is the end of the run; the checkpoint is at
     `save_at`); `config.micro_batch` is the micro-batch at `from_world`; with `nvme`, every run
-    offloads its optimizer state to a swap folder of its own under the work folder."""
+    offloads its optimizer state and gradients (with `nvme_params` its params too) to a swap
+    folder of its own under the work folder."""
     from ..api import load_state_dict
     from ..reshard import reshard
     from ..universal import to_universal
@@ -114,7 +116,7 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
         raise UsageError(None, f"a global batch of {config.micro_batch * from_world} sequences cannot be split over {to_world} ranks")
     own_dir = work_dir or tempfile.mkdtemp(prefix="zckpt-roundtrip-")
     ckpt = os.path.join(own_dir, "ckpt")
-    first = on_ranks(from_world, os.path.join(own_dir, "run_a"), _train_save_continue, _nvme(replace(config, out=ckpt, resume=None, save_every=0), own_dir, "a", nvme), save_at)
+    first = on_ranks(from_world, os.path.join(own_dir, "run_a"), _train_save_continue, _nvme(replace(config, out=ckpt, resume=None, save_every=0), own_dir, "a", nvme, nvme_params), save_at)
     checks: list[Check] = []
     if nvme:
         tag_dir = os.path.join(ckpt, f"global_step{save_at}", "offloaded_tensors")
@@ -134,14 +136,16 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
     reshard(ckpt, resharded, world_size=to_world)
     to_universal(ckpt, universal)
     later = replace(config, micro_batch=config.micro_batch * from_world // to_world, save_every=0)
-    resumed = {kind: on_ranks(to_world, os.path.join(own_dir, f"run_b_{kind}"), _resume, _nvme(replace(later, resume=path, out=None), own_dir, f"b_{kind}", nvme))
+    resumed = {kind: on_ranks(to_world, os.path.join(own_dir, f"run_b_{kind}"), _resume, _nvme(replace(later, resume=path, out=None), own_dir, f"b_{kind}", nvme, nvme_params))
                for kind, path in (("resharded", resharded), ("universal", universal))}
     tolerance = TOLERANCE[config.dtype]
     reference_losses = first["losses"][save_at:]
     for kind, run in resumed.items():
         differing = [n for n, t in first["saved"].items() if not torch.equal(run["loaded"][n], t)]
-        swapped = f", {run['swapped']} sub-group(s) per rank on NVMe" if nvme else ""
-        checks.append(Check(f"{kind} at {to_world} ranks loads the saved state", not differing and run["start"] == save_at and (run["swapped"] > 0 or not nvme),
+        params = f" and {run['swapped_params']} param(s)" if nvme_params else ""
+        swapped = f", {run['swapped']} sub-group(s){params} per rank on NVMe" if nvme else ""
+        on_nvme = (run["swapped"] > 0 and (run["swapped_params"] > 0 or not nvme_params)) or not nvme
+        checks.append(Check(f"{kind} at {to_world} ranks loads the saved state", not differing and run["start"] == save_at and on_nvme,
                             f"step {run['start']}, {len(first['saved'])} masters/moments equal bit for bit{swapped}" if not differing else f"differ: {', '.join(differing[:3])}"))
         worst = max((abs(a - b) / abs(b) for a, b in zip(run["losses"], reference_losses)), default=0.0)
         checks.append(Check(f"{kind}: {len(run['losses'])} losses vs uninterrupted {from_world}-rank run", worst <= tolerance and len(run["losses"]) == len(reference_losses),

@@ -6,12 +6,20 @@ A swapped sub-group's fp32 master and Adam moments live in three files of
 rule's alignment, the names and sizes DeepSpeed's optimizer swapper gives them, so zckpt's swap
 folder reader and the checkpoint writer read them as they read DeepSpeed's.
 
+Its fp32 gradient lives in a fourth file, ``<first>_<last>_gradient_0_<numel>.tensor.swp``
+(DeepSpeed's name for gradient swaps, ``optimizer_utils.get_or_create_gradient_paths``; DeepSpeed
+writes one such file per param share, zckpt one per sub-group from offset 0). Backward hands each
+param's reduce-scattered share to :meth:`OptimizerSwapper.put_gradient`: the I/O thread writes it
+at the share's offset, or adds it to what an earlier micro-step wrote, with at most a few shares
+in flight, so gradient accumulation takes a few shares' memory, not the model's.
+
 The optimizer step streams the sub-groups through a fixed pool of page-aligned buffers (three
-sets of three, fewer when fewer sub-groups are swapped): one background thread reads sub-group
+sets of four, fewer when fewer sub-groups are swapped): one background thread reads sub-group
 i+1 and writes sub-group i-1 back while AdamW runs on sub-group i. Memory is the pool, whatever
-the model's size. On local filesystems the whole blocks of each file move with O_DIRECT (no
-page-cache copy, as DeepSpeed's aio does) and a tail shorter than a block through the page
-cache; elsewhere everything is buffered.
+the model's size. On local filesystems the whole blocks of the state files move with O_DIRECT
+(no page-cache copy, as DeepSpeed's aio does) and a tail shorter than a block through the page
+cache; elsewhere everything is buffered. Gradient files, written a share at a time at any
+offset, are always buffered.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +42,7 @@ from ..errors import OutputError
 
 SWAP_KEYS = (None, "exp_avg", "exp_avg_sq")  # the master's file, then each Adam moment's
 IN_FLIGHT = 3  # buffer sets: one being read, one in AdamW, one being written back
+GRADIENT_SHARES_IN_FLIGHT = 4  # gradient shares handed to the I/O thread and not yet written
 
 
 def live_optimizer_folder(nvme_path: str, rank: int) -> str:
@@ -52,6 +62,9 @@ class SwappedGroup:
 
     def file_names(self) -> tuple[str, ...]:
         return tuple(N.swap_file_name(self.first_ds_id, self.last_ds_id, key) for key in SWAP_KEYS)
+
+    def gradient_file_name(self) -> str:
+        return N.swap_gradient_file_name(self.first_ds_id, self.last_ds_id, 0, self.numel)
 
 
 @dataclass
@@ -75,22 +88,28 @@ class OptimizerSwapper:
         self.folder = folder
         self.groups = {g.flat: g for g in groups}
         self.counters = SwapCounters()
-        self.paths: dict[int, tuple[str, ...]] = {}
+        self.paths: dict[int, tuple[str, ...]] = {}  # the master's and the moments' files
+        self.gradient_paths: dict[int, str] = {}
         self._fds: dict[int, list[tuple[int, int | None]]] = {}  # (buffered, O_DIRECT or None) per file
+        self._gradient_fds: dict[int, int] = {}
         try:
             os.makedirs(folder, exist_ok=True)
             for group in groups:
                 self.paths[group.flat] = tuple(os.path.join(folder, name) for name in group.file_names())
                 self._fds[group.flat] = [self._create(path, group.file_numel * 4) for path in self.paths[group.flat]]
+                self.gradient_paths[group.flat] = os.path.join(folder, group.gradient_file_name())
+                self._gradient_fds[group.flat] = self._create(self.gradient_paths[group.flat], group.numel * 4, direct=False)[0]
         except OSError as exc:
             self.close()
             raise OutputError(folder, f"cannot create the NVMe swap files: {exc.strerror or exc}") from exc
         largest = max((g.file_numel for g in groups), default=0)
         self.buffer_bytes = _round_up(max(largest * 4, 1), BLOCK)
-        # three sets pipeline reads, AdamW and writes; fewer sub-groups than that need fewer
-        self._buffers = [[mmap.mmap(-1, self.buffer_bytes) for _ in SWAP_KEYS] for _ in range(min(in_flight, len(groups)))]
+        # three sets pipeline reads, AdamW and writes; fewer sub-groups than that need fewer.
+        # A set: master, exp_avg, exp_avg_sq, gradient
+        self._buffers = [[mmap.mmap(-1, self.buffer_bytes) for _ in range(len(SWAP_KEYS) + 1)] for _ in range(min(in_flight, len(groups)))]
         self._views = [[torch.frombuffer(b, dtype=torch.float32) for b in slot] for slot in self._buffers]
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zckpt-swap")
+        self._gradient_writes: deque[Future] = deque()
 
     @property
     def pool_bytes(self) -> int:
@@ -98,12 +117,12 @@ class OptimizerSwapper:
         return sum(len(b) for slot in self._buffers for b in slot)
 
     @staticmethod
-    def _create(path: str, size: int) -> tuple[int, int | None]:
+    def _create(path: str, size: int, direct: bool = True) -> tuple[int, int | None]:
         """A zero-filled swap file of `size` bytes: its buffered descriptor and, where the
-        filesystem takes O_DIRECT, an O_DIRECT one (None elsewhere)."""
+        filesystem takes O_DIRECT (and `direct`), an O_DIRECT one (None elsewhere)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fd, size)
-        if not wants_direct(path, DIRECT_MIN_BYTES):  # the filesystem check (swap files stream whatever their size)
+        if not direct or not wants_direct(path, DIRECT_MIN_BYTES):  # the filesystem check (swap files stream whatever their size)
             return fd, None
         try:
             return fd, os.open(path, os.O_RDWR | os.O_DIRECT)
@@ -138,14 +157,11 @@ class OptimizerSwapper:
     def _read(self, flat: int, slot: int) -> None:
         started, size = time.perf_counter(), self.groups[flat].file_numel * 4
         for fds, buffer in zip(self._fds[flat], self._buffers[slot]):
-            view = memoryview(buffer)
             for fd, start, end in self._pieces(fds, size):
-                while start < end:
-                    count = os.preadv(fd, [view[start:end]], start)
-                    if count <= 0:
-                        raise OSError(f"{self.folder}: a swap file of sub-group {flat} is shorter than {size} bytes")
-                    start += count
-        self.counters.bytes_read += 3 * size
+                _read_exactly(fd, memoryview(buffer)[start:end], start, self.folder, flat)
+        gradient_size = self.groups[flat].numel * 4
+        _read_exactly(self._gradient_fds[flat], memoryview(self._buffers[slot][-1])[:gradient_size], 0, self.folder, flat)
+        self.counters.bytes_read += 3 * size + gradient_size
         self.counters.read_seconds += time.perf_counter() - started
 
     def _write(self, flat: int, slot: int) -> None:
@@ -158,10 +174,47 @@ class OptimizerSwapper:
         self.counters.bytes_written += 3 * size
         self.counters.write_seconds += time.perf_counter() - started
 
+    # -- gradients, a share at a time during backward -------------------------------------------
+    def put_gradient(self, flat: int, offset: int, grad: torch.Tensor, accumulate: bool,
+                     on_written: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Write the fp32 `grad` at element `offset` of sub-group `flat`'s gradient file, or add
+        it to what is there (`accumulate`), on the I/O thread; `on_written` then gets the values
+        the file now holds (on that thread). `grad` is the swapper's from now on. Waits while
+        GRADIENT_SHARES_IN_FLIGHT shares are still on their way."""
+        while len(self._gradient_writes) >= GRADIENT_SHARES_IN_FLIGHT:
+            self._gradient_writes.popleft().result()
+        self._gradient_writes.append(self._io.submit(self._put_gradient, flat, offset, grad.contiguous(), accumulate, on_written))
+
+    def _put_gradient(self, flat: int, offset: int, grad: torch.Tensor, accumulate: bool, on_written) -> None:
+        started, fd, position = time.perf_counter(), self._gradient_fds[flat], offset * 4
+        try:
+            if accumulate:
+                held = torch.empty_like(grad)
+                _read_exactly(fd, memoryview(held.numpy()).cast("B"), position, self.folder, flat)
+                grad = held.add_(grad)
+                self.counters.bytes_read += grad.numel() * 4
+            data = memoryview(grad.numpy()).cast("B")
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], position + done)
+        except OSError as exc:
+            raise OutputError(self.folder, f"NVMe swap of a gradient of sub-group {flat} failed: {exc.strerror or exc}") from exc
+        self.counters.bytes_written += grad.numel() * 4
+        self.counters.write_seconds += time.perf_counter() - started
+        if on_written is not None:
+            on_written(grad)
+
+    def drain_gradients(self) -> None:
+        """Wait until every gradient handed over is in its file (raises the first I/O error)."""
+        while self._gradient_writes:
+            self._gradient_writes.popleft().result()
+
     def stream(self, flats: Sequence[int]) -> Iterator[tuple[int, list[torch.Tensor]]]:
-        """Yield (flat, [master, exp_avg, exp_avg_sq]) for each swapped sub-group in `flats`, the
-        tensors views of pool buffers holding the file contents; what the caller changes in them
-        is written back once it asks for the next one. Sub-group i+1 is read meanwhile."""
+        """Yield (flat, [master, exp_avg, exp_avg_sq, gradient]) for each swapped sub-group in
+        `flats`, the tensors views of pool buffers holding the file contents; what the caller
+        changes in the first three is written back once it asks for the next one. Sub-group
+        i+1 is read meanwhile (after every gradient handed over has been written)."""
+        self.drain_gradients()
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
         slots = len(self._buffers)
@@ -213,4 +266,16 @@ class OptimizerSwapper:
                 os.close(fd)
                 if direct is not None:
                     os.close(direct)
-        self._fds = {}
+        for fd in self._gradient_fds.values():
+            os.close(fd)
+        self._fds, self._gradient_fds = {}, {}
+
+
+def _read_exactly(fd: int, view: memoryview, position: int, folder: str, flat: int) -> None:
+    """Fill `view` from `fd` at byte `position`; a short file is an error, not zeros."""
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], position + done)
+        if count <= 0:
+            raise OSError(f"{folder}: a swap file of sub-group {flat} is shorter than {position + len(view)} bytes")
+        done += count

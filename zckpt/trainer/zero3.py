@@ -9,7 +9,9 @@ partitions: rank r owns elements ``[r * share, (r + 1) * share)`` of every param
 How a param lives:
 
 - at rest, each module's param attribute is an empty placeholder and the rank keeps only its
-  `share` elements (:attr:`ShardedModel.shards`, the leaf tensors autograd accumulates into);
+  `share` elements, in memory or in a param swap file (:class:`ParamStore`);
+  :attr:`ShardedModel.shards` are the leaf tensors autograd accumulates gradients into (for a
+  swapped share a view of one shared zero buffer: autograd needs its shape, never its values);
 - a forward pre-hook gathers the full param (:class:`_Gather`, an autograd function whose
   backward reduce-scatters the gradient), a forward hook frees it;
 - the ops that save a gathered param for backward save a handle instead (saved-tensor hooks),
@@ -32,7 +34,7 @@ from torch import nn
 from ..deepspeed.layout import LayoutParam, ZeroLayout, zero3_layout
 from ..deepspeed.partition import zero3_partition
 from ..errors import UsageError
-from .arena import MemoryArena
+from .param_store import ParamStore
 
 DECAY, NO_DECAY = "decay", "no_decay"
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only those
@@ -140,29 +142,35 @@ class _Gather(torch.autograd.Function):
 class ShardedModel(nn.Module):
     """`model` with every param replaced by this rank's partition of it (see the module doc).
 
-    `shards[i]` holds param i's `share` elements (the plan's order) in the compute dtype;
-    trainable ones require grad. `grad_ready(i, grad)` is called with each shard's gradient
-    (already summed over ranks and divided by the world size) as soon as backward has it.
+    `store` holds param i's `share` elements (the plan's order) in the compute dtype, in memory
+    or in param swap files; `shards[i]` is its autograd leaf (trainable ones require grad).
+    `values(i)`, if given, is param i's initial value (the model's params may then be on the
+    meta device: one param is materialised at a time). `grad_ready(i, grad)` is called with
+    each shard's gradient (already summed over ranks and divided by the world size) as soon as
+    backward has it.
     """
 
-    def __init__(self, model: nn.Module, plan: Zero3Plan, comm: Comm, dtype: torch.dtype, grad_ready: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    def __init__(self, model: nn.Module, plan: Zero3Plan, comm: Comm, dtype: torch.dtype, grad_ready: Callable[[int, torch.Tensor], None] | None = None,
+                 store: ParamStore | None = None, values: Callable[[int], torch.Tensor] | None = None) -> None:
         super().__init__()
         if comm.world != plan.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks used by a group of {comm.world}")
         self.module, self.plan, self.comm, self.dtype = model, plan, comm, dtype
         self.grad_ready = grad_ready
+        self.store = store or ParamStore([s.share for s in plan.params], dtype)
         index_of = {s.name: i for i, s in enumerate(plan.params)}
         full = dict(model.named_parameters())
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.arena = MemoryArena([s.share * itemsize for s in plan.params], "zckpt-shards")
+        values = values or (lambda index: full[plan.params[index].name].detach())
+        stand_in = torch.zeros(max((plan.params[i].share for i in self.store.swapped), default=0), dtype=dtype)
         shards: list[nn.Parameter] = []
         for index, spec in enumerate(plan.params):
-            flat = full[spec.name].detach().reshape(-1)
+            flat = values(index).reshape(-1)
             start = min(spec.numel, comm.rank * spec.share)
-            data = self.arena.tensor(index, spec.share, dtype)
-            data.zero_()
+            data = torch.zeros(spec.share, dtype=dtype)
             data[: max(0, min(spec.share, spec.numel - start))] = flat[start : start + spec.share]
-            shard = nn.Parameter(data, requires_grad=spec.trainable)
+            self.store.write(index, data)
+            held = self.store.view(index)
+            shard = nn.Parameter(held if held is not None else stand_in[: spec.share], requires_grad=spec.trainable)
             if spec.trainable:
                 shard.register_post_accumulate_grad_hook(self._make_grad_hook(len(shards)))
             shards.append(shard)
@@ -199,7 +207,7 @@ class ShardedModel(nn.Module):
         """The full param `index`, gathered from every rank's shard (a fresh tensor)."""
         spec = self.plan.params[index]
         buffer = torch.empty(spec.share * self.comm.world, dtype=self.dtype)
-        self.comm.all_gather(buffer, self.shards[index].detach())
+        self.comm.all_gather(buffer, self.store.read(index))
         return buffer[: spec.numel].view(spec.shape)
 
     def scatter_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor:
