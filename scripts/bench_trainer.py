@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    trainer = Trainer(TrainConfig(**_options(args), nvme_path=str(args.work_dir / "zckpt_nvme")))
+    trainer = Trainer(TrainConfig(**_options(args), nvme_path=str(args.work_dir / "zckpt_nvme"), nvme_params=args.nvme_params, bounded_memory=args.bounded_memory))
     losses, step_times = [], []
     for _ in range(args.steps):
         started = time.perf_counter()
@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     swapper = trainer.optimizer.swapper
     counters = vars(swapper.counters) if swapper else {}
     mine = {"peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "counters": counters, "pool_bytes": swapper.pool_bytes if swapper else 0,
-            "swapped_groups": len(trainer.optimizer.swapped), "sub_groups": len(trainer.plan.layout.flat_groups), "direct": bool(swapper and swapper.direct),
+            "swapped_groups": len(trainer.optimizer.swapped), "swapped_params": len(trainer.model.store.swapped), "sub_groups": len(trainer.plan.layout.flat_groups), "direct": bool(swapper and swapper.direct),
             "swapped_state_bytes": sum(12 * g.file_numel + 4 * g.numel for g in swapper.groups.values()) if swapper else 0}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sub-group-size", type=int, default=500_000)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--dd-mib", type=int, default=256)
+    parser.add_argument("--bounded-memory", action="store_true", help="zckpt train --bounded-memory")
+    parser.add_argument("--nvme-params", action="store_true", help="params on NVMe too: zckpt train --nvme-params, DeepSpeed offload_param nvme")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -148,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     _torchrun([str(Path(__file__).resolve()), "--worker", *passthrough], args.work_dir / "zckpt.log")
     ours = json.loads((args.work_dir / "zckpt_run" / "state.json").read_text())
     config = json.loads((args.work_dir / "ds_config.json").read_text())
-    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(args.work_dir / "ds_nvme")
+    for section in ("offload_optimizer", "offload_param"):
+        if section in config["zero_optimization"]:
+            config["zero_optimization"][section]["nvme_path"] = str(args.work_dir / "ds_nvme")
     (args.work_dir / "ds_config.json").write_text(json.dumps(config))
     _torchrun([str(ROOT / "scripts" / "ds_train_gpt.py"), "--model-config", str(args.work_dir / "model_config.json"), "--ds-config", str(args.work_dir / "ds_config.json"),
                "--out", str(args.work_dir / "ds_run"), "--train-steps", str(args.steps), "--seed", "1", "--no-live"], args.work_dir / "ds.log")
@@ -163,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_gap = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))
     result = {"options": _options(args), "zckpt": ours, "deepspeed": theirs, "dd": dd, "median_step_s": {"zckpt": step_ours, "deepspeed": step_theirs},
               "ratio": step_ours / step_theirs, "swap_read_mb_s": read_mbs, "swap_write_mb_s": write_mbs, "max_relative_loss_gap": loss_gap}
-    print(f"model: {_options(args)}; {rank0['sub_groups']} sub-groups per rank, {rank0['swapped_groups']} swapped "
+    params = f", {rank0.get('swapped_params', 0)} params swapped (offload_param)" if args.nvme_params else ""
+    print(f"model: {_options(args)}; {rank0['sub_groups']} sub-groups per rank, {rank0['swapped_groups']} swapped{params} "
           f"({rank0['swapped_state_bytes'] / 2**20:.1f} MiB of optimizer state and gradients per rank on NVMe, buffer pool {rank0['pool_bytes'] / 2**20:.1f} MiB, O_DIRECT {rank0['direct']})")
     print("| | zckpt train | DeepSpeed 0.19.8 |\n|---|---|---|")
     print(f"| median step time (steps {skip + 1}-{args.steps}) | {step_ours:.3f} s | {step_theirs:.3f} s |")

@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_trainer import end_worker, free_port  # noqa: E402  (the same torchrun plumbing)
-MODES = {"memory": {}, "nvme": {"nvme": True}, "nvme+params": {"nvme": True, "nvme_params": True}}
+MODES = {"memory": {}, "nvme": {"nvme": True}, "nvme+params": {"nvme": True, "nvme_params": True},
+         "nvme+params+bounded": {"nvme": True, "nvme_params": True, "bounded_memory": True}}
 
 
 def _options(args: argparse.Namespace, layers: int) -> dict:
@@ -51,7 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     mode = MODES[args.mode]
     nvme = str(args.work_dir / "nvme") if mode.get("nvme") else None
     before = _resident()
-    trainer = Trainer(TrainConfig(**_options(args, args.layers), nvme_path=nvme, nvme_params=bool(mode.get("nvme_params"))))
+    trainer = Trainer(TrainConfig(**_options(args, args.layers), nvme_path=nvme, nvme_params=bool(mode.get("nvme_params")),
+                                  bounded_memory=bool(mode.get("bounded_memory"))))
     for _ in range(args.steps):
         trainer.train_step()
     swapper = trainer.optimizer.swapper
@@ -130,7 +132,7 @@ def main() -> None:
             ranks = results[mode][layers]
             first = ranks[0]
             swapped = f"{first['swapped_sub_groups']}/{first['sub_groups']} sub-groups" if mode != "memory" else "-"
-            if mode == "nvme+params":
+            if mode.startswith("nvme+params"):
                 swapped += f", {first['swapped_params']} params"
             peak = " / ".join(f"{r['peak_rss'] / mib:.0f}" for r in ranks)
             after = " / ".join(f"{r['rss_after'] / mib:.0f}" for r in ranks)

@@ -129,12 +129,13 @@ def test_resume_from_nvme_checkpoint_is_bit_identical(runs):
 
 
 _RESIDENT = """
-import json, os, sys
+import ctypes, json, os, sys
 from zckpt.trainer import TrainConfig, Trainer
 options = json.loads(sys.argv[1])
 trainer = Trainer(TrainConfig(**options))
 for _ in range(2):
     trainer.train_step()
+ctypes.CDLL(None).malloc_trim(0)  # live memory: free heap pages back to the system first
 resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 swapper = trainer.optimizer.swapper
 print(json.dumps({"resident": resident, "pool": swapper.pool_bytes if swapper else 0,
@@ -173,6 +174,18 @@ def test_cli_trains_with_nvme_path(tmp_path):
     (tmp_path / "a_file").write_text("")
     bad = CliRunner().invoke(app, ["train", "--nvme-path", str(tmp_path / "a_file"), *model])
     assert bad.exit_code == 2 and "--nvme-path must be a folder" in bad.output
+    bad = CliRunner().invoke(app, ["train", "--nvme-params", *model])
+    assert bad.exit_code == 2 and "--nvme-params needs --nvme-path" in bad.output
+    # the params too: those of 1 MiB of fp32 and more (the 4096 x 256 embedding and lm head, the
+    # two 256 x 1024 MLP matrices) go to float32params/rank0/
+    big = [*model[: model.index("--vocab")], "--vocab", "4096", *model[model.index("--vocab") + 2 :]]
+    result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run2"), "--steps", "2", "--nvme-path", str(tmp_path / "nvme2"), "--nvme-params",
+                                      "--bounded-memory", *big])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if "params per rank" in line)
+    assert line.startswith("NVMe offload: 4 of 17 params per rank in ") and line.split(" in ")[1].startswith(f"{tmp_path / 'nvme2'}/zero_stage_3/float32params/"), line
+    swapped = sorted(os.listdir(tmp_path / "nvme2" / "zero_stage_3" / "float32params" / "rank0"))
+    assert len(swapped) == 4 and "0_param.tensor.swp" in swapped  # wte is ds_id 0
 
 
 @pytest.mark.parametrize("accumulation", [dict(), dict(grad_accum=3, clip=0.05, dtype="bf16")], ids=["plain", "grad-accum-clip-bf16"])
@@ -302,11 +315,12 @@ def test_swap_folder_reader_finds_the_params_current(param_runs):
 
 
 _GROWTH = """
-import json, os, sys
+import ctypes, json, os, sys
 from zckpt.trainer import TrainConfig, Trainer
 trainer = Trainer(TrainConfig(**json.loads(sys.argv[1])))
 for _ in range(2):
     trainer.train_step()
+ctypes.CDLL(None).malloc_trim(0)  # live memory: free heap pages back to the system first
 plan = trainer.plan
 print(json.dumps({"resident": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"),
                   "state": sum(s.share for s in plan.params) * 4 + sum(g.partition for g in plan.layout.flat_groups) * 16,
@@ -317,11 +331,11 @@ print(json.dumps({"resident": int(open("/proc/self/statm").read().split()[1]) * 
 def test_memory_does_not_grow_with_depth_under_nvme_params(tmp_path):
     """1 and 5 layers of width 512 (the largest param and the buffer pool the same): in memory
     the process grows by about the added model state (shares, masters, moments, gradients:
-    ~240 MiB); with --nvme-path --nvme-params by a small part of it (activations, the small
+    ~240 MiB); with --nvme-path --nvme-params --bounded-memory by a small part of it (activations, the small
     params DeepSpeed's rule keeps in memory)."""
     options = dict(dim=512, heads=4, vocab=256, seq_len=16, micro_batch=1, steps=2, sub_group_size=300000)
     runs = {}
-    for mode, extra in (("memory", {}), ("nvme", {"nvme_params": True})):
+    for mode, extra in (("memory", {}), ("nvme", {"nvme_params": True, "bounded_memory": True})):
         for layers in (1, 5):
             more = {**extra, "nvme_path": str(tmp_path / f"{mode}{layers}")} if extra else {}
             done = subprocess.run([sys.executable, "-c", _GROWTH, json.dumps({**options, **more, "layers": layers})], capture_output=True, text=True,

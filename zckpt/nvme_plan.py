@@ -245,11 +245,8 @@ def plan_nvme(
     aio, sub_group_size = swap.aio, swap.sub_group_size
     given_param, given_opt = swap.offload_param, swap.offload_optimizer
     layout = _layout(params, world_size, element_size, aio, sub_group_size)
-    align = aio.numel_alignment(element_size)
 
-    largest = max((s.partition_numel for s in layout.swapped), default=0)
-    buffer_size = R.io_aligned_numel(largest, align) if largest else align
-    buffer_count = max(1, len(layout.swapped))
+    buffer_size, buffer_count = R.param_buffers([s.partition_numel for s in layout.swapped], R.SwapRule(aio, element_size))
     pipeline_read = bool(given_opt and given_opt.pipeline_read)
     pipeline_write = bool(given_opt and given_opt.pipeline_write)
     optimizer_buffers = max(R.OPTIMIZER_BUFFER_COUNT_DEFAULT, R.optimizer_buffers_needed(optimizer_states, pipeline_read, pipeline_write))

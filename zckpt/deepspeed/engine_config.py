@@ -10,8 +10,7 @@ from typing import Any
 from ..dtypes import FP16
 from ..torchpickle import GlobalName, PickledInstance
 from . import names as N
-from .swap_rules import (MAX_IN_CPU_DEFAULT, OPTIMIZER_BUFFER_COUNT_DEFAULT, PARAM_BUFFER_COUNT_DEFAULT, PARAM_BUFFER_SIZE_DEFAULT,
-                         offload_optimizer_section, offload_param_section)
+from .swap_rules import MAX_IN_CPU_DEFAULT, OPTIMIZER_BUFFER_COUNT_DEFAULT, offload_optimizer_section, offload_param_section
 
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
 FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint format the trainer writes
@@ -35,19 +34,19 @@ def engine_config(
     sub_group_size: int,
     scheduler: dict[str, Any],
     nvme_path: str | None = None,
-    nvme_params: bool = False,
+    param_buffers: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """A ZeRO-3 ds_config describing the run (torch's AdamW, DeepSpeed's lr scheduler); with
     `nvme_path`, the optimizer state offloaded there (DeepSpeed's aio defaults: what decides
-    which sub-groups are swapped and how their files are padded); with `nvme_params` too, the
-    params (``offload_param``)."""
+    which sub-groups are swapped and how their files are padded); with `param_buffers` (buffer
+    size and count) the params too (``offload_param``)."""
     zero: dict[str, Any] = {N.CONFIG_STAGE: 3, N.CONFIG_SUB_GROUP_SIZE: sub_group_size}
     offload: dict[str, Any] = {}
     if nvme_path is not None:
         zero[N.CONFIG_OFFLOAD_OPTIMIZER] = offload_optimizer_section(OPTIMIZER_BUFFER_COUNT_DEFAULT, nvme_path)
         offload[FORCE_DS_CPU_OPTIMIZER] = False  # DeepSpeed refuses torch's AdamW with an offloaded optimizer otherwise
-        if nvme_params:
-            zero[N.CONFIG_OFFLOAD_PARAM] = offload_param_section(PARAM_BUFFER_SIZE_DEFAULT, PARAM_BUFFER_COUNT_DEFAULT, MAX_IN_CPU_DEFAULT, nvme_path)
+        if param_buffers is not None:
+            zero[N.CONFIG_OFFLOAD_PARAM] = offload_param_section(*param_buffers, MAX_IN_CPU_DEFAULT, nvme_path)
     return {
         **offload,
         "train_batch_size": micro_batch * grad_accum * world_size,

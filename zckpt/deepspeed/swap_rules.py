@@ -129,6 +129,18 @@ class SwapRule:
         return io_aligned_numel(numel, self.aio.numel_alignment(self.itemsize))
 
 
+def param_buffers(swapped_partitions: Sequence[int], rule: SwapRule) -> tuple[int, int]:
+    """``offload_param`` (buffer_size, buffer_count) with which swapping in every partition of
+    `swapped_partitions` at once (a whole-model gather) cannot fail: the largest partition's
+    swap file, one buffer each.
+
+    >>> param_buffers([524288, 300000], SwapRule(Aio(), itemsize=2))
+    (524288, 2)
+    """
+    largest = max(swapped_partitions, default=0)
+    return rule.file_numel(largest) if largest else rule.aio.numel_alignment(rule.itemsize), max(1, len(swapped_partitions))
+
+
 def run_swap_rule(ds_config: dict) -> SwapRule:
     """The swap rule (threshold, file alignment) of the run whose config is `ds_config`."""
     return SwapRule(read_swap_config(ds_config if isinstance(ds_config, dict) else {}).aio)

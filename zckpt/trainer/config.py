@@ -35,6 +35,7 @@ class TrainConfig:
     sub_group_size: int = 1_000_000_000
     nvme_path: str | None = None  # NVMe offload: swap folder root, DeepSpeed's layout
     nvme_params: bool = False  # the param shares too (DeepSpeed's offload_param: nvme), not only the optimizer
+    bounded_memory: bool = False  # glibc unmaps freed big blocks: memory bounded, steps slower
     resume: str | None = None
     seed: int = 0
     data: str | None = None

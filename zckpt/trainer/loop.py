@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..deepspeed import engine_config as E
-from ..deepspeed.swap_rules import run_swap_rule
+from ..deepspeed.swap_rules import SwapRule, param_buffers, run_swap_rule
 from .config import TrainConfig
 from .arena import return_big_frees_to_the_system
 from .data import TokenData
@@ -66,7 +66,7 @@ class Trainer:
         self.comm = comm or Comm()
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model_config = config.model_config()
-        if config.nvme_path:  # memory bounded by the params in use and the swap buffers
+        if config.bounded_memory:  # memory bounded by the params in use and the swap buffers, before speed
             return_big_frees_to_the_system()
         # modules on the meta device, each param materialised alone while it is sharded: memory
         # never holds the whole model (the values are build_model(model_config, seed)'s)
@@ -98,10 +98,14 @@ class Trainer:
     def ds_config(self) -> dict:
         """The ds_config of the DeepSpeed run this one is (saved in its checkpoints)."""
         config = self.config
+        buffers = None
+        if config.nvme_params:  # buffers the swapped shares need (DeepSpeed's defaults pin 100M elements x 5)
+            rule = SwapRule(run_swap_rule({}).aio, torch.empty(0, dtype=self.dtype).element_size())
+            buffers = param_buffers([s.share for s in self.plan.params if rule.swapped(s.share)], rule)
         return E.engine_config(
             micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=self.comm.world, dtype=config.dtype, lr=config.lr, betas=config.betas,
             eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=self.schedule.ds_scheduler(),
-            nvme_path=config.nvme_path, nvme_params=config.nvme_params,
+            nvme_path=config.nvme_path, param_buffers=buffers,
         )
 
     @property
