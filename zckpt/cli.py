@@ -599,11 +599,7 @@ def train(
         typer.echo(f"NVMe offload: {swapped} of {total} optimizer sub-groups per rank in {nvme_path}/zero_stage_3/optimizer/ "
                    "(DeepSpeed swaps those of at least 1 MiB of fp32 per rank)")
     if not quiet and _primary_process() and result.swapped_params is not None:
-        swapped, total = result.swapped_params
-        from .trainer.loop import TORCH_DTYPES
-        from .trainer.param_store import live_param_folder
-
-        folder = os.path.dirname(live_param_folder(str(nvme_path), TORCH_DTYPES[config.dtype], 0))
+        swapped, total, folder = result.swapped_params
         typer.echo(f"NVMe offload: {swapped} of {total} params per rank in {folder}/ (those of at least 1 MiB per rank)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torch 2.13's gloo threads can abort a rank's interpreter exit ("terminate called without

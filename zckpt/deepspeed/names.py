@@ -45,6 +45,17 @@ def swap_gradient_file_name(first_ds_id: int, last_ds_id: int, offset: int, nume
     return f"{first_ds_id}_{last_ds_id}_gradient_{offset}_{numel}{SWAP_SUFFIX}"
 
 
+def swap_param_file_name(ds_id: int) -> str:
+    """NVMe swap file of one param's partition: ``7_param.tensor.swp``
+    (partitioned_param_swapper._get_swap_paths)."""
+    return f"{ds_id}_param{SWAP_SUFFIX}"
+
+
+def swap_params_dir(dtype_name: str) -> str:
+    """The live swap folder of params of torch dtype `dtype_name` (``bfloat16params``)."""
+    return f"{dtype_name}params"
+
+
 def swap_rank_dir(dp_rank: int) -> str:
     """``rank3``-style folder of one rank's files in a live swap folder (not zero-padded, unlike
     offloaded_tensors/)."""

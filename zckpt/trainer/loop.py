@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..deepspeed import engine_config as E
-from ..deepspeed.swap_rules import SwapRule, param_buffers, run_swap_rule
+from ..deepspeed.swap_rules import param_buffers, run_swap_rule
 from .config import TrainConfig
 from .arena import return_big_frees_to_the_system
 from .data import TokenData
@@ -46,7 +46,7 @@ class TrainResult:
     skipped_steps: int
     checkpoints: tuple[str, ...]
     swapped_sub_groups: tuple[int, int] | None = None  # NVMe offload: (swapped, all) sub-groups of rank 0
-    swapped_params: tuple[int, int] | None = None  # NVMe offload of params: (swapped, all) params of rank 0
+    swapped_params: tuple[int, int, str] | None = None  # NVMe offload of params: (swapped, all) params of rank 0, their folder (less rank<R>)
 
 
 def init_distributed() -> bool:
@@ -77,11 +77,12 @@ class Trainer:
         hyper = [param_group_defaults(self.schedule.at(-1), config.betas, config.eps, config.weight_decay if g == DECAY else 0.0) for g in self.plan.group_names]
         scaler = DynamicLossScale() if config.dtype == "fp16" else None
         swap_folder = live_optimizer_folder(config.nvme_path, self.comm.rank) if config.nvme_path else None
-        rule = run_swap_rule(self.ds_config())
+        # the saved ds_config sets no aio section: DeepSpeed's aio defaults decide what is swapped
+        rule = run_swap_rule({})
         self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler, swap_folder, rule)
         param_folder = live_param_folder(config.nvme_path, self.dtype, self.comm.rank) if config.nvme_path and config.nvme_params else None
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        store = ParamStore([s.share for s in self.plan.params], self.dtype, param_folder, replace(rule, itemsize=itemsize))
+        store = ParamStore([s.share for s in self.plan.params], self.dtype, param_folder,
+                           replace(rule, itemsize=torch.empty(0, dtype=self.dtype).element_size()))
         specs = self.plan.params
         self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate, store=store,
                                   values=lambda i: initial_value(self.model_config, i, specs[i].name, specs[i].shape, config.seed))
@@ -97,11 +98,10 @@ class Trainer:
 
     def ds_config(self) -> dict:
         """The ds_config of the DeepSpeed run this one is (saved in its checkpoints)."""
-        config = self.config
+        config, store = self.config, self.model.store
         buffers = None
-        if config.nvme_params:  # buffers the swapped shares need (DeepSpeed's defaults pin 100M elements x 5)
-            rule = SwapRule(run_swap_rule({}).aio, torch.empty(0, dtype=self.dtype).element_size())
-            buffers = param_buffers([s.share for s in self.plan.params if rule.swapped(s.share)], rule)
+        if store.rule is not None:  # buffers the swapped shares need (DeepSpeed's defaults pin 100M elements x 5)
+            buffers = param_buffers([store.shares[i] for i in sorted(store.swapped)], store.rule)
         return E.engine_config(
             micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=self.comm.world, dtype=config.dtype, lr=config.lr, betas=config.betas,
             eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=self.schedule.ds_scheduler(),
@@ -175,7 +175,8 @@ def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None)
                 on_step(log)
         trainer.close()
         swapped = (len(trainer.optimizer.swapped), len(trainer.plan.layout.flat_groups)) if config.nvme_path else None
-        params = (len(trainer.model.store.swapped), len(trainer.plan.params)) if config.nvme_params else None
+        store = trainer.model.store
+        params = (len(store.swapped), len(trainer.plan.params), os.path.dirname(store.folder)) if store.folder is not None else None
         return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved), swapped, params)
     finally:
         if created:

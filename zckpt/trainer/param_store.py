@@ -24,16 +24,12 @@ from ..deepspeed.swap_folder import STAGE_DIR
 from ..deepspeed.swap_rules import SwapRule
 from ..errors import OutputError
 from .arena import MemoryArena
+from .swap import pread_exactly, pwrite_all
 
 
 def live_param_folder(nvme_path: str, dtype: torch.dtype, rank: int) -> str:
     """DeepSpeed's live param swap folder of `rank` for params of `dtype`."""
-    return os.path.join(nvme_path, STAGE_DIR, f"{str(dtype).split('.')[1]}params", N.swap_rank_dir(rank))
-
-
-def param_swap_file_name(ds_id: int) -> str:
-    """``<ds_id>_param.tensor.swp`` (partitioned_param_swapper._get_swap_paths)."""
-    return f"{ds_id}_param{N.SWAP_SUFFIX}"
+    return os.path.join(nvme_path, STAGE_DIR, N.swap_params_dir(str(dtype).split(".")[1]), N.swap_rank_dir(rank))
 
 
 class ParamStore:
@@ -45,6 +41,7 @@ class ParamStore:
         self.swapped = frozenset(i for i, share in enumerate(shares) if folder is not None and rule is not None and rule.swapped(share))
         self.arena = MemoryArena([0 if i in self.swapped else share * self.itemsize for i, share in enumerate(shares)], "zckpt-shards")
         self.folder = folder
+        self.rule = rule if folder is not None else None  # which shares the folder holds, how padded
         self.paths: dict[int, str] = {}
         self._fds: dict[int, int] = {}
         if self.swapped:
@@ -52,7 +49,7 @@ class ParamStore:
             try:
                 os.makedirs(folder, exist_ok=True)
                 for index in sorted(self.swapped):
-                    self.paths[index] = os.path.join(folder, param_swap_file_name(index))
+                    self.paths[index] = os.path.join(folder, N.swap_param_file_name(index))
                     fd = os.open(self.paths[index], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                     self._fds[index] = fd
                     os.ftruncate(fd, rule.file_numel(shares[index]) * self.itemsize)
@@ -71,13 +68,8 @@ class ParamStore:
         if held is not None:
             return held
         out = torch.empty(self.shares[index], dtype=self.dtype)
-        data, done = memoryview(out.view(torch.uint8).numpy()), 0
         try:
-            while done < len(data):
-                count = os.preadv(self._fds[index], [data[done:]], done)
-                if count <= 0:
-                    raise OSError(f"shorter than {len(data)} bytes")
-                done += count
+            pread_exactly(self._fds[index], memoryview(out.view(torch.uint8).numpy()), 0)
         except OSError as exc:
             raise OutputError(self.paths[index], f"NVMe param swap read failed: {exc.strerror or exc}") from exc
         return out
@@ -88,10 +80,8 @@ class ParamStore:
         if held is not None:
             held.copy_(values)
             return
-        data, done = memoryview(values.detach().to(self.dtype).contiguous().view(torch.uint8).numpy()), 0
         try:
-            while done < len(data):
-                done += os.pwrite(self._fds[index], data[done:], done)
+            pwrite_all(self._fds[index], memoryview(values.detach().to(self.dtype).contiguous().view(torch.uint8).numpy()), 0)
         except OSError as exc:
             raise OutputError(self.paths[index], f"NVMe param swap write failed: {exc.strerror or exc}") from exc
 

@@ -80,9 +80,9 @@ def _train_save_continue(rank: int, world: int, config: TrainConfig, save_at: in
         if trainer.global_steps == save_at:
             trainer.save()
             saved = _state(trainer)
-    swap_files = _swap_files(trainer)
+    swap_files, final = _swap_files(trainer), _state(trainer)
     trainer.close()
-    return {"losses": losses, "saved": saved, "final": _state(trainer), "swap_files": swap_files}
+    return {"losses": losses, "saved": saved, "final": final, "swap_files": swap_files}
 
 
 def _resume(rank: int, world: int, config: TrainConfig) -> dict:

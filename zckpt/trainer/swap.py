@@ -158,19 +158,17 @@ class OptimizerSwapper:
         started, size = time.perf_counter(), self.groups[flat].file_numel * 4
         for fds, buffer in zip(self._fds[flat], self._buffers[slot]):
             for fd, start, end in self._pieces(fds, size):
-                _read_exactly(fd, memoryview(buffer)[start:end], start, self.folder, flat)
+                pread_exactly(fd, memoryview(buffer)[start:end], start)
         gradient_size = self.groups[flat].numel * 4
-        _read_exactly(self._gradient_fds[flat], memoryview(self._buffers[slot][-1])[:gradient_size], 0, self.folder, flat)
+        pread_exactly(self._gradient_fds[flat], memoryview(self._buffers[slot][-1])[:gradient_size], 0)
         self.counters.bytes_read += 3 * size + gradient_size
         self.counters.read_seconds += time.perf_counter() - started
 
     def _write(self, flat: int, slot: int) -> None:
         started, size = time.perf_counter(), self.groups[flat].file_numel * 4
         for fds, buffer in zip(self._fds[flat], self._buffers[slot]):
-            view = memoryview(buffer)
             for fd, start, end in self._pieces(fds, size):
-                while start < end:
-                    start += os.pwritev(fd, [view[start:end]], start)
+                pwrite_all(fd, memoryview(buffer)[start:end], start)
         self.counters.bytes_written += 3 * size
         self.counters.write_seconds += time.perf_counter() - started
 
@@ -190,13 +188,10 @@ class OptimizerSwapper:
         try:
             if accumulate:
                 held = torch.empty_like(grad)
-                _read_exactly(fd, memoryview(held.numpy()).cast("B"), position, self.folder, flat)
+                pread_exactly(fd, memoryview(held.numpy()).cast("B"), position)
                 grad = held.add_(grad)
                 self.counters.bytes_read += grad.numel() * 4
-            data = memoryview(grad.numpy()).cast("B")
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], position + done)
+            pwrite_all(fd, memoryview(grad.numpy()).cast("B"), position)
         except OSError as exc:
             raise OutputError(self.folder, f"NVMe swap of a gradient of sub-group {flat} failed: {exc.strerror or exc}") from exc
         self.counters.bytes_written += grad.numel() * 4
@@ -237,20 +232,19 @@ class OptimizerSwapper:
     # -- random access (initial masters, checkpoint loads, gathers) -----------------------------
     def read_range(self, flat: int, key: int, offset: int, count: int) -> np.ndarray:
         """`count` fp32 elements of sub-group `flat`'s file `key` (0 master, 1, 2 the moments)."""
-        with open(self.paths[flat][key], "rb", buffering=0) as f:
-            f.seek(offset * 4)
-            data = f.read(count * 4)
-        return np.frombuffer(data, dtype=np.float32).copy()
+        out = np.empty(count, dtype=np.float32)
+        try:
+            pread_exactly(self._fds[flat][key][0], memoryview(out).cast("B"), offset * 4)
+        except OSError as exc:
+            raise OutputError(self.folder, f"NVMe swap read of sub-group {flat} failed: {exc.strerror or exc}") from exc
+        return out
 
     def write_range(self, flat: int, key: int, offset: int, values: np.ndarray) -> None:
-        fd = os.open(self.paths[flat][key], os.O_WRONLY)
+        data = np.ascontiguousarray(values, dtype=np.float32)
         try:
-            data = np.ascontiguousarray(values, dtype=np.float32).tobytes()
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], offset * 4 + done)
-        finally:
-            os.close(fd)
+            pwrite_all(self._fds[flat][key][0], memoryview(data).cast("B"), offset * 4)
+        except OSError as exc:
+            raise OutputError(self.folder, f"NVMe swap write of sub-group {flat} failed: {exc.strerror or exc}") from exc
 
     def flush(self) -> None:
         """Every swap file on the disk (before a checkpoint copies them)."""
@@ -271,11 +265,18 @@ class OptimizerSwapper:
         self._fds, self._gradient_fds = {}, {}
 
 
-def _read_exactly(fd: int, view: memoryview, position: int, folder: str, flat: int) -> None:
-    """Fill `view` from `fd` at byte `position`; a short file is an error, not zeros."""
+def pread_exactly(fd: int, view: memoryview, position: int) -> None:
+    """Fill `view` from `fd` at byte `position`; a short file is an error (OSError), not zeros."""
     done = 0
     while done < len(view):
         count = os.preadv(fd, [view[done:]], position + done)
         if count <= 0:
-            raise OSError(f"{folder}: a swap file of sub-group {flat} is shorter than {position + len(view)} bytes")
+            raise OSError(f"the file ends before byte {position + len(view)}")
         done += count
+
+
+def pwrite_all(fd: int, view: memoryview, position: int) -> None:
+    """Write all of `view` to `fd` at byte `position` (pwrite may write less)."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], position + done)
