@@ -237,7 +237,6 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    model = engine.module
     opt = engine.optimizer
     base = opt.optimizer
     live: dict[str, Any] = {}

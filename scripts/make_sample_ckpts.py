@@ -367,7 +367,6 @@ def params_by_identity(model: Any) -> tuple[dict[int, list[str]], dict[int, Any]
 
 def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     """Read the live truth from the engine (collective). Returns (weights, optim|None, note)."""
-    import torch
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 

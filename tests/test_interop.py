@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Sample, same_bits
+from conftest import Sample, same_bits
 from zckpt import consolidate, inspect_path
 from test_consolidate import load_output
 

@@ -4,7 +4,6 @@ optimizer states per param (safe_get_full_optimizer_state before saving), steps,
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE_LIST, Sample, same_bits

@@ -552,9 +552,10 @@ def train(
     resume: Annotated[Optional[Path], typer.Option("--resume", metavar="PATH", help="Resume from a checkpoint: zckpt's, DeepSpeed's ZeRO-3, resharded or universal; any world size.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
     data: Annotated[Optional[Path], typer.Option("--data", metavar="FILE", help="A text file read as bytes (--vocab >= 256); default: deterministic synthetic tokens.")] = None,
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda. auto: each rank's GPU (cuda:LOCAL_RANK, nccl) when torch sees CUDA, else CPU (gloo). On CUDA the shares, optimizer and swap files stay in host memory.")] = "auto",
     quiet: QuietOption = False,
 ) -> None:
-    """Train a GPT-style model with ZeRO-3 on torch.distributed (CPU, gloo).
+    """Train a GPT-style model with ZeRO-3 on torch.distributed (CPU and gloo, or CUDA and nccl).
 
     One process as is; several under torchrun. Checkpoints are DeepSpeed ZeRO-3 checkpoints
     (zero_to_fp32, zckpt consolidate and a DeepSpeed engine read them)."""
@@ -567,6 +568,7 @@ def train(
         out=text(out), steps=steps, save_every=save_every, layers=layers, dim=dim, heads=heads, vocab=vocab, seq_len=seq_len,
         micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup=warmup, clip=clip, dtype=dtype.lower(), tie_embeddings=tie_embeddings,
         freeze=freeze, sub_group_size=sub_group_size, nvme_path=text(nvme_path), nvme_params=nvme_params, bounded_memory=bounded_memory, resume=text(resume), seed=seed, data=text(data),
+        device=device.lower(),
     ))
     bar = None
     if not quiet and _primary_process() and sys.stderr.isatty():

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from .devices import check_device_choice
 from .model import GPTConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -39,8 +40,10 @@ class TrainConfig:
     resume: str | None = None
     seed: int = 0
     data: str | None = None
+    device: str = "auto"  # auto: the rank's GPU when torch sees CUDA (nccl), else CPU (gloo)
 
     def __post_init__(self) -> None:
+        check_device_choice(self.device)
         if self.dtype not in DTYPES:
             raise UsageError(None, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("steps", "micro_batch", "grad_accum", "sub_group_size"):

@@ -19,6 +19,7 @@ from ..deepspeed.swap_rules import param_buffers, run_swap_rule
 from .config import TrainConfig
 from .arena import return_big_frees_to_the_system
 from .data import TokenData
+from .devices import process_group_backend, rank_device
 from .model import build_empty_model, initial_value
 from .param_store import ParamStore, live_param_folder
 from .swap import live_optimizer_folder
@@ -49,12 +50,12 @@ class TrainResult:
     swapped_params: tuple[int, int, str] | None = None  # NVMe offload of params: (swapped, all) params of rank 0, their folder (less rank<R>)
 
 
-def init_distributed() -> bool:
+def init_distributed(device_choice: str = "auto") -> bool:
     """Join the torchrun job if there is one; True if this call created the process group (and
-    so must destroy it). gloo: the trainer computes on CPU (CUDA and nccl are not wired in yet)."""
+    so must destroy it). gloo on CPU; on CUDA, nccl for device tensors and gloo for host ones."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return False
-    dist.init_process_group("gloo")
+    dist.init_process_group(process_group_backend(rank_device(device_choice)))
     return True
 
 
@@ -65,6 +66,7 @@ class Trainer:
         self.config = config
         self.comm = comm or Comm()
         self.dtype = TORCH_DTYPES[config.dtype]
+        self.device = rank_device(config.device)  # forward and backward; shares and optimizer stay in host memory
         self.model_config = config.model_config()
         if config.bounded_memory:  # memory bounded by the params in use and the swap buffers, before speed
             return_big_frees_to_the_system()
@@ -85,7 +87,7 @@ class Trainer:
                            replace(rule, itemsize=torch.empty(0, dtype=self.dtype).element_size()))
         specs = self.plan.params
         self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate, store=store,
-                                  values=lambda i: initial_value(self.model_config, i, specs[i].name, specs[i].shape, config.seed))
+                                  values=lambda i: initial_value(self.model_config, i, specs[i].name, specs[i].shape, config.seed), device=self.device)
         self.optimizer.load_masters(self.model.store)
         self.data = TokenData(self.model_config.vocab, self.model_config.seq_len, config.seed, config.data)
         self.global_steps = 0
@@ -129,9 +131,9 @@ class Trainer:
             first = (self.global_steps * config.grad_accum + micro) * config.micro_batch * self.comm.world
             inputs, targets = self.data.micro_batch(first, self.comm.rank, config.micro_batch)
             self.optimizer.begin_micro_step(last=micro == config.grad_accum - 1)
-            loss = self.model(inputs, targets)
+            loss = self.model(inputs.to(self.device), targets.to(self.device))
             (loss * (scale / config.grad_accum)).backward()
-            total += loss.detach().double()
+            total += loss.detach().double().cpu()
         self.comm.all_reduce(total)
         lr = self.lr()
         result = self.optimizer.step([lr] * len(self.plan.group_names), self.model.store)
@@ -160,7 +162,7 @@ class Trainer:
 
 def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None) -> TrainResult:
     """Train as `config` says, in this process and (under torchrun) its peers."""
-    created = init_distributed()
+    created = init_distributed(config.device)
     try:
         trainer = Trainer(config)
         losses, saved = [], []
@@ -180,5 +182,5 @@ def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None)
         return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved), swapped, params)
     finally:
         if created:
-            dist.barrier()  # no rank tears gloo down while another still talks to it (it aborts)
+            dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts)
             dist.destroy_process_group()

@@ -15,7 +15,9 @@ folder, the checkpoint holds them in ``offloaded_tensors/`` (checked: one folder
 files the live swap folder holds), and the resumes load them into their swap folders.
 
 Each phase runs its ranks as processes on gloo (torch.multiprocessing), so the comparison is of
-real distributed runs; the caller gets a :class:`RoundtripReport` and prints it.
+real distributed runs; the caller gets a :class:`RoundtripReport` and prints it. They compute
+on CPU on any machine: the bit-for-bit checks need deterministic kernels, which CUDA's
+embedding backward (atomic adds) is not.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
         raise UsageError(None, f"the save step must lie inside the run: 0 < {save_at} < {config.steps}")
     if (config.micro_batch * from_world) % to_world:
         raise UsageError(None, f"a global batch of {config.micro_batch * from_world} sequences cannot be split over {to_world} ranks")
+    config = replace(config, device="cpu")
     own_dir = work_dir or tempfile.mkdtemp(prefix="zckpt-roundtrip-")
     ckpt = os.path.join(own_dir, "ckpt")
     first = on_ranks(from_world, os.path.join(own_dir, "run_a"), _train_save_continue, _nvme(replace(config, out=ckpt, resume=None, save_every=0), own_dir, "a", nvme, nvme_params), save_at)

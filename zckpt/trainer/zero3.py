@@ -18,6 +18,10 @@ How a param lives:
   and backward gathers it again when it needs it, so a full param lives only while used.
 
 With one process every collective is the identity: the same code path, no process group.
+
+On a CUDA run (`device`) the shares, their gradients and the optimizer stay in host memory: a
+gather copies the share to the device and all-gathers there (nccl), a gradient is
+reduce-scattered on the device and its share copied back, as DeepSpeed's offload does.
 """
 
 from __future__ import annotations
@@ -147,15 +151,17 @@ class ShardedModel(nn.Module):
     `values(i)`, if given, is param i's initial value (the model's params may then be on the
     meta device: one param is materialised at a time). `grad_ready(i, grad)` is called with
     each shard's gradient (already summed over ranks and divided by the world size) as soon as
-    backward has it.
+    backward has it. Full params live on `device` (forward and backward run there); shards and
+    their gradients are always host tensors.
     """
 
     def __init__(self, model: nn.Module, plan: Zero3Plan, comm: Comm, dtype: torch.dtype, grad_ready: Callable[[int, torch.Tensor], None] | None = None,
-                 store: ParamStore | None = None, values: Callable[[int], torch.Tensor] | None = None) -> None:
+                 store: ParamStore | None = None, values: Callable[[int], torch.Tensor] | None = None, device: torch.device | None = None) -> None:
         super().__init__()
         if comm.world != plan.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks used by a group of {comm.world}")
         self.module, self.plan, self.comm, self.dtype = model, plan, comm, dtype
+        self.device = device or torch.device("cpu")
         self.grad_ready = grad_ready
         self.store = store or ParamStore([s.share for s in plan.params], dtype)
         index_of = {s.name: i for i, s in enumerate(plan.params)}
@@ -192,7 +198,7 @@ class ShardedModel(nn.Module):
         self._live: dict[int, int] = {}  # storage address of a gathered param -> its index
 
     def _placeholder(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype)
+        return torch.empty(0, dtype=self.dtype, device=self.device)
 
     def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(shard: torch.Tensor) -> None:
@@ -204,23 +210,24 @@ class ShardedModel(nn.Module):
 
     # --- collectives -------------------------------------------------------------------------
     def gather(self, index: int) -> torch.Tensor:
-        """The full param `index`, gathered from every rank's shard (a fresh tensor)."""
+        """The full param `index`, gathered from every rank's shard (a fresh tensor on the
+        compute device)."""
         spec = self.plan.params[index]
-        buffer = torch.empty(spec.share * self.comm.world, dtype=self.dtype)
-        self.comm.all_gather(buffer, self.store.read(index))
+        buffer = torch.empty(spec.share * self.comm.world, dtype=self.dtype, device=self.device)
+        self.comm.all_gather(buffer, self.store.read(index).to(self.device))
         return buffer[: spec.numel].view(spec.shape)
 
     def scatter_grad(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """This rank's share of the gradient summed over ranks, divided by the world size
-        (DeepSpeed averages over data-parallel ranks)."""
+        (DeepSpeed averages over data-parallel ranks); a host tensor, as the shard is."""
         spec = self.plan.params[index]
-        full = torch.zeros(spec.share * self.comm.world, dtype=grad.dtype)
+        full = torch.zeros(spec.share * self.comm.world, dtype=grad.dtype, device=grad.device)
         full[: spec.numel] = grad.reshape(-1)
-        out = torch.empty(spec.share, dtype=grad.dtype)
+        out = torch.empty(spec.share, dtype=grad.dtype, device=grad.device)
         self.comm.reduce_scatter(out, full)
         if self.comm.world > 1:
             out.div_(self.comm.world)
-        return out
+        return out.cpu()
 
     # --- hooks ---------------------------------------------------------------------------------
     def _gather_hook(self, module: nn.Module, args: tuple) -> None:
@@ -255,10 +262,11 @@ class ShardedModel(nn.Module):
 
     # --- state -----------------------------------------------------------------------------------
     def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every param gathered, one at a time (a collective: every rank must iterate)."""
+        """Every param gathered, one at a time, as a host tensor (a collective: every rank must
+        iterate)."""
         with torch.no_grad():
             for index, spec in enumerate(self.plan.params):
-                yield spec.name, self.gather(index)
+                yield spec.name, self.gather(index).cpu()
 
 
 class _Handle:
