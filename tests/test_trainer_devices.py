@@ -91,3 +91,29 @@ def test_a_callers_mixed_group_is_read_by_its_backends(monkeypatch: pytest.Monke
     finally:
         monkeypatch.undo()
         torch.distributed.destroy_process_group()
+
+
+def _train_in_group(rank: int, world: int, backend: str, folder: str) -> tuple[tuple[float, ...], str]:
+    """Train and save in a process group made with `backend` (run_ranks made a gloo one)."""
+    torch.distributed.destroy_process_group()
+    torch.distributed.init_process_group(backend, init_method=f"file://{folder}/rendezvous-{backend.replace(':', '-')}", rank=rank, world_size=world)
+    config = TrainConfig(steps=3, layers=1, dim=16, heads=2, vocab=31, seq_len=8, micro_batch=2, grad_accum=2, dtype="bf16",
+                         out=f"{folder}/{backend.replace(':', '-')}", sub_group_size=64)
+    trainer = Trainer(config)
+    losses = tuple(trainer.train_step().loss for _ in range(config.steps))
+    trainer.save()
+    trainer.close()
+    return losses, str(torch.distributed.get_backend())
+
+
+def test_a_device_keyed_group_runs_the_host_side_as_plain_gloo(tmp_path: Path) -> None:
+    """What a CUDA run's group does with host tensors, checked on CPU: a group given in the
+    device-keyed form ('cpu:gloo', as 'cpu:gloo,cuda:nccl' is) routes every collective of a
+    CPU run (gathers, reduce-scatters, norm, checkpoint barriers) to gloo: same losses, same
+    checkpoint bytes as a plain gloo group."""
+    keyed = run_ranks(2, tmp_path, _train_in_group, "cpu:gloo", str(tmp_path))
+    plain = run_ranks(2, tmp_path, _train_in_group, "gloo", str(tmp_path))
+    assert [backend for _, backend in keyed] == ["cpu:gloo"] * 2 and [backend for _, backend in plain] == ["gloo"] * 2
+    assert keyed[0][0] == plain[0][0] and len(keyed[0][0]) == 3
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        assert (tmp_path / "cpu-gloo" / "global_step3" / name).read_bytes() == (tmp_path / "gloo" / "global_step3" / name).read_bytes()
