@@ -1,7 +1,8 @@
 """Which device the trainer computes on and which backend its ranks use.
 
-This machine has no GPU: the CUDA path's choices are checked here as pure functions (and that
-a CPU run goes through the same gather/scatter code with host tensors); running it needs one."""
+This machine has no GPU: the CUDA path's choices are checked here as pure functions, a CPU run
+keeps every tensor on the host, and a device-keyed group runs the host side as plain gloo;
+running the CUDA path itself needs a GPU."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_trainer_cli import SMALL, runner
+from zckpt.cli import app
 from zckpt.errors import UsageError
 from zckpt.trainer import TrainConfig, Trainer
 from zckpt.trainer.devices import compute_device, process_group_backend, rank_device
 from zckpt.trainer.ranks import run_ranks
-
-from test_trainer_cli import SMALL, runner
-from zckpt.cli import app
 
 
 def test_auto_is_the_ranks_gpu_when_there_is_one() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -83,8 +83,7 @@ class Trainer:
         rule = run_swap_rule({})
         self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler, swap_folder, rule)
         param_folder = live_param_folder(config.nvme_path, self.dtype, self.comm.rank) if config.nvme_path and config.nvme_params else None
-        store = ParamStore([s.share for s in self.plan.params], self.dtype, param_folder,
-                           replace(rule, itemsize=torch.empty(0, dtype=self.dtype).element_size()))
+        store = ParamStore([s.share for s in self.plan.params], self.dtype, param_folder, rule)
         specs = self.plan.params
         self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate, store=store,
                                   values=lambda i: initial_value(self.model_config, i, specs[i].name, specs[i].shape, config.seed), device=self.device)

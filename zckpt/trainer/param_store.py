@@ -15,6 +15,7 @@ read by every gather, so the kernel's cache is the read-ahead).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -36,8 +37,10 @@ class ParamStore:
     """The shares of every param (the plan's order, which is DeepSpeed's ds_id) of one rank."""
 
     def __init__(self, shares: Sequence[int], dtype: torch.dtype, folder: str | None = None, rule: SwapRule | None = None) -> None:
+        """`rule` is the run's swap rule; the store applies it to elements of `dtype`."""
         self.shares, self.dtype = tuple(shares), dtype
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        rule = replace(rule, itemsize=self.itemsize) if rule is not None else None
         self.swapped = frozenset(i for i, share in enumerate(shares) if folder is not None and rule is not None and rule.swapped(share))
         self.arena = MemoryArena([0 if i in self.swapped else share * self.itemsize for i, share in enumerate(shares)], "zckpt-shards")
         self.folder = folder
