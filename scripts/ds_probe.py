@@ -72,10 +72,11 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 GEN_PATH = REPO / "scripts" / "make_sample_ckpts.py"
@@ -587,7 +588,7 @@ def train_global(engine: Any, case: Any, rank: int, steps: int) -> dict:
             **{k + "_after": v for k, v in scaler_state(engine).items() if k == "cur_scale"}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case-json", required=True, help="case name, asdict(case) JSON, or a file holding either")
     ap.add_argument("--checkpoint", required=True, type=Path, help="folder given to engine.load_checkpoint")
@@ -601,8 +602,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="training data after the load: per-rank streams (default) or one global stream")
     args, _unknown = ap.parse_known_args(argv)  # the deepspeed launcher appends --local_rank
     worker(args)
-    return 0
+    # every rank has passed the last barrier, state.json is written; torch 2.13's gloo threads
+    # can abort the interpreter's exit ("terminate called without an active exception", seen in
+    # CI after state.json was written), which torchrun reports as a failed run: leave now, as
+    # ds_train_gpt.py and the trainer's ranks do
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
