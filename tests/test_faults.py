@@ -39,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,7 @@ FULL = bool(os.environ.get("ZCKPT_FAULTS_FULL"))
 TIMED_SEEDS = 10 if FULL else 2
 OP_SIGNALS = SIGNALS if FULL else {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}  # SIGINT: the same handler as SIGTERM
 COUNTS: collections.Counter = collections.Counter()
+SIGNALLED_DEADLINE = 30  # seconds a signalled process may take to leave (generous: the machine may be loaded)
 TIMES: collections.Counter = collections.Counter()  # seconds in zckpt processes, by (verb, kind)
 
 
@@ -63,7 +65,7 @@ TIMES: collections.Counter = collections.Counter()  # seconds in zckpt processes
 # A warm interpreter that forks one `zckpt` process per request
 
 ZYGOTE = r'''
-import json, os, signal, sys, time, traceback
+import faulthandler, json, os, signal, sys, time, traceback
 import torch  # noqa: F401  (the torch writer and the CRC checks use it: forks start warm)
 import zckpt.cli as cli
 import zckpt.output as output
@@ -126,6 +128,7 @@ def child(req):
         target = os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks a hung child for its stacks
     done = lambda: None
     if req.get("ops_log"):
         done = hook_ops(req.get("at"), req.get("signal") or 0, req["ops_log"], req.get("scope"))
@@ -149,13 +152,14 @@ for line in sys.stdin:
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        code = 99
         try:
             code = child(req)
         except BaseException:
             traceback.print_exc()
-        finally:
-            os._exit(code)
+            os._exit(99)
+        # out through interpreter exit, as `zckpt` leaves: helper threads are joined and atexit
+        # runs there, so a thread that never ends shows as a hang (the parent's deadline)
+        sys.exit(code)
     print(json.dumps({"pid": pid}), flush=True)
     landed, status = None, None
     if req.get("kill_after") is not None:
@@ -220,11 +224,17 @@ class Zygote:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         pid = self._reply(30)["pid"]
+        if kill_after is not None:
+            timeout = kill_after + SIGNALLED_DEADLINE
         reply = self._reply(timeout)
-        if reply is None:  # a hang: kill it, then fail
+        if reply is None:  # a hang: its Python stacks (faulthandler, on SIGUSR1), then kill it and fail
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(1)
             os.kill(pid, signal.SIGKILL)
             self._reply(30)
-            pytest.fail(f"zckpt {' '.join(request['argv'])} hung for {timeout} s")
+            stacks = Path(f"{stem}.err").read_text() if Path(f"{stem}.err").exists() else ""
+            pytest.fail(f"zckpt {' '.join(request['argv'])} still ran {timeout:.0f} s after it started"
+                        f"{f' ({SIGNALLED_DEADLINE} s after the signal)' if kill_after is not None else ''}; its stderr and stacks:\n{stacks}")
         ops_log = Path(f"{stem}.ops")
         ops = int(ops_log.read_text()) if ops_log.exists() and ops_log.read_text() else None
         text = {n: Path(f"{stem}.{n}").read_text() if Path(f"{stem}.{n}").exists() else "" for n in ("out", "err")}  # none: killed at once

@@ -14,10 +14,13 @@ Python API::
     zckpt.to_universal("runs/ckpt", "runs/ckpt")                 # DeepSpeed universal checkpoint
 """
 
-from .api import iter_tensors, load_into_module, load_state_dict
-from .consolidate import consolidate, plan_consolidation
-from .diff import DiffReport, diff
-from .deepspeed.reader import open_checkpoint, open_training_state, survey
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointNotFoundError,
     CorruptFileError,
@@ -27,9 +30,46 @@ from .errors import (
     UsageError,
     ZckptError,
 )
-from .inspect import inspect_path
-from .reshard import plan_reshard, reshard
-from .universal import plan_to_universal, to_universal
+
+if TYPE_CHECKING:
+    from .api import iter_tensors, load_into_module, load_state_dict
+    from .consolidate import consolidate, plan_consolidation
+    from .deepspeed.reader import open_checkpoint, open_training_state, survey
+    from .diff import DiffReport, diff
+    from .inspect import inspect_path
+    from .reshard import plan_reshard, reshard
+    from .universal import plan_to_universal, to_universal
+
+# The API is imported when first used, not with the package: `zckpt` (the command) starts with
+# only its own imports, and so can answer Ctrl-C at start-up with its one line at once.
+_API = {
+    "iter_tensors": ".api", "load_into_module": ".api", "load_state_dict": ".api",
+    "consolidate": ".consolidate", "plan_consolidation": ".consolidate",
+    "open_checkpoint": ".deepspeed.reader", "open_training_state": ".deepspeed.reader", "survey": ".deepspeed.reader",
+    "DiffReport": ".diff", "diff": ".diff",
+    "inspect_path": ".inspect",
+    "plan_reshard": ".reshard", "reshard": ".reshard",
+    "plan_to_universal": ".universal", "to_universal": ".universal",
+}
+
+
+class _Package(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name not in _API:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(_API[name], __name__), name)
+        types.ModuleType.__setattr__(self, name, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # importing submodule `zckpt.consolidate` binds it as an attribute of the package: the
+        # function of the same name keeps `zckpt.consolidate` (as when it was imported eagerly)
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        types.ModuleType.__setattr__(self, name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,14 @@
-"""``python -m zckpt``."""
+"""``python -m zckpt`` and the ``zckpt`` command."""
 
-from .cli import main
+from .interrupts import exit_on_signal
+
+
+def main() -> None:
+    exit_on_signal()  # a signal while the CLI's imports run: one line, not a traceback
+    from .cli import main as run_cli
+
+    run_cli()
+
 
 if __name__ == "__main__":
     main()

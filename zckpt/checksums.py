@@ -19,10 +19,11 @@ import struct
 import threading
 import zipfile
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .errors import CorruptFileError
+from .interrupts import uninterrupted
+from .workers import WorkerPool
 
 _READ_BYTES = 1 << 20  # checksum reads go through a cache-sized buffer
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -107,7 +108,7 @@ def archive_records(path: str) -> tuple[Record, ...]:
         with open(path, "rb") as handle:
             if handle.read(4) != _ZIP_MAGIC:
                 return ()
-            with zipfile.ZipFile(handle) as archive:
+            with uninterrupted(zipfile.ZipFile, handle) as archive:
                 records = []
                 for info in archive.infolist():
                     if info.compress_type != zipfile.ZIP_STORED or info.file_size == 0:
@@ -229,7 +230,7 @@ class RecordChecker:
         if not pending:
             return
         if workers > 1 and len(pending) > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="zckpt-crc") as pool:
+            with WorkerPool(workers, "zckpt-crc") as pool:
                 results = list(pool.map(lambda item: self._check(item[0][0], item[1]), pending))
         else:
             results = [self._check(key[0], seen) for key, seen in pending]

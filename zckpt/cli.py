@@ -27,12 +27,12 @@ import typer
 from typer.core import TyperCommand
 
 from .errors import Interrupted, UsageError, ZckptError
+from .interrupts import CAUGHT_SIGNALS, exit_now
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
 EXIT_INCOMPLETE = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; any caught signal exits 128 + its number (SIGTERM: 143)
-CAUGHT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 class _Command(TyperCommand):
@@ -621,8 +621,7 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
         # outside a command's library call (typer reading the command line, an import, the
         # summary line) nothing of ours is half-written: one line and 128 + the signal, at once
         # (typer would turn an exception into a silent exit 130, a callback would swallow it)
-        os.write(2, f"zckpt: error: {Interrupted(signum)}\n".encode())
-        os._exit(128 + signum)
+        exit_now(signum)
     _RECEIVED.append(signum)
     raise Interrupted(signum)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -21,6 +21,7 @@ from .dtypes import BF16, FP16, FP32, DType
 from .errors import CorruptFileError
 from .index import Segment, TensorSource
 from .reading import FileReader
+from .workers import WorkerPool
 
 if TYPE_CHECKING:
     import torch
@@ -293,13 +294,13 @@ class StreamWriter:
         return True
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL: WorkerPool | None = None
 
 
-def _helpers() -> ThreadPoolExecutor:
+def _helpers() -> WorkerPool:
     """Threads that checksum bytes being copied by the kernel, and read, checksum and convert
     the chunks of a streamed conversion (zlib.crc32, pread and numpy release the GIL)."""
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(2, thread_name_prefix="zckpt-stream")
+        _POOL = WorkerPool(2, "zckpt-stream")
     return _POOL

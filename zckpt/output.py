@@ -14,19 +14,17 @@ leaves the old output or the whole new one, never a mix.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
 import shutil
-import signal
 import socket
-import threading
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Callable, Iterator
+from typing import Callable
 
 from .errors import OutputError
+from .interrupts import signals_deferred
 from .shards import format_size
 
 # Weights files a previous run may have left; replaced only with overwrite=True.
@@ -42,7 +40,6 @@ _WEIGHTS_FILE_RE = re.compile(
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.zckpt-tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
 _FOLDER_RE = re.compile(r"^\.(?P<name>.+)\.zckpt-(?P<kind>staging|old)$")
 OWNER_FILE = ".zckpt-owner"
-_DEFERRED_SIGNALS = {getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)}
 
 
 def _host() -> str:
@@ -153,32 +150,6 @@ def remove_dead_leftovers(folder: str) -> list[str]:
             continue  # not ours to fight over: inspect still lists it
         removed.append(leftover.path)
     return removed
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Hold back SIGINT, SIGTERM and SIGHUP (delivered on exit) while files are renamed into
-    place: a handler raising in between would leave some renamed and some not.
-
-    The handlers are swapped for one that notes the signal, and the first one noted is raised
-    again once they are back. (A signal mask would not do: it is per thread, the kernel hands a
-    signal sent to the process to any thread that leaves it unblocked, such as the CRC helper
-    threads, and Python then runs the handler in the main thread all the same.)"""
-    if threading.current_thread() is not threading.main_thread():  # handlers can be set in the main thread only
-        yield
-        return
-    pending: list[int] = []
-    previous = {}
-    for signum in _DEFERRED_SIGNALS:
-        if signal.getsignal(signum) not in (signal.SIG_IGN, None):  # None: set outside Python; left alone
-            previous[signum] = signal.signal(signum, lambda received, _frame: pending.append(received))
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if pending:
-            signal.raise_signal(pending[0])
 
 
 def check_free_space(path: str, needed_bytes: int) -> None:

@@ -19,6 +19,7 @@ import zipfile
 from typing import Any
 
 from .errors import CheckpointNotFoundError, CorruptFileError
+from .interrupts import uninterrupted
 from .unpickler import (  # re-exported: what a pickle is read as
     PickledEnumMember,
     PickledGlobal,
@@ -108,7 +109,7 @@ def load(path: str | os.PathLike[str]) -> Any:
         raise CheckpointNotFoundError(path, "file not found")
     file_size = os.path.getsize(path)
     try:
-        with open(path, "rb") as handle, zipfile.ZipFile(handle) as archive:
+        with open(path, "rb") as handle, uninterrupted(zipfile.ZipFile, handle) as archive:
             infos = archive.infolist()
             for info in infos:  # every record, read here or not: torch's reader takes none of these damaged
                 _check_record(handle, info, path)

@@ -21,7 +21,7 @@ import hashlib
 import math
 import os
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -49,6 +49,7 @@ from .torchpickle import (
     pickle_tree,
     torch_size,
 )
+from .workers import WorkerPool
 
 __all__ = [
     "ArchivePlan", "Copy", "GlobalName", "Inline", "OutStorage", "OutTensor", "Part", "PickledEnum", "PickledInstance",
@@ -159,7 +160,7 @@ def write_archive(
     report = progress or (lambda _n: None)
     fd, direct = open_output(path, plan.total_size)
     try:
-        with ThreadPoolExecutor(3 if direct else 2, thread_name_prefix="zckpt-torchsave") as helpers:
+        with WorkerPool(3 if direct else 2, "zckpt-torchsave") as helpers:
             stream = _TensorStream(fd, reader, report, helpers, direct=direct)
             _write_records(plan, stream)
             stream.finish(plan.total_size)
@@ -197,7 +198,7 @@ def write_raw(path: str | os.PathLike[str], plan: RawPlan, reader: FileReader, p
     source byte read once (and CRC-checked by the reader's checker)."""
     fd, direct = open_output(path, plan.total_size)
     try:
-        with ThreadPoolExecutor(3 if direct else 2, thread_name_prefix="zckpt-torchsave") as helpers:
+        with WorkerPool(3 if direct else 2, "zckpt-torchsave") as helpers:
             stream = _TensorStream(fd, reader, progress or (lambda _n: None), helpers, direct=direct)
             stream.write(plan.storage)
             stream.finish(plan.total_size)
@@ -249,7 +250,7 @@ class _TensorStream:
     one copy per byte, none through the page cache.
     """
 
-    def __init__(self, fd: int, reader: FileReader, progress: Callable[[int], None], helpers: ThreadPoolExecutor, *, direct: bool = False) -> None:
+    def __init__(self, fd: int, reader: FileReader, progress: Callable[[int], None], helpers: WorkerPool, *, direct: bool = False) -> None:
         self.fd, self.reader, self.progress, self.helpers = fd, reader, progress, helpers
         self._buffer: np.ndarray | None = None
         self.kernel_copy = hasattr(os, "copy_file_range")

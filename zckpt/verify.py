@@ -16,7 +16,6 @@ whose every param divides by the world size cannot be told apart.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -33,6 +32,7 @@ from .output import find_leftovers
 from .reading import FileReader
 from .shards import format_size
 from .tensor_sources import open_tensors, read_range
+from .workers import WorkerPool
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
 
     archives = [f for f in files if f.endswith((".pt", ".pth", ".bin"))]
     unchecked = [f for f in files if f not in archives]
-    with ThreadPoolExecutor(max(1, workers)) as pool:
+    with WorkerPool(max(1, workers), "zckpt-verify") as pool:
         results = list(pool.map(check_archive, archives))
     problems = [problem for _, _, problem in results if problem]
     records = sum(r for r, _, _ in results)
@@ -332,7 +332,7 @@ def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
         where = source.segments[0].path if len({s.path for s in source.segments}) == 1 else f"{len({s.path for s in source.segments})} files"
         return f"{where}: {name} holds {bad} NaN/Inf of {source.numel} elements"
 
-    with ThreadPoolExecutor(max(1, workers)) as pool:
+    with WorkerPool(max(1, workers), "zckpt-verify") as pool:
         return [p for p in pool.map(count, floating) if p]
 
 

@@ -7,16 +7,16 @@ job's processes); every byte streams from the source files through torchsave.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from .writer import CheckpointPlan, RawFile
 from ..checksums import RecordChecker
 from ..errors import OutputError
 from ..output import StagedFolder, fsync_file, output_error, write_text_atomic
 from ..reading import FileReader
 from ..torchsave import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
-from .writer import CheckpointPlan, RawFile
+from ..workers import WorkerPool
 
 PARALLEL_MIN_BYTES = 64 << 20  # below this, one thread does it
 
@@ -106,7 +106,7 @@ def write_checkpoint(
         # Two files per CPU: one converting dtypes (CPU-bound) overlaps others that only copy.
         count = min(workers or 2 * (os.cpu_count() or 1), len(jobs)) if sum(a.total_size for _, a, _ in jobs) >= PARALLEL_MIN_BYTES else 1
         if count > 1:
-            pool = ThreadPoolExecutor(count, thread_name_prefix="zckpt-save")
+            pool = WorkerPool(count, "zckpt-save")
             try:
                 for size in pool.map(_write_one, *zip(*jobs)):
                     done += size

@@ -28,7 +28,7 @@ import mmap
 import os
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -39,6 +39,7 @@ from ..deepspeed import names as N
 from ..deepspeed.swap_folder import OPTIMIZER_DIR, STAGE_DIR
 from ..direct_write import BLOCK, DIRECT_MIN_BYTES, wants_direct
 from ..errors import OutputError
+from ..workers import WorkerPool
 
 SWAP_KEYS = (None, "exp_avg", "exp_avg_sq")  # the master's file, then each Adam moment's
 IN_FLIGHT = 3  # buffer sets: one being read, one in AdamW, one being written back
@@ -108,7 +109,7 @@ class OptimizerSwapper:
         # A set: master, exp_avg, exp_avg_sq, gradient
         self._buffers = [[mmap.mmap(-1, self.buffer_bytes) for _ in range(len(SWAP_KEYS) + 1)] for _ in range(min(in_flight, len(groups)))]
         self._views = [[torch.frombuffer(b, dtype=torch.float32) for b in slot] for slot in self._buffers]
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="zckpt-swap")
+        self._io = WorkerPool(1, "zckpt-swap")
         self._gradient_writes: deque[Future] = deque()
 
     @property

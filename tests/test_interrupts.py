@@ -1,0 +1,148 @@
+"""A signal turned into an exception cannot wedge the process (issue 17): the moments where an
+asynchronous exception used to do harm, made deterministic by having the process signal itself
+exactly there, in a real child interpreter that then leaves through normal interpreter exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+
+DEADLINE = 60  # seconds; the child needs well under one even on a loaded machine
+
+# The CLI's handler: a termination signal raises Interrupted in the main thread.
+PRELUDE = """
+import os, signal, sys, threading
+from zckpt.errors import Interrupted
+
+def handler(signum, frame):
+    raise Interrupted(signum)
+
+signal.signal(signal.SIGTERM, handler)
+"""
+
+# Thread.start() waits for the new thread to run; the signal lands during that wait.
+SIGNAL_WHILE_A_THREAD_STARTS = """
+real_wait = threading.Event.wait
+
+def wait_and_get_signalled(self, timeout=None):
+    threading.Event.wait = real_wait
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real_wait(self, timeout)
+
+threading.Event.wait = wait_and_get_signalled
+try:
+    POOL.submit(sum, [1, 2])
+except Interrupted:
+    print("interrupted", flush=True)
+"""
+
+
+def run_child(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        return subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                              text=True, timeout=DEADLINE)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the child did not exit within {DEADLINE} s: {exc.stdout!r} {exc.stderr!r}")
+
+
+def test_a_signal_while_a_pool_starts_a_thread_cannot_hang_the_exit() -> None:
+    pool = "from zckpt.workers import WorkerPool\nPOOL = WorkerPool(2, 'zckpt-test')\n"
+    done = run_child(PRELUDE + pool + SIGNAL_WHILE_A_THREAD_STARTS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "interrupted\n" and done.stderr == ""
+
+
+def test_the_plain_pool_hangs_there(tmp_path) -> None:
+    """The control: concurrent.futures' own pool, signalled at the same moment, never exits
+    (the started thread is not registered for the wake-up at exit); this test's child is
+    killed after a few seconds. Skipped where Python has fixed it."""
+    code = PRELUDE + "from concurrent.futures import ThreadPoolExecutor\nPOOL = ThreadPoolExecutor(2)\n" + SIGNAL_WHILE_A_THREAD_STARTS
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired as exc:
+        assert exc.stdout in (b"interrupted\n", "interrupted\n")
+        return
+    pytest.skip(f"this Python's ThreadPoolExecutor exits after such a signal (exit {done.returncode})")
+
+
+@pytest.mark.parametrize("build, traceback_printed", [("uninterrupted(zipfile.ZipFile, handle)", False), ("zipfile.ZipFile(handle)", True)])
+def test_a_signal_while_a_zip_is_opened_leaves_no_traceback(tmp_path, build: str, traceback_printed: bool) -> None:
+    """The signal lands inside ZipFile.__init__: with `uninterrupted` the exception comes once
+    the object is whole, so collecting it prints nothing; built plainly (the control), the
+    half-built object prints "Exception ignored in ... ZipFile.__del__" as it is collected."""
+    archive = tmp_path / "a.zip"
+    import zipfile
+
+    with zipfile.ZipFile(archive, "w") as handle:
+        handle.writestr("x", b"y")
+    code = PRELUDE + f"""
+import gc, types, zipfile
+from zckpt.interrupts import uninterrupted
+
+def rlock_and_get_signalled():  # ZipFile.__init__ makes its lock just before it sets _writing
+    zipfile.threading = threading
+    os.kill(os.getpid(), signal.SIGTERM)
+    return threading.RLock()
+
+zipfile.threading = types.SimpleNamespace(RLock=rlock_and_get_signalled)
+handle = open({str(archive)!r}, "rb")
+try:
+    archive = {build}
+except Interrupted:
+    print("interrupted", flush=True)
+gc.collect()
+"""
+    done = run_child(code)
+    assert done.returncode == 0 and done.stdout == "interrupted\n"
+    assert ("AttributeError: 'ZipFile' object has no attribute '_writing'" in done.stderr) == traceback_printed, done.stderr
+    if not traceback_printed:
+        assert done.stderr == ""
+
+
+def test_signals_deferred_delivers_the_first_signal_at_the_end() -> None:
+    code = PRELUDE + """
+from zckpt.interrupts import signals_deferred
+steps = []
+try:
+    with signals_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        steps.append("after the signal, still inside")
+except Interrupted as exc:
+    steps.append(f"raised at the end: {signal.Signals(exc.signum).name}")
+print(steps)
+"""
+    done = run_child(code)
+    assert done.stdout.strip() == "['after the signal, still inside', 'raised at the end: SIGTERM']", done.stderr
+
+
+@pytest.mark.parametrize("module", ["typer", "zckpt.cli"])
+def test_ctrl_c_during_start_up_is_one_line(module: str) -> None:
+    """SIGINT while the command's own modules are being imported (the process signals itself as
+    `module` is imported): the CLI's one line and exit 130, no KeyboardInterrupt traceback."""
+    code = f"""
+import importlib.abc, os, signal, sys
+
+class SignalOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = ["zckpt", "--version"]
+from zckpt.__main__ import main
+main()
+"""
+    done = run_child(code)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "zckpt: error: interrupted by SIGINT; no partial output was left\n"
+    assert done.stdout == ""
