@@ -146,3 +146,38 @@ main()
     assert done.returncode == 130, done.stderr
     assert done.stderr == "zckpt: error: interrupted by SIGINT; no partial output was left\n"
     assert done.stdout == ""
+
+
+def test_a_rank_waiting_for_a_missing_rank_leaves_on_sigterm(tmp_path) -> None:
+    """Rank 0 of a 2-rank job whose rank 1 never comes waits in gloo's rendezvous, where no
+    Python handler runs (gloo would wait 30 minutes). SIGTERM (torchrun's, Slurm's) still ends
+    it within a few seconds, with one line and exit 143."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    process = subprocess.Popen([sys.executable, "-m", "zckpt", "train", "--out", str(tmp_path / "run"), "--steps", "1", "--device", "cpu"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:  # until it listens for the missing rank: it is in the rendezvous
+        with socket.socket() as client:
+            if client.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(1)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        out, err = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"rank 0 still waited 30 s after SIGTERM: {process.communicate()}")
+    assert process.returncode == 143, err
+    assert time.monotonic() - sent < 20
+    assert err.count("\n") == 1 and err.startswith("zckpt: error: interrupted by SIGTERM"), err
+    assert not (tmp_path / "run").exists()

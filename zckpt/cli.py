@@ -14,6 +14,7 @@ temporary files and staging folders.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -27,7 +28,7 @@ import typer
 from typer.core import TyperCommand
 
 from .errors import Interrupted, UsageError, ZckptError
-from .interrupts import CAUGHT_SIGNALS, exit_now
+from .interrupts import CAUGHT_SIGNALS, exit_now, handler_ran, waiting_on_other_processes, watch_for_stuck_handlers
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
@@ -589,8 +590,12 @@ def train(
         else:
             typer.echo(line)
 
+    # ranks wait on each other in collectives where no signal handler runs (a rank gone waits
+    # out gloo's 30-minute timeout): the signal watchdog ends such a wait
+    waits = waiting_on_other_processes() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else contextlib.nullcontext()
     try:
-        result = _guarded(lambda: run_train(config, on_step))
+        with waits:
+            result = _guarded(lambda: run_train(config, on_step))
     finally:
         if bar is not None:
             bar.close()
@@ -615,6 +620,7 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     """Turn a termination signal into an exception, so the cleanup of temporary files and
     staging folders runs as for Ctrl-C. A second signal kills at once (default action), in case
     the cleanup itself hangs; what it leaves the next run removes."""
+    handler_ran()
     for caught in CAUGHT_SIGNALS:
         signal.signal(caught, signal.SIG_DFL)
     if not _in_guarded_call(frame):
@@ -642,6 +648,7 @@ def _catch_signals() -> None:
     for caught in CAUGHT_SIGNALS:
         if signal.getsignal(caught) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(caught, _raise_interrupted)
+    watch_for_stuck_handlers()
 
 
 def main() -> None:

@@ -18,6 +18,14 @@ that must not be cut in half:
 :func:`signals_deferred` holds the signals for such a block and delivers the first one when it
 ends. Before the CLI is imported, :func:`exit_on_signal` answers a signal at start-up with the
 same one line and exit code (nothing is written yet, so nothing needs cleaning).
+
+Python runs a handler only between bytecodes of the main thread: while that thread waits inside
+native code that retries on EINTR (a gloo collective or rendezvous waiting for a rank that
+died, which waits up to its 30-minute timeout), no handler runs and the signal seems ignored.
+:func:`watch_for_stuck_handlers` sees each signal arrive through ``signal.set_wakeup_fd`` on a
+thread of its own and, when no handler has run :data:`GRACE_SECONDS` later while the process
+waits on others (:func:`waiting_on_other_processes`), exits at once (what the run had staged is
+then a dead run's leftovers, which the next run removes).
 """
 
 from __future__ import annotations
@@ -26,19 +34,70 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from .errors import Interrupted
 
 CAUGHT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
+GRACE_SECONDS = 3.0  # a handler that has not run by then never will: the main thread is stuck in native code
+
 T = TypeVar("T")
+_handled = [0]  # termination signals a Python-level handler has run for (the watchdog compares)
+_armed = [0]  # threads now waiting on other processes
+_armed_lock = threading.Lock()
 
 
-def exit_now(signum: int) -> None:
+def exit_now(signum: int, line: str | None = None) -> None:
     """One line on stderr and exit 128 + the signal's number, at once (no cleanup, no thread joins)."""
-    os.write(2, f"zckpt: error: {Interrupted(signum)}\n".encode())
+    os.write(2, f"zckpt: error: {line or Interrupted(signum)}\n".encode())
     os._exit(128 + signum)
+
+
+def handler_ran() -> None:
+    """Called first by every Python-level handler of a termination signal (see the watchdog)."""
+    _handled[0] += 1
+
+
+@contextlib.contextmanager
+def waiting_on_other_processes() -> Iterator[None]:
+    """Mark a stretch where this process may wait on others without end (collectives, a
+    rendezvous, barriers): a termination signal whose handler cannot run there ends the process
+    after :data:`GRACE_SECONDS` (see :func:`watch_for_stuck_handlers`). Any thread may enter it."""
+    with _armed_lock:
+        _armed[0] += 1
+    try:
+        yield
+    finally:
+        with _armed_lock:
+            _armed[0] -= 1
+
+
+def watch_for_stuck_handlers(grace: float = GRACE_SECONDS) -> None:
+    """Exit with one line when a termination signal's handler has not run `grace` seconds after
+    the signal arrived while the process waits on others (:func:`waiting_on_other_processes`).
+    Elsewhere the main thread only waits on bounded I/O and gets to the handler. Call from the
+    main thread, once handlers that call :func:`handler_ran` are in place."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)  # the C-level handler writes each signal's number here
+
+    def watch() -> None:
+        arrivals = 0
+        while True:
+            signum = os.read(read_end, 1)[0]
+            if signum not in CAUGHT_SIGNALS:
+                continue
+            arrivals += 1
+            deadline = time.monotonic() + grace
+            while _handled[0] < arrivals:
+                if _armed[0] and time.monotonic() >= deadline:
+                    exit_now(signum, f"interrupted by {signal.Signals(signum).name}; exited at once: the process was waiting on other "
+                                     "processes (a rank gone?) where no handler runs; the next run removes what it staged")
+                time.sleep(0.05)
+
+    threading.Thread(target=watch, name="zckpt-signal-watch", daemon=True).start()
 
 
 def exit_on_signal() -> None:
@@ -48,6 +107,13 @@ def exit_on_signal() -> None:
     for signum in CAUGHT_SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, lambda received, _frame: exit_now(received))
+
+
+def _note(pending: list[int]) -> Callable[[int, Any], None]:
+    def note(received: int, _frame: Any) -> None:
+        handler_ran()
+        pending.append(received)
+    return note
 
 
 @contextlib.contextmanager
@@ -67,7 +133,7 @@ def signals_deferred() -> Iterator[None]:
     previous = {}
     for signum in CAUGHT_SIGNALS:
         if signal.getsignal(signum) not in (signal.SIG_IGN, None):  # None: set outside Python; left alone
-            previous[signum] = signal.signal(signum, lambda received, _frame: pending.append(received))
+            previous[signum] = signal.signal(signum, _note(pending))
     try:
         yield
     finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from .interrupts import waiting_on_other_processes
+
 
 def job_share() -> tuple[int, int, Callable[[], None] | None]:
     """(this process, process count, barrier) under torchrun; (0, 1, None) otherwise."""
@@ -13,6 +15,11 @@ def job_share() -> tuple[int, int, Callable[[], None] | None]:
         return 0, 1, None
     import torch.distributed as dist
 
+    def barrier() -> None:
+        with waiting_on_other_processes():  # a rank gone: only the signal watchdog ends the wait
+            dist.barrier()
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), dist.barrier
+        with waiting_on_other_processes():
+            dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), barrier

@@ -56,8 +56,11 @@ def rank_device(choice: str) -> torch.device:
             cuda = False
     device = compute_device(choice, int(os.environ.get("LOCAL_RANK", "0")), cuda)
     if device.type == "cuda":
-        if device.index >= torch.cuda.device_count():
-            raise UsageError(None, f"LOCAL_RANK {device.index} but torch sees {torch.cuda.device_count()} CUDA device(s): "
-                                   "start at most one process per GPU (--nproc-per-node)")
+        # every rank of the node checks its node's count, so all refuse before the rendezvous
+        # (one rank refusing alone leaves the others waiting there for it)
+        per_node = max(device.index + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if per_node > torch.cuda.device_count():
+            raise UsageError(None, f"{per_node} processes on this node but torch sees {torch.cuda.device_count()} CUDA device(s): "
+                                   "start at most one process per GPU (--nproc-per-node), or --device cpu")
         torch.cuda.set_device(device)
     return device
