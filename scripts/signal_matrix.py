@@ -122,9 +122,10 @@ def run_once(command: Command, ck: Path, work: Path, signum: int | None, delay: 
     lines = [line for line in stderr.splitlines() if line.strip()]
     name = signal.Signals(signum).name if signum else "-"
     before_start = False
-    if signum is not None and code == -signum and not lines:
+    if signum is not None and ((code == -signum and not lines) or "init_import_site" in stderr):
         # the interpreter had not run zckpt's first line (it installs its handlers there): the
-        # signal's default action ended it, nothing written; a shell reports 128 + N all the same
+        # signal's default action ended it (a shell reports 128 + N all the same), or SIGINT's
+        # KeyboardInterrupt stopped Python's own start-up (importing site); nothing written
         before_start = True
     elif code == 128 + (signum or 0):
         if lines != [lines[0]] or not lines[0].startswith(f"zckpt: error: interrupted by {name}"):

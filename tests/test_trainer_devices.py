@@ -93,10 +93,9 @@ def test_a_callers_mixed_group_is_read_by_its_backends(monkeypatch: pytest.Monke
         torch.distributed.destroy_process_group()
 
 
-def _train_in_group(rank: int, world: int, backend: str, folder: str) -> tuple[tuple[float, ...], str]:
-    """Train and save in a process group made with `backend` (run_ranks made a gloo one)."""
-    torch.distributed.destroy_process_group()
-    torch.distributed.init_process_group(backend, init_method=f"file://{folder}/rendezvous-{backend.replace(':', '-')}", rank=rank, world_size=world)
+def _train_in_group(rank: int, world: int, folder: str) -> tuple[tuple[float, ...], str]:
+    """Train and save in the process group run_ranks made (its backend is the case)."""
+    backend = str(torch.distributed.get_backend())
     config = TrainConfig(steps=3, layers=1, dim=16, heads=2, vocab=31, seq_len=8, micro_batch=2, grad_accum=2, dtype="bf16",
                          out=f"{folder}/{backend.replace(':', '-')}", sub_group_size=64)
     trainer = Trainer(config)
@@ -111,8 +110,8 @@ def test_a_device_keyed_group_runs_the_host_side_as_plain_gloo(tmp_path: Path) -
     device-keyed form ('cpu:gloo', as 'cpu:gloo,cuda:nccl' is) routes every collective of a
     CPU run (gathers, reduce-scatters, norm, checkpoint barriers) to gloo: same losses, same
     checkpoint bytes as a plain gloo group."""
-    keyed = run_ranks(2, tmp_path, _train_in_group, "cpu:gloo", str(tmp_path))
-    plain = run_ranks(2, tmp_path, _train_in_group, "gloo", str(tmp_path))
+    keyed = run_ranks(2, tmp_path / "keyed", _train_in_group, str(tmp_path), backend="cpu:gloo")
+    plain = run_ranks(2, tmp_path / "plain", _train_in_group, str(tmp_path), backend="gloo")
     assert [backend for _, backend in keyed] == ["cpu:gloo"] * 2 and [backend for _, backend in plain] == ["gloo"] * 2
     assert keyed[0][0] == plain[0][0] and len(keyed[0][0]) == 3
     for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):

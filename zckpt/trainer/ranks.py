@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(folder, f"result{rank}.pt"))
@@ -30,9 +30,14 @@ def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tup
     os._exit(0)
 
 
-def run_ranks(world: int, folder: str | os.PathLike[str], fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """fn(rank, world, *args) on every rank; returns what each rank returned, by rank. One rank
-    runs in this process (one thread, like a spawned rank), without a process group."""
+def run_ranks(world: int, folder: str | os.PathLike[str], fn: Callable[..., Any], *args: Any, backend: str = "gloo") -> list[Any]:
+    """fn(rank, world, *args) on every rank, in a process group made with `backend`; returns
+    what each rank returned, by rank. One rank runs in this process (one thread, like a spawned
+    rank), without a process group.
+
+    `fn` must not tear down the group and make another: a rank whose init returns first would
+    close its connections while a slower rank still completes its own side of the handshake
+    ("Gloo connectFullMesh failed ... Connection closed by peer" under load)."""
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
     if world == 1:
@@ -45,5 +50,5 @@ def run_ranks(world: int, folder: str | os.PathLike[str], fn: Callable[..., Any]
     for stale in ["rendezvous", *(f"result{r}.pt" for r in range(world))]:  # a file rendezvous must start from no file
         if os.path.exists(os.path.join(folder, stale)):
             os.remove(os.path.join(folder, stale))
-    mp.spawn(_entry, args=(world, folder, fn, args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, folder, fn, args, backend), nprocs=world, join=True)
     return [torch.load(os.path.join(folder, f"result{rank}.pt"), weights_only=False) for rank in range(world)]
