@@ -16,7 +16,8 @@ import torch
 from interop_helpers import ROOT, ds_env, ds_python, free_port, run_logged
 from zckpt.trainer.ranks import run_ranks
 from zckpt import api
-from zckpt.trainer import TrainConfig, Trainer
+from zckpt.errors import UsageError
+from zckpt.trainer import TrainConfig, Trainer, plan_training
 
 pytestmark = pytest.mark.deepspeed
 
@@ -114,10 +115,18 @@ def test_losses_match_deepspeed(trained, deepspeed_run):
 
 
 def test_trainer_resumes_from_deepspeed(trained, deepspeed_run, tmp_path):
-    """The trainer loads what DeepSpeed saved: its masters and moments are DeepSpeed's live ones."""
+    """The trainer loads what DeepSpeed saved: its masters and moments are DeepSpeed's live ones.
+    Planned as `zckpt train --resume` plans it: DeepSpeed writes no model_config.json, so the
+    model's shape is given (refused in one line without it); the dtype, tied embeddings, schedule,
+    clipping, sub-groups and batch come from DeepSpeed's checkpoint and its ds_config."""
     folder, _, _, options = trained
     live, state = deepspeed_run
-    resumed = run_ranks(WORLD, tmp_path, _resume, str(folder / "ds_ckpt"), options)[0]
+    checkpoint = str(folder / "ds_ckpt")
+    with pytest.raises(UsageError, match=r"no model_config.json beside the checkpoint .* \(missing: --layers --dim --heads --vocab --seq-len\)$"):
+        plan_training({"resume": checkpoint, "steps": options["steps"] + 2}, world_size=WORLD)
+    resumed = run_ranks(WORLD, tmp_path, _resume, checkpoint, options)[0]
+    assert {k: getattr(resumed["config"], k) for k in options} == {**options, "steps": options["steps"] + 2}
+    assert resumed["notes"] == ()
     assert resumed["global_steps"] == state["global_steps"]
     for name, tensor in live.items():
         assert torch.equal(resumed["live"][name], tensor), name
@@ -125,14 +134,16 @@ def test_trainer_resumes_from_deepspeed(trained, deepspeed_run, tmp_path):
 
 
 def _resume(rank: int, world: int, checkpoint: str, options: dict) -> dict:
-    trainer = Trainer(TrainConfig(**{**options, "steps": options["steps"] + 2, "resume": checkpoint}))
+    shape = {k: options[k] for k in ("layers", "dim", "heads", "vocab", "seq_len")}
+    plan = plan_training({"resume": checkpoint, "steps": options["steps"] + 2, "seed": options["seed"], **shape}, world_size=world)
+    trainer = Trainer(plan.config)
     global_steps = trainer.global_steps
     live = {}
     for index, spec in enumerate(trainer.plan.params):
         for key in ("master", "exp_avg", "exp_avg_sq"):
             live[f"{spec.name}.{key}"] = trainer.optimizer.full_state(index, key).clone()
     losses = [trainer.train_step().loss for _ in range(2)]
-    return {"live": live, "global_steps": global_steps, "losses": losses}
+    return {"live": live, "global_steps": global_steps, "losses": losses, "config": plan.config, "notes": plan.notes}
 
 
 # NVMe offload: sub-groups of 530000 elements, one of 428032 per rank at 2 ranks (>= 1 MiB of fp32:

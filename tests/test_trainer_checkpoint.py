@@ -12,7 +12,7 @@ import torch
 from zckpt.trainer.ranks import run_ranks
 from zckpt import api
 from zckpt.deepspeed.reader import open_training_state
-from zckpt.trainer import TrainConfig, Trainer, build_model
+from zckpt.trainer import TrainConfig, Trainer, build_model, plan_training
 
 # tied embeddings, a frozen param, several sub-groups, bf16 compute
 OPTIONS = dict(layers=1, dim=12, heads=2, vocab=19, seq_len=6, micro_batch=2, grad_accum=2, lr=1e-2, warmup=1, steps=6, seed=5,
@@ -119,6 +119,32 @@ def test_resume_at_another_world_size(two_ranks, tmp_path):
         assert run["losses"] == runs["plain"]["losses"], kind
         assert run["global_steps"] == 6
     assert runs["plain"]["losses"] == pytest.approx(results[0]["losses"][3:], rel=2e-3)
+
+
+def _resume_planned(rank: int, world: int, checkpoint: str, folder: str) -> dict:
+    """`zckpt train --resume CHECKPOINT --out FOLDER --seed 5` at `world` ranks, as the CLI plans it."""
+    plan = plan_training({"resume": checkpoint, "out": folder, "seed": OPTIONS["seed"]}, world_size=world)
+    trainer = Trainer(plan.config)
+    return {"config": plan.config, "notes": plan.notes, "at_load": _live(trainer), "global_samples": trainer.global_samples}
+
+
+def test_resume_takes_the_run_from_the_checkpoint(two_ranks, tmp_path):
+    """Given only the checkpoint, 3 ranks resume the 2-rank bf16 run with its model (tied), dtype,
+    frozen param, schedule and sub-groups, load the saved state bit for bit, and keep as close to
+    its global batch as 3 ranks allow (8 = 2 x 2 ranks x 2; 3 ranks: 9 = 1 x 3 x 3), saying so.
+    (The README's chain, run by torchrun in test_trainer_cli.py, checks what such a run saves.)"""
+    folder, results = two_ranks
+    resumed = run_ranks(3, tmp_path / "ranks", _resume_planned, str(folder / "global_step3"), str(tmp_path / "out"))
+    config = resumed[0]["config"]
+    expected = {k: v for k, v in OPTIONS.items() if k not in ("freeze", "micro_batch", "grad_accum")}
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert (config.micro_batch, config.grad_accum) == (1, 3)
+    assert resumed[0]["notes"] == ("the checkpoint's global batch of 8 sequences (2 x 2 ranks x 2) cannot be kept at 3 ranks (8 is not a multiple of 3): "
+                                   "using 9 (--micro-batch 1 x 3 ranks x --grad-accum 3), the closest with at most 2 sequences per rank",)
+    for rank in resumed:
+        for name, tensor in results[0]["at_save"].items():
+            assert torch.equal(rank["at_load"][name], tensor), name
+        assert rank["global_samples"] == 3 * 8
 
 
 def _failing_save(rank: int, world: int, folder: str) -> str:

@@ -5,6 +5,8 @@ same config loads it). Only names and values: no file is written here.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from ..dtypes import FP16
@@ -59,6 +61,84 @@ def engine_config(
         N.CONFIG_BF16[0]: {"enabled": dtype == "bf16"},
         N.CONFIG_FP16: {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
     }
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """What a saved ds_config says about the run, in :func:`engine_config`'s terms (None: the
+    config does not say, or says it in a form the trainer does not run)."""
+
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    global_batch: int | None = None
+    lr: float | None = None
+    warmup: int | None = None  # 0: a constant lr (WarmupDecayLR with min lr = max lr, or no scheduler)
+    total_steps: int | None = None  # where WarmupDecayLR's decay ends
+    clip: float | None = None
+    sub_group_size: int | None = None
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    other_scheduler: str | None = None  # a schedule the trainer does not run, described
+
+
+def recorded_run(config: Any, world_size: int, ds_version: str | None) -> RecordedRun:
+    """The inverse of :func:`engine_config`, for any run's ds_config (DeepSpeed's own too): its
+    batch (DeepSpeed's rule: two of micro batch, accumulation and global batch give the third),
+    AdamW's settings, clipping (DeepSpeed's default where unset), the sub-group size and the lr
+    schedule when it is one the trainer runs (WarmupDecayLR warming up linearly from 0, or a
+    constant lr)."""
+    config = config if isinstance(config, dict) else {}
+    micro, accum, batch = (_count(config.get(k)) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"))
+    if batch is None and micro is not None:
+        batch = micro * (accum or 1) * world_size
+    elif batch is not None and micro is None:
+        micro = batch // ((accum or 1) * world_size) if batch % ((accum or 1) * world_size) == 0 else None
+    elif batch is not None and accum is None:
+        accum = batch // (micro * world_size) if batch % (micro * world_size) == 0 else None
+    if micro is None or batch is None:
+        micro = accum = batch = None
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    betas = params.get("betas")
+    betas = (float(betas[0]), float(betas[1])) if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(map(_is_number, betas)) else None
+    zero = config.get(N.CONFIG_ZERO) if isinstance(config.get(N.CONFIG_ZERO), dict) else {}
+    clip = config.get(N.CONFIG_GRADIENT_CLIPPING, N.default_gradient_clipping(N.version_tuple(ds_version or "0.0")))
+    lr, warmup, total, other = _schedule(config.get("scheduler"), _number(params.get("lr")))
+    return RecordedRun(
+        micro_batch=micro, grad_accum=accum or (1 if micro else None), global_batch=batch, lr=lr, warmup=warmup, total_steps=total,
+        clip=_number(clip), sub_group_size=_count(zero.get(N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE)), betas=betas,
+        eps=_number(params.get("eps")), weight_decay=_number(params.get("weight_decay")), other_scheduler=other,
+    )
+
+
+def _schedule(scheduler: Any, optimizer_lr: float | None) -> tuple[float | None, int | None, int | None, str | None]:
+    """(lr, warmup, total steps, what else it is) of a ds_config's scheduler section."""
+    if scheduler is None:  # DeepSpeed keeps the optimizer's lr
+        return optimizer_lr, 0, None, None
+    kind = scheduler.get("type") if isinstance(scheduler, dict) else None
+    params = scheduler.get("params") if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict) else {}
+    if kind != "WarmupDecayLR":
+        return None, None, None, f"{kind or 'an unnamed'} scheduler"
+    # WarmupDecayLR's defaults where the config leaves a value out
+    low, high = _number(params.get("warmup_min_lr", 0.0)), _number(params.get("warmup_max_lr", 0.001))
+    steps, total, shape = _count(params.get("warmup_num_steps", 1000)), _count(params.get("total_num_steps")), params.get("warmup_type", "log")
+    if high is None or high <= 0 or steps is None or total is None or shape != "linear" or low not in (0.0, high):
+        return None, None, None, f"WarmupDecayLR with {shape} warmup from {low} to {high} over {steps} of {total} steps"
+    return high, (0 if low == high else steps), total, None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if _is_number(value) else None
+
+
+def _count(value: Any) -> int | None:
+    """A positive whole number as the config holds it (``"auto"`` and the like: None)."""
+    return int(value) if _is_number(value) and value == int(value) and value >= 1 else None
 
 
 def dynamic_loss_scaler(values: dict[str, Any]) -> PickledInstance:

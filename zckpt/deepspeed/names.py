@@ -146,6 +146,12 @@ CONFIG_AIO_BLOCK_SIZE = "block_size"
 CONFIG_AIO_INTRA_OP_PARALLELISM = "intra_op_parallelism"
 
 
+def version_tuple(text: str) -> tuple[int, int]:
+    """(major, minor) of a DeepSpeed version string such as ``0.19.8+cpu``."""
+    parts = [int(p) if p.isdigit() else 0 for p in (text.split("+")[0].split(".") + ["0", "0"])[:2]]
+    return parts[0], parts[1]
+
+
 def default_gradient_clipping(version: tuple[int, int]) -> float:
     """The engine's gradient_clipping when the config sets none: 0.0 in the 0.14 files we
     have, 1.0 in 0.19 (``GRADIENT_CLIPPING_DEFAULT``); taken to change at 0.15."""

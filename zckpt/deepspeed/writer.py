@@ -249,7 +249,7 @@ class OptimPlanner:
         # per optimizer state, every param's source in layout order (built once, used per rank)
         self.state_sources = {key: [p.states.get(key, p.master) for p in self.params] for key in state.state_names}
         self.by_rank = layout.by_rank()
-        self.version_at_least_018 = _version(target.ds_version) >= (0, 18)
+        self.version_at_least_018 = N.version_tuple(target.ds_version) >= (0, 18)
         # what param_slice_mappings describe: the stored layout, or (round-robin) DeepSpeed's own
         self.slice_mappings = slice_mapping_layout(layout, target.round_robin) if layout.stage != 3 else layout
         # ZeRO-3 sub-groups whose master and per-element states live in offloaded_tensors/
@@ -342,7 +342,7 @@ class OptimPlanner:
         extras = dict(self.state.optimizer_extras)
         if N.CLIP_GRAD not in extras:  # ZeRO-3 files keep none: the engine saves its configured value
             config = self.target.ds_config
-            extras[N.CLIP_GRAD] = float(config.get(N.CONFIG_GRADIENT_CLIPPING, N.default_gradient_clipping(_version(self.target.ds_version))))
+            extras[N.CLIP_GRAD] = float(config.get(N.CONFIG_GRADIENT_CLIPPING, N.default_gradient_clipping(N.version_tuple(self.target.ds_version))))
         count = [world] * len(self.layout.flat_groups)
         if self.target.bf16_optimizer:
             out: dict[str, Any] = {N.CLIP_GRAD: extras[N.CLIP_GRAD]}
@@ -524,8 +524,8 @@ class ModelPlanner:
 
 def _model_state_keys(version: str) -> tuple[str, ...]:
     """engine._save_checkpoint's keys in its order (a release-dependent one in the middle)."""
-    middle = (N.SPARSE_TENSOR_MODULE_NAMES,) if _version(version) < (0, 15) else ()
-    late = (N.CHECKPOINT_PARALLEL_DIMENSIONS,) if _version(version) >= (0, 15) else ()
+    middle = (N.SPARSE_TENSOR_MODULE_NAMES,) if N.version_tuple(version) < (0, 15) else ()
+    late = (N.CHECKPOINT_PARALLEL_DIMENSIONS,) if N.version_tuple(version) >= (0, 15) else ()
     return (
         N.MODULE, N.BUFFER_NAMES, N.OPTIMIZER, N.PARAM_SHAPES, N.FROZEN_PARAM_SHAPES, N.SHARED_PARAMS,
         N.FROZEN_PARAM_FRAGMENTS, N.LR_SCHEDULER, N.DATA_SAMPLER, N.RANDOM_LTD, *middle, N.SKIPPED_STEPS,
@@ -546,7 +546,3 @@ def _ds_ids(state: TrainingState) -> dict[str, int]:
     skip = {e.name for e in state.index.entries if e.kind in ("buffer", "tied")}
     return {name: i for i, name in enumerate(n for n in state.module_names if n not in skip)}
 
-
-def _version(text: str) -> tuple[int, int]:
-    parts = [int(p) if p.isdigit() else 0 for p in (text.split("+")[0].split(".") + ["0", "0"])[:2]]
-    return parts[0], parts[1]

@@ -8,5 +8,6 @@ checkpoints (:mod:`.checkpoint`, through the shared DeepSpeed writer) are one mo
 from .config import TrainConfig
 from .loop import StepLog, Trainer, TrainResult, train
 from .model import GPT, GPTConfig, build_model
+from .resume import TrainPlan, plan_training
 
-__all__ = ["GPT", "GPTConfig", "StepLog", "TrainConfig", "TrainResult", "Trainer", "build_model", "train"]
+__all__ = ["GPT", "GPTConfig", "StepLog", "TrainConfig", "TrainPlan", "TrainResult", "Trainer", "build_model", "plan_training", "train"]

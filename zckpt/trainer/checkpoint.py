@@ -195,6 +195,8 @@ def load_checkpoint(trainer: "Trainer", path: str) -> None:
                     optimizer.steps[f].fill_(value)
     optimizer.copy_to_shards(trainer.model.store)
     trainer.global_steps = int(state.global_steps or 0)
+    # the samples seen so far, so the data continues where it stopped even when the global batch changed
+    trainer.global_samples = int(state.global_samples) if state.global_samples is not None else trainer.global_steps * trainer.global_batch
     trainer.skipped_steps = int(state.skipped_steps or 0)
     iteration = E.scheduler_iteration(state.lr_scheduler)
     trainer.last_batch_iteration = iteration if iteration is not None else trainer.global_steps - trainer.skipped_steps - 1

@@ -12,6 +12,11 @@ from .model import GPTConfig
 DTYPES = ("fp32", "bf16", "fp16")
 
 
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise UsageError(None, f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     out: str | None = None  # checkpoint folder (None: no checkpoints)
@@ -44,8 +49,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_device_choice(self.device)
-        if self.dtype not in DTYPES:
-            raise UsageError(None, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         for name in ("steps", "micro_batch", "grad_accum", "sub_group_size"):
             if getattr(self, name) < 1:
                 raise UsageError(None, f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

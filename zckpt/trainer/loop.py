@@ -90,6 +90,7 @@ class Trainer:
         self.optimizer.load_masters(self.model.store)
         self.data = TokenData(self.model_config.vocab, self.model_config.seq_len, config.seed, config.data)
         self.global_steps = 0
+        self.global_samples = 0  # sequences trained on: where the data resumes, whatever the batch was before
         self.skipped_steps = 0
         self.last_batch_iteration = -1  # DeepSpeed's lr scheduler counter
         if config.resume:
@@ -113,10 +114,6 @@ class Trainer:
     def global_batch(self) -> int:
         return self.config.micro_batch * self.config.grad_accum * self.comm.world
 
-    @property
-    def global_samples(self) -> int:
-        return self.global_steps * self.global_batch
-
     def lr(self) -> float:
         return self.schedule.at(self.last_batch_iteration)
 
@@ -127,7 +124,7 @@ class Trainer:
         scale = self.optimizer.loss_scale.cur_scale if self.optimizer.loss_scale else 1.0
         total = torch.zeros(1, dtype=torch.float64)
         for micro in range(config.grad_accum):
-            first = (self.global_steps * config.grad_accum + micro) * config.micro_batch * self.comm.world
+            first = self.global_samples + micro * config.micro_batch * self.comm.world
             inputs, targets = self.data.micro_batch(first, self.comm.rank, config.micro_batch)
             self.optimizer.begin_micro_step(last=micro == config.grad_accum - 1)
             loss = self.model(inputs.to(self.device), targets.to(self.device))
@@ -143,6 +140,7 @@ class Trainer:
             for group in self.optimizer.hyperparams:  # saved after the scheduler step, as DeepSpeed does
                 group["lr"] = self.lr()
         self.global_steps += 1
+        self.global_samples += self.global_batch  # skipped steps too, as DeepSpeed counts them
         elapsed = time.perf_counter() - started
         loss_value = float(total) / (config.grad_accum * self.comm.world)
         tokens = self.global_batch * self.model_config.seq_len
