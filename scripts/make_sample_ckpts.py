@@ -67,6 +67,9 @@ class Case:
     world_size: int
     tied: bool = False  # lm_head.weight is embed.weight
     frozen: bool = False  # the `adapter` sub-module has requires_grad=False
+    # the adapter sub-module's name: torch allows '/' in it (an interop test checks what
+    # DeepSpeed's universal tools do with such param names)
+    adapter_name: str = "adapter"
     groups: bool = False  # two param groups (decay / no-decay, different lr)
     sub_group_size: int | None = None  # ZeRO-3 sub_group_size (None: DeepSpeed default)
     persistence_threshold: int | None = 0  # ZeRO-3 stage3_param_persistence_threshold
@@ -212,7 +215,7 @@ def build_model(case: Case) -> Any:
             self.fc1 = nn.Linear(case.dim, case.hidden)
             self.bn = nn.BatchNorm1d(case.hidden)
             self.fc2 = nn.Linear(case.hidden, case.dim)
-            self.adapter = nn.Sequential(nn.Linear(case.dim, 11), nn.Tanh(), nn.Linear(11, case.dim))
+            self.add_module(case.adapter_name, nn.Sequential(nn.Linear(case.dim, 11), nn.Tanh(), nn.Linear(11, case.dim)))
             self.lm_head = nn.Linear(case.dim, case.vocab, bias=False)
             self.register_buffer("scale", torch.linspace(0.5, 1.5, case.dim))
             self.register_buffer("position_ids", torch.arange(SEQ_LEN, dtype=torch.int64)[None])
@@ -225,7 +228,7 @@ def build_model(case: Case) -> Any:
             m = self.batch_norm_fp32(torch.relu(self.fc1(h)).reshape(b * t, case.hidden))
             m = m.reshape(b, t, case.hidden)
             h = h + self.fc2(m)
-            h = h + self.adapter(h)
+            h = h + getattr(self, case.adapter_name)(h)
             return self.lm_head(h)
 
         def batch_norm_fp32(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +252,7 @@ def build_model(case: Case) -> Any:
     if case.tied:
         model.lm_head.weight = model.embed.weight
     if case.frozen:
-        for p in model.adapter.parameters():
+        for p in getattr(model, case.adapter_name).parameters():
             p.requires_grad_(False)
     return model
 

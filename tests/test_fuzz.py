@@ -30,7 +30,10 @@ central directory, end records); a deleted dict key and a wrong tensor shape (th
 with zckpt's own torch.save writer, CRCs right, so the damage reaches the parser and the layout
 checks); absurd declared sizes (a storage's numel or a tensor's shape in data.pkl set huge, the
 archive rebuilt with valid CRCs); two ranks' files swapped; one rank's file copied over
-another's; a rank file replaced by the same-named file of another sample.
+another's; a rank file replaced by the same-named file of another sample; a crafted name (a
+path, an absolute path, ``..``, a control character, an over-long name) in `latest`, or given
+to a param in every rank file (README, "What an untrusted checkpoint cannot do"): those cases
+also run `to_universal` and `reshard`, and nothing may appear outside their output folders.
 `ZCKPT_FUZZ_SCALE=8` runs four times the default cases. `test_zz_fuzz_counts` prints the cases of
 each kind and their outcomes (`pytest -s`).
 """
@@ -73,6 +76,7 @@ KINDS = {  # kind: cases per sample and SCALE (the NVMe sample gets one)
     "swap-ranks": 2,
     "duplicate-rank": 2,
     "foreign-rank": 2,
+    "crafted-name": 2,
 }
 SCALE = int(os.environ.get("ZCKPT_FUZZ_SCALE", "2"))  # seeds per sample and kind, times KINDS (8 for a long run)
 CASE_SECONDS = 10
@@ -87,7 +91,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE_LIST, sample, same_bits
-from zckpt import ZckptError, consolidate, inspect_path, torchfile, torchsave
+from test_untrusted import listing, rename_everywhere
+from zckpt import ZckptError, consolidate, inspect_path, reshard, to_universal, torchfile, torchsave
 from zckpt.deepspeed.writer import carry, tensor_of
 from zckpt.index import Segment, TensorSource
 from zckpt.reading import source_of
@@ -193,7 +198,7 @@ def unrecorded(model, trail):
     return "a module entry no other record describes (buffer, or ZeRO-1 frozen param)"
 
 
-# --- mutations: each returns (victim, what[, why it cannot be told]) ----------------------------
+# --- mutations: each returns (victim, what[, why it cannot be told[, {renamed param: new name}]]) ---
 
 
 def m_truncate(tag, s, rng):
@@ -368,11 +373,31 @@ def m_foreign_rank(tag, s, rng):
     return victim, f"{victim.name} from {other}"
 
 
+# names that, taken as paths, lead out of a folder or are no file name (an absolute one is made
+# per case, inside its own work folder, so an escape is seen by the listing)
+CRAFTED_NAMES = ["../escape", "../../../../escape", "ABSOLUTE", ".", "..", "a/../../escape", "tag\nnext", "x" * 300, "nul\x00name"]
+
+
+def m_crafted_name(tag, s, rng):
+    """`latest` naming a crafted tag, or a param (not a tied one) renamed to a crafted name in
+    every rank file, so the checkpoint stays consistent: the 4th item maps old to new name."""
+    ckpt = tag.parent
+    name = rng.choice(CRAFTED_NAMES).replace("ABSOLUTE", str(ckpt.parent / "abs_escape"))
+    if rng.random() < 0.5 or "nvme" in s.name:  # 13 MB of rank files to rewrite: latest only
+        (ckpt / "latest").write_text(name)
+        return ckpt / "latest", f"latest names {name!r}", None, {}
+    shapes = torchfile.load(next(tag.glob("*model_states.pt")))["param_shapes"]
+    tied = set(s.meta["tied"]) | set(s.meta["tied"].values())
+    param = rng.choice([n for group in ([shapes] if isinstance(shapes, dict) else shapes) for n in group if n not in tied])
+    rename_everywhere(tag, param, name)
+    return next(tag.glob("*model_states.pt")), f"param {param} renamed {name!r}", None, {param: name}
+
+
 MUTATIONS = {
     "truncate": m_truncate, "flip-tensor-data": m_flip_tensor_data, "flip-swap-file": m_flip_swap_file, "flip-data-pkl": m_flip_data_pkl,
     "flip-zip-structure": m_flip_zip_structure, "delete-key": m_delete_key, "wrong-shape": m_wrong_shape,
     "absurd-size": m_absurd_size, "swap-ranks": m_swap_ranks, "duplicate-rank": m_duplicate_rank,
-    "foreign-rank": m_foreign_rank,
+    "foreign-rank": m_foreign_rank, "crafted-name": m_crafted_name,
 }
 
 
@@ -405,16 +430,21 @@ def run_case(case):
     work = Path(tempfile.mkdtemp(dir=case["tmp"]))
     ckpt = work / "ckpt"
     shutil.copytree(s.checkpoint, ckpt)
-    victim, what, *why = MUTATIONS[case["kind"]](ckpt / s.meta["tag"], s, rng)
-    result = {**case, "victim": str(victim.relative_to(ckpt)), "what": what, "untellable": (why or [None])[0]}
+    victim, what, *rest = MUTATIONS[case["kind"]](ckpt / s.meta["tag"], s, rng)
+    why = rest[0] if rest else None
+    renames = rest[1] if len(rest) > 1 else {}
+    result = {**case, "victim": str(victim.relative_to(ckpt)), "what": what, "untellable": why}
     times = {}
+    outputs = [work / "out", work / "uc", work / "rs"]
+    around = {p: h for p, h in listing(work).items() if not any(p.startswith(str(o)) for o in outputs)}
 
     start = time.monotonic()
     out = work / "out"
     outcome, value = attempt(lambda: consolidate(ckpt, out))
     times["consolidate"] = time.monotonic() - start
     if outcome == "ok":
-        written, expected = load_file(out / "model.safetensors"), reference(s)
+        written = load_file(out / "model.safetensors")
+        expected = {renames.get(k, k): t for k, t in reference(s).items()}  # a renamed param keeps its value
         equal = set(written) == set(expected) and all(same_bits(written[k], t) for k, t in expected.items())
         result["consolidate"] = "equal" if equal else "wrong"
         if not equal:
@@ -446,6 +476,14 @@ def run_case(case):
         result["verify"], result["verify_detail"] = outcome, str(value).replace(str(work), "")
     if result["verify"] == "ok" and victim.suffix == ".pt":  # does torch's own zip reader (DeepSpeed's load) take it?
         result["torch_reads"] = torch_reads(victim)
+    if case["kind"] == "crafted-name":  # the commands where names become paths; nothing may land elsewhere
+        for command, call in (("to_universal", lambda: to_universal(ckpt, work / "uc")), ("reshard", lambda: reshard(ckpt, work / "rs", world_size=1))):
+            outcome, value = attempt(call)
+            clean = outcome != "error" or (value.path is not None and value.path.startswith(str(ckpt)) and "\n" not in str(value))
+            result[command] = outcome if clean else "unclean error"
+            result[f"{command}_detail"] = str(value).replace(str(work), "")[:300]
+        now = {p: h for p, h in listing(work).items() if not any(p.startswith(str(o)) for o in outputs)}
+        result["escaped"] = sorted(p.replace(str(work), "") for p in set(now.items()) ^ set(around.items()))[:5]
     result["seconds"] = times
     shutil.rmtree(work, ignore_errors=True)
     return result
@@ -553,6 +591,13 @@ def failures_of(result: dict) -> list[str]:
             problems.append(f"verify does not note identical rank files: {result.get('verify_notes')}")
     if result.get("torch_reads") is False:  # bytes zckpt does not need, but torch.load (DeepSpeed) does
         problems.append("verify passed a file that torch's own zip reader refuses")
+    if result["kind"] == "crafted-name":
+        if result.get("to_universal") != "error":  # every crafted name is refused where names become paths
+            problems.append(f"to_universal: {result.get('to_universal')}: {result.get('to_universal_detail')}")
+        if result.get("reshard") not in ("error", "ok"):
+            problems.append(f"reshard: {result.get('reshard')}: {result.get('reshard_detail')}")
+        if result.get("escaped"):
+            problems.append(f"written or changed outside the output folders: {result['escaped']}")
     return problems
 
 

@@ -122,9 +122,7 @@ def plan_consolidation(
         if format == "safetensors":  # widest dtypes first keeps every tensor aligned, as safetensors does
             planned.sort(key=lambda t: -t.dtype.itemsize)
         files.append(PlannedFile(filename, tuple(planned)))
-    extra = tuple(
-        os.path.join(index.checkpoint_dir, n) for n in hf.MODEL_FILES if os.path.isfile(os.path.join(index.checkpoint_dir, n))
-    )
+    extra = hf.files_to_copy(index.checkpoint_dir, hf.MODEL_FILES)
     return ConsolidationPlan(
         format=format,
         files=tuple(files),

@@ -33,6 +33,11 @@ class UnsafePickleError(ZckptError, ValueError):
     """A pickle references a global that is not on the allowlist (it could run code)."""
 
 
+class UnsafePathError(ZckptError, ValueError):
+    """A name or a symlink in the input would make zckpt read or write outside the folders it was
+    given: a name that is not one plain path component, or a link that leads out of the input."""
+
+
 class LayoutError(ZckptError, ValueError):
     """Files that are individually fine do not form one consistent checkpoint."""
 

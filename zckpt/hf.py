@@ -11,6 +11,7 @@ from .errors import CheckpointNotFoundError, CorruptFileError
 from .index import Segment, TensorSource
 from .reading import read_json_object
 from .safetensors_format import read_header
+from .untrusted import path_component, regular_file_inside
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -66,6 +67,14 @@ MODEL_FILES = (
 )
 
 
+def files_to_copy(folder: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The files among `names` that input folder `folder` holds, to copy along byte for byte:
+    regular files inside it (links that stay inside, or into the hub cache's blobs/, included).
+    A link leading out of it is refused (UnsafePathError), never copied: a checkpoint's
+    ``tokenizer.json -> ~/.ssh/id_rsa`` would otherwise put the key into the output."""
+    return tuple(p for n in names if regular_file_inside(p := os.path.join(folder, n), folder))
+
+
 def config_with_dtype(path: str, dtype_name: str) -> str:
     """The text of the config.json at `path`, stating `dtype_name` (``float32``, ``bfloat16``,
     ...) wherever it states a dtype (sub-configs of composite models too), or adding ``dtype``:
@@ -108,6 +117,8 @@ def model_weights(folder: str) -> list[tuple[str, TensorSource]]:
             files = list(dict.fromkeys(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CorruptFileError(index_path, f"not a weights index ({exc})") from None
+        for name in files:  # shards are read beside the index, never elsewhere
+            path_component(name, index_path, "shard name")
     elif os.path.isfile(single):
         weight_map, files = None, [os.path.basename(single)]
     else:

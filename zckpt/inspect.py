@@ -15,7 +15,7 @@ from typing import Any, Callable
 from . import hf, torchfile
 from .deepspeed import names as N
 from .deepspeed import swap_folder as swap
-from .deepspeed.reader import list_tags, looks_like_checkpoint, survey
+from .deepspeed.reader import list_tags, looks_like_checkpoint, survey, tag_named_in
 from .dtypes import BY_SHORT
 from .checksums import check_archive
 from .errors import CheckpointNotFoundError, UsageError, ZckptError
@@ -23,6 +23,7 @@ from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
 from .materialize import read_scalar
 from .output import find_leftovers
+from .untrusted import name_problem, path_component
 from .peft import describe_adapter
 from .reading import FileReader
 from .state import TrainingState
@@ -134,9 +135,8 @@ def _inspect_latest(path: str, tag: str | None, verify: bool) -> dict[str, Any]:
     folder = os.path.dirname(path) or "."
     base = os.path.basename(path)
     try:
-        with open(path, encoding="utf-8") as handle:
-            named = handle.read(4096).strip()
-    except (OSError, UnicodeDecodeError):
+        named = tag_named_in(path)
+    except ZckptError:  # inspect_checkpoint below reports why, as locate() finds it
         named = ""
     chosen = tag or named
     if not chosen or not os.path.isdir(os.path.join(folder, chosen)):
@@ -333,6 +333,7 @@ def _inspect_index(path: str) -> dict[str, Any]:
     for name in files:
         file_path = os.path.join(folder, name)
         try:
+            path_component(name, path, "shard name")  # read beside the index, never elsewhere
             if kind == "safetensors_index":
                 header = read_header(file_path)
                 metadata = metadata or header.metadata
@@ -348,7 +349,7 @@ def _inspect_index(path: str) -> dict[str, Any]:
                 problems.append(f"{file_path}: holds {tensor_name}, which the index does not map to it")
     present = {n for n, *_ in tensors}
     for tensor_name, name in weight_map.items():
-        if tensor_name not in present and os.path.isfile(os.path.join(folder, name)):
+        if tensor_name not in present and name_problem(name) is None and os.path.isfile(os.path.join(folder, name)):
             problems.append(f"{os.path.join(folder, name)}: lacks {tensor_name}, which the index maps to it")
     summary = _summary(tensors, metadata)
     return {**report, "files": files, "declared_total_size": declared_total, **summary, "complete": not problems, "problems": problems}

@@ -26,6 +26,7 @@ from typing import Callable
 from .errors import OutputError
 from .interrupts import signals_deferred
 from .shards import format_size
+from .untrusted import within
 
 # Weights files a previous run may have left; replaced only with overwrite=True.
 _WEIGHTS_FILE_RE = re.compile(
@@ -202,8 +203,10 @@ class StagedOutput:
         return self
 
     def temp_path(self, name: str) -> str:
-        """Where to write `name` until commit."""
-        path = os.path.join(self.output_dir, temp_name(name))
+        """Where to write `name` until commit; it and its temporary name are checked to stay
+        inside the output folder."""
+        path_inside(self.output_dir, name)
+        path = path_inside(self.output_dir, temp_name(name))
         self._temps[name] = path
         return path
 
@@ -304,7 +307,8 @@ class StagedFolder:
             raise
 
     def path(self, name: str) -> str:
-        return os.path.join(self.staging, name)
+        """Where `name` (a path relative to the folder) is written, checked to stay inside it."""
+        return path_inside(self.staging, name)
 
     def commit(self) -> None:
         """Rename the (fully written and synced) staging folder into place."""
@@ -338,8 +342,24 @@ class StagedFolder:
 
 def is_inside(path: str, folder: str) -> bool:
     """`path` is `folder` or below it (symlinks resolved)."""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+    return within(os.path.realpath(path), os.path.realpath(folder))
+
+
+def path_inside(folder: str, relative: str) -> str:
+    """``folder/relative``, refused unless it lies strictly inside `folder`, the folders on the
+    way resolved (symlinks followed).
+
+    The writers' second fence: names from an input are checked where they become paths
+    (:func:`zckpt.untrusted.path_component`); this check stands behind that rule, so a name that
+    reached a writer unchecked (``../x``, ``/tmp/x``, ``.``, ``a_link/x``) still cannot place a
+    file elsewhere. The last component is not resolved: a final name that exists already (the
+    output being replaced) is replaced by a rename, and staged or temporary files are new names."""
+    path = os.path.join(folder, relative)
+    root, target = os.path.abspath(folder), os.path.abspath(path)
+    resolved = os.path.join(os.path.realpath(os.path.dirname(target)), os.path.basename(target))
+    if target == root or not within(target, root) or not within(resolved, os.path.realpath(folder)):
+        raise OutputError(path, f"would be written at {resolved}, outside the output folder {folder}; refused, nothing is written there")
+    return path
 
 
 def fsync_file(path: str) -> None:

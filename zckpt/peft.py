@@ -44,6 +44,7 @@ from .output import StagedOutput
 from .reading import FileReader, read_json_object
 from .safetensors_format import build_header
 from .shards import ShardItem, parse_size, plan_shards
+from .untrusted import regular_file_inside
 
 if TYPE_CHECKING:
     import torch
@@ -130,7 +131,7 @@ def find_adapter(index: CheckpointIndex, peft: bool | None = None) -> Adapter | 
     """The PEFT adapter of a checkpoint: there when adapter_config.json lies beside the tag
     folders (or `peft` is True); None when there is none or `peft` is False."""
     config_path = os.path.join(index.checkpoint_dir, hf.ADAPTER_CONFIG_FILE)
-    has_config = os.path.isfile(config_path)
+    has_config = regular_file_inside(config_path, index.checkpoint_dir)
     if peft is False or (peft is None and not has_config):
         return None
     config = read_adapter_config(config_path) if has_config else {}
@@ -156,7 +157,7 @@ def describe_adapter(checkpoint_dir: str, trainable: list[str]) -> dict[str, Any
     """What ``inspect`` reports of a checkpoint's PEFT adapter (None without adapter_config.json);
     a bad config raises CorruptFileError."""
     config_path = os.path.join(checkpoint_dir, hf.ADAPTER_CONFIG_FILE)
-    if not os.path.isfile(config_path):
+    if not regular_file_inside(config_path, checkpoint_dir):
         return None
     config = read_adapter_config(config_path)
     found = adapter_names(trainable)
@@ -232,7 +233,7 @@ def write_adapter(
     plan = plan_consolidation(replace(index, entries=renamed), dtype=FP32 if dtype is None else dtype, format=format, max_shard_size=1 << 62)
     name = hf.ADAPTER_SAFETENSORS if format == "safetensors" else hf.ADAPTER_TORCH
     tensors = tuple(t for f in plan.files for t in f.tensors)
-    extra = tuple(p for n in hf.ADAPTER_FILES if os.path.isfile(p := os.path.join(index.checkpoint_dir, n)))
+    extra = hf.files_to_copy(index.checkpoint_dir, hf.ADAPTER_FILES)
     plan = replace(plan, files=(PlannedFile(name, tensors),), index_file=None, weight_map={t.name: name for t in tensors}, extra_files=extra)
     result = write_consolidated(index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify)
     return replace(result, dtype=plan.dtype, peft="adapter")
@@ -335,7 +336,7 @@ def plan_merge(adapter: Adapter, base_dir: str, *, dtype: DTypeLike | None = Non
     by_name = {t.name: t for t in merged}
     shards = plan_shards([ShardItem(t.name, t.nbytes) for t in merged], limit, hf.SAFETENSORS_PATTERN)
     files = tuple((filename, tuple(sorted((by_name[n] for n in names), key=lambda t: -t.dtype.itemsize))) for filename, names in shards.files)
-    extra = tuple(p for n in hf.MODEL_FILES if os.path.isfile(p := os.path.join(base_dir, n)))
+    extra = hf.files_to_copy(base_dir, hf.MODEL_FILES)
     return MergePlan(
         base_dir=base_dir,
         files=files,

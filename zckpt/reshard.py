@@ -20,9 +20,10 @@ from .deepspeed.save import SaveResult, write_checkpoint
 from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from .errors import OutputError, UsageError
 from .jobs import job_share
-from .output import is_inside, replace_atomically
+from .output import is_inside, path_inside, replace_atomically
 from .reading import read_json_object
 from .state import TrainingState
+from .untrusted import path_component, regular_file_inside
 
 # Hugging Face Trainer's per-process RNG files: rng_state.pth (one process) or rng_state_<i>.pth
 _RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
@@ -68,18 +69,21 @@ def _target(state: TrainingState, world_size: int, stage: int | None, config: di
 def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str], list[str]]:
     """Files beside the tag folders to copy along ({name: source}) and those left out.
 
-    Everything at the top of the checkpoint folder except ``latest`` (rewritten) and
-    ``latest_universal`` is carried:
+    Every regular file at the top of the checkpoint folder except ``latest`` (rewritten),
+    ``latest_universal`` and hidden files is carried:
     a Trainer's config, tokenizer, trainer_state.json, scheduler.pt, training_args.bin. RNG
     states are per process: those of processes the target run has are kept, the rest dropped,
     under the name the Trainer reads at that process count (``rng_state.pth`` for one process,
-    ``rng_state_<i>.pth`` for several).
+    ``rng_state_<i>.pth`` for several). A link leading out of the folder is refused (it is never
+    followed into the output), as is a name that is not a plain file name.
     """
     carried, dropped = {}, []
     for name in sorted(os.listdir(checkpoint_dir)):
         path = os.path.join(checkpoint_dir, name)
-        if not os.path.isfile(path) or name in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) or name.startswith("."):
+        skipped = name in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) or name.startswith(".") or os.path.isdir(path)  # tag folders, linked or not
+        if skipped or not regular_file_inside(path, checkpoint_dir):
             continue
+        path_component(name, checkpoint_dir, "file name")  # it names the copy in the output
         match = _RNG_FILE.match(name)
         if match:
             process = int(match[1] or 0)
@@ -127,7 +131,7 @@ def reshard(
 
     def copy_carried() -> None:
         for name, path in carried.items():
-            replace_atomically(os.path.join(output_dir, name), lambda temp, source=path: shutil.copyfile(source, temp))
+            replace_atomically(path_inside(output_dir, name), lambda temp, source=path: shutil.copyfile(source, temp))
 
     result: SaveResult = write_checkpoint(
         plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier,

@@ -20,13 +20,14 @@ import numpy as np
 
 from . import hf, torchfile
 from .deepspeed import names as N
-from .deepspeed.reader import looks_like_checkpoint, open_checkpoint, open_training_state
+from .deepspeed.reader import looks_like_checkpoint, open_checkpoint, open_training_state, tag_named_in
 from .errors import CheckpointNotFoundError, CorruptFileError
 from .index import Segment, TensorSource
 from .reading import FileReader, source_of
 from .safetensors_format import read_header
 from .state import ScalarState, TrainingState
 from .torchfile import TensorRef
+from .untrusted import path_component
 
 InputKind = Literal["zero_checkpoint", "universal_checkpoint", "safetensors", "torch"]
 
@@ -75,16 +76,8 @@ def open_tensors(path: str | os.PathLike[str], *, states: bool = False) -> Named
                     return _weights(os.path.join(path, name))
         return _checkpoint(path, None, states)
     if os.path.basename(path) in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) and looks_like_checkpoint(os.path.dirname(path) or "."):
-        return _checkpoint(os.path.dirname(path) or ".", _named_tag(path), states)
+        return _checkpoint(os.path.dirname(path) or ".", tag_named_in(path), states)
     return _weights(path)
-
-
-def _named_tag(latest: str) -> str | None:
-    try:
-        with open(latest, encoding="utf-8") as handle:
-            return handle.read(4096).strip() or None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CorruptFileError(latest, f"cannot read the tag it names ({exc})") from None
 
 
 def _checkpoint(path: str, tag: str | None, states: bool) -> NamedTensors:
@@ -203,7 +196,7 @@ def _sharded(path: str) -> NamedTensors:
     tensors: dict[str, TensorSource] = {}
     files = []
     for name in dict.fromkeys(weight_map.values()):  # in the index's order, each file once
-        shard = os.path.join(folder, name)
+        shard = os.path.join(folder, path_component(name, path, "shard name"))
         files.append(shard)
         held = _safetensors_file(shard) if kind == "safetensors" else _torch_file(shard)
         for tensor_name, source in held.items():

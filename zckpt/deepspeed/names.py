@@ -6,7 +6,10 @@ and checked against files it wrote (see sample_ckpts/FORMAT_OBSERVED.md).
 
 from __future__ import annotations
 
+import os
 import re
+
+from ..untrusted import path_component
 
 # --- files -------------------------------------------------------------------------------------
 LATEST_FILE = "latest"
@@ -33,10 +36,13 @@ def optim_states_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str
 SWAP_SUFFIX = ".tensor.swp"
 
 
-def swap_file_name(first_ds_id: int, last_ds_id: int, state: str | None = None) -> str:
+def swap_file_name(first_ds_id: int, last_ds_id: int, state: str | None = None, where: str | os.PathLike[str] | None = None) -> str:
     """NVMe swap file of a ZeRO-3 optimizer sub-group, named by the ds_id of its first and last
-    param: ``3_7.tensor.swp`` (fp32 master), ``exp_avg-3_7.tensor.swp`` (an Adam state)."""
-    return f"{state + '-' if state else ''}{first_ds_id}_{last_ds_id}{SWAP_SUFFIX}"
+    param: ``3_7.tensor.swp`` (fp32 master), ``exp_avg-3_7.tensor.swp`` (an Adam state). A state
+    name comes from the checkpoint (`where`: the input holding it, for the message), so it must
+    be one plain path component."""
+    prefix = "" if state is None else path_component(state, where, "optimizer state name") + "-"
+    return f"{prefix}{first_ds_id}_{last_ds_id}{SWAP_SUFFIX}"
 
 
 def swap_gradient_file_name(first_ds_id: int, last_ds_id: int, offset: int, numel: int) -> str:
@@ -83,9 +89,17 @@ def universal_tag(tag: str) -> str:
     return tag if tag.endswith(UNIVERSAL_SUFFIX) else tag + UNIVERSAL_SUFFIX
 
 
-def universal_state_file(param: str, state: str) -> str:
-    """``zero/<param name>/<state>.pt`` inside a universal folder."""
-    return f"{UNIVERSAL_ZERO_DIR}/{param}/{state}.pt"
+def universal_param_dir(param: str, where: str | os.PathLike[str] | None) -> str:
+    """``zero/<param name>`` inside a universal folder. The name comes from the checkpoint
+    (`where`: the input naming it, for the message) and must be one plain path component: torch
+    lets a module name hold '/', and DeepSpeed's ds_to_universal then nests folders
+    (``zero/a/b.weight``, see tests/test_interop_untrusted.py); zckpt refuses such a name."""
+    return f"{UNIVERSAL_ZERO_DIR}/{path_component(param, where, 'param name')}"
+
+
+def universal_state_file(param: str, state: str, where: str | os.PathLike[str] | None) -> str:
+    """``zero/<param name>/<state>.pt`` inside a universal folder (both names checked, as above)."""
+    return f"{universal_param_dir(param, where)}/{path_component(state, where, 'optimizer state name')}.pt"
 
 
 # --- model_states keys -------------------------------------------------------------------------

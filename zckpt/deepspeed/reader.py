@@ -26,6 +26,7 @@ from ..state import TrainingState
 from ..materialize import read_scalar
 from ..reading import FileReader, source_of
 from ..torchfile import TensorRef
+from ..untrusted import path_component, regular_file_inside
 from . import names as N
 from . import swap_folder as swap
 from .swap_rules import run_swap_rule
@@ -83,18 +84,24 @@ class Location:
 
 
 def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
-    """Resolve a checkpoint folder (with `latest`), a tag folder, or a folder plus `tag`."""
+    """Resolve a checkpoint folder (with `latest`), a tag folder, or a folder plus `tag`.
+
+    Whatever names the tag (`tag`, `latest`, the one tag folder, the folder given) must be one
+    plain folder name: it is read below `path`, and the writers name their output's tag folder
+    and `latest` after it."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(path, "no such file or directory")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(path, "expected a DeepSpeed checkpoint folder (the one holding 'latest'), got a file")
+    if tag is not None:
+        path_component(tag, path, "tag")
     if _is_tag_dir(path):
         parent, own_tag = os.path.split(os.path.normpath(path))
         if tag is not None and tag != own_tag:
             raise UsageError(path, f"is the folder of tag '{own_tag}', but --tag {tag} was given")
         parent = parent or "."
-        return Location(parent, own_tag, tuple(list_tags(parent)) or (own_tag,))
+        return Location(parent, path_component(own_tag, path, "tag folder name"), tuple(list_tags(parent)) or (own_tag,))
     tags = tuple(list_tags(path))
     listed = ", ".join(tags) if tags else "none"
     if tag is not None:
@@ -106,18 +113,12 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
     if not os.path.isfile(latest):  # a folder of universal checkpoints (zckpt to-universal's output)
         latest = os.path.join(path, N.LATEST_UNIVERSAL_FILE)
     if os.path.isfile(latest):
-        try:
-            with open(latest, encoding="utf-8") as handle:
-                named = handle.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CorruptFileError(latest, f"cannot read the tag it names ({exc})") from None
-        if not named:
-            raise CorruptFileError(latest, f"is empty; it should name a tag such as global_step100{N.UNIVERSAL_SUFFIX if latest.endswith(N.LATEST_UNIVERSAL_FILE) else ''}")
+        named = tag_named_in(latest)
         if not os.path.isdir(os.path.join(path, named)):
             raise CheckpointNotFoundError(latest, f"names tag '{named}', but folder {os.path.join(path, named)} is missing (tags here: {listed})")
         return Location(path, named, tags)
     if len(tags) == 1:
-        return Location(path, tags[0], tags)
+        return Location(path, path_component(tags[0], path, "tag folder name"), tags)
     if tags:
         raise UsageError(path, f"no 'latest' file and {len(tags)} tags ({listed}); pass --tag")
     newest = hf.newest_trainer_checkpoint(path, looks_like_checkpoint)
@@ -126,6 +127,21 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
         note = f"{hf.TRAINER_FOLDER_NOTE}: read {newest[0]}, the newest of {newest[1]} checkpoint-N folder(s)"
         return Location(found.checkpoint_dir, found.tag, found.tags, note)
     raise CheckpointNotFoundError(path, "no DeepSpeed checkpoint here (no 'latest' file, no tag folder holding *_model_states.pt)")
+
+
+def tag_named_in(latest: str) -> str:
+    """The tag that DeepSpeed's `latest` (or `latest_universal`) file names, taken as a name from
+    the input: the file must lie inside its checkpoint folder (a link out is refused and never
+    read: its target's text would be echoed in messages) and name one plain folder."""
+    regular_file_inside(latest, os.path.dirname(latest) or ".")
+    try:
+        with open(latest, encoding="utf-8") as handle:
+            named = handle.read(4096).strip()  # a tag is short; more is refused by its length
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CorruptFileError(latest, f"cannot read the tag it names ({exc})") from None
+    if not named:
+        raise CorruptFileError(latest, f"is empty; it should name a tag such as global_step100{N.UNIVERSAL_SUFFIX if latest.endswith(N.LATEST_UNIVERSAL_FILE) else ''}")
+    return path_component(named, latest, "tag")
 
 
 @dataclass
@@ -236,13 +252,14 @@ def _unlocated(result: Survey, problem: ZckptError, tag: str | None) -> Survey:
 
 
 def named_in_latest(checkpoint_dir: str) -> str | None:
-    """The tag a folder's `latest` (or `latest_universal`) file names, or None if unreadable."""
+    """The tag a folder's `latest` (or `latest_universal`) file names, or None if it names none
+    that could be used (unreadable, empty, not a plain folder name)."""
     for name in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE):
-        try:
-            with open(os.path.join(checkpoint_dir, name), encoding="utf-8") as handle:
-                return handle.read(4096).strip() or None
-        except (OSError, UnicodeDecodeError):
-            continue
+        if os.path.isfile(os.path.join(checkpoint_dir, name)):
+            try:
+                return tag_named_in(os.path.join(checkpoint_dir, name))
+            except ZckptError:
+                return None
     return None
 
 
@@ -932,7 +949,7 @@ class ZeroReader:
         """The swap file of one swapped sub-group (fp32 masters, or an optimizer `state`),
         checked to exist and to hold the sub-group's partition."""
         first, last = layout.params[group.params[0]].name, layout.params[group.params[-1]].name
-        name = _swap_name(ref, ds_ids.get(first), ds_ids.get(last), state)
+        name = _swap_name(ref, ds_ids.get(first), ds_ids.get(last), state, optim_path)
         what = f"sub-group {index}'s {state or 'fp32 masters'}"
         if name is None:
             self._problem(LayoutError, optim_path, f"cannot name the swap file of {what}: no ds_id recorded and its params are not in the module state dict")
@@ -940,7 +957,7 @@ class ZeroReader:
         if self.swap_folder is not None:
             return self._live_swap_path(rank, index, name, group.partition, what)
         path = os.path.join(self.tag_dir, N.OFFLOADED_TENSORS_DIR, N.offloaded_rank_dir(rank), name)
-        if not os.path.isfile(path):
+        if not regular_file_inside(path, self.tag_dir):  # raw bytes, no format: never through a link out
             self._problem(CheckpointNotFoundError, path, f"missing: {what} were offloaded to NVMe and belong here")
             return None
         needed = group.partition * ref.dtype.itemsize
@@ -955,7 +972,7 @@ class ZeroReader:
         partition (padded to the I/O alignment)."""
         assert self.swap_folder is not None
         path = self.swap_folder.optimizer_path(rank, name)
-        if not os.path.isfile(path):
+        if not regular_file_inside(path, self.swap_folder.root):
             held = sorted({f.swap_id for f in self.swap_folder.of_kind("sub_group") if f.rank == rank and f.swap_id})
             other = f" (it holds sub-groups {', '.join(held[:6])}: the swap folder of another run or layout)" if held and name[: -len(N.SWAP_SUFFIX)].rsplit("-", 1)[-1] not in held else ""
             self._problem(CheckpointNotFoundError, path, f"missing: the checkpoint's layout swaps {what} to NVMe, so the swap folder must hold it{other}")
@@ -995,15 +1012,16 @@ def _truncate(segments: list[Segment], numel: int) -> list[Segment]:
     return kept
 
 
-def _swap_name(ref: TensorRef, first: int | None, last: int | None, state: str | None = None) -> str | None:
+def _swap_name(ref: TensorRef, first: int | None, last: int | None, state: str | None, optim_path: str) -> str | None:
     """A swapped sub-group's file: DeepSpeed pickles its `ds_id` ("<first>_<last>") on the empty
-    fp32 tensor left in the optimizer file; without it, the ids are computed from module order."""
+    fp32 tensor left in the optimizer file; without it, the ids are computed from module order.
+    `state` (an optimizer state name of `optim_path`, None for the masters) is part of the name."""
     recorded = (ref.attributes or {}).get("ds_id")
     if isinstance(recorded, str) and re.fullmatch(r"\d+_\d+", recorded):
-        return N.swap_file_name(*map(int, recorded.split("_")), state)
+        return N.swap_file_name(*map(int, recorded.split("_")), state, optim_path)
     if first is None or last is None:
         return None
-    return N.swap_file_name(first, last, state)
+    return N.swap_file_name(first, last, state, optim_path)
 
 
 def sub_group_param_groups(inner0: dict, count: int) -> list[int]:

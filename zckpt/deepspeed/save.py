@@ -13,7 +13,7 @@ from typing import Callable
 from .writer import CheckpointPlan, RawFile
 from ..checksums import RecordChecker
 from ..errors import OutputError
-from ..output import StagedFolder, fsync_file, output_error, write_text_atomic
+from ..output import StagedFolder, fsync_file, output_error, path_inside, write_text_atomic
 from ..reading import FileReader
 from ..torchsave import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
 from ..workers import WorkerPool
@@ -86,7 +86,8 @@ def write_checkpoint(
     """
     planned = archives(plan)
     total = sum(a.total_size for _, a in planned)
-    folder = StagedFolder(os.path.join(output_dir, plan.tag), overwrite=overwrite, needed_bytes=total if part == 0 else 0)
+    # the tag comes from the input (`latest`): the folder it names must be one inside output_dir
+    folder = StagedFolder(path_inside(output_dir, plan.tag), overwrite=overwrite, needed_bytes=total if part == 0 else 0)
     sync = barrier or (lambda: None)
     if part == 0:
         folder.create()
@@ -131,7 +132,7 @@ def write_checkpoint(
             folder.commit()
             if before_latest:
                 before_latest()
-            write_text_atomic(os.path.join(output_dir, plan.latest_file), plan.tag)
+            write_text_atomic(path_inside(output_dir, plan.latest_file), plan.tag)
     except OSError as exc:
         folder.abort()
         if isinstance(exc, OutputError):

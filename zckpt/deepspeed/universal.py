@@ -42,13 +42,16 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
 
 
 def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[PlannedFile]:
+    """The param's folder: its name and its states' names come from the checkpoint (its tag
+    folder is named when one cannot be a file name)."""
+    where = state.index.tag_dir
     sources = {N.UNIVERSAL_FP32: param.master, **param.states}
     files = []
     for key, source in sources.items():
-        files.append(PlannedFile(N.universal_state_file(param.name, key), _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3), None))
+        files.append(PlannedFile(N.universal_state_file(param.name, key, where), _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3), None))
     step = state.groups[param.group].scalars.get(N.UNIVERSAL_STEP)
     if step is not None and not zero3:
-        files.append(PlannedFile(N.universal_state_file(param.name, N.UNIVERSAL_STEP), scalar_of(step), None))
+        files.append(PlannedFile(N.universal_state_file(param.name, N.UNIVERSAL_STEP, where), scalar_of(step), None))
     return files
 
 

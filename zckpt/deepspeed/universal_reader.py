@@ -126,6 +126,8 @@ class UniversalReader(ZeroReader):
         self.param_files: dict[str, _ParamFiles] = {}
         self.shapes = {name: as_shape(shape) for group in param_shapes for name, shape in group.items()}
         self.param_shapes = param_shapes
+        # the file naming the params, whose names are read as folder names under zero/
+        self.declared_in = self._path(N.model_states_name(3 if zero3 else 1))
         entries = []
         with FileReader() as reader:
             for name, shape in self.shapes.items():
@@ -138,7 +140,7 @@ class UniversalReader(ZeroReader):
         return None if self.problems else entries
 
     def _read_param(self, reader: FileReader, name: str, shape: tuple[int, ...], zero3: bool) -> _ParamFiles | None:
-        folder = os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR, name)
+        folder = os.path.join(self.tag_dir, N.universal_param_dir(name, self.declared_in))
         try:
             stems = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".pt"))
         except FileNotFoundError:
@@ -206,7 +208,7 @@ class UniversalReader(ZeroReader):
                 for key in expected:
                     if key not in self.param_files[name].states:
                         others = sum(1 for n in found if key in self.param_files[n].states)
-                        path = os.path.join(self.tag_dir, N.universal_state_file(name, key))
+                        path = os.path.join(self.tag_dir, N.universal_state_file(name, key, self.declared_in))
                         self._problem(CheckpointNotFoundError, path, f"missing: {others} other param(s) of its group have {key}")
 
     def _group_members(self, param_shapes: list[dict], zero3: bool) -> list[list[str]]:

@@ -314,7 +314,8 @@ class OptimPlanner:
             folder = f"{N.OFFLOADED_TENSORS_DIR}/{N.offloaded_rank_dir(rank)}"
             for key, sources in [(None, self.masters)] + [(k, self.state_sources[k]) for k in self._element_states(flat)]:
                 raw = OutTensor(FP32, (length,), _flat(pieces, sources, group.partition, FP32).parts + padding)
-                files.append(PlannedFile(f"{folder}/{N.swap_file_name(*self._sub_group_ids(flat), key)}", RawFile(raw), rank))
+                name = N.swap_file_name(*self._sub_group_ids(flat), key, self.state.index.tag_dir)  # key: a name from the input
+                files.append(PlannedFile(f"{folder}/{name}", RawFile(raw), rank))
         return files
 
     def _param_groups(self) -> list[dict]:
