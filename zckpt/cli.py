@@ -164,7 +164,8 @@ def _progress_bar(quiet: bool, description: str) -> tuple[Callable[[int, int], N
         return (lambda done, total: None), (lambda: None)
     from tqdm import tqdm
 
-    bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc=description, leave=False, file=sys.stderr)
+    # decimal units, as the summary line and every size zckpt prints (format_size): 405MB, 405 MB
+    bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1000, desc=description, leave=False, file=sys.stderr)
 
     def update(done: int, total: int) -> None:
         if bar.total != total:
@@ -249,12 +250,12 @@ def consolidate(
         for note in index.notes:
             if note.startswith(TRAINER_FOLDER_NOTE):
                 typer.echo(f"note: {note}", err=True)
-    _swap_notes(swap_folder, result.index.notes)
+    _swap_notes(swap_folder, result.index.notes, quiet)
 
 
-def _swap_notes(swap_folder: Path | None, notes: tuple[str, ...]) -> None:
+def _swap_notes(swap_folder: Path | None, notes: tuple[str, ...], quiet: bool) -> None:
     """With --swap-folder: say where the data came from (some may be the checkpoint's, older)."""
-    if swap_folder is not None:
+    if swap_folder is not None and not quiet:
         for note in notes:
             typer.echo(f"note: {note}", err=True)
 
@@ -375,7 +376,7 @@ def reshard(
         ),
     )
     if primary:
-        _swap_notes(swap_folder, result.source.index.notes)
+        _swap_notes(swap_folder, result.source.index.notes, quiet)
     if not quiet and primary:
         source = result.source.index
         typer.echo(
@@ -430,7 +431,7 @@ def to_universal(
         ),
     )
     if primary:
-        _swap_notes(swap_folder, result.source.index.notes)
+        _swap_notes(swap_folder, result.source.index.notes, quiet)
     if not quiet and primary:
         source = result.source.index
         typer.echo(
@@ -663,6 +664,27 @@ def _catch_signals() -> None:
     watch_for_stuck_handlers()
 
 
+def _usage_line(error: Any) -> str:
+    """click's usage error (three lines and a blank) as zckpt's one line, with where to look."""
+    message = " ".join(error.format_message().replace("Value error, ", "").split())
+    where = f" (see '{error.ctx.command_path} -h')" if getattr(error, "ctx", None) is not None else ""
+    return f"zckpt: error: {message}{where}"
+
+
 def main() -> None:
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    from typer._click.exceptions import UsageError as ClickUsageError
+
     _catch_signals()
-    app(prog_name="zckpt")
+    try:
+        code = app(prog_name="zckpt", standalone_mode=False)
+    except NoArgsIsHelpError as exc:  # `zckpt` or `zckpt COMMAND` alone: the help, as before
+        exc.show()
+        code = EXIT_USAGE
+    except ClickUsageError as exc:  # an unknown option or command, a bad option value, a missing argument
+        typer.echo(_usage_line(exc), err=True)
+        code = EXIT_USAGE
+    except ClickException as exc:
+        typer.echo(f"zckpt: error: {exc.format_message()}", err=True)
+        code = exc.exit_code
+    sys.exit(code if isinstance(code, int) else 0)

@@ -26,7 +26,7 @@ from .dtypes import FP32, DType, DTypeLike, output_dtype
 from .errors import UsageError
 from .index import CheckpointIndex, TensorSource
 from .materialize import StreamWriter, read_tensor, write_all
-from .output import StagedOutput, output_error
+from .output import StagedOutput, output_error, refuse_output_inside_input
 from .reading import FileReader
 from .safetensors_format import TIED_METADATA_KEY, build_header
 from .shards import ShardItem, parse_size, plan_shards
@@ -165,7 +165,10 @@ def consolidate(
     run) gives the layout, the swap folder the fp32 masters of every swapped sub-group, so the
     run's newest weights are written (16-bit output rounds those masters to nearest).
     """
+    _refuse_file_name(os.fspath(output_dir), format)
     index = open_checkpoint(checkpoint, tag, swap_folder)
+    in_place = index.checkpoint_dir if hf.TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir))) else None
+    refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=in_place)
     from .peft import consolidate_peft  # (here: zckpt.peft builds on this module's plan and writer)
 
     done = consolidate_peft(index, os.fspath(output_dir), peft=peft, merge_into=merge_into, dtype=dtype, format=format,
@@ -175,6 +178,20 @@ def consolidate(
     dtype = FP32 if dtype is None else dtype
     plan = plan_consolidation(index, dtype=dtype, format=format, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen)
     return write_consolidated(index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress, verify=verify)
+
+
+_FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
+
+
+def _refuse_file_name(output_dir: str, format: str) -> None:
+    """An OUTPUT_DIR named like a weights file (``out/pytorch_model.bin``: older zero_to_fp32.py
+    took the output file) is refused rather than made a folder of that name or written as that
+    one file: the output is a folder whose file names from_pretrained expects, sharded or not."""
+    if output_dir.endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
+        folder = os.path.dirname(output_dir.rstrip(os.sep)) or "."
+        written = "pytorch_model.bin" if format == "torch" else "model.safetensors"
+        raise UsageError(output_dir, f"OUTPUT_DIR names a file (zero_to_fp32.py's old output-file form); give the folder: "
+                                     f"'{folder}' gets {written}{'' if format == 'torch' else ' (--format torch: pytorch_model.bin)'}")
 
 
 def write_consolidated(

@@ -55,6 +55,12 @@ class Entry:
     alias_of: str | None = None
 
 
+# A checkpoint folder `zckpt train` wrote holds this file, whose "model_type" is this (the trainer
+# writes it; inspect tells zckpt's checkpoints from DeepSpeed's by it, torch-free)
+TRAINER_MODEL_CONFIG = "model_config.json"
+TRAINER_MODEL_TYPE = "zckpt-gpt"
+
+
 @dataclass(frozen=True)
 class CheckpointIndex:
     """A checkpoint's consolidated state dict, as a plan, plus what inspection reports."""

@@ -19,6 +19,7 @@ from .deepspeed.reader import list_tags, looks_like_checkpoint, survey, tag_name
 from .dtypes import BY_SHORT
 from .checksums import check_archive
 from .errors import CheckpointNotFoundError, UsageError, ZckptError
+from .index import TRAINER_MODEL_CONFIG, TRAINER_MODEL_TYPE
 from .safetensors_format import TIED_METADATA_KEY, read_header
 from .shards import format_size
 from .materialize import read_scalar
@@ -162,6 +163,17 @@ def _with_leftovers(report: dict[str, Any], folder: str) -> dict[str, Any]:
     return report
 
 
+def _writer(checkpoint_dir: str) -> str:
+    """"zckpt train" for a folder the trainer wrote (its model_config.json), else "DeepSpeed"
+    (ds_version still says which DeepSpeed's layout either follows)."""
+    try:
+        with open(os.path.join(checkpoint_dir, TRAINER_MODEL_CONFIG), encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return "DeepSpeed"
+    return "zckpt train" if isinstance(config, dict) and config.get("model_type") == TRAINER_MODEL_TYPE else "DeepSpeed"
+
+
 def _param(name: str, shape: tuple[int, ...], dtype: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "shape": list(shape), "numel": math.prod(shape), "dtype": dtype, **extra}
 
@@ -179,6 +191,7 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
         "world_size": found.world_size,
         "dtype": found.dtype.short if found.dtype else None,
         "ds_version": found.ds_version,
+        "writer": _writer(location.checkpoint_dir) if location else None,
         "offload": found.offload,
         "universal": found.universal,
     }
@@ -384,7 +397,10 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
             lines.append(f"  loads into     {flavour} runs with load_universal, any world size (saved by world size {world}; dtype {dtype})")
         else:
             lines.append(f"  ZeRO stage     {stage}   world size {world}   dtype {dtype}   offload {report['offload']}")
-        lines.append(f"  DeepSpeed      {_shown(report['ds_version'])}")
+        if report.get("writer") == "zckpt train":
+            lines.append(f"  written by     zckpt train (DeepSpeed {_shown(report['ds_version'])}'s layout)")
+        else:
+            lines.append(f"  DeepSpeed      {_shown(report['ds_version'])}")
         lines.append(f"  params         {report['params']} ({_human(report['trainable_numel'])} trainable elements, {_human(report['frozen_numel'])} frozen)")
         if report["frozen"]:
             lines.append(f"  frozen         {', '.join(report['frozen'][:8])}{' ...' if len(report['frozen']) > 8 else ''}")

@@ -640,6 +640,18 @@ def render(plan: NvmePlan) -> str:
             fits = "" if plan.memory_budget is None else " (fits the budget)" if a.pinned_bytes_per_rank <= plan.memory_budget else ""
             lines.append(f"  {a.what}: {settings}; pinned {format_size(a.pinned_bytes_per_rank)} per rank{fits}; {a.tradeoff}")
     lines += [f"note: {n}" for n in plan.notes]
-    lines.append("paste into the DeepSpeed config:")
+    if plan.fits_budget is False:
+        fitting = [a for a in plan.alternatives if a.pinned_bytes_per_rank <= plan.memory_budget]
+        cheapest = min(plan.alternatives, key=lambda a: a.pinned_bytes_per_rank, default=None)
+        if fitting:
+            lines.append(f"over the budget of {format_size(plan.memory_budget)} per rank: these settings pin {format_size(plan.pinned.total)}; "
+                         f"the alternatives marked 'fits the budget' fit ({', '.join(a.what for a in fitting)})")
+        else:
+            least = f"; the cheapest alternative ({cheapest.what}) pins {format_size(cheapest.pinned_bytes_per_rank)}" if cheapest else ""
+            lines.append(f"NOTHING FITS the budget of {format_size(plan.memory_budget)} per rank: these settings pin "
+                         f"{format_size(plan.pinned.total)}{least}; raise the budget, or run on more ranks")
+        lines.append(f"the settings above (they do NOT fit the budget of {format_size(plan.memory_budget)} per rank):")
+    else:
+        lines.append("paste into the DeepSpeed config:")
     lines.append(json.dumps(plan.snippet(), indent=2))
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Callable
 
-from .errors import OutputError
+from .errors import OutputError, UsageError
 from .interrupts import signals_deferred
 from .shards import format_size
 from .untrusted import within
@@ -343,6 +343,18 @@ class StagedFolder:
 def is_inside(path: str, folder: str) -> bool:
     """`path` is `folder` or below it (symlinks resolved)."""
     return within(os.path.realpath(path), os.path.realpath(folder))
+
+
+def refuse_output_inside_input(output_dir: str, input_dirs: tuple[str, ...], *, may_be: str | None = None) -> None:
+    """Refuse (usage, exit 2) an output folder inside an input folder: writing there would mix
+    the output into the checkpoint it is made from, or replace it. `may_be` is the one input
+    folder the output may be itself: a Trainer ``checkpoint-N`` folder consolidated in place
+    (weights beside its config), or the checkpoint folder a universal folder goes beside the tag
+    folders in (DeepSpeed's own habit)."""
+    for folder in input_dirs:
+        same = os.path.realpath(output_dir) == os.path.realpath(folder)
+        if is_inside(output_dir, folder) and not (may_be is not None and os.path.realpath(output_dir) == os.path.realpath(may_be)):
+            raise UsageError(output_dir, f"{'is the input folder' if same else f'is inside the input {folder}'}; choose a folder outside it")
 
 
 def path_inside(folder: str, relative: str) -> str:

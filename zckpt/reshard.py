@@ -20,7 +20,7 @@ from .deepspeed.save import SaveResult, write_checkpoint
 from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from .errors import OutputError, UsageError
 from .jobs import job_share
-from .output import is_inside, path_inside, replace_atomically
+from .output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
 from .reading import read_json_object
 from .state import TrainingState
 from .untrusted import path_component, regular_file_inside
@@ -121,8 +121,9 @@ def reshard(
     source = open_training_state(checkpoint, tag, swap_folder)
     plan = plan_checkpoint(source, _target(source, world_size, stage, config))
     index = source.index
-    if is_inside(output_dir, index.checkpoint_dir) or is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
-        raise UsageError(output_dir, f"is inside the input checkpoint {index.checkpoint_dir}; choose a folder outside it")
+    refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
+    if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
+        raise UsageError(output_dir, f"would replace the input {index.tag_dir}; choose another folder")
     carried, dropped = carried_files(index.checkpoint_dir, world_size)
     existing = [n for n in carried if os.path.exists(os.path.join(output_dir, n))]
     if existing and not overwrite:

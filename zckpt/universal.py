@@ -20,7 +20,7 @@ from .deepspeed.universal import plan_universal
 from .deepspeed.writer import CheckpointPlan
 from .errors import UsageError
 from .jobs import job_share
-from .output import is_inside
+from .output import is_inside, refuse_output_inside_input
 from .state import TrainingState
 
 
@@ -67,6 +67,8 @@ def to_universal(
     source = open_training_state(checkpoint, tag, swap_folder)
     plan = plan_universal(source, target_stage=_stage(target_stage))
     index = source.index
+    # beside the tag folders, as DeepSpeed's ds_to_universal is used, but nowhere else inside the input
+    refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=index.checkpoint_dir)
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
         raise UsageError(output_dir, f"would replace the input {index.tag_dir}; choose another folder")
     part, parts, barrier = job_share()

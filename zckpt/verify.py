@@ -373,6 +373,9 @@ def _needs(found: Survey) -> list[Need]:
 # --- weights outputs --------------------------------------------------------------------------------
 
 
+_WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
 def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
     """A consolidated output: headers, shards and index agree (tensor_sources checks that), torch
     files' CRCs, leftovers, and with `scan` the values."""
@@ -380,9 +383,14 @@ def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
     try:
         found = open_tensors(path)
     except ZckptError as exc:
+        leftovers = find_leftovers(path) if os.path.isdir(path) else []
+        if os.path.isdir(path) and not leftovers and not any(n.endswith(_WEIGHTS_SUFFIXES) for n in os.listdir(path)):
+            # nothing here to judge (not a damaged output): bad input, as for every command (exit 1)
+            raise CheckpointNotFoundError(path, "no checkpoint and no weights here (no 'latest', tag folder, universal folder, "
+                                                ".safetensors, .bin, .pt or .index.json)") from None
         findings.add("files", [str(exc)], "")
         if os.path.isdir(path):  # a folder holding only what a killed run left: list it too
-            findings.add("leftovers", [l.describe() for l in find_leftovers(path) if l.alive is False], "no leftovers of an interrupted zckpt run")
+            findings.add("leftovers", [l.describe() for l in leftovers if l.alive is False], "no leftovers of an interrupted zckpt run")
         return VerifyReport(path, "weights", tuple(findings.checks), tuple(findings.problems))
     files = list(found.files)
     sources = list(found.tensors.items())

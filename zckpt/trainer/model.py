@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CorruptFileError, UsageError
-
-MODEL_CONFIG_FILE = "model_config.json"
+from ..index import TRAINER_MODEL_CONFIG as MODEL_CONFIG_FILE
+from ..index import TRAINER_MODEL_TYPE
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class GPTConfig:
             raise UsageError(None, f"--dim {self.dim} is not a multiple of --heads {self.heads}")
 
     def to_json(self) -> str:
-        return json.dumps({"model_type": "zckpt-gpt", **asdict(self)}, indent=2) + "\n"
+        return json.dumps({"model_type": TRAINER_MODEL_TYPE, **asdict(self)}, indent=2) + "\n"
 
 
 class Attention(nn.Module):
@@ -134,8 +134,8 @@ def load_model_config(source: GPTConfig | dict[str, Any] | str | os.PathLike[str
         raise CorruptFileError(path, "no such model config (the trainer writes model_config.json beside its checkpoints)") from None
     except (OSError, ValueError) as exc:
         raise CorruptFileError(path, f"not a readable JSON model config: {exc}") from None
-    if not isinstance(data, dict) or data.get("model_type") != "zckpt-gpt":
-        raise CorruptFileError(path, "not a zckpt model config (model_type is not zckpt-gpt)")
+    if not isinstance(data, dict) or data.get("model_type") != TRAINER_MODEL_TYPE:
+        raise CorruptFileError(path, f"not a zckpt model config (model_type is not {TRAINER_MODEL_TYPE})")
     return load_model_config(data)
 
 
