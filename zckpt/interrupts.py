@@ -35,7 +35,6 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
 
 from .errors import Interrupted
 
@@ -43,7 +42,12 @@ CAUGHT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP
 
 GRACE_SECONDS = 3.0  # a handler that has not run by then never will: the main thread is stuck in native code
 
-T = TypeVar("T")
+TYPE_CHECKING = False  # not typing's: `zckpt` imports this module first thing, start-up time counts
+if TYPE_CHECKING:
+    from typing import Any, Callable, Iterator, TypeVar
+
+    T = TypeVar("T")
+
 _handled = [0]  # termination signals a Python-level handler has run for (the watchdog compares)
 _armed = [0]  # threads now waiting on other processes
 _armed_lock = threading.Lock()
