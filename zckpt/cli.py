@@ -492,8 +492,8 @@ def diff(
     short_help="ZeRO-3 NVMe swap settings that cannot fail; exit 3 if a given config would.",
     epilog=(
         "\b\nExamples:\n"
-        "  zckpt nvme-plan Qwen3-0.6B/config.json                 # settings + JSON to paste\n"
-        "  zckpt nvme-plan runs/ckpt --config ds_config.json      # which settings fail, why\n"
+        "  zckpt nvme-plan Qwen3-0.6B/config.json             # settings, JSON to paste\n"
+        "  zckpt nvme-plan runs/ckpt --config ds_config.json  # which settings fail\n"
         "  zckpt nvme-plan model/ --world-size 8 --memory-budget 32GB\n"
         "  zckpt nvme-plan model/ --json | jq .config_snippet\n\n"
         "Pinned memory and --memory-budget are per rank. Exit 0 when the plan fits the budget and "

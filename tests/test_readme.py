@@ -1,0 +1,143 @@
+"""README facts that can go stale, checked against the code and the repository (issue 17):
+the exit-code table run row by row through the real CLI, the Command line section against the
+CLI's own commands and options, every help text's width, and the sample folder's count and size."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from conftest import ROOT, SAMPLES
+from zckpt.cli import app
+
+README = (ROOT / "README.md").read_text()
+COMMANDS = typer.main.get_command(app).commands
+
+
+def section(title: str) -> str:
+    start = README.index(f"\n## {title}")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end != -1 else None]
+
+
+# --- the exit-code table -------------------------------------------------------------------------
+
+
+def exit_code_rows() -> list[tuple[int, str]]:
+    rows = re.findall(r"^\| (\d) \|[^|]*\| `(zckpt [^`]+)` \|$", section("Command line"), flags=re.M)
+    return [(int(code), command) for code, command in rows]
+
+
+ROWS = exit_code_rows()
+
+
+def test_the_table_covers_every_code_and_command() -> None:
+    assert {code for code, _ in ROWS} == {0, 1, 2, 3}
+    assert len(ROWS) >= 30
+    assert {"consolidate", "reshard", "to-universal", "inspect", "verify", "diff", "nvme-plan"} <= {c.split()[1] for _, c in ROWS}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the README's table describes."""
+    root = tmp_path_factory.mktemp("readme")
+    runs = root / "runs"
+    shutil.copytree(SAMPLES / "z2_fp32_ws1" / "checkpoint", runs / "ckpt")
+    shutil.copytree(SAMPLES / "z2_fp32_ws1" / "checkpoint", runs / "damaged")
+    optim = runs / "damaged" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    shutil.copytree(SAMPLES / "z1_fp32_ws2_frozen_tied" / "checkpoint", runs / "other")
+    shutil.copytree(SAMPLES / "z2_fp32_ws2_twotags" / "checkpoint", runs / "two-tags")
+    (runs / "two-tags" / "latest").unlink()
+    shutil.copytree(SAMPLES / "z2_fp32_ws1" / "checkpoint", runs / "escape")
+    (runs / "escape" / "latest").write_text("../x")
+    (root / "empty").mkdir()
+    (root / "notes.txt").write_text("mine")
+    (root / "done").mkdir()
+    (root / "done" / "model.safetensors").write_bytes(b"weights of an earlier run")
+    return root
+
+
+@pytest.mark.parametrize("code, command", ROWS, ids=[c for _, c in ROWS])
+def test_exit_code_as_the_readme_says(workdir: Path, tmp_path: Path, code: int, command: str) -> None:
+    """Each row of the table, run as written (in a fresh copy of the folder it describes)."""
+    here = tmp_path / "cwd"
+    shutil.copytree(workdir, here, symlinks=True)
+    env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    argv = shlex.split(command)
+    done = subprocess.run([sys.executable, "-m", "zckpt", *argv[1:]], cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == code, f"{command}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    if code in (1, 2):  # one line, the CLI's own
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("zckpt: error: "), done.stderr
+    if code == 0 and argv[1] == "consolidate":
+        assert (here / argv[3] / "model.safetensors").is_file()
+    if code in (1, 2) and argv[1] in ("consolidate", "reshard", "to-universal"):  # nothing written
+        assert not (here / "out").exists() and not (here / "runs" / "ckpt" / "out").exists()
+        assert (here / "done" / "model.safetensors").read_bytes() == b"weights of an earlier run"
+
+
+# --- the Command line section --------------------------------------------------------------------
+
+
+def synopsis() -> dict[str, str]:
+    """The usage block of the Command line section: command -> its lines."""
+    block = section("Command line").split("```text\n", 1)[1].split("```", 1)[0]
+    usage: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        if line.startswith("zckpt "):
+            current = line.split()[1]
+            usage[current] = line
+        elif current is not None:
+            usage[current] += " " + line.strip()
+    return usage
+
+
+def test_every_command_is_in_the_synopsis_and_exists() -> None:
+    listed = {name for name in synopsis() if not name.startswith("-")}
+    assert listed == set(COMMANDS), f"README lists {sorted(listed)}, the CLI has {sorted(COMMANDS)}"
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_is_in_the_synopsis(name: str) -> None:
+    line = synopsis()[name]
+    written = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", line))
+    for param in COMMANDS[name].params:
+        if param.param_type_name != "option" or param.name == "help":
+            continue
+        spellings = [o for o in param.opts + param.secondary_opts if o.startswith("--")]
+        assert set(spellings) & written, f"{name}: README's synopsis lacks {spellings[0]}"
+    every = {o for p in COMMANDS[name].params for o in p.opts + p.secondary_opts}
+    assert written <= every | {"-h", "--help"}, f"{name}: README's synopsis lists {sorted(written - every)}, which the CLI lacks"
+
+
+@pytest.mark.parametrize("name", ["", *sorted(COMMANDS)])
+def test_help_fits_80_columns(name: str, tmp_path: Path) -> None:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "zckpt", *([name] if name else []), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    wide = [line for line in done.stdout.splitlines() if len(line) > 80]
+    assert not wide, f"zckpt {name} --help: {len(wide)} lines over 80 columns, e.g. {wide[0]!r}"
+
+
+# --- the samples -----------------------------------------------------------------------------------
+
+
+def test_sample_count_and_size_as_the_readme_says() -> None:
+    found = re.search(r"`sample_ckpts/` \((\d+) MB\) holds (\d+) small checkpoints", README)
+    assert found, "the README's sentence on sample_ckpts/ changed: update this test with it"
+    megabytes, count = int(found[1]), int(found[2])
+    checkpoints = [p.parent for p in SAMPLES.rglob("latest")]
+    size = sum(p.stat().st_size for p in SAMPLES.rglob("*") if p.is_file())
+    assert count == len(checkpoints), f"README says {count} checkpoints, sample_ckpts/ holds {len(checkpoints)}"
+    assert megabytes == round(size / 1e6), f"README says {megabytes} MB, sample_ckpts/ holds {size / 1e6:.1f} MB"
