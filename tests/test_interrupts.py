@@ -181,3 +181,31 @@ def test_a_rank_waiting_for_a_missing_rank_leaves_on_sigterm(tmp_path) -> None:
     assert time.monotonic() - sent < 20
     assert err.count("\n") == 1 and err.startswith("zckpt: error: interrupted by SIGTERM"), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_signal_wrapped_in_another_exception_is_still_an_interruption(tmp_path) -> None:
+    """The signal lands while a class is being made: Python wraps the exception raised in a
+    __set_name__ into a RuntimeError (seen when SIGHUP hit a torch import mid-consolidate).
+    The CLI still says interrupted, exit 128 + N, not "internal error"."""
+    code = """
+import os, signal, sys
+sys.argv = ["zckpt", "inspect", "."]
+import zckpt.cli as cli
+
+class Named:
+    def __set_name__(self, owner, name):
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(1000):
+            pass
+
+def inspect_path(*args, **kwargs):
+    class Source:
+        field = Named()
+
+cli_inspect = __import__("zckpt.inspect", fromlist=["inspect_path"])
+cli_inspect.inspect_path = inspect_path
+cli.main()
+"""
+    done = run_child(code)
+    assert done.returncode == 129, done.stderr
+    assert done.stderr == "zckpt: error: interrupted by SIGHUP; no partial output was left\n"

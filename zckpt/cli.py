@@ -121,7 +121,12 @@ def _guarded(action: Callable[[], Any], debug: bool = False) -> Any:
             raise typer.Exit(128 + exc.signum) from None
     _RECEIVED.clear()
     try:
-        result = action()
+        try:
+            result = action()
+        except Exception:
+            if _RECEIVED:  # the signal's exception, wrapped on its way out (Python turns one raised
+                raise Interrupted(_RECEIVED[0]) from None  # in a class's __set_name__ into a RuntimeError)
+            raise
         if _RECEIVED:  # a signal whose exception a callback (a __del__, a weakref's) swallowed
             raise Interrupted(_RECEIVED[0])
         return result
