@@ -9,7 +9,8 @@ duration (start-up included), and then checks:
 - its stderr is exactly one line ``zckpt: error: interrupted by SIG...`` and its exit code
   128 + the signal's number, or, when it finished before the signal landed, exit 0 and no error;
 - nothing is left behind: no zckpt temporary name or staging folder anywhere under the work
-  folder, and the output path absent after an interrupted run into a fresh folder;
+  folder, and after an interrupted run the output path absent or whole (past its commit a run
+  finishes, then takes the signal; ``zckpt verify`` passes on it; train's earlier saves stay);
 - a run that exited 0 left a complete output (``zckpt verify`` passes on it).
 
 ``--busy K`` runs K processes that burn a CPU each beside it (default 2: the loaded machine of
@@ -130,8 +131,11 @@ def run_once(command: Command, ck: Path, work: Path, signum: int | None, delay: 
     elif code == 128 + (signum or 0):
         if lines != [lines[0]] or not lines[0].startswith(f"zckpt: error: interrupted by {name}"):
             problems.append(f"stderr is not the one line: {stderr!r}")
-        if out.exists() and command.name != "train-save":  # train saves step by step: earlier saves stay, whole
-            problems.append(f"an interrupted run left {out} ({sorted(os.listdir(out)) if out.is_dir() else 'a file'})")
+        if out.exists() and command.verify:  # past its commit a run finishes before it takes the signal: whole, or nothing
+            check = subprocess.run([*zckpt(), "verify", str(out)], capture_output=True, text=True, cwd=work)
+            if check.returncode != 0:
+                problems.append(f"an interrupted run left {out} ({sorted(os.listdir(out)) if out.is_dir() else 'a file'}), "
+                                f"which verify refuses: {check.stdout[-300:]}{check.stderr[-300:]}")
     elif code == 0:
         if any(not line.startswith(("note:", "step ", "wrote ", "NVMe")) for line in lines):
             problems.append(f"exit 0 with stderr {stderr!r}")

@@ -13,6 +13,7 @@ from typing import Callable
 from .writer import CheckpointPlan, RawFile
 from ..checksums import RecordChecker
 from ..errors import OutputError
+from ..interrupts import signals_deferred
 from ..output import StagedFolder, fsync_file, output_error, path_inside, write_text_atomic
 from ..reading import FileReader
 from ..torchsave import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
@@ -129,10 +130,13 @@ def write_checkpoint(
             fsync_file(path)
         sync()
         if part == 0:
-            folder.commit()
-            if before_latest:
-                before_latest()
-            write_text_atomic(path_inside(output_dir, plan.latest_file), plan.tag)
+            # past the point of no return (the tag folder in place): a signal waits until `latest`
+            # names it, so an interrupted run leaves the previous state or the whole new one
+            with signals_deferred():
+                folder.commit()
+                if before_latest:
+                    before_latest()
+                write_text_atomic(path_inside(output_dir, plan.latest_file), plan.tag)
     except OSError as exc:
         folder.abort()
         if isinstance(exc, OutputError):
