@@ -17,12 +17,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import sample, same_bits
-from zckpt import ZckptError, consolidate
-from zckpt.checksums import RecordChecker, archive_records, crc32_combine
+from zckpt import ZckptError, consolidate, torchfile
+from zckpt.checksums import RecordChecker, RepeatedRank, archive_records, crc32_combine, repeated_ranks
 from zckpt.cli import app
 from zckpt.errors import CorruptFileError
 from zckpt.reshard import reshard
 from zckpt.universal import to_universal
+from zckpt.verify import verify
 
 
 def data_records(path: Path) -> list[zipfile.ZipInfo]:
@@ -247,3 +248,80 @@ def test_swapped_zero12_optimizer_files_are_refused(tmp_path: Path, name: str) -
     assert not (tmp_path / "out").exists()
     result = CliRunner().invoke(app, ["inspect", str(checkpoint)])
     assert result.exit_code == 3 and "swapped" in result.output, result.output
+
+
+# --- rank identity: copied rank files, judged by their partitions ------------------------------
+
+
+def _rank_files(folder: Path, parts: list[torch.Tensor | None]) -> dict[int, tuple[str, list[tuple[int, int]]]]:
+    """One torch.save file per rank: its partition (where given) beside a 128-byte buffer alike
+    on every rank, as a ZeRO-3 model-states file holds them; with where each partition lies."""
+    files = {}
+    for rank, part in enumerate(parts):
+        path = folder / f"rank{rank}.pt"
+        torch.save({"buffer": torch.arange(16), **({"part": part} if part is not None else {})}, path)
+        held = torchfile.load(path).get("part")
+        files[rank] = (str(path), [(held.offset, held.dtype.itemsize)] if held is not None else [])
+    return files
+
+
+def test_small_partitions_tell_ranks_apart_and_the_buffer_does_not(tmp_path: Path) -> None:
+    """Partitions of 6 bytes beside a buffer alike on both ranks: honest files differ only in
+    the partitions, and a real copy repeats them."""
+    generator = torch.Generator().manual_seed(3)
+    files = _rank_files(tmp_path, [torch.randn(3, generator=generator).bfloat16() for _ in range(2)])
+    assert repeated_ranks(files) == []
+    shutil.copyfile(files[0][0], files[1][0])
+    assert repeated_ranks(files) == [RepeatedRank(1, files[1][0], 0, files[0][0], partitioned=True, telling=True)]
+
+
+@pytest.mark.parametrize("part", [torch.ones(3, dtype=torch.bfloat16), torch.zeros(300_000)], ids=["ones", "zeros-over-1MiB"])
+def test_constant_partitions_alike_on_honest_ranks_cannot_tell(tmp_path: Path, part: torch.Tensor) -> None:
+    """Honest ranks' slices of a constant param (a LayerNorm at its init, zero moments) are the
+    same bytes: a repeat of them is said to be untellable, not called a copy."""
+    files = _rank_files(tmp_path, [part.clone(), part.clone()])
+    assert repeated_ranks(files) == [RepeatedRank(1, files[1][0], 0, files[0][0], partitioned=True, telling=False)]
+    assert repeated_ranks(_rank_files(tmp_path, [part.clone(), part + 1])) == []
+
+
+def test_one_differing_element_past_the_first_read_tells(tmp_path: Path) -> None:
+    part = torch.zeros(300_000)
+    part[-1] = 1.0
+    files = _rank_files(tmp_path, [part, part.clone()])
+    assert [r.telling for r in repeated_ranks(files)] == [True]
+
+
+def test_files_without_partitions_are_compared_whole_and_never_tell(tmp_path: Path) -> None:
+    files = _rank_files(tmp_path, [None, None, None])
+    assert [(r.rank, r.other, r.partitioned, r.telling) for r in repeated_ranks(files)] == [(1, 0, False, False), (2, 0, False, False)]
+
+
+def test_a_zero3_checkpoint_told_apart_only_by_small_frozen_slices(tmp_path: Path) -> None:
+    """DeepSpeed's sample resharded to 16 ranks: every frozen slice is under 64 bytes, and the
+    rest of the model-states files of rank 0 and of the ranks reshard added (the buffers, rank
+    0's) is alike. It is read (equal to DeepSpeed's zero_to_fp32 output), verify passes it, and
+    a rank file copied over another of them is still refused."""
+    case = sample("z3_fp16_ws4_subgroups_frozen")
+    reshard(case.checkpoint, tmp_path / "rs", world_size=16)
+    tag = tmp_path / "rs" / case.meta["tag"]
+    names = [tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(16)]
+    first, second = ({i.filename.split("/data/")[1]: (i.file_size, i.CRC) for i in data_records(path)} for path in (names[0], names[4]))
+    differing = [key for key in first if first[key] != second.get(key)]
+    assert differing and all(first[key][0] < 64 for key in differing)
+    assert any(size >= 64 for key, (size, _) in first.items() if key not in differing)  # the buffers
+
+    consolidate(tmp_path / "rs", tmp_path / "out")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    reference = case.reference()
+    assert set(written) == set(reference) and all(same_bits(written[k], t) for k, t in reference.items())
+    assert verify(tmp_path / "rs").ok
+
+    for source, victim in ((0, 4), (15, 14)):
+        honest = names[victim].read_bytes()
+        shutil.copyfile(names[source], names[victim])
+        with pytest.raises(ZckptError) as caught:
+            consolidate(tmp_path / "rs", tmp_path / "copied")
+        assert caught.value.path == str(names[max(source, victim)]) and "copied over another" in str(caught.value), caught.value
+        assert not (tmp_path / "copied").exists()
+        assert not verify(tmp_path / "rs").ok
+        names[victim].write_bytes(honest)

@@ -125,10 +125,78 @@ def archive_records(path: str) -> tuple[Record, ...]:
     return tuple(sorted(records, key=lambda r: r.start))
 
 
-def tensor_records(path: str) -> tuple[tuple[int, int], ...]:
-    """(size, CRC-32) of each tensor record of at least 64 bytes, from the zip directory alone:
-    two files with the same tuple hold the same tensors (one was copied over the other)."""
-    return tuple((r.size, r.crc) for r in archive_records(path) if "/data/" in r.name and r.size >= 64)
+@dataclass(frozen=True)
+class RepeatedRank:
+    """A rank file whose records repeat an earlier rank's file byte for byte (sizes and CRC-32s).
+
+    `telling` is True where honest ranks cannot hold those bytes twice: one file was copied over
+    the other. It is False where they can: the file holds no partition of its own (only state
+    every rank keeps alike, such as buffers), or each repeated partition record is one value
+    repeated (constant params, zero moments), which honest ranks' slices of it share."""
+
+    rank: int
+    path: str
+    other: int
+    other_path: str
+    partitioned: bool  # the comparison was of the file's own partitions, not of all its tensors
+    telling: bool
+
+
+def repeated_ranks(files: dict[int, tuple[str, list[tuple[int, int]]]]) -> list[RepeatedRank]:
+    """The rank files (rank -> path and the (byte offset, element size) of each tensor that is
+    that rank's own partition) whose partition records repeat an earlier rank's, from the zip
+    directories. Every partition record counts, however small: a size cut would leave only the
+    replicated records, the same on every honest rank. A file holding no partition record is
+    compared by all its tensor records and never tells. Data is read only for a repeat, to see
+    whether its records are constant runs (see RepeatedRank)."""
+    seen: dict[tuple, tuple[int, str]] = {}
+    repeats = []
+    for rank, (path, parts) in sorted(files.items()):
+        records = [r for r in archive_records(path) if "/data/" in r.name]
+        own = _holding(records, parts)
+        key = (bool(own), tuple((r.size, r.crc) for r, _ in own) if own else tuple((r.size, r.crc) for r in records))
+        if not key[1]:
+            continue
+        other, other_path = seen.setdefault(key, (rank, path))
+        if other != rank:
+            telling = bool(own) and not all(_constant_run(path, record, size) for record, size in own)
+            repeats.append(RepeatedRank(rank, path, other, other_path, bool(own), telling))
+    return repeats
+
+
+def _holding(records: list[Record], parts: list[tuple[int, int]]) -> list[tuple[Record, int]]:
+    """The records (by data offset, each once) that hold the tensors at `parts`, with the
+    element size of the first tensor found in each."""
+    starts = [r.start for r in records]
+    held: dict[int, tuple[Record, int]] = {}
+    for offset, size in parts:
+        i = bisect.bisect_right(starts, offset) - 1
+        if i >= 0 and offset < records[i].end:
+            held.setdefault(i, (records[i], size))
+    return [held[i] for i in sorted(held)]
+
+
+def _constant_run(path: str, record: Record, size: int) -> bool:
+    """Whether the record holds one `size`-byte element repeated (read until it differs)."""
+    if size < 1 or record.size % size:
+        return False
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(record.start)
+            first = handle.read(size)
+            if len(first) != size:
+                return False
+            handle.seek(record.start)
+            pattern = first * (_READ_BYTES // size)
+            left = record.size
+            while left:
+                chunk = handle.read(min(left, len(pattern)))
+                if not chunk or chunk != pattern[: len(chunk)]:
+                    return False
+                left -= len(chunk)
+    except OSError:
+        return False
+    return True
 
 
 # --- the checker --------------------------------------------------------------------------------

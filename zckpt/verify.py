@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .checksums import check_archive, tensor_records
+from .checksums import check_archive
 from .deepspeed import swap_folder as swap
 from .deepspeed.reader import Survey, looks_like_checkpoint, survey
 from .dtypes import BF16, FP16, FP32, DType
@@ -188,8 +188,8 @@ def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
 
 def _check_identity(found: Survey, findings: _Findings) -> None:
     """What told rank files apart (the survey refuses ZeRO-1/2 files whose param_slice_mappings
-    name another rank, files with data in their optimizer-state padding, and ZeRO-3 optimizer
-    files copied over another rank's), and where nothing can."""
+    name another rank, files with data in their optimizer-state padding, and ZeRO-3 files that
+    repeat another rank's partitions), and where nothing can (the survey's untold copies)."""
     state = found.state
     assert state is not None
     runs = [r for r in state.state_padding if r.state != "step" and r.source.segments[0].path.endswith(".pt")]
@@ -201,24 +201,8 @@ def _check_identity(found: Survey, findings: _Findings) -> None:
         findings.notes.append(
             "no optimizer-state padding here (every param divides by the world size): nothing in a ZeRO-3 file tells which rank wrote it"
         )
-    for path, other in _identical_files(found.files):
-        findings.notes.append(
-            f"{path} holds the same tensors as {os.path.basename(other)}: legitimate when every rank's buffers are "
-            "the same and nothing is frozen, else one rank's file was copied over the other's; nothing else tells"
-        )
+    findings.notes.extend(found.untold_copies)
     findings.add("rank identity", [], told + "; no optimizer file is a copy of another rank's")
-
-
-def _identical_files(files: list[str]) -> list[tuple[str, str]]:
-    """Pairs of files whose tensor records are the same (sizes and CRC-32s), read from their zip
-    directories. The survey refuses such optimizer files; model-states files are described."""
-    seen: dict[tuple, str] = {}
-    pairs = []
-    for path in files:
-        records = tensor_records(path)
-        if records and seen.setdefault(records, path) != path:
-            pairs.append((path, seen[records]))
-    return pairs
 
 
 def _check_optimizer_state(found: Survey, findings: _Findings) -> None:

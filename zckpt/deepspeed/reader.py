@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import hf, torchfile
-from ..checksums import RecordChecker, tensor_records
+from ..checksums import RecordChecker, repeated_ranks
 from ..dtypes import BF16, FP16, FP32, DType
 from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
 from ..index import CheckpointIndex, Entry, Segment, TensorSource
@@ -30,7 +30,7 @@ from ..untrusted import path_component, regular_file_inside
 from . import names as N
 from . import swap_folder as swap
 from .swap_rules import run_swap_rule
-from .optim_state import build_training_state, slice_mapping_layout, uses_round_robin
+from .optim_state import build_training_state, flat_states, slice_mapping_layout, uses_round_robin
 from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
 from .partition import zero3_partition
 
@@ -160,6 +160,9 @@ class Survey:
     index: CheckpointIndex | None = None
     problems: list[ZckptError] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # ZeRO-3 rank files that repeat another rank's where nothing tells whether one was copied:
+    # verify says so; commands read them as they are (not index notes)
+    untold_copies: list[str] = field(default_factory=list)
     # What the model-states file declares, known even when the index cannot be built.
     declared: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, kind)
     declared_dtypes: dict[str, DType] = field(default_factory=dict)  # as stored in the module state dict
@@ -748,7 +751,8 @@ class ZeroReader:
             if unknown:
                 self._problem(LayoutError, model0_path, f"param {unknown[0]} is in the module but neither trainable, recorded as frozen, a buffer nor a tied alias")
                 return None
-        if frozen_shapes and zero3 and not self._check_not_copies(model_paths):
+        fragments = {rank: list((m.get(N.FROZEN_PARAM_FRAGMENTS) or {}).values()) for rank, m in models.items()}
+        if zero3 and not self._check_not_copies(model_paths, fragments, "frozen-param partitions"):
             return None  # each rank's file holds its own partition of the frozen params
         if frozen_shapes:
             for name, shape in frozen_shapes.items():
@@ -789,24 +793,37 @@ class ZeroReader:
             if missing:
                 self._problem(LayoutError, self._path(N.model_states_name(3, 0)), f"param {missing[0]} is missing from the module state dict (DeepSpeed numbers params by it)")
                 return None
-            if not self._check_not_copies({rank: path for rank, (_, path) in optim_files.items()}):
+            optim_paths = {rank: path for rank, (_, path) in optim_files.items()}
+            if not self._check_not_copies(optim_paths, {rank: _optimizer_partitions(state) for rank, state in inner.items()}, "fp32 partitions and optimizer states"):
                 return None
             return self._zero3_params(param_shapes, inner, optim_files, world, ds_ids)
         return self._zero12_params(param_shapes, inner, optim_files, world)
 
-    def _check_not_copies(self, paths: dict[int, str]) -> bool:
-        """No ZeRO-3 optimizer file, nor model-states file holding frozen-param partitions, may
-        hold the same tensor records as another rank's (a file copied over another: compared by
-        the CRC-32s and sizes in the zip directories, no data read). Padding does not tell where
-        the copied-over rank holds none."""
-        seen: dict[tuple, int] = {}
-        for rank, path in sorted(paths.items()):
-            records = tensor_records(path)
-            other = seen.setdefault(records, rank) if records else rank
-            if other != rank:
-                self._problem(LayoutError, path, f"its tensors are byte-identical to rank {other}'s file: one rank's file was copied over another's")
-                return False
-        return True
+    def _check_not_copies(self, paths: dict[int, str], partitions: dict[int, list[TensorRef]], what: str) -> bool:
+        """No ZeRO-3 rank file may repeat another rank's partitions (`what`) byte for byte: one
+        file was copied over another (told by the sizes and CRC-32s in the zip directories).
+        Only the partitions are judged, small ones too: buffers and counters are alike on every
+        honest rank. Where nothing tells (checksums.RepeatedRank), the survey says so."""
+        files = {
+            rank: (path, [(ref.offset, ref.dtype.itemsize) for ref in partitions.get(rank, []) if isinstance(ref, TensorRef) and ref.path == path and ref.numel])
+            for rank, path in paths.items()
+        }
+        ok = True
+        for repeat in repeated_ranks(files):
+            if repeat.telling:
+                self._problem(LayoutError, repeat.path, f"its {what} are byte-identical to rank {repeat.other}'s: one rank's file was copied over another's")
+                ok = False
+            elif repeat.partitioned:
+                self.result.untold_copies.append(
+                    f"{repeat.path}: its {what} are byte-identical to rank {repeat.other}'s, each one value repeated "
+                    "(as honest ranks' slices of constant params are): cannot tell whether one rank's file was copied over another's"
+                )
+            else:
+                self.result.untold_copies.append(
+                    f"{repeat.path} holds the same tensors as {os.path.basename(repeat.other_path)} and none of its own (no {what}, "
+                    "only state alike on every rank, such as buffers): cannot tell whether one rank's file was copied over another's"
+                )
+        return ok
 
     def _whole(self, ref: TensorRef) -> TensorSource:
         try:
@@ -1034,6 +1051,22 @@ def sub_group_param_groups(inner0: dict, count: int) -> list[int]:
             if isinstance(index, int) and 0 <= index < count:
                 owner[index] = g
     return owner
+
+
+def _optimizer_partitions(inner: dict) -> list[TensorRef]:
+    """What a ZeRO-3 optimizer file holds of its own rank: its fp32 sub-group partitions and
+    their per-element states (not the step counters, alike on every rank)."""
+    flat = [ref for ref in inner.get(N.FP32_FLAT_GROUPS) or [] if isinstance(ref, TensorRef)]
+    state = flat_states(inner).get("state")
+    entries = [state.get(index) if isinstance(state, dict) else None for index in range(len(flat))]
+    moments = [
+        value
+        for ref, entry in zip(flat, entries)
+        if isinstance(entry, dict)
+        for value in entry.values()
+        if isinstance(value, TensorRef) and len(value.shape) == 1 and value.numel == ref.numel
+    ]
+    return flat + moments
 
 
 def _ds_ids(model0: dict) -> dict[str, int]:
