@@ -14,10 +14,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() {  # step NAME TIMEOUT CMD...: run, log its output, its exit code and wall time
     local name=$1 limit=$2; shift 2
     echo "=== $name: $*" >>"$LOG"
-    local t0=$(date +%s.%N)
+    local t0=$(date +%s.%N)  # bc is not on every machine: python computes the wall time
     timeout -s KILL "$limit" "$@" >>"$LOG" 2>&1
     local rc=$?
-    echo "=== $name rc=$rc wall=$(echo "$(date +%s.%N) - $t0" | bc)s" >>"$LOG"
+    echo "=== $name rc=$rc wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")s" >>"$LOG"
 }
 train() { echo "$PY" -m torch.distributed.run --nproc-per-node "$1" --master-port 29611 -m zckpt train; }
 T1=$(train 1); T2=$(train 2)
@@ -39,4 +39,8 @@ step big_train 300 $T1 --steps 8 --dtype bf16 --layers 8 --dim 1024 --heads 16 -
 step big_train_cpu 300 $T1 --steps 3 --dtype bf16 --layers 8 --dim 1024 --heads 16 --vocab 8192 --seq-len 256 --micro-batch 8 --device cpu
 step roundtrip_1rank 300 "$PY" scripts/roundtrip.py --from-world 1 --to-world 1 --steps 6 --save-at 3 --dtype bf16
 step two_ranks_one_gpu 120 $T2 --steps 2 --device "$DEV"
+# the README's chain, resumed without the model options (taken from the checkpoint)
+step readme_chain 240 $T1 --out "$W/chain" --steps 20 --save-every 10 --dtype bf16 --tie-embeddings --device "$DEV"
+step readme_resume 240 $T1 --out "$W/chain" --steps 30 --resume "$W/chain" --device "$DEV"
+step readme_inspect 60 "$PY" -m zckpt inspect "$W/chain"
 rm -rf "$W"
