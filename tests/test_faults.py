@@ -172,7 +172,7 @@ for line in sys.stdin:
         _, status = os.waitpid(pid, 0)
     elapsed = time.monotonic() - start
     code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    print(json.dumps({"code": code, "elapsed": elapsed, "landed": landed}), flush=True)
+    print(json.dumps({"pid": pid, "code": code, "elapsed": elapsed, "landed": landed}), flush=True)
 '''
 
 
@@ -203,9 +203,19 @@ class Zygote:
         )
         self.count = 0
 
-    def _reply(self, timeout: float) -> dict | None:
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        return json.loads(self.process.stdout.readline()) if ready else None
+    def _reply(self, timeout: float, pid: int | None = None) -> dict | None:
+        """The zygote's next message: the fork's pid, or (`pid` given) that run's end. A late end
+        of an earlier run that was killed for hanging is skipped, so one hang cannot shift every
+        later run's replies."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.process.stdout], [], [], left)
+            if not ready:
+                return None
+            message = json.loads(self.process.stdout.readline())
+            if ("code" in message) == (pid is not None) and (pid is None or message["pid"] == pid):
+                return message
+        return None
 
     def run(self, *argv: str | Path, cwd: Path | None = None, kill_after: float | None = None, signum: int | None = None,
             at: int | None = None, count_ops: bool = False, scope: Path | None = None, fill: tuple[str, int] | None = None,
@@ -226,12 +236,12 @@ class Zygote:
         pid = self._reply(30)["pid"]
         if kill_after is not None:
             timeout = kill_after + SIGNALLED_DEADLINE
-        reply = self._reply(timeout)
+        reply = self._reply(timeout, pid)
         if reply is None:  # a hang: its Python stacks (faulthandler, on SIGUSR1), then kill it and fail
             os.kill(pid, signal.SIGUSR1)
             time.sleep(1)
             os.kill(pid, signal.SIGKILL)
-            self._reply(30)
+            self._reply(60, pid)
             stacks = Path(f"{stem}.err").read_text() if Path(f"{stem}.err").exists() else ""
             pytest.fail(f"zckpt {' '.join(request['argv'])} still ran {timeout:.0f} s after it started"
                         f"{f' ({SIGNALLED_DEADLINE} s after the signal)' if kill_after is not None else ''}; its stderr and stacks:\n{stacks}")
