@@ -545,7 +545,7 @@ def train(
     dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="Compute dtype: fp32, bf16 or fp16 (dynamic loss scaling). Masters are fp32.")] = "fp32",
     tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings", help="The lm head shares the token embedding.")] = False,
     freeze: Annotated[Optional[str], typer.Option("--freeze", metavar="REGEX", help="Freeze the params whose names match.")] = None,
-    sub_group_size: Annotated[int, typer.Option("--sub-group-size", min=1, help="ZeRO-3 optimizer sub-group size (elements per rank), as DeepSpeed's.")] = 1_000_000_000,
+    sub_group_size: Annotated[int, typer.Option("--sub-group-size", min=0, help="ZeRO-3 optimizer sub-group size (elements per rank), as DeepSpeed's (0: one sub-group per param).")] = 1_000_000_000,
     nvme_path: Annotated[Optional[Path], typer.Option("--nvme-path", metavar="DIR", help="NVMe offload: the fp32 masters, Adam moments and gradients of sub-groups of at least 1 MiB per rank live in DeepSpeed's swap files under DIR/zero_stage_3/optimizer/rank<R>/, streamed through a fixed buffer pool; checkpoints get offloaded_tensors/.")] = None,
     nvme_params: Annotated[bool, typer.Option("--nvme-params", help="With --nvme-path, the param shares too (DeepSpeed's offload_param): those of at least 1 MiB per rank live in DIR/zero_stage_3/<dtype>params/rank<R>/<ds_id>_param.tensor.swp and are read when a module gathers them.")] = False,
     bounded_memory: Annotated[bool, typer.Option("--bounded-memory", help="Have glibc unmap every freed block of 1 MiB or more, so resident memory stays at the params in use, the swap buffers and the activations whatever the depth (with --nvme-params); steps take longer (measured 1.3-1.5x).")] = False,
