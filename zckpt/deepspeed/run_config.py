@@ -90,22 +90,26 @@ FILLED_BY = {
 
 
 @dataclass(frozen=True)
-class ParamOffload:
+class Offload:
+    """What the two offload sections share: where the state lives."""
+
+    device: str  # "none", "cpu" or "nvme"
+    nvme_path: str | None
+
+
+@dataclass(frozen=True)
+class ParamOffload(Offload):
     """``zero_optimization.offload_param`` (DeepSpeedZeroOffloadParamConfig)."""
 
-    device: str
-    nvme_path: str | None
     buffer_size: int = PARAM_BUFFER_SIZE_DEFAULT
     buffer_count: int = PARAM_BUFFER_COUNT_DEFAULT
     max_in_cpu: int = MAX_IN_CPU_DEFAULT
 
 
 @dataclass(frozen=True)
-class OptimizerOffload:
+class OptimizerOffload(Offload):
     """``zero_optimization.offload_optimizer`` (DeepSpeedZeroOffloadOptimizerConfig)."""
 
-    device: str
-    nvme_path: str | None
     buffer_count: int = OPTIMIZER_BUFFER_COUNT_DEFAULT
     pipeline_read: bool = False
     pipeline_write: bool = False
