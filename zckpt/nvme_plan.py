@@ -22,7 +22,7 @@ from . import dtypes
 from .deepspeed import names as N
 from .deepspeed import swap_rules as R
 from .deepspeed.partition import zero3_sub_groups
-from .deepspeed.run_config import RunConfig, read_run_config
+from .deepspeed.run_config import DTYPE_KEYS, STAGE_KEY, RunConfig, read_run_config
 from .errors import CorruptFileError, UsageError
 from .reading import read_json_object
 from .shards import format_size, parse_size
@@ -256,7 +256,7 @@ def plan_nvme(
     # the optimizer is planned on NVMe too, unless the given config keeps it elsewhere
     optimizer_on_nvme = config is None or bool(given_opt and given_opt.device == R.NVME)
     all_notes = list(notes) + [f'{config_path or "the config"}: {key} is "auto", filled in by {who}: planned as DeepSpeed alone reads it'
-                               for key, who in swap.filled.items() if key not in _DTYPE_KEYS + (N.CONFIG_GRADIENT_CLIPPING,)]
+                               for key, who in swap.filled.items() if key not in DTYPE_KEYS + (N.CONFIG_GRADIENT_CLIPPING,)]
     if not optimizer_on_nvme:
         all_notes.append("the config keeps offload_optimizer off NVMe: only offload_param is planned")
     max_in_cpu = given_param.max_in_cpu if given_param else R.MAX_IN_CPU_DEFAULT
@@ -371,15 +371,6 @@ def _alternatives(params: Sequence[ParamShape], plan: NvmePlan, layout: _Layout,
     return tuple(a for a in found if a.pinned_bytes_per_rank < plan.pinned.total)
 
 
-STAGE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}"
-_DTYPE_KEYS = ("bf16.enabled", "fp16.enabled")
-
-
-def _config_dtype(run: RunConfig) -> str | None:
-    """The dtype the config trains in; None where the Trainer fills bf16/fp16 "enabled" in."""
-    return None if any(k in run.filled for k in _DTYPE_KEYS) else run.dtype
-
-
 def _problems(swap: RunConfig, plan: NvmePlan, layout: _Layout, element_size: int, optimizer_states: int) -> tuple[Problem, ...]:
     """What in the given config fails, with the assertion DeepSpeed raises."""
     found: list[Problem] = []
@@ -431,7 +422,7 @@ def _problems(swap: RunConfig, plan: NvmePlan, layout: _Layout, element_size: in
                                  R.OPTIMIZER_OUT_OF_BUFFERS if pipelined else R.OPTIMIZER_NO_PINNED_BUFFERS,
                                  f"each swapped sub-group needs a buffer for its fp32 master, each of the {optimizer_states} optimizer "
                                  f"states and its gradient{', for each swap in flight' if pipelined else ''}"))
-    if _config_dtype(swap) not in (None, plan.dtype):
+    if swap.known_dtype not in (None, plan.dtype):
         found.append(Problem("bf16/fp16", swap.dtype, plan.dtype, "the plan was made for another dtype",
                              f"the config trains in {swap.dtype}; plan with --dtype {swap.dtype}"))
     if plan.memory_budget is not None and param and param.device == R.NVME:
@@ -590,7 +581,7 @@ def nvme_plan(
     from .reshard import load_config
 
     config_dict = load_config(config) if config is not None else None
-    config_dtype = _config_dtype(read_run_config(config_dict, os.fspath(config), swaps=True)) if config is not None else None
+    config_dtype = read_run_config(config_dict, os.fspath(config), swaps=True).known_dtype if config is not None else None
     loaded = load_params(model)
     params = tuple(replace(p, trainable=False) for p in loaded.params) if frozen else loaded.params
     chosen = dtypes.output_dtype(dtype).short if dtype else config_dtype or loaded.dtype or "bf16"

@@ -56,11 +56,11 @@ from .swap_rules import (
 )
 
 AUTO = "auto"
+CONFIG_ENABLED = "enabled"
 CPU = "cpu"
 NONE = "none"
 OFFLOAD_DEVICES = (NONE, CPU, NVME)  # OffloadDeviceEnum, runtime/zero/offload_config.py:14-18
 ZERO_STAGES = (0, 1, 2, 3)  # ZeroStageEnum, runtime/zero/config.py:81-87
-CONFIG_ENABLED = "enabled"
 CONFIG_CPU_OFFLOAD_PARAM = "cpu_offload_param"
 # DtypeEnum (runtime/config.py:144-149): the spellings engine.get_data_types accepts (engine.py:1809)
 DTYPE_SPELLINGS = {
@@ -72,17 +72,21 @@ DTYPE_SPELLINGS = {
 C_INT_MAX = 2**31 - 1  # the async I/O op takes its sizes as C ints (ops/csrc/aio/py_lib/deepspeed_py_io_handle.cpp:38-42)
 O_DIRECT_BLOCK = 512  # the smallest logical block of a disk: O_DIRECT offsets are multiples of it
 
+STAGE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}"
+OFFLOAD_OPTIMIZER_DEVICE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{DEVICE}"
+DTYPE_KEYS = (f"{N.CONFIG_BF16[0]}.{CONFIG_ENABLED}", f"{N.CONFIG_FP16}.{CONFIG_ENABLED}")  # the Trainer fills these, not "bfloat16"
+
 _TRAINER = "the Hugging Face Trainer"
 _ACCELERATE = "Accelerate (the Trainer's DeepSpeedPlugin)"
 # "auto" values the Hugging Face Trainer (transformers 5.23, integrations/deepspeed.py) and
 # Accelerate (1.15, utils/dataclasses.py:1280-1292, DeepSpeedPlugin) replace before DeepSpeed
 # sees the config, among those zckpt uses; who fills each and from what
 FILLED_BY = {
-    "bf16.enabled": f"{_TRAINER} from TrainingArguments.bf16 (integrations/deepspeed.py:184)",
-    "fp16.enabled": f"{_TRAINER} from TrainingArguments.fp16 (integrations/deepspeed.py:183)",
+    DTYPE_KEYS[0]: f"{_TRAINER} from TrainingArguments.bf16 (integrations/deepspeed.py:184)",
+    DTYPE_KEYS[1]: f"{_TRAINER} from TrainingArguments.fp16 (integrations/deepspeed.py:183)",
     N.CONFIG_GRADIENT_CLIPPING: f"{_TRAINER} from TrainingArguments.max_grad_norm (integrations/deepspeed.py:161)",
-    f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}": f"{_ACCELERATE} from its zero_stage, 2 unless configured",
-    f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{DEVICE}": f"{_ACCELERATE} from its offload_optimizer_device, \"none\" unless configured",
+    STAGE_KEY: f"{_ACCELERATE} from its zero_stage, 2 unless configured",
+    OFFLOAD_OPTIMIZER_DEVICE_KEY: f"{_ACCELERATE} from its offload_optimizer_device, \"none\" unless configured",
     f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_PARAM}.{DEVICE}": f"{_ACCELERATE} from its offload_param_device, \"none\" unless configured",
     f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{NVME_PATH}": f"{_ACCELERATE} from its offload_optimizer_nvme_path",
     f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_PARAM}.{NVME_PATH}": f"{_ACCELERATE} from its offload_param_nvme_path",
@@ -133,6 +137,11 @@ class RunConfig:
     aio: Aio | None  # None when the run swaps nothing to NVMe (DeepSpeed then never reads it)
     # settings left "auto" for the Trainer or Accelerate to fill in: key -> who fills it from what
     filled: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def known_dtype(self) -> str | None:
+        """The dtype it trains in; None where the Trainer fills bf16/fp16 "enabled" in."""
+        return None if any(k in self.filled for k in DTYPE_KEYS) else self.dtype
 
     def device(self, section: str) -> str:
         """The offload device of ``offload_optimizer`` or ``offload_param`` ("none" without one)."""

@@ -28,7 +28,7 @@ from ..torchfile import PickledEnumMember, PickledObject, TensorRef, TorchDevice
 from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
 from .partition import zero3_partition
-from .run_config import NVME, read_run_config
+from .run_config import NVME, OFFLOAD_OPTIMIZER_DEVICE_KEY, STAGE_KEY, read_run_config
 from .swap_rules import SwapRule
 from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
 from .optim_state import slice_mapping_layout
@@ -36,8 +36,6 @@ from .optim_state import slice_mapping_layout
 ZERO_STAGE_ENUM = GlobalName("deepspeed.runtime.zero.config", "ZeroStageEnum")
 LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 FRAGMENT_ADDRESS = GlobalName("deepspeed.utils.tensor_fragment", "fragment_address")
-STAGE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}"
-OFFLOAD_OPTIMIZER_DEVICE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{N.CONFIG_OFFLOAD_DEVICE}"
 
 
 @dataclass(frozen=True)
