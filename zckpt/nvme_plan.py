@@ -22,6 +22,7 @@ from . import dtypes
 from .deepspeed import names as N
 from .deepspeed import swap_rules as R
 from .deepspeed.partition import zero3_sub_groups
+from .deepspeed.run_config import DTYPE_KEYS, STAGE_KEY, RunConfig, read_run_config
 from .errors import CorruptFileError, UsageError
 from .reading import read_json_object
 from .shards import format_size, parse_size
@@ -234,14 +235,16 @@ def plan_nvme(
 ) -> NvmePlan:
     """Settings for ZeRO-3 ``offload_param`` and ``offload_optimizer`` on NVMe with which
     DeepSpeed's swap-buffer assertions cannot fire, for `params` (in creation order) at
-    `world_size` ranks; `config` (a DeepSpeed config dict) supplies aio, sub_group_size,
-    pipelining and nvme_path, and is checked. Pinned memory and `memory_budget` are per rank."""
+    `world_size` ranks; `config` (a DeepSpeed config dict, read from `config_path`) supplies aio,
+    sub_group_size, pipelining and nvme_path, read as DeepSpeed reads them (a value DeepSpeed
+    refuses raises UsageError), and is checked. Pinned memory and `memory_budget` are per rank."""
     if world_size < 1:
         raise UsageError(None, f"world size must be at least 1, not {world_size}")
     if not params:
         raise UsageError(model or None, "no parameters to plan for")
     element_size = dtypes.output_dtype(dtype).itemsize
-    swap = R.read_swap_config(config or {})
+    swap = read_run_config(config or {}, config_path, swaps=True)  # the plan is for a run that swaps
+    assert swap.aio is not None
     aio, sub_group_size = swap.aio, swap.sub_group_size
     given_param, given_opt = swap.offload_param, swap.offload_optimizer
     layout = _layout(params, world_size, element_size, aio, sub_group_size)
@@ -252,7 +255,8 @@ def plan_nvme(
     optimizer_buffers = max(R.OPTIMIZER_BUFFER_COUNT_DEFAULT, R.optimizer_buffers_needed(optimizer_states, pipeline_read, pipeline_write))
     # the optimizer is planned on NVMe too, unless the given config keeps it elsewhere
     optimizer_on_nvme = config is None or bool(given_opt and given_opt.device == R.NVME)
-    all_notes = list(notes)
+    all_notes = list(notes) + [f'{config_path or "the config"}: {key} is "auto", filled in by {who}: planned as DeepSpeed alone reads it'
+                               for key, who in swap.filled.items() if key not in DTYPE_KEYS + (N.CONFIG_GRADIENT_CLIPPING,)]
     if not optimizer_on_nvme:
         all_notes.append("the config keeps offload_optimizer off NVMe: only offload_param is planned")
     max_in_cpu = given_param.max_in_cpu if given_param else R.MAX_IN_CPU_DEFAULT
@@ -367,7 +371,7 @@ def _alternatives(params: Sequence[ParamShape], plan: NvmePlan, layout: _Layout,
     return tuple(a for a in found if a.pinned_bytes_per_rank < plan.pinned.total)
 
 
-def _problems(swap: R.SwapConfig, plan: NvmePlan, layout: _Layout, element_size: int, optimizer_states: int) -> tuple[Problem, ...]:
+def _problems(swap: RunConfig, plan: NvmePlan, layout: _Layout, element_size: int, optimizer_states: int) -> tuple[Problem, ...]:
     """What in the given config fails, with the assertion DeepSpeed raises."""
     found: list[Problem] = []
     param, opt = swap.offload_param, swap.offload_optimizer
@@ -378,7 +382,7 @@ def _problems(swap: R.SwapConfig, plan: NvmePlan, layout: _Layout, element_size:
             found.append(Problem(key(section, R.NVME_PATH), None, "a folder on a fast local disk",
                                  R.NVME_PATH_MISSING,
                                  "the device is nvme but no nvme_path is set"))
-        if offload and offload.device == R.NVME and swap.stage != 3:
+        if offload and offload.device == R.NVME and swap.stage != 3 and STAGE_KEY not in swap.filled:
             found.append(Problem(f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}", swap.stage, 3,
                                  f"{section} to NVMe needs ZeRO stage 3", "DeepSpeed swaps to NVMe only under ZeRO-3"))
     if param and param.device == R.NVME and layout.swapped:
@@ -418,7 +422,7 @@ def _problems(swap: R.SwapConfig, plan: NvmePlan, layout: _Layout, element_size:
                                  R.OPTIMIZER_OUT_OF_BUFFERS if pipelined else R.OPTIMIZER_NO_PINNED_BUFFERS,
                                  f"each swapped sub-group needs a buffer for its fp32 master, each of the {optimizer_states} optimizer "
                                  f"states and its gradient{', for each swap in flight' if pipelined else ''}"))
-    if swap.dtype and swap.dtype != plan.dtype:
+    if swap.known_dtype not in (None, plan.dtype):
         found.append(Problem("bf16/fp16", swap.dtype, plan.dtype, "the plan was made for another dtype",
                              f"the config trains in {swap.dtype}; plan with --dtype {swap.dtype}"))
     if plan.memory_budget is not None and param and param.device == R.NVME:
@@ -576,16 +580,20 @@ def nvme_plan(
     """
     from .reshard import load_config
 
+    config_dict = load_config(config) if config is not None else None
+    config_dtype = read_run_config(config_dict, os.fspath(config), swaps=True).known_dtype if config is not None else None
     loaded = load_params(model)
     params = tuple(replace(p, trainable=False) for p in loaded.params) if frozen else loaded.params
-    config_dict = load_config(config) if config is not None else None
-    config_dtype = R.read_swap_config(config_dict).dtype if config_dict is not None else None
     chosen = dtypes.output_dtype(dtype).short if dtype else config_dtype or loaded.dtype or "bf16"
     notes = [n for n in loaded.notes if not (frozen and "trainable" in n)]
     if frozen:
         notes.append("every param counted as frozen (--frozen): the adapters a PEFT run adds are small and not planned")
-    if not dtype and not config_dtype and not loaded.dtype:
-        notes.append("dtype bf16 assumed (pass --dtype or --config)")
+    if not dtype and config_dtype is None:
+        if config is not None:  # the config leaves the dtype to the Trainer
+            notes.append(f'{config}: bf16/fp16 "enabled" is "auto", filled in by the Hugging Face Trainer from its arguments: '
+                         f"the plan takes {chosen} (pass --dtype)")
+        elif not loaded.dtype:
+            notes.append("dtype bf16 assumed (pass --dtype or --config)")
     return plan_nvme(
         params,
         world_size=world_size or loaded.world_size or 1,

@@ -42,7 +42,8 @@ class ReshardResult:
 
 
 def load_config(path: str | os.PathLike[str] | None) -> dict | None:
-    """A DeepSpeed config JSON of the target run."""
+    """A DeepSpeed config JSON of the target run (its values are checked where they are read:
+    :func:`zckpt.deepspeed.run_config.read_run_config`)."""
     return None if path is None else read_json_object(path, "DeepSpeed config")
 
 
@@ -63,7 +64,9 @@ def plan_reshard(
 def _target(state: TrainingState, world_size: int, stage: int | None, config: dict | str | os.PathLike[str] | None) -> Target:
     """The target run: the input's config, `config` over it. A ZeRO-3 target that offloads its
     optimizer to NVMe gets its swapped sub-groups written to ``offloaded_tensors/rankRR/``."""
-    return plan_target(state, world_size, stage, config if isinstance(config, dict) or config is None else load_config(config))
+    if isinstance(config, dict) or config is None:
+        return plan_target(state, world_size, stage, config)
+    return plan_target(state, world_size, stage, load_config(config), os.fspath(config))
 
 
 def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str], list[str]]:

@@ -12,6 +12,7 @@ from typing import Any
 from ..dtypes import FP16
 from ..torchpickle import GlobalName, PickledInstance
 from . import names as N
+from .run_config import read_run_config
 from .swap_rules import MAX_IN_CPU_DEFAULT, OPTIMIZER_BUFFER_COUNT_DEFAULT, offload_optimizer_section, offload_param_section
 
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
@@ -82,13 +83,15 @@ class RecordedRun:
     other_scheduler: str | None = None  # a schedule the trainer does not run, described
 
 
-def recorded_run(config: Any, world_size: int, ds_version: str | None) -> RecordedRun:
+def recorded_run(config: Any, world_size: int, ds_version: str | None, where: str | None = None) -> RecordedRun:
     """The inverse of :func:`engine_config`, for any run's ds_config (DeepSpeed's own too): its
     batch (DeepSpeed's rule: two of micro batch, accumulation and global batch give the third),
     AdamW's settings, clipping (DeepSpeed's default where unset), the sub-group size and the lr
     schedule when it is one the trainer runs (WarmupDecayLR warming up linearly from 0, or a
-    constant lr)."""
+    constant lr). Clipping and the sub-group size are read by :func:`read_run_config` (a value
+    DeepSpeed refuses: CorruptFileError naming `where`)."""
     config = config if isinstance(config, dict) else {}
+    run = read_run_config(config, where, saved=True)
     micro, accum, batch = (_count(config.get(k)) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"))
     if batch is None and micro is not None:
         batch = micro * (accum or 1) * world_size
@@ -102,12 +105,11 @@ def recorded_run(config: Any, world_size: int, ds_version: str | None) -> Record
     params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
     betas = params.get("betas")
     betas = (float(betas[0]), float(betas[1])) if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(map(_is_number, betas)) else None
-    zero = config.get(N.CONFIG_ZERO) if isinstance(config.get(N.CONFIG_ZERO), dict) else {}
-    clip = config.get(N.CONFIG_GRADIENT_CLIPPING, N.default_gradient_clipping(N.version_tuple(ds_version or "0.0")))
+    clip = run.gradient_clipping if run.gradient_clipping is not None else N.default_gradient_clipping(N.version_tuple(ds_version or "0.0"))
     lr, warmup, total, other = _schedule(config.get("scheduler"), _number(params.get("lr")))
     return RecordedRun(
         micro_batch=micro, grad_accum=accum or (1 if micro else None), global_batch=batch, lr=lr, warmup=warmup, total_steps=total,
-        clip=_number(clip), sub_group_size=_count(zero.get(N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE)), betas=betas,
+        clip=clip, sub_group_size=run.sub_group_size, betas=betas,
         eps=_number(params.get("eps")), weight_decay=_number(params.get("weight_decay")), other_scheduler=other,
     )
 

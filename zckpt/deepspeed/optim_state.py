@@ -51,11 +51,12 @@ def build_training_state(
     inner: dict[int, dict],
     optim_paths: dict[int, str],
     swap_path: SwapPath,
+    round_robin: bool,
 ) -> TrainingState:
-    """Assemble the TrainingState; raises LayoutError when a state tensor does not fit the layout."""
+    """Assemble the TrainingState (`round_robin`: the saved config's round_robin_gradients);
+    raises LayoutError when a state tensor does not fit the layout."""
     zero3 = layout.stage == 3
     model0 = models[0 if zero3 else None]
-    config = model0.get(N.DS_CONFIG) or {}
     world = layout.world_size
     per_rank = {rank: flat_states(inner[rank]) for rank in range(world)}
     states0 = per_rank[0].get("state") or {}
@@ -96,14 +97,14 @@ def build_training_state(
         params.append(ParamState(param.name, shapes[param.name], param.group, masters[param.name], states))
 
     padding = tuple(_padding_runs(layout, tensors))
-    groups = _param_groups(layout, per_rank[0], states0, element_keys, config)
-    order = optimizer_order(layout, params, config)
+    groups = _param_groups(layout, per_rank[0], states0, element_keys)
+    order = optimizer_order(layout, params, round_robin)
     return TrainingState(
         index=index,
         params=tuple(params[i] for i in order),
         groups=groups,
         rank_buffers=tuple(module_buffers(models[rank]) for rank in range(world)) if zero3 else (),
-        round_robin=not zero3 and uses_round_robin(config),
+        round_robin=not zero3 and round_robin,
         state_padding=padding,
         **saved_run_state(model0, inner[0]),
     )
@@ -152,14 +153,10 @@ def module_buffers(model: dict) -> dict[str, TensorSource]:
     return {n: source_of(module[n]) for n in model.get(N.BUFFER_NAMES) or [] if isinstance(module.get(n), TensorRef)}
 
 
-def uses_round_robin(config: dict) -> bool:
-    return bool((config.get(N.CONFIG_ZERO) or {}).get(N.CONFIG_ROUND_ROBIN))
-
-
-def optimizer_order(layout: ZeroLayout, params: list[ParamState], config: dict) -> list[int]:
+def optimizer_order(layout: ZeroLayout, params: list[ParamState], round_robin: bool) -> list[int]:
     """Indices of the layout's params in optimizer order: the order of the user's param groups
     (ZeRO-1/2 with round-robin gradients store a reordering of it; ZeRO-3 sub-groups keep it)."""
-    if layout.stage == 3 or not uses_round_robin(config):
+    if layout.stage == 3 or not round_robin:
         return list(range(len(params)))
     order: list[int] = []
     for group in layout.flat_groups:
@@ -180,7 +177,7 @@ def slice_mapping_layout(layout: ZeroLayout, round_robin: bool) -> ZeroLayout:
     the writer writes it, as DeepSpeed does."""
     if not round_robin:
         return layout
-    order = iter(optimizer_order(layout, list(layout.params), {N.CONFIG_ZERO: {N.CONFIG_ROUND_ROBIN: True}}))
+    order = iter(optimizer_order(layout, list(layout.params), True))
     groups, paddings = [], []
     for group in layout.flat_groups:
         indices = [next(order) for _ in group.params]
@@ -190,7 +187,7 @@ def slice_mapping_layout(layout: ZeroLayout, round_robin: bool) -> ZeroLayout:
     return zero12_layout(groups, layout.world_size, alignment_paddings=paddings, stage=layout.stage)
 
 
-def _param_groups(layout: ZeroLayout, saved: dict, states0: dict, element_keys: list[str], config: dict) -> tuple[ParamGroupState, ...]:
+def _param_groups(layout: ZeroLayout, saved: dict, states0: dict, element_keys: list[str]) -> tuple[ParamGroupState, ...]:
     """One ParamGroupState per user param group (a ZeRO-3 group spans several sub-groups)."""
     saved_groups = saved.get("param_groups") or []
     count = max([g.param_group for g in layout.flat_groups] + [len(saved_groups) - 1]) + 1

@@ -29,8 +29,9 @@ from ..torchfile import TensorRef
 from ..untrusted import path_component, regular_file_inside
 from . import names as N
 from . import swap_folder as swap
-from .swap_rules import run_swap_rule
-from .optim_state import build_training_state, flat_states, slice_mapping_layout, uses_round_robin
+from .optim_state import build_training_state, flat_states, slice_mapping_layout
+from .run_config import RunConfig, read_run_config
+from .swap_rules import Aio, SwapRule
 from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
 from .partition import zero3_partition
 
@@ -333,7 +334,7 @@ class ZeroReader:
         self.result = result
         self.tag_dir = result.location.tag_dir
         self.problems = result.problems
-        self.config: dict = {}
+        self.run_config: RunConfig = read_run_config({}, saved=True)  # the saved ds_config, as DeepSpeed read it
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.saved_flat: dict[int, list[TensorRef]] = {}  # ZeRO-3 fp32 groups as saved (NVMe ones empty)
         self.ds_ids: dict[str, int] = {}
@@ -372,7 +373,7 @@ class ZeroReader:
             self._describe_readable(models, optims, optim_files, zero3)
             return
         inner = {rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims}
-        self._describe(model0, inner[0], optim_files[0][0], zero3)
+        self._describe(model0, inner[0], optim_files[0][0], zero3, model_paths[0 if zero3 else None])
         if not self._check_world(models, inner, model_paths, optim_files, zero3):
             return
         if self.swap_folder is not None and not self._check_swap_folder(zero3):
@@ -403,7 +404,8 @@ class ZeroReader:
         )
         try:
             self.result.state = build_training_state(
-                self.result.index, self.layout, models, inner, {r: p for r, (_, p) in optim_files.items()}, self._state_swap_path
+                self.result.index, self.layout, models, inner, {r: p for r, (_, p) in optim_files.items()}, self._state_swap_path,
+                self.run_config.round_robin_gradients,
             )
         except ZckptError as exc:
             self.problems.append(exc)
@@ -594,46 +596,36 @@ class ZeroReader:
     def _describe_readable(self, models: dict, optims: dict, optim_files: dict, zero3: bool) -> None:
         """Where some files cannot be read, describe the checkpoint from those that can (rank 0's
         first), rather than leave stage, world size and dtype unknown."""
-        model = next((m for _, m in sorted(models.items(), key=lambda kv: kv[0] or 0) if _sound(m, N.DS_CONFIG, MODEL_SCHEMA)), None)
+        rank, model = next(((r, m) for r, m in sorted(models.items(), key=lambda kv: kv[0] or 0) if _sound(m, N.DS_CONFIG, MODEL_SCHEMA)), (None, None))
         inner = next((o[N.OPTIMIZER_STATE_DICT] for _, o in sorted(optims.items()) if isinstance(o, dict) and _sound(o.get(N.OPTIMIZER_STATE_DICT), N.PARTITION_COUNT, OPTIM_SCHEMA)), None)
         if model is None and inner is None:
             return
         prefix = optim_files[min(optim_files)][0] if optim_files else ""
-        self._describe(model or {}, inner, prefix, zero3)
+        self._describe(model or {}, inner, prefix, zero3, self._path(N.model_states_name(3 if zero3 else 1, rank or 0)))
         dp = (model or {}).get(N.DP_WORLD_SIZE)
         if self.result.world_size is None and isinstance(dp, int) and dp > 0:
             self.result.world_size = dp
 
-    def _describe(self, model0: dict, inner0: dict | None, prefix: str, zero3: bool) -> None:
+    def _describe(self, model0: dict, inner0: dict | None, prefix: str, zero3: bool, model_path: str) -> None:
         """Fill stage, world size, dtype, version and offload from rank 0's files (`inner0`:
-        None when no optimizer file is readable; the config then says the stage)."""
-        config = model0.get(N.DS_CONFIG) or {}
-        self.config = config
-        zero_config = config.get(N.CONFIG_ZERO) or {}
-        stage = inner0.get(N.ZERO_STAGE) if inner0 is not None else zero_config.get(N.CONFIG_STAGE)
+        None when no optimizer file is readable; the config then says the stage). The saved
+        ds_config is read as DeepSpeed read it; a value DeepSpeed refuses is a problem."""
+        try:
+            self.run_config = read_run_config(model0.get(N.DS_CONFIG) or {}, model_path, saved=True)
+        except ZckptError as exc:
+            self.problems.append(exc)
+        run = self.run_config
+        stage = inner0.get(N.ZERO_STAGE) if inner0 is not None else run.stage if run.stage_set else None
         if stage is None and inner0 is not None:  # BF16_Optimizer layout (bf16 + ZeRO-1 in some releases) has no stage key
-            stage = int(zero_config.get(N.CONFIG_STAGE, 1) or 1)
+            stage = run.stage or 1
             self.result.notes.append("optimizer state written by DeepSpeed's BF16_Optimizer (ZeRO-1 layout)")
         self.result.zero_stage = 3 if zero3 else int(stage) if stage is not None else None
         count = (inner0 or {}).get(N.PARTITION_COUNT)
         self.result.world_size = max(count) if isinstance(count, (list, tuple)) else int(count) if count is not None else None
         self.result.ds_version = str(model0.get(N.DS_VERSION)) if model0.get(N.DS_VERSION) is not None else None
-        bf16_config = next((config[k] for k in N.CONFIG_BF16 if k in config), {}) or {}
-        fp16_config = config.get(N.CONFIG_FP16) or {}
-        if prefix == N.BF16_PREFIX or bf16_config.get("enabled"):
-            self.result.dtype = BF16
-        elif fp16_config.get("enabled"):
-            self.result.dtype = FP16
-        else:
-            self.result.dtype = FP32
-        devices = set()
-        for key in (N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_OFFLOAD_PARAM):
-            device = (zero_config.get(key) or {}).get("device")
-            if device in ("cpu", "nvme"):
-                devices.add(device)
-        if zero_config.get(N.CONFIG_LEGACY_CPU_OFFLOAD):
-            devices.add("cpu")
-        self.result.offload = "nvme" if "nvme" in devices else "cpu" if devices else "none"
+        self.result.dtype = BF16 if prefix == N.BF16_PREFIX or run.dtype == "bf16" else FP16 if run.dtype == "fp16" else FP32
+        devices = {run.device(N.CONFIG_OFFLOAD_OPTIMIZER), run.device(N.CONFIG_OFFLOAD_PARAM)}  # cpu_offload: true is "cpu"
+        self.result.offload = N.OFFLOAD_DEVICE_NVME if N.OFFLOAD_DEVICE_NVME in devices else "cpu" if "cpu" in devices else "none"
 
     def _check_world(self, models: dict, inner: dict, model_paths: dict, optim_files: dict, zero3: bool) -> bool:
         world = self.result.world_size
@@ -883,7 +875,7 @@ class ZeroReader:
         offsets) of the rank its file name says: swapped or copied rank files are caught here,
         where equal partition sizes hide them. The mappings follow the param group's order even
         under round-robin gradients (sample_ckpts/FORMAT_OBSERVED.md)."""
-        described = slice_mapping_layout(layout, uses_round_robin(self.config))
+        described = slice_mapping_layout(layout, self.run_config.round_robin_gradients)
         by_rank = described.by_rank()
 
         def mapping_of(rank: int, flat: int) -> dict:
@@ -994,7 +986,8 @@ class ZeroReader:
             other = f" (it holds sub-groups {', '.join(held[:6])}: the swap folder of another run or layout)" if held and name[: -len(N.SWAP_SUFFIX)].rsplit("-", 1)[-1] not in held else ""
             self._problem(CheckpointNotFoundError, path, f"missing: the checkpoint's layout swaps {what} to NVMe, so the swap folder must hold it{other}")
             return None
-        problem = swap.size_problem(os.path.getsize(path), numel, run_swap_rule(self.config))
+        # a swap folder is read only for a ZeRO-3 run offloading to NVMe, whose aio settings were read
+        problem = swap.size_problem(os.path.getsize(path), numel, SwapRule(self.run_config.aio or Aio()))
         if problem is not None:
             self._problem(CorruptFileError if problem.startswith("truncated") else LayoutError, path, f"{what}: {problem}")
             return None

@@ -141,11 +141,6 @@ def param_buffers(swapped_partitions: Sequence[int], rule: SwapRule) -> tuple[in
     return rule.file_numel(largest) if largest else rule.aio.numel_alignment(rule.itemsize), max(1, len(swapped_partitions))
 
 
-def run_swap_rule(ds_config: dict) -> SwapRule:
-    """The swap rule (threshold, file alignment) of the run whose config is `ds_config`."""
-    return SwapRule(read_swap_config(ds_config if isinstance(ds_config, dict) else {}).aio)
-
-
 def optimizer_buffers_needed(state_count: int, pipeline_read: bool, pipeline_write: bool) -> int:
     """``offload_optimizer.buffer_count`` one sub-group's swap-in takes: the fp32 master, each
     optimizer state and the gradient, times the swaps in flight at once when pipelined.
@@ -174,76 +169,7 @@ def cpu_sub_groups(sub_group_numels: Sequence[int], max_in_cpu: int) -> tuple[li
     return held, flat
 
 
-# --- reading a DeepSpeed config ------------------------------------------------------------------
-@dataclass(frozen=True)
-class ParamOffload:
-    device: str
-    nvme_path: str | None
-    buffer_size: int = PARAM_BUFFER_SIZE_DEFAULT
-    buffer_count: int = PARAM_BUFFER_COUNT_DEFAULT
-    max_in_cpu: int = MAX_IN_CPU_DEFAULT
-
-
-@dataclass(frozen=True)
-class OptimizerOffload:
-    device: str
-    nvme_path: str | None
-    buffer_count: int = OPTIMIZER_BUFFER_COUNT_DEFAULT
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
-
-
-@dataclass(frozen=True)
-class SwapConfig:
-    """What of a DeepSpeed config the swap rules depend on."""
-
-    stage: int
-    dtype: str | None  # "bf16", "fp16", or "fp32" when neither is enabled
-    aio: Aio
-    offload_param: ParamOffload | None
-    offload_optimizer: OptimizerOffload | None
-    sub_group_size: int
-
-
-def _int(section: dict, key: str, default: int) -> int:
-    value = section.get(key, default)
-    return int(float(value)) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else default
-
-
-def _enabled(config: dict, key: str) -> bool:
-    section = config.get(key)
-    return isinstance(section, dict) and bool(section.get("enabled", False))
-
-
-def read_swap_config(config: dict[str, Any]) -> SwapConfig:
-    """The swap-relevant settings of a DeepSpeed config dict, DeepSpeed's defaults filled in."""
-    zero = config.get(N.CONFIG_ZERO) or {}
-    aio_section = config.get(CONFIG_AIO) or {}
-    aio = Aio(_int(aio_section, AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT),
-              _int(aio_section, AIO_INTRA_OP_PARALLELISM, AIO_INTRA_OP_PARALLELISM_DEFAULT))
-    param = zero.get(N.CONFIG_OFFLOAD_PARAM)
-    optimizer = zero.get(N.CONFIG_OFFLOAD_OPTIMIZER)
-    dtype = "bf16" if any(_enabled(config, k) for k in N.CONFIG_BF16) else "fp16" if _enabled(config, N.CONFIG_FP16) else "fp32"
-    return SwapConfig(
-        stage=_int(zero, N.CONFIG_STAGE, 0),
-        dtype=dtype,
-        aio=aio,
-        offload_param=None if not isinstance(param, dict) else ParamOffload(
-            device=str(param.get(DEVICE, "none")), nvme_path=param.get(NVME_PATH),
-            buffer_size=_int(param, BUFFER_SIZE, PARAM_BUFFER_SIZE_DEFAULT),
-            buffer_count=_int(param, BUFFER_COUNT, PARAM_BUFFER_COUNT_DEFAULT),
-            max_in_cpu=_int(param, MAX_IN_CPU, MAX_IN_CPU_DEFAULT)),
-        offload_optimizer=None if not isinstance(optimizer, dict) else OptimizerOffload(
-            device=str(optimizer.get(DEVICE, "none")), nvme_path=optimizer.get(NVME_PATH),
-            buffer_count=_int(optimizer, BUFFER_COUNT, OPTIMIZER_BUFFER_COUNT_DEFAULT),
-            pipeline_read=bool(optimizer.get(PIPELINE_READ, False)),
-            pipeline_write=bool(optimizer.get(PIPELINE_WRITE, False)),
-            fast_init=bool(optimizer.get(FAST_INIT, False))),
-        sub_group_size=_int(zero, N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE),
-    )
-
-
+# --- writing a DeepSpeed config ----------------------------------------------------------------
 def offload_param_section(buffer_size: int, buffer_count: int, max_in_cpu: int, nvme_path: str) -> dict[str, Any]:
     """``zero_optimization.offload_param`` as a DeepSpeed config spells it."""
     return {DEVICE: NVME, NVME_PATH: nvme_path, BUFFER_SIZE: buffer_size, BUFFER_COUNT: buffer_count, MAX_IN_CPU: max_in_cpu}

@@ -24,7 +24,7 @@ from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..torchfile import TensorRef
 from . import names as N
 from .layout import LayoutParam, zero12_layout
-from .optim_state import module_buffers, optimizer_order, uses_round_robin, saved_run_state
+from .optim_state import module_buffers, optimizer_order, saved_run_state
 from .reader import ZeroReader, as_shape, numel_of, sub_group_param_groups
 
 
@@ -67,7 +67,7 @@ class UniversalReader(ZeroReader):
         if not self._check_kinds(models, model_paths, optimizer, optimizer_path):
             return
         self.optimizer, self.optimizer_path = optimizer, optimizer_path
-        self._describe(model0, optimizer, "", zero3)
+        self._describe(model0, optimizer, "", zero3, model_paths[first])
         world = self.result.world_size
         if zero3 and any(rank not in models for rank in range(world or 0)) and model0.get(N.FROZEN_PARAM_SHAPES):
             missing = next(rank for rank in range(world or 0) if rank not in models)
@@ -114,8 +114,8 @@ class UniversalReader(ZeroReader):
             ok = False
         return ok
 
-    def _describe(self, model0: dict, inner0: dict, prefix: str, zero3: bool) -> None:
-        super()._describe(model0, inner0, prefix, zero3)
+    def _describe(self, model0: dict, inner0: dict, prefix: str, zero3: bool, model_path: str) -> None:
+        super()._describe(model0, inner0, prefix, zero3, model_path)
         # the world size of the run that saved it; partition_count in optimizer_state.pt says the same
         world = model0.get(N.DP_WORLD_SIZE)
         self.result.world_size = world if isinstance(world, int) and world >= 1 else self.result.world_size
@@ -234,7 +234,7 @@ class UniversalReader(ZeroReader):
     def _training_state(self, models: dict, model0: dict, zero3: bool) -> TrainingState:
         index = self.result.index
         assert index is not None
-        config = model0.get(N.DS_CONFIG) or {}
+        round_robin = not zero3 and self.run_config.round_robin_gradients
         groups_of = self._group_members(self.param_shapes, zero3)
         group_index = {name: g for g, names in enumerate(groups_of) for name in names}
         params = [
@@ -243,14 +243,14 @@ class UniversalReader(ZeroReader):
         ]
         if not zero3:  # flat-group order in the model states; the optimizer's may differ (round robin)
             layout = zero12_layout([[LayoutParam(n, numel_of(s), g) for n, s in group.items()] for g, group in enumerate(self.param_shapes)], index.world_size, stage=index.zero_stage)
-            params = [params[i] for i in optimizer_order(layout, params, config)]
+            params = [params[i] for i in optimizer_order(layout, params, round_robin)]
         groups = self._param_groups(groups_of, zero3)
         return TrainingState(
             index=index,
             params=tuple(params),
             groups=groups,
             rank_buffers=tuple(module_buffers(models[rank]) for rank in sorted(models)) if zero3 else (),
-            round_robin=not zero3 and uses_round_robin(config),
+            round_robin=round_robin,
             **saved_run_state(model0, self.optimizer),
         )
 

@@ -28,7 +28,8 @@ from ..torchfile import PickledEnumMember, PickledObject, TensorRef, TorchDevice
 from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
 from .partition import zero3_partition
-from .swap_rules import SwapRule, run_swap_rule
+from .run_config import NVME, OFFLOAD_OPTIMIZER_DEVICE_KEY, STAGE_KEY, read_run_config
+from .swap_rules import SwapRule
 from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
 from .optim_state import slice_mapping_layout
 
@@ -54,6 +55,7 @@ class Target:
     # ZeRO-3 with the optimizer offloaded to NVMe: which sub-groups are swapped (they are saved
     # in offloaded_tensors/, not in the optim files); None when the optimizer is not swapped
     swap: SwapRule | None = None
+    clip_grad: float | None = None  # gradient_clipping the ZeRO-1/2 files carry where the input's files hold none
 
 
 @dataclass(frozen=True)
@@ -89,39 +91,50 @@ def _merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def plan_target(state: TrainingState, world_size: int, stage: int | None = None, config: dict | None = None) -> Target:
+def plan_target(state: TrainingState, world_size: int, stage: int | None = None, config: dict | None = None, config_path: str | None = None) -> Target:
     """The target run: the checkpoint's own config with the new stage, then `config` (the target
-    run's ds_config, if given) over it. Raises UsageError for settings no loader can meet."""
+    run's ds_config, read from `config_path` if given) over it, read as DeepSpeed reads it.
+    Raises UsageError for a value DeepSpeed refuses, a value zckpt cannot know that the layout
+    depends on, or settings no loader can meet."""
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(None, f"--world-size must be at least 1, got {world_size}")
     index = state.index
-    merged = _merge(state.ds_config, config or {})
-    zero = dict(merged.get(N.CONFIG_ZERO) or {})
+    given = read_run_config(config, config_path) if config is not None else None
+    if stage is None and given is not None and given.stage_set:
+        given.require(STAGE_KEY, config_path, "pass --stage")
+        if given.stage not in (1, 2, 3):
+            raise UsageError(config_path, f"{STAGE_KEY} reads as {given.stage} (ZeRO off): reshard writes ZeRO stage 1, 2 or 3 checkpoints; pass --stage")
+        stage = given.stage
     if stage is None:
-        stage = int(zero.get(N.CONFIG_STAGE, index.zero_stage)) if config and N.CONFIG_STAGE in (config.get(N.CONFIG_ZERO) or {}) else index.zero_stage
+        stage = index.zero_stage
     if stage not in (1, 2, 3):
         raise UsageError(None, f"--stage must be 1, 2 or 3, got {stage}")
     # only the stage changes: DeepSpeed ignores stage-3 settings (sub_group_size, offload_param)
     # at stages 1/2, and keeping them lets a later reshard back to ZeRO-3 rebuild the same layout
-    zero[N.CONFIG_STAGE] = stage
-    merged[N.CONFIG_ZERO] = zero
-    grad_accum = str(((merged.get(N.CONFIG_DATA_TYPES) or {}).get(N.CONFIG_GRAD_ACCUM_DTYPE)) or "").lower()
-    nvme = {key for key in (N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_OFFLOAD_PARAM) if (zero.get(key) or {}).get(N.CONFIG_OFFLOAD_DEVICE) == N.OFFLOAD_DEVICE_NVME}
-    swap = None
-    if stage == 3 and N.CONFIG_OFFLOAD_OPTIMIZER in nvme:  # ZeRO-1/2 runs treat "nvme" as CPU offload
-        swap = run_swap_rule(merged)
+    merged = _merge(state.ds_config, config or {})
+    zero = merged.get(N.CONFIG_ZERO)
+    merged[N.CONFIG_ZERO] = {**(zero if isinstance(zero, dict) else {}), N.CONFIG_STAGE: stage}  # true/false: the deprecated form
+    # the target run's config: problems that appear only at the new stage are the options' doing
+    run = read_run_config(merged, config_path if config is not None else index.tag_dir, saved=config is None, error=UsageError)
+    if stage == 3 or stage == 1 and index.dtype == BF16 and run.grad_accum_dtype == "fp32":  # swapping; BF16_Optimizer or not
+        run.require(OFFLOAD_OPTIMIZER_DEVICE_KEY, config_path, "set it in --config (where the optimizer state lives decides the layout)")
+    clip = run.gradient_clipping
+    if stage < 3 and N.CLIP_GRAD not in state.optimizer_extras:  # the ZeRO-1/2 files carry it and the loader restores it
+        run.require(N.CONFIG_GRADIENT_CLIPPING, config_path, "set it in --config (the ZeRO-1/2 files carry it and DeepSpeed's loader restores it)")
+        clip = N.default_gradient_clipping(N.version_tuple(index.ds_version or "0.0.0")) if clip is None else clip
     return Target(
         stage=stage,
         world_size=world_size,
         ds_config=merged,
         dtype=index.dtype,
-        round_robin=stage < 3 and bool(zero.get(N.CONFIG_ROUND_ROBIN)),
-        parameter_alignment=stage < 3 and bool(zero.get(N.CONFIG_PARAMETER_ALIGNMENT)),
-        sub_group_size=int(zero.get(N.CONFIG_SUB_GROUP_SIZE) or N.DEFAULT_SUB_GROUP_SIZE),
-        bf16_optimizer=stage == 1 and index.dtype == BF16 and grad_accum in ("fp32", "float32", "float"),
+        round_robin=stage < 3 and run.round_robin_gradients,
+        parameter_alignment=stage < 3 and run.parameter_alignment,
+        sub_group_size=run.sub_group_size,
+        bf16_optimizer=run.bf16_optimizer(index.dtype == BF16),
         ds_version=index.ds_version or "0.0.0",
-        nvme_offload=bool(nvme),
-        swap=swap,
+        nvme_offload=run.device(N.CONFIG_OFFLOAD_OPTIMIZER) == NVME or run.device(N.CONFIG_OFFLOAD_PARAM) == NVME,
+        swap=run.swap_rule,  # ZeRO-1/2 runs treat "nvme" as CPU offload: no swap rule
+        clip_grad=clip,
     )
 
 
@@ -342,8 +355,7 @@ class OptimPlanner:
             mappings.append(mapping)
         extras = dict(self.state.optimizer_extras)
         if N.CLIP_GRAD not in extras:  # ZeRO-3 files keep none: the engine saves its configured value
-            config = self.target.ds_config
-            extras[N.CLIP_GRAD] = float(config.get(N.CONFIG_GRADIENT_CLIPPING, N.default_gradient_clipping(N.version_tuple(self.target.ds_version))))
+            extras[N.CLIP_GRAD] = self.target.clip_grad
         count = [world] * len(self.layout.flat_groups)
         if self.target.bf16_optimizer:
             out: dict[str, Any] = {N.CLIP_GRAD: extras[N.CLIP_GRAD]}

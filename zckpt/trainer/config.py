@@ -38,7 +38,7 @@ class TrainConfig:
     dtype: str = "fp32"
     tie_embeddings: bool = False
     freeze: str | None = None  # a regex of param names
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000  # as DeepSpeed's: 0 makes a sub-group of each param
     nvme_path: str | None = None  # NVMe offload: swap folder root, DeepSpeed's layout
     nvme_params: bool = False  # the param shares too (DeepSpeed's offload_param: nvme), not only the optimizer
     bounded_memory: bool = False  # glibc unmaps freed big blocks: memory bounded, steps slower
@@ -50,7 +50,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_device_choice(self.device)
         check_dtype(self.dtype)
-        for name in ("steps", "micro_batch", "grad_accum", "sub_group_size"):
+        for name in ("steps", "micro_batch", "grad_accum"):  # sub_group_size: read with the run's ds_config (Trainer)
             if getattr(self, name) < 1:
                 raise UsageError(None, f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("save_every", "warmup", "seed"):

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..deepspeed import engine_config as E
-from ..deepspeed.swap_rules import param_buffers, run_swap_rule
+from ..deepspeed.run_config import read_run_config
+from ..deepspeed.swap_rules import param_buffers
 from .config import TrainConfig
 from .arena import return_big_frees_to_the_system
 from .data import TokenData
@@ -70,17 +71,19 @@ class Trainer:
         self.model_config = config.model_config()
         if config.bounded_memory:  # memory bounded by the params in use and the swap buffers, before speed
             return_big_frees_to_the_system()
+        # no warmup: DeepSpeed's schedule with min lr = max lr (its warmup is at least 2 steps)
+        self.schedule = LRSchedule(config.lr, config.warmup, config.steps, min_lr=0.0 if config.warmup else config.lr)
+        # the ds_config this run saves, read as DeepSpeed reads it (a value it refuses is a UsageError):
+        # its sub_group_size, and its swap rule (it sets no aio section: DeepSpeed's defaults)
+        run = read_run_config(self._engine_config(None))
         # modules on the meta device, each param materialised alone while it is sharded: memory
         # never holds the whole model (the values are build_model(model_config, seed)'s)
         full = build_empty_model(self.model_config)
-        self.plan = plan_zero3(full, self.comm.world, config.sub_group_size, config.freeze)
-        # no warmup: DeepSpeed's schedule with min lr = max lr (its warmup is at least 2 steps)
-        self.schedule = LRSchedule(config.lr, config.warmup, config.steps, min_lr=0.0 if config.warmup else config.lr)
+        self.plan = plan_zero3(full, self.comm.world, run.sub_group_size, config.freeze)
         hyper = [param_group_defaults(self.schedule.at(-1), config.betas, config.eps, config.weight_decay if g == DECAY else 0.0) for g in self.plan.group_names]
         scaler = DynamicLossScale() if config.dtype == "fp16" else None
         swap_folder = live_optimizer_folder(config.nvme_path, self.comm.rank) if config.nvme_path else None
-        # the saved ds_config sets no aio section: DeepSpeed's aio defaults decide what is swapped
-        rule = run_swap_rule({})
+        rule = run.swap_rule
         self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler, swap_folder, rule)
         param_folder = live_param_folder(config.nvme_path, self.dtype, self.comm.rank) if config.nvme_path and config.nvme_params else None
         store = ParamStore([s.share for s in self.plan.params], self.dtype, param_folder, rule)
@@ -99,15 +102,20 @@ class Trainer:
             load_checkpoint(self, config.resume)
 
     def ds_config(self) -> dict:
-        """The ds_config of the DeepSpeed run this one is (saved in its checkpoints)."""
-        config, store = self.config, self.model.store
+        """The ds_config of the DeepSpeed run this one is (saved in its checkpoints, where the
+        writer reads it as DeepSpeed does)."""
+        store = self.model.store
         buffers = None
         if store.rule is not None:  # buffers the swapped shares need (DeepSpeed's defaults pin 100M elements x 5)
             buffers = param_buffers([store.shares[i] for i in sorted(store.swapped)], store.rule)
+        return self._engine_config(buffers)
+
+    def _engine_config(self, param_buffers: tuple[int, int] | None) -> dict:
+        config = self.config
         return E.engine_config(
             micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=self.comm.world, dtype=config.dtype, lr=config.lr, betas=config.betas,
             eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=self.schedule.ds_scheduler(),
-            nvme_path=config.nvme_path, param_buffers=buffers,
+            nvme_path=config.nvme_path, param_buffers=param_buffers,
         )
 
     @property

@@ -96,7 +96,7 @@ def checkpoint_facts(path: str) -> CheckpointFacts:
         raise CorruptFileError(index.tag_dir, f"trained in {index.dtype.short}; zckpt train runs fp32, bf16 or fp16")
     return CheckpointFacts(
         path=path, model=model, tied=aliases.get(TIED_HEAD[0]) == TIED_HEAD[1], dtype=index.dtype.short, params=params, frozen=frozen,
-        world_size=index.world_size, global_steps=int(state.global_steps or 0), run=recorded_run(state.ds_config, index.world_size, index.ds_version),
+        world_size=index.world_size, global_steps=int(state.global_steps or 0), run=recorded_run(state.ds_config, index.world_size, index.ds_version, index.tag_dir),
     )
 
 

@@ -1,0 +1,420 @@
+"""A DeepSpeed config read as DeepSpeed 0.19.8 reads it: every value zckpt uses, checked with
+DeepSpeed's own rules. The one routine behind ``reshard --config`` and the checkpoint's saved
+config (writer, reader), ``nvme-plan --config`` and the trainer's own ds_config.
+
+Where the rules come from (paths under ``deepspeed/``; pydantic 2.14 does the coercion):
+
+* ``zero_optimization``, ``bf16``/``bfloat16``, ``fp16`` and the offload sections are pydantic
+  models (``runtime/zero/config.py``, ``runtime/zero/offload_config.py``,
+  ``runtime/precision_config.py``). A model drops every value that is the string ``"auto"``
+  before validating (``runtime/config_utils.py:55-56``), so ``"auto"`` reads as the default.
+  Integers and booleans are coerced in pydantic's lax mode: ``"5"``, ``5.0`` and ``true`` are
+  the integer 5, 5 and 1; ``"yes"``, ``"off"``, ``0`` and ``1.0`` are booleans; ``1e30`` (a float
+  beyond 64 bits), ``5.5``, ``2`` as a boolean are refused.
+* ``aio``, ``data_types`` and ``gradient_clipping`` are read with plain ``dict.get``: nothing is
+  checked when the config is parsed, and ``"auto"`` stays the string ``"auto"``. Their values
+  fail later, where DeepSpeed uses them; zckpt refuses them up front, saying where.
+* A config for a run to come may be completed by the Hugging Face Trainer or Accelerate, which
+  replace some ``"auto"`` values before DeepSpeed sees them (:data:`FILLED_BY`). zckpt cannot
+  know what they will put there: such values are listed in :attr:`RunConfig.filled`, read
+  meanwhile as DeepSpeed alone reads them, and a caller that needs one says so. The config a
+  checkpoint holds is the one its engine ran with: its ``"auto"`` values were read by DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any, Mapping, NoReturn
+
+from ..errors import CorruptFileError, UsageError, ZckptError
+from . import names as N
+from .swap_rules import (
+    AIO_BLOCK_SIZE,
+    AIO_BLOCK_SIZE_DEFAULT,
+    AIO_INTRA_OP_PARALLELISM,
+    AIO_INTRA_OP_PARALLELISM_DEFAULT,
+    BUFFER_COUNT,
+    BUFFER_SIZE,
+    CONFIG_AIO,
+    DEVICE,
+    FAST_INIT,
+    MAX_IN_CPU,
+    MAX_IN_CPU_DEFAULT,
+    NVME,
+    NVME_PATH,
+    OPTIMIZER_BUFFER_COUNT_DEFAULT,
+    PARAM_BUFFER_COUNT_DEFAULT,
+    PARAM_BUFFER_SIZE_DEFAULT,
+    PIPELINE_READ,
+    PIPELINE_WRITE,
+    Aio,
+    SwapRule,
+)
+
+AUTO = "auto"
+CONFIG_ENABLED = "enabled"
+CPU = "cpu"
+NONE = "none"
+OFFLOAD_DEVICES = (NONE, CPU, NVME)  # OffloadDeviceEnum, runtime/zero/offload_config.py:14-18
+ZERO_STAGES = (0, 1, 2, 3)  # ZeroStageEnum, runtime/zero/config.py:81-87
+CONFIG_CPU_OFFLOAD_PARAM = "cpu_offload_param"
+# DtypeEnum (runtime/config.py:144-149): the spellings engine.get_data_types accepts (engine.py:1809)
+DTYPE_SPELLINGS = {
+    "torch.float16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "torch.float32": "fp32", "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "torch.int8": "int8", "int8": "int8",
+    "torch.bfloat16": "bf16", "bf16": "bf16", "bfloat16": "bf16",
+}
+C_INT_MAX = 2**31 - 1  # the async I/O op takes its sizes as C ints (ops/csrc/aio/py_lib/deepspeed_py_io_handle.cpp:38-42)
+O_DIRECT_BLOCK = 512  # the smallest logical block of a disk: O_DIRECT offsets are multiples of it
+
+STAGE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}"
+OFFLOAD_OPTIMIZER_DEVICE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{DEVICE}"
+DTYPE_KEYS = (f"{N.CONFIG_BF16[0]}.{CONFIG_ENABLED}", f"{N.CONFIG_FP16}.{CONFIG_ENABLED}")  # the Trainer fills these, not "bfloat16"
+
+_TRAINER = "the Hugging Face Trainer"
+_ACCELERATE = "Accelerate (the Trainer's DeepSpeedPlugin)"
+# "auto" values the Hugging Face Trainer (transformers 5.23, integrations/deepspeed.py) and
+# Accelerate (1.15, utils/dataclasses.py:1280-1292, DeepSpeedPlugin) replace before DeepSpeed
+# sees the config, among those zckpt uses; who fills each and from what
+FILLED_BY = {
+    DTYPE_KEYS[0]: f"{_TRAINER} from TrainingArguments.bf16 (integrations/deepspeed.py:184)",
+    DTYPE_KEYS[1]: f"{_TRAINER} from TrainingArguments.fp16 (integrations/deepspeed.py:183)",
+    N.CONFIG_GRADIENT_CLIPPING: f"{_TRAINER} from TrainingArguments.max_grad_norm (integrations/deepspeed.py:161)",
+    STAGE_KEY: f"{_ACCELERATE} from its zero_stage, 2 unless configured",
+    OFFLOAD_OPTIMIZER_DEVICE_KEY: f"{_ACCELERATE} from its offload_optimizer_device, \"none\" unless configured",
+    f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_PARAM}.{DEVICE}": f"{_ACCELERATE} from its offload_param_device, \"none\" unless configured",
+    f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{NVME_PATH}": f"{_ACCELERATE} from its offload_optimizer_nvme_path",
+    f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_PARAM}.{NVME_PATH}": f"{_ACCELERATE} from its offload_param_nvme_path",
+}
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What the two offload sections share: where the state lives."""
+
+    device: str  # "none", "cpu" or "nvme"
+    nvme_path: str | None
+
+
+@dataclass(frozen=True)
+class ParamOffload(Offload):
+    """``zero_optimization.offload_param`` (DeepSpeedZeroOffloadParamConfig)."""
+
+    buffer_size: int = PARAM_BUFFER_SIZE_DEFAULT
+    buffer_count: int = PARAM_BUFFER_COUNT_DEFAULT
+    max_in_cpu: int = MAX_IN_CPU_DEFAULT
+
+
+@dataclass(frozen=True)
+class OptimizerOffload(Offload):
+    """``zero_optimization.offload_optimizer`` (DeepSpeedZeroOffloadOptimizerConfig)."""
+
+    buffer_count: int = OPTIMIZER_BUFFER_COUNT_DEFAULT
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What zckpt uses of a DeepSpeed config, with DeepSpeed's defaults filled in."""
+
+    stage: int
+    stage_set: bool  # the config names the stage (reshard takes it from --config only then)
+    dtype: str  # "bf16", "fp16" or "fp32" (neither enabled)
+    sub_group_size: int
+    round_robin_gradients: bool
+    parameter_alignment: bool
+    grad_accum_dtype: str | None  # "fp32", "fp16", "bf16", "int8"; None: the training dtype
+    gradient_clipping: float | None  # None: not set (the engine's default depends on the release)
+    offload_param: ParamOffload | None
+    offload_optimizer: OptimizerOffload | None
+    aio: Aio | None  # None when the run swaps nothing to NVMe (DeepSpeed then never reads it)
+    # settings left "auto" for the Trainer or Accelerate to fill in: key -> who fills it from what
+    filled: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def known_dtype(self) -> str | None:
+        """The dtype it trains in; None where the Trainer fills bf16/fp16 "enabled" in."""
+        return None if any(k in self.filled for k in DTYPE_KEYS) else self.dtype
+
+    def device(self, section: str) -> str:
+        """The offload device of ``offload_optimizer`` or ``offload_param`` ("none" without one)."""
+        offload = self.offload_optimizer if section == N.CONFIG_OFFLOAD_OPTIMIZER else self.offload_param
+        return offload.device if offload is not None else NONE
+
+    @property
+    def swap_rule(self) -> SwapRule | None:
+        """Which ZeRO-3 sub-groups the run keeps on NVMe; None when it swaps no optimizer state."""
+        return SwapRule(self.aio) if self.aio is not None and self.stage == 3 and self.device(N.CONFIG_OFFLOAD_OPTIMIZER) == NVME else None
+
+    def bf16_optimizer(self, trains_bf16: bool) -> bool:
+        """The engine picks BF16_Optimizer: bf16, fp32 gradient accumulation, ZeRO-1, optimizer
+        not offloaded to CPU (engine.py:2305-2306)."""
+        return trains_bf16 and self.grad_accum_dtype == "fp32" and self.stage == 1 and self.device(N.CONFIG_OFFLOAD_OPTIMIZER) != CPU
+
+    def require(self, key: str, where: str | None, remedy: str) -> None:
+        """Refuse (UsageError) when `key` is left for the Trainer or Accelerate to fill in: what
+        follows depends on a value zckpt cannot know."""
+        if key in self.filled:
+            raise UsageError(where, f'{key} = "auto": filled in by {self.filled[key]}, which zckpt cannot know; {remedy}')
+
+
+def read_run_config(
+    config: Any,
+    where: str | None = None,
+    *,
+    saved: bool = False,
+    swaps: bool = False,
+    error: type[ZckptError] | None = None,
+) -> RunConfig:
+    """`config` read as DeepSpeed 0.19.8 reads it. A value DeepSpeed refuses raises `error`
+    (default: CorruptFileError for a checkpoint's `saved` config, else UsageError) naming
+    `where`, the key and the value. `saved`: the config the checkpoint's engine ran with, so
+    every "auto" was read by DeepSpeed itself. `swaps`: check ``aio`` as a run that swaps to
+    NVMe reads it even when the config itself swaps nothing (nvme-plan plans such a run)."""
+    reader = _Reader(where, error or (CorruptFileError if saved else UsageError), "saved ds_config: " if saved else "", saved)
+    if not isinstance(config, dict):
+        reader.fail("ds_config", config, "must be a JSON object")
+    return reader.read(config, swaps)
+
+
+# --- pydantic's lax coercion (pydantic-core 2.x), as DeepSpeed's models apply it ------------------
+_INT_TEXT = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0+)?")
+# what Rust's str::trim strips (Unicode White_Space); Python's str.strip also strips \x1c-\x1f
+_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+_TRUE = ("1", "on", "t", "true", "y", "yes")
+_FALSE = ("0", "off", "f", "false", "n", "no")
+_I64 = 2**63
+
+
+def _lax_int(value: Any) -> tuple[int | None, str]:
+    """(the integer pydantic makes of `value`, "") or (None, why it refuses it)."""
+    if isinstance(value, bool):
+        return int(value), ""
+    if isinstance(value, int):
+        return value, ""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None, "not a finite number"
+        if not value.is_integer():
+            return None, "not a whole number"
+        if not -_I64 <= value < _I64:  # pydantic: "exceeded maximum size"
+            return None, "a float beyond 2**63, which pydantic does not turn into an integer"
+        return int(value), ""
+    if isinstance(value, str):
+        text = value.strip(_WHITESPACE)
+        if _INT_TEXT.fullmatch(text):
+            return int(text.split(".")[0].replace("_", "")), ""
+        return None, "not an integer"
+    return None, "not an integer"
+
+
+def _lax_bool(value: Any) -> bool | None:
+    """The boolean pydantic makes of `value`, or None where it refuses it."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    return None
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+class _Reader:
+    """One pass over a config; `fail` raises the caller's error for the first refused value."""
+
+    def __init__(self, where: str | None, error: type[ZckptError], label: str, saved: bool) -> None:
+        self.where, self.error, self.label, self.saved = where, error, label, saved
+        self.filled: dict[str, str] = {}
+
+    def fail(self, key: str, value: Any, why: str) -> NoReturn:
+        raise self.error(self.where, f"{self.label}{key} = {_show(value)}: {why}")
+
+    # --- a pydantic model's fields ----------------------------------------------------------
+    def model(self, section: dict, path: str) -> dict:
+        """`section` as DeepSpeedConfigModel validates it: "auto" values dropped (the default
+        applies; config_utils.py:55-56), those the Trainer or Accelerate fill noted first."""
+        kept = {}
+        for key, value in section.items():
+            if isinstance(value, str) and value == AUTO:
+                name = f"{path}{key}"
+                if not self.saved and name in FILLED_BY:
+                    self.filled[name] = FILLED_BY[name]
+            else:
+                kept[key] = value
+        return kept
+
+    def int_field(self, section: dict, path: str, key: str, default: int, minimum: int | None, source: str) -> int:
+        if key not in section:
+            return default
+        number, why = _lax_int(section[key])
+        if number is None:
+            self.fail(f"{path}{key}", section[key], f"{why}; DeepSpeed refuses it ({source})")
+        if minimum is not None and number < minimum:
+            self.fail(f"{path}{key}", section[key], f"DeepSpeed requires at least {minimum} ({source})")
+        return number
+
+    def bool_field(self, section: dict, path: str, key: str, source: str) -> bool:
+        if key not in section:
+            return False
+        flag = _lax_bool(section[key])
+        if flag is None:
+            self.fail(f"{path}{key}", section[key], f"not a boolean (true/false, 1/0, \"yes\"/\"no\", ...); DeepSpeed refuses it ({source})")
+        return flag
+
+    # --- sections -----------------------------------------------------------------------------
+    def read(self, config: dict, swaps: bool) -> RunConfig:
+        zero_path = f"{N.CONFIG_ZERO}."
+        raw = config.get(N.CONFIG_ZERO, {})
+        stage_set = isinstance(raw, bool) or isinstance(raw, dict) and N.CONFIG_STAGE in raw
+        if isinstance(raw, bool):  # deprecated spelling: true is stage 1, false stage 0 (zero/config.py:60-68)
+            raw = {N.CONFIG_STAGE: int(raw)}
+        if not isinstance(raw, dict):
+            self.fail(N.CONFIG_ZERO, raw, "must be a JSON object (or true/false, DeepSpeed's deprecated form); "
+                      "DeepSpeed fails on it (DeepSpeedZeroConfig(**...), runtime/zero/config.py:78)")
+        zero = self.model(raw, zero_path)
+        stage = self.int_field(zero, zero_path, N.CONFIG_STAGE, 0, None, "ZeroStageEnum, runtime/zero/config.py:95")
+        if stage not in ZERO_STAGES:
+            self.fail(f"{zero_path}{N.CONFIG_STAGE}", zero[N.CONFIG_STAGE], "DeepSpeed accepts 0, 1, 2 or 3 (ZeroStageEnum, runtime/zero/config.py:81-95)")
+        sub_group_size = self.int_field(zero, zero_path, N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE, 0, "runtime/zero/config.py:182")
+        round_robin = self.bool_field(zero, zero_path, N.CONFIG_ROUND_ROBIN, "runtime/zero/config.py:309")
+        alignment = self.bool_field(zero, zero_path, N.CONFIG_PARAMETER_ALIGNMENT, "runtime/zero/config.py:317")
+        offload_param = self.offload(zero, N.CONFIG_OFFLOAD_PARAM, CONFIG_CPU_OFFLOAD_PARAM)
+        offload_optimizer = self.offload(zero, N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_LEGACY_CPU_OFFLOAD)
+        dtype = self.dtype(config)
+        grad_accum = self.grad_accum_dtype(config)
+        clip = self.gradient_clipping(config)
+        devices = {o.device for o in (offload_param, offload_optimizer) if o is not None}
+        aio = self.aio(config, swaps or stage == 3 and NVME in devices)
+        return RunConfig(stage, stage_set, dtype, sub_group_size, round_robin, alignment, grad_accum, clip, offload_param, offload_optimizer, aio, dict(self.filled))
+
+    def offload(self, zero: dict, key: str, deprecated: str) -> ParamOffload | OptimizerOffload | None:
+        """An offload section; the deprecated boolean spelling stands for ``{"device": "cpu"}``
+        and may not come with the section itself (zero/config.py:188-220, config_utils.py:89-91)."""
+        path = f"{N.CONFIG_ZERO}.{key}."
+        section = zero.get(key)
+        if deprecated in zero:
+            old = zero[deprecated]
+            flag = None if old is None else _lax_bool(old)
+            if old is not None and flag is None:
+                self.fail(f"{N.CONFIG_ZERO}.{deprecated}", old, f"not a boolean; DeepSpeed refuses it (runtime/zero/config.py, deprecated {deprecated})")
+            if key in zero:
+                self.fail(f"{N.CONFIG_ZERO}.{deprecated}", old, f"DeepSpeed refuses the deprecated {deprecated} beside {key} (runtime/config_utils.py:89-91)")
+            section = {DEVICE: CPU} if flag else None
+        if section is None:
+            return None
+        if not isinstance(section, dict):
+            self.fail(path[:-1], section, "must be a JSON object or null; DeepSpeed refuses it (runtime/zero/offload_config.py)")
+        section = self.model(section, path)
+        device = section.get(DEVICE, NONE)
+        if not isinstance(device, str) or device not in OFFLOAD_DEVICES:
+            self.fail(f"{path}{DEVICE}", device, 'DeepSpeed accepts "none", "cpu" or "nvme", exactly (OffloadDeviceEnum, runtime/zero/offload_config.py:14-18)')
+        nvme_path = section.get(NVME_PATH)
+        if nvme_path is not None and not isinstance(nvme_path, str):
+            self.fail(f"{path}{NVME_PATH}", nvme_path, "not a path (a string); DeepSpeed refuses it (runtime/zero/offload_config.py:30)")
+        nvme_path = str(PurePath(nvme_path)) if nvme_path is not None else None  # pydantic's Path: "" is "."
+        source = "runtime/zero/offload_config.py"
+        if key == N.CONFIG_OFFLOAD_PARAM:
+            return ParamOffload(
+                device, nvme_path,
+                buffer_size=self.int_field(section, path, BUFFER_SIZE, PARAM_BUFFER_SIZE_DEFAULT, 0, f"{source}:36"),
+                buffer_count=self.int_field(section, path, BUFFER_COUNT, PARAM_BUFFER_COUNT_DEFAULT, 0, f"{source}:33"),
+                max_in_cpu=self.int_field(section, path, MAX_IN_CPU, MAX_IN_CPU_DEFAULT, 0, f"{source}:39"))
+        return OptimizerOffload(
+            device, nvme_path,
+            buffer_count=self.int_field(section, path, BUFFER_COUNT, OPTIMIZER_BUFFER_COUNT_DEFAULT, 0, f"{source}:67"),
+            pipeline_read=self.bool_field(section, path, PIPELINE_READ, f"{source}:84"),
+            pipeline_write=self.bool_field(section, path, PIPELINE_WRITE, f"{source}:90"),
+            fast_init=self.bool_field(section, path, FAST_INIT, f"{source}:96"))
+
+    def dtype(self, config: dict) -> str:
+        """bf16 (spelled "bf16", else "bfloat16"), fp16, or fp32; never both (precision_config.py,
+        runtime/config.py:511-512)."""
+        enabled = {}
+        for name, keys in (("bf16", N.CONFIG_BF16), ("fp16", (N.CONFIG_FP16,))):
+            key = next((k for k in keys if config.get(k) is not None), keys[-1])  # "bf16": null falls back to "bfloat16"
+            section = config.get(key, {})
+            if not isinstance(section, dict):
+                self.fail(key, section, f"must be a JSON object; DeepSpeed fails on it (Deep{'SpeedBF16' if name == 'bf16' else 'SpeedFP16'}Config(**...), runtime/precision_config.py)")
+            # the Trainer fills "bf16.enabled" / "fp16.enabled", not "bfloat16.enabled"
+            enabled[name] = self.bool_field(self.model(section, f"{key}."), f"{key}.", CONFIG_ENABLED, "runtime/precision_config.py")
+        if enabled["bf16"] and enabled["fp16"]:
+            self.fail("fp16.enabled", True, "DeepSpeed refuses bf16 and fp16 enabled together (runtime/config.py:511-512)")
+        return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+
+    def grad_accum_dtype(self, config: dict) -> str | None:
+        data_types = config.get(N.CONFIG_DATA_TYPES, {})
+        if not isinstance(data_types, dict):
+            self.fail(N.CONFIG_DATA_TYPES, data_types, "must be a JSON object; DeepSpeed fails on it (runtime/config.py:384, 556)")
+        value = data_types.get(N.CONFIG_GRAD_ACCUM_DTYPE)
+        if value is None:
+            return None
+        if not isinstance(value, str) or value not in DTYPE_SPELLINGS:
+            self.fail(f"{N.CONFIG_DATA_TYPES}.{N.CONFIG_GRAD_ACCUM_DTYPE}", value,
+                      f"the engine refuses it at start (DtypeEnum, engine.py:1809; it takes {', '.join(sorted(DTYPE_SPELLINGS))})")
+        return DTYPE_SPELLINGS[value]
+
+    def gradient_clipping(self, config: dict) -> float | None:
+        """Read raw (runtime/config.py:268-269); the ZeRO optimizers compare it with 0 at every
+        step (stage_1_and_2.py:3199), so it must be a number."""
+        value = config.get(N.CONFIG_GRADIENT_CLIPPING)
+        if value is None:
+            return None
+        if value == AUTO and not self.saved:
+            self.filled[N.CONFIG_GRADIENT_CLIPPING] = FILLED_BY[N.CONFIG_GRADIENT_CLIPPING]
+            return None
+        if not isinstance(value, (int, float)):
+            self.fail(N.CONFIG_GRADIENT_CLIPPING, value, "not a number; DeepSpeed takes it unchecked (runtime/config.py:268) and its optimizer "
+                      "fails comparing it with 0 at the first step (stage_1_and_2.py:3199)")
+        return float(value)
+
+    def aio(self, config: dict, swaps: bool) -> Aio | None:
+        """``aio`` is taken unchecked (swap_tensor/aio_config.py:20-43) and reaches the swappers
+        and the async I/O op only when the run swaps; zckpt checks it then."""
+        section = config.get(CONFIG_AIO)
+        if section is not None and not isinstance(section, dict):
+            self.fail(CONFIG_AIO, section, "must be a JSON object; DeepSpeed fails on it (swap_tensor/aio_config.py:24)")
+        if not swaps:
+            return None
+        section = section or {}
+        block = self.aio_int(section, AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT)
+        if block % O_DIRECT_BLOCK:
+            self.fail(f"{CONFIG_AIO}.{AIO_BLOCK_SIZE}", block, f"not a multiple of {O_DIRECT_BLOCK}: the async I/O op writes O_DIRECT in blocks of "
+                      "this size and every swapped tensor spans two, the second misaligned (measured: with block_size 1000 a "
+                      "swap-out wrote no bytes and reading it back aborted the process)")
+        parallelism = self.aio_int(section, AIO_INTRA_OP_PARALLELISM, AIO_INTRA_OP_PARALLELISM_DEFAULT)
+        return Aio(block, parallelism)
+
+    def aio_int(self, section: dict, key: str, default: int) -> int:
+        value = section.get(key, default)
+        name = f"{CONFIG_AIO}.{key}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(name, value, "not an integer; DeepSpeed passes it unchanged (swap_tensor/aio_config.py:24-29) to its swappers and "
+                      "async I/O op, which take a C int (deepspeed_py_io_handle.cpp:38-42): the run fails at start")
+        if value > C_INT_MAX:
+            self.fail(name, value, "DeepSpeed's async I/O op takes a C int and refuses it (deepspeed_py_io_handle.cpp:38-42): the run fails at start")
+        if value < 1:
+            self.fail(name, value, _AIO_NOT_POSITIVE[key])
+        return value
+
+
+# what DeepSpeed 0.19.8's async I/O op did with such values (a 1 MiB swap file written and read back, CPU, ext4)
+_AIO_NOT_POSITIVE = {
+    AIO_BLOCK_SIZE: "DeepSpeed passes it unchecked (swap_tensor/aio_config.py:25) to its async I/O op, which needs a positive block "
+                    "size: with 0 a swap-out wrote no bytes and reading it back aborted the process, with -5 it aborted (measured)",
+    AIO_INTRA_OP_PARALLELISM: "DeepSpeed passes it unchecked (swap_tensor/aio_config.py:29) to its async I/O op, which starts that many "
+                              "I/O threads: with 0 the first swap killed the process (division by zero), with -1 it crashed (measured)",
+}
