@@ -86,6 +86,13 @@ def hook_ops(at, signum, log, scope):
         path = os.path.abspath(os.fsdecode(path))
         return path == scope or os.path.dirname(path) == scope or os.path.basename(path) == ".zckpt-owner"
 
+    def signal_here():
+        handler = signal.getsignal(signum) if signum != signal.SIGKILL else None
+        if callable(handler):  # as if it landed in the zckpt frame that makes the op (this wrapper is not zckpt code,
+            handler(signum, sys._getframe(2))  # where zckpt would hold the exception until it is back in its own)
+        else:
+            os.kill(os.getpid(), signum)
+
     def wrap(real):
         def op(path, *args, **kwargs):
             if kwargs.get("dir_fd") is not None or not counted(path):  # shutil.rmtree's inner steps
@@ -93,10 +100,10 @@ def hook_ops(at, signum, log, scope):
             k = count[0]
             count[0] += 1
             if at == 2 * k:
-                os.kill(os.getpid(), signum)
+                signal_here()
             result = real(path, *args, **kwargs)
             if at == 2 * k + 1:
-                os.kill(os.getpid(), signum)
+                signal_here()
             return result
         return op
 

@@ -209,3 +209,34 @@ cli.main()
     done = run_child(code)
     assert done.returncode == 129, done.stderr
     assert done.stderr == "zckpt: error: interrupted by SIGHUP; no partial output was left\n"
+
+
+def test_the_exception_is_raised_only_in_zckpt_code() -> None:
+    """The signal lands in code that is not written for an exception at any line (here: a lock
+    taken before the `try` that releases it, as importlib's module-lock callback does): the
+    exception waits until the main thread is back in zckpt's own code, so that code finishes."""
+    code = """
+import os, signal, sys, threading
+sys.argv = ["zckpt", "inspect", "."]
+import zckpt.cli as cli
+import zckpt.inspect
+
+lock = threading.Lock()
+
+def fragile(*args, **kwargs):
+    lock.acquire()
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100000):  # the handler runs in here
+        pass
+    lock.release()
+    return {}
+
+zckpt.inspect.inspect_path = fragile
+try:
+    cli.main()
+except SystemExit as exc:
+    print("exit", exc.code, "lock held:", lock.locked(), flush=True)
+"""
+    done = run_child(code)
+    assert done.stdout == "exit 143 lock held: False\n", done.stdout + done.stderr
+    assert done.stderr == "zckpt: error: interrupted by SIGTERM; no partial output was left\n"

@@ -28,7 +28,7 @@ import typer
 from typer.core import TyperCommand
 
 from .errors import Interrupted, UsageError, ZckptError
-from .interrupts import CAUGHT_SIGNALS, exit_now, handler_ran, waiting_on_other_processes, watch_for_stuck_handlers
+from .interrupts import CAUGHT_SIGNALS, exit_now, handler_ran, raise_in_zckpt_code, waiting_on_other_processes, watch_for_stuck_handlers
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
@@ -647,7 +647,7 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
         # (typer would turn an exception into a silent exit 130, a callback would swallow it)
         exit_now(signum)
     _RECEIVED.append(signum)
-    raise Interrupted(signum)
+    raise_in_zckpt_code(Interrupted(signum), frame)
 
 
 _RECEIVED: list[int] = []  # the signal _raise_interrupted turned into an exception

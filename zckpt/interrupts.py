@@ -15,6 +15,13 @@ that must not be cut in half:
   error. :func:`uninterrupted` builds it with signals held.
 - Renames that commit an output (``output.StagedOutput.commit``): all of them or none.
 
+More generally, the exception is only ever raised in zckpt's own code, which is written for it
+(every write staged, cleanup in ``finally``): :func:`raise_in_zckpt_code` raises at once when the
+signal interrupted a zckpt frame, and otherwise (the main thread inside the standard library,
+torch, an import, a garbage collector's callback) at the next line of a zckpt frame or the next
+call a zckpt frame makes. The signal matrix once saw the exception raised inside importlib's
+module-lock callback during garbage collection, after which the process never exited.
+
 :func:`signals_deferred` holds the signals for such a block and delivers the first one when it
 ends. Before the CLI is imported, :func:`exit_on_signal` answers a signal at start-up with the
 same one line and exit code (nothing is written yet, so nothing needs cleaning).
@@ -33,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -145,6 +153,44 @@ def signals_deferred() -> Iterator[None]:
             signal.signal(signum, handler)
         if pending:
             signal.raise_signal(pending[0])
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def in_zckpt_code(frame: Any) -> bool:
+    return frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+
+
+def raise_in_zckpt_code(exc: BaseException, frame: Any) -> None:
+    """Raise `exc` now if `frame` (where a signal handler interrupted the main thread) is zckpt
+    code; otherwise as soon as the main thread runs a line of zckpt code or a zckpt frame makes a
+    call (a trace function, on the main thread only, gone once it has fired)."""
+    if in_zckpt_code(frame):
+        raise exc
+    previous = sys.gettrace()
+    traced = []
+
+    def fire() -> None:
+        sys.settrace(previous)
+        for marked in traced:
+            marked.f_trace = None
+        raise exc
+
+    def tracer(current: Any, event: str, _arg: Any) -> Any:
+        if event == "call" and current.f_back is not None and in_zckpt_code(current.f_back):
+            fire()  # before the callee's first line: as if raised at the call in the zckpt frame
+        if event == "line" and in_zckpt_code(current):
+            fire()
+        return tracer if in_zckpt_code(current) else None
+
+    caller = frame
+    while caller is not None:  # the zckpt frames below: their next line fires
+        if in_zckpt_code(caller):
+            caller.f_trace, caller.f_trace_lines = tracer, True
+            traced.append(caller)
+        caller = caller.f_back
+    sys.settrace(tracer)
 
 
 def uninterrupted(build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
