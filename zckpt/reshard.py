@@ -127,7 +127,7 @@ def reshard(
     existing = [n for n in carried if os.path.exists(os.path.join(output_dir, n))]
     if existing and not overwrite:
         raise OutputError(os.path.join(output_dir, existing[0]), "already exists; pass --overwrite to replace it")
-    part, parts, barrier = job_share()
+    part, parts, barrier = job_share(output_dir)
 
     def copy_carried() -> None:
         for name, path in carried.items():

@@ -69,6 +69,6 @@ def to_universal(
     index = source.index
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
         raise UsageError(output_dir, f"would replace the input {index.tag_dir}; choose another folder")
-    part, parts, barrier = job_share()
+    part, parts, barrier = job_share(output_dir)
     result = write_checkpoint(plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier, progress=progress, verify=verify)
     return UniversalResult(output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written)
