@@ -29,6 +29,7 @@ from typer.core import TyperCommand
 
 from .errors import Interrupted, UsageError, ZckptError
 from .interrupts import CAUGHT_SIGNALS, exit_now, handler_ran, waiting_on_other_processes, watch_for_stuck_handlers
+from .jobs import leave_job
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
@@ -672,4 +673,8 @@ def _catch_signals() -> None:
 
 def main() -> None:
     _catch_signals()
-    app(prog_name="zckpt")
+    try:
+        app(prog_name="zckpt")
+    except SystemExit as exc:  # a torchrun process: out at once (see leave_job)
+        leave_job(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
+        raise

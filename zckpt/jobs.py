@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable
 
 from .errors import OutputError
@@ -78,3 +79,13 @@ def job_share(path: str) -> tuple[int, int, JobSync]:
             dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), JobSync(max_of, path)
 
+
+def leave_job(code: int) -> None:
+    """End a process that joined a torch.distributed group at once, with `code` (output flushed):
+    torch 2.13's gloo threads can abort the interpreter's exit ("terminate called without an
+    active exception", SIGABRT instead of the command's exit code). Elsewhere does nothing."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
