@@ -29,6 +29,7 @@ from typer.core import TyperCommand
 
 from .errors import Interrupted, UsageError, ZckptError
 from .interrupts import CAUGHT_SIGNALS, exit_now, handler_ran, raise_in_zckpt_code, waiting_on_other_processes, watch_for_stuck_handlers
+from .jobs import leave_job
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
@@ -103,6 +104,7 @@ SwapFolderOption = Annotated[
     Optional[Path],
     typer.Option("--swap-folder", metavar="NVME_PATH", help="A live ZeRO-Infinity swap folder of the same run (the nvme_path, or its zero_stage_3/): CHECKPOINT, any checkpoint of the run, gives the layout; the swap folder the newest fp32 masters and optimizer states of every swapped sub-group."),
 ]
+WaitOption = Annotated[bool, typer.Option("--wait", help="If another zckpt run is writing OUTPUT_DIR, wait until it ends instead of refusing, then write (the usual checks apply).")]
 NoVerifyOption = Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-32 check of the checkpoint records whose bytes are used (on by default; it costs one read of those bytes from the page cache).")]
 
 
@@ -210,6 +212,7 @@ def consolidate(
     no_verify: NoVerifyOption = False,
     debug: Annotated[bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")] = False,
     swap_folder: SwapFolderOption = None,
+    wait: WaitOption = False,
 ) -> None:
     """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
 
@@ -242,6 +245,7 @@ def consolidate(
             progress=progress,
             verify=not no_verify,
             swap_folder=swap_folder,
+            wait=wait,
         ),
         debug,
     )
@@ -358,6 +362,7 @@ def reshard(
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
+    wait: WaitOption = False,
 ) -> None:
     """Rewrite a ZeRO checkpoint for another world size and/or ZeRO stage, with the whole training state.
 
@@ -378,6 +383,7 @@ def reshard(
         lambda progress: run_reshard(
             checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
             config=config, overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify, swap_folder=swap_folder,
+            wait=wait,
         ),
     )
     if primary:
@@ -416,6 +422,7 @@ def to_universal(
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
+    wait: WaitOption = False,
 ) -> None:
     """Write DeepSpeed's universal checkpoint: one file per param and optimizer state, for any world size.
 
@@ -433,6 +440,7 @@ def to_universal(
         lambda progress: run_to_universal(
             checkpoint, output_dir, tag=tag, target_stage=int(target_stage.value) if target_stage else None,
             overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify, swap_folder=swap_folder,
+            wait=wait,
         ),
     )
     if primary:
@@ -692,4 +700,6 @@ def main() -> None:
     except ClickException as exc:
         typer.echo(f"zckpt: error: {exc.format_message()}", err=True)
         code = exc.exit_code
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    leave_job(code)  # a torchrun process: out at once (see leave_job)
+    sys.exit(code)

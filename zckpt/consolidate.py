@@ -150,6 +150,7 @@ def consolidate(
     progress: Progress | None = None,
     verify: bool = True,
     swap_folder: str | os.PathLike[str] | None = None,
+    wait: bool = False,
 ) -> ConsolidationResult:
     """Read a ZeRO checkpoint and write its consolidated weights into `output_dir`.
 
@@ -164,6 +165,9 @@ def consolidate(
     `swap_folder` (a live ZeRO-Infinity ``<nvme_path>``): `checkpoint` (any checkpoint of the same
     run) gives the layout, the swap folder the fp32 masters of every swapped sub-group, so the
     run's newest weights are written (16-bit output rounds those masters to nearest).
+
+    One writer per output folder: another zckpt run writing `output_dir` makes this one refuse
+    (an OutputError naming it), or with `wait` wait for it to end.
     """
     _refuse_file_name(os.fspath(output_dir), format)
     index = open_checkpoint(checkpoint, tag, swap_folder)
@@ -172,12 +176,12 @@ def consolidate(
     from .peft import consolidate_peft  # (here: zckpt.peft builds on this module's plan and writer)
 
     done = consolidate_peft(index, os.fspath(output_dir), peft=peft, merge_into=merge_into, dtype=dtype, format=format,
-                            max_shard_size=max_shard_size, overwrite=overwrite, progress=progress, verify=verify)
+                            max_shard_size=max_shard_size, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
     if done is not None:
         return done
     dtype = FP32 if dtype is None else dtype
     plan = plan_consolidation(index, dtype=dtype, format=format, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen)
-    return write_consolidated(index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress, verify=verify)
+    return write_consolidated(index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress, verify=verify, wait=wait)
 
 
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
@@ -202,8 +206,10 @@ def write_consolidated(
     overwrite: bool = False,
     progress: Progress | None = None,
     verify: bool = True,
+    wait: bool = False,
 ) -> ConsolidationResult:
-    """Execute a plan: stream every tensor into staged files, then move them into place."""
+    """Execute a plan: stream every tensor into staged files, then move them into place (holding
+    the output folder's lock: see :class:`~zckpt.output.OutputLock`)."""
     names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
     # writing beside the checkpoint's own config and tokenizer (`consolidate . .` inside a
     # checkpoint-N folder): the weights are added and nothing else is touched
@@ -211,7 +217,7 @@ def write_consolidated(
     names += [os.path.basename(p) for p in extra]
     total = plan.bytes_to_write
     advance = byte_counter(progress, total)
-    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader(verify=verify) as reader:
+    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged, FileReader(verify=verify) as reader:
         for planned in plan.files:
             if plan.format == "safetensors":
                 write_staged(staged, output_dir, planned.name, lambda path, f=planned: _write_safetensors(path, f, plan.tied, reader, advance))

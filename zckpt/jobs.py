@@ -3,23 +3,89 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable
 
+from .errors import OutputError
 from .interrupts import waiting_on_other_processes
 
+_GO, _WAITING, _FAILED = 0, 1, 2  # what a process brings to a barrier; the highest wins
 
-def job_share() -> tuple[int, int, Callable[[], None] | None]:
-    """(this process, process count, barrier) under torchrun; (0, 1, None) otherwise."""
+
+class JobFailed(OutputError):
+    """Raised in a barrier: another process of the job failed (its own error says why)."""
+
+
+class JobSync:
+    """Barriers between the processes of one job that also carry bad news: a process that fails
+    says so (:meth:`fail`) in the barrier the others wait in, and they raise instead of waiting
+    for it or committing an output without its files. Process 0 may also answer a barrier with
+    :meth:`waiting` (it waits for the output's lock, see ``output.OutputLock``): the others' barrier then
+    goes on, in short collectives rather than one as long as the wait.
+
+    `max_of(value)` is an all-reduce (max) over the job's processes; None for a process alone.
+    `path` is the output the job writes, named in the error.
+    """
+
+    def __init__(self, max_of: Callable[[int], int] | None, path: str) -> None:
+        self.max_of = max_of
+        self.path = path
+        self._told = False  # this process has said it failed, or heard another did: no more collectives
+
+    def __call__(self) -> None:
+        """Wait until every process arrives; raise if one of them failed."""
+        while self.max_of is not None:
+            news = self.max_of(_GO)
+            if news == _FAILED:
+                self._told = True
+                raise JobFailed(self.path, "another process of this job failed (its own error says why); the previous output is kept")
+            if news == _GO:
+                return
+
+    def waiting(self) -> None:
+        """Process 0, between tries of a lock held by another run: the others keep waiting."""
+        if self.max_of is not None:
+            self.max_of(_WAITING)
+
+    def fail(self) -> None:
+        """Tell the others this process failed, once; they hear it in the barrier they wait in.
+        Best effort: processes already gone (stopped by the same signal) are not waited for."""
+        if self.max_of is None or self._told:
+            return
+        self._told = True
+        try:
+            self.max_of(_FAILED)
+        except Exception:  # a collective whose peers are gone fails: this process's own error stands
+            pass
+
+
+def job_share(path: str) -> tuple[int, int, JobSync]:
+    """(this process, process count, barrier) under torchrun; (0, 1, a no-op barrier) otherwise.
+    `path`: the output the job writes (named when another process fails)."""
     count = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if count <= 1:
-        return 0, 1, None
+        return 0, 1, JobSync(None, path)
+    import torch
     import torch.distributed as dist
 
-    def barrier() -> None:
+    def max_of(value: int) -> int:
+        flag = torch.tensor([value], dtype=torch.int64)
         with waiting_on_other_processes():  # a rank gone: only the signal watchdog ends the wait
-            dist.barrier()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     if not dist.is_initialized():
         with waiting_on_other_processes():
             dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), barrier
+    return dist.get_rank(), dist.get_world_size(), JobSync(max_of, path)
+
+
+def leave_job(code: int) -> None:
+    """End a process that joined a torch.distributed group at once, with `code` (output flushed):
+    torch 2.13's gloo threads can abort the interpreter's exit ("terminate called without an
+    active exception", SIGABRT instead of the command's exit code). Elsewhere does nothing."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

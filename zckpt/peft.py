@@ -223,6 +223,7 @@ def write_adapter(
     overwrite: bool,
     progress: "Progress | None",
     verify: bool,
+    wait: bool = False,
 ) -> "ConsolidationResult":
     """PEFT's adapter folder: ``adapter_model.safetensors`` (``.bin`` with format torch) under
     PEFT's keys, in fp32 by default (the masters), beside the adapter's config, model card and
@@ -235,7 +236,7 @@ def write_adapter(
     tensors = tuple(t for f in plan.files for t in f.tensors)
     extra = hf.files_to_copy(index.checkpoint_dir, hf.ADAPTER_FILES)
     plan = replace(plan, files=(PlannedFile(name, tensors),), index_file=None, weight_map={t.name: name for t in tensors}, extra_files=extra)
-    result = write_consolidated(index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify)
+    result = write_consolidated(index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
     return replace(result, dtype=plan.dtype, peft="adapter")
 
 
@@ -396,7 +397,7 @@ def _check_target(base_dir: str, shapes: dict[str, tuple[int, ...]], name: str, 
 
 
 def write_merged(
-    index: CheckpointIndex, plan: MergePlan, output_dir: str, *, overwrite: bool, progress: "Progress | None", verify: bool
+    index: CheckpointIndex, plan: MergePlan, output_dir: str, *, overwrite: bool, progress: "Progress | None", verify: bool, wait: bool = False
 ) -> "ConsolidationResult":
     """Execute a merge plan: the base streamed tensor by tensor into staged files (unchanged
     tensors copied, changed ones computed one at a time), then moved into place."""
@@ -405,7 +406,7 @@ def write_merged(
     names = [f for f, _ in plan.files] + ([plan.index_file] if plan.index_file else []) + [os.path.basename(p) for p in plan.extra_files]
     total = plan.bytes_to_write
     advance = byte_counter(progress, total)
-    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total) as staged, FileReader(verify=verify) as reader:
+    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged, FileReader(verify=verify) as reader:
         loras: dict[TensorSource, "torch.Tensor"] = {}  # the adapter's fp32 masters (small), read once
         for filename, tensors in plan.files:
             write_staged(staged, output_dir, filename, lambda path, t=tensors: _write_merged_file(path, t, reader, loras, advance))
@@ -477,6 +478,7 @@ def consolidate_peft(
     overwrite: bool,
     progress: "Progress | None",
     verify: bool,
+    wait: bool = False,
 ) -> "ConsolidationResult | None":
     """The adapter folder, or with `merge_into` the merged model; None when the checkpoint is
     not a PEFT run's (and neither `peft` nor `merge_into` asks for one)."""
@@ -486,11 +488,11 @@ def consolidate_peft(
     if adapter is None:
         return None
     if merge_into is None:
-        return write_adapter(index, adapter, output_dir, dtype=dtype, format=format, overwrite=overwrite, progress=progress, verify=verify)
+        return write_adapter(index, adapter, output_dir, dtype=dtype, format=format, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
     if format != "safetensors":
         raise UsageError(None, "--merge-into writes safetensors; --format torch is not supported with it")
     base_dir = os.fspath(merge_into)
     if os.path.realpath(base_dir) == os.path.realpath(output_dir):
         raise UsageError(output_dir, "is the base model folder given to --merge-into; write the merged model to another folder")
     plan = plan_merge(adapter, base_dir, dtype=dtype, max_shard_size=max_shard_size)
-    return write_merged(index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify)
+    return write_merged(index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify, wait=wait)

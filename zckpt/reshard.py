@@ -112,6 +112,7 @@ def reshard(
     progress: Callable[[int, int], None] | None = None,
     verify: bool = True,
     swap_folder: str | os.PathLike[str] | None = None,
+    wait: bool = False,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -119,6 +120,7 @@ def reshard(
     settings (``round_robin_gradients``, ``sub_group_size``, ...) differ from the checkpoint's.
     `swap_folder`: a live ZeRO-Infinity ``<nvme_path>`` of the same run; the masters and
     optimizer states of its swapped sub-groups replace the checkpoint's (see consolidate).
+    `wait`: another zckpt run writing `output_dir` is waited for instead of refused.
     """
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder)
@@ -131,7 +133,7 @@ def reshard(
     existing = [n for n in carried if os.path.exists(os.path.join(output_dir, n))]
     if existing and not overwrite:
         raise OutputError(os.path.join(output_dir, existing[0]), "already exists; pass --overwrite to replace it")
-    part, parts, barrier = job_share()
+    part, parts, barrier = job_share(output_dir)
 
     def copy_carried() -> None:
         for name, path in carried.items():
@@ -139,6 +141,6 @@ def reshard(
 
     result: SaveResult = write_checkpoint(
         plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier,
-        progress=progress, verify=verify, before_latest=copy_carried,
+        progress=progress, verify=verify, before_latest=copy_carried, wait=wait,
     )
     return ReshardResult(output_dir, plan.tag, source, plan.target, result.files, result.bytes_written, tuple(carried), tuple(dropped))

@@ -58,11 +58,13 @@ def to_universal(
     progress: Callable[[int, int], None] | None = None,
     verify: bool = True,
     swap_folder: str | os.PathLike[str] | None = None,
+    wait: bool = False,
 ) -> UniversalResult:
     """Write the universal checkpoint of `checkpoint` (tag `tag`, default: the latest) into
     `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage).
     With `swap_folder`, the masters and optimizer states of swapped sub-groups come from that
-    live ZeRO-Infinity folder (`checkpoint` gives the layout)."""
+    live ZeRO-Infinity folder (`checkpoint` gives the layout). `wait`: another zckpt run writing
+    `output_dir` is waited for instead of refused."""
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder)
     plan = plan_universal(source, target_stage=_stage(target_stage))
@@ -71,6 +73,7 @@ def to_universal(
     refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=index.checkpoint_dir)
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
         raise UsageError(output_dir, f"would replace the input {index.tag_dir}; choose another folder")
-    part, parts, barrier = job_share()
-    result = write_checkpoint(plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier, progress=progress, verify=verify)
+    part, parts, barrier = job_share(output_dir)
+    result = write_checkpoint(plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier, progress=progress, verify=verify,
+                              wait=wait)
     return UniversalResult(output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written)

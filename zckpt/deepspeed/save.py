@@ -14,7 +14,8 @@ from .writer import CheckpointPlan, RawFile
 from ..checksums import RecordChecker
 from ..errors import OutputError
 from ..interrupts import signals_deferred
-from ..output import StagedFolder, fsync_file, output_error, path_inside, write_text_atomic
+from ..jobs import JobFailed, JobSync
+from ..output import OutputLock, StagedFolder, fsync_file, output_error, path_inside, write_text_atomic
 from ..reading import FileReader
 from ..torchsave import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
 from ..workers import WorkerPool
@@ -69,37 +70,47 @@ def write_checkpoint(
     workers: int | None = None,
     part: int = 0,
     parts: int = 1,
-    barrier: Callable[[], None] | None = None,
+    barrier: JobSync | None = None,
     progress: Callable[[int, int], None] | None = None,
     before_latest: Callable[[], None] | None = None,
     verify: bool = True,
     by_rank: bool = False,
+    wait: bool = False,
 ) -> SaveResult:
     """Write every file of `plan` into ``output_dir/<tag>/`` and point ``output_dir/latest`` (the
     plan's `latest_file`) at it.
 
-    With `parts` > 1 (processes of one job sharing a filesystem), process `part` writes its
-    share and process 0 commits; `barrier` must synchronise them. `before_latest` runs (on
-    process 0) once the tag folder is in place, before ``latest`` names it. With `verify`, every
-    input record whose bytes were copied passes its CRC-32 check before anything is committed.
-    With `by_rank`, process `part` writes the files of data-parallel rank `part` (and process 0
-    the shared ones) instead of a size-balanced share.
+    One writer per output folder: process 0 holds ``output_dir``'s :class:`~zckpt.output.OutputLock`
+    from its checks to ``latest``; another run holding it refuses this one, or with `wait` is
+    waited for. With `parts` > 1 (processes of one job sharing a filesystem), process `part`
+    writes its share and process 0 checks, commits and holds the lock for the job; `barrier`
+    synchronises them and carries a failure (or process 0's wait) to the others, so every process
+    of the job returns or raises together. `before_latest` runs (on process 0) once the tag folder
+    is in place, before ``latest`` names it. With `verify`, every input record whose bytes were
+    copied passes its CRC-32 check before anything is committed. With `by_rank`, process `part`
+    writes the files of data-parallel rank `part` (and process 0 the shared ones) instead of a
+    size-balanced share.
     """
     planned = archives(plan)
     total = sum(a.total_size for _, a in planned)
     # the tag comes from the input (`latest`): the folder it names must be one inside output_dir
-    folder = StagedFolder(path_inside(output_dir, plan.tag), overwrite=overwrite, needed_bytes=total if part == 0 else 0)
-    sync = barrier or (lambda: None)
-    if part == 0:
-        folder.create()
-    sync()
+    folder = StagedFolder(path_inside(output_dir, plan.tag))
+    sync = barrier or JobSync(None, output_dir)
+    lock = OutputLock(output_dir, wait=wait, while_waiting=sync.waiting) if part == 0 else None
     if by_rank:  # each process holds only its own rank's data (the trainer): it writes that rank's files
         mine = [i for i, f in enumerate(plan.files) if (f.rank or 0) % parts == part]
     else:
         mine = share_of([a.total_size for _, a in planned], part, parts)
     done = 0
     checker = RecordChecker() if verify else None
+    staged = False  # this process may remove the staging folder: it is this job's, being written
     try:
+        if lock is not None:
+            lock.acquire()
+            folder.create(overwrite=overwrite, needed_bytes=total)
+            staged = True
+        sync()
+        staged = True  # process 0 made it for this job
         jobs = [(folder.path(planned[i][0]), planned[i][1], checker) for i in mine]
         for folder_name in sorted(({os.path.dirname(name) for name, _ in planned} | set(plan.folders)) - {""}):
             os.makedirs(folder.path(folder_name), exist_ok=True)
@@ -129,6 +140,7 @@ def write_checkpoint(
         for path, _, _ in jobs:
             fsync_file(path)
         sync()
+        staged = part == 0  # every file is in: committing, or cleaning up, is process 0's
         if part == 0:
             # past the point of no return (the tag folder in place): a signal waits until `latest`
             # names it, so an interrupted run leaves the previous state or the whole new one
@@ -137,12 +149,17 @@ def write_checkpoint(
                 if before_latest:
                     before_latest()
                 write_text_atomic(path_inside(output_dir, plan.latest_file), plan.tag)
-    except OSError as exc:
-        folder.abort()
-        if isinstance(exc, OutputError):
-            raise
-        raise output_error(output_dir, exc) from None
-    except BaseException:
-        folder.abort()
+        sync()  # nobody returns before `latest` names the new tag folder (or knows that it could not)
+    except BaseException as exc:
+        # process 0 cleans up under its lock; another process only while it writes, and not when
+        # told of a failure (process 0 may have let the lock go: the staging folder may be another run's)
+        if staged and (part == 0 or not isinstance(exc, JobFailed)):
+            folder.abort()
+        sync.fail()
+        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+            raise output_error(output_dir, exc) from None
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     return SaveResult(output_dir, plan.tag, tuple(name for name, _ in planned), total)

@@ -24,8 +24,9 @@ from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import write_checkpoint
 from ..deepspeed.writer import plan_checkpoint, plan_target
 from ..dtypes import FP32, from_torch
-from ..errors import LayoutError, OutputError
+from ..errors import LayoutError
 from ..index import CheckpointIndex, Entry, Segment, TensorSource
+from ..jobs import JobSync
 from ..materialize import read_tensor
 from ..output import write_text_atomic
 from ..reading import FileReader
@@ -37,7 +38,6 @@ from .optim import ADAM_STATES
 
 if TYPE_CHECKING:
     from .loop import Trainer
-    from .zero3 import Comm
 
 STEP = "step"
 
@@ -118,40 +118,21 @@ def save_checkpoint(trainer: "Trainer", checkpoint_dir: str) -> str:
     state = training_state(trainer, checkpoint_dir, tag)
     plan = plan_checkpoint(state, plan_target(state, trainer.comm.world, stage=3), tag)
     config_text = trainer.model_config.to_json()
-    sync = _AgreedSync(trainer.comm, checkpoint_dir)
-    try:
-        write_checkpoint(
-            plan, checkpoint_dir, overwrite=True, part=trainer.comm.rank, parts=trainer.comm.world, barrier=sync,
-            before_latest=lambda: write_text_atomic(os.path.join(checkpoint_dir, MODEL_CONFIG_FILE), config_text),
-            verify=False,  # the sources are memory, not archives with checksums
-            by_rank=True,
-        )
-    except BaseException:
-        sync.fail()
-        raise
-    sync()  # nobody goes on before `latest` names the new checkpoint (or knows that it could not)
+    comm = trainer.comm
+
+    def max_of(value: int) -> int:
+        return int(comm.all_reduce(torch.tensor([float(value)]), dist.ReduceOp.MAX).item())
+
+    # a rank that cannot write its files (disk full) makes the others stop too, instead of leaving
+    # them waiting or committing a checkpoint without its files; every rank returns once `latest`
+    # names the new checkpoint (or knows that it could not)
+    write_checkpoint(
+        plan, checkpoint_dir, overwrite=True, part=comm.rank, parts=comm.world, barrier=JobSync(max_of if comm.world > 1 else None, checkpoint_dir),
+        before_latest=lambda: write_text_atomic(os.path.join(checkpoint_dir, MODEL_CONFIG_FILE), config_text),
+        verify=False,  # the sources are memory, not archives with checksums
+        by_rank=True,
+    )
     return tag
-
-
-class _AgreedSync:
-    """A barrier that also tells every rank whether some rank failed, so that a rank that cannot
-    write its files (disk full) makes the others stop too, instead of leaving them waiting or
-    committing a checkpoint without its files. Every rank calls it at the same points; a failed
-    rank answers the call the others are waiting in with :meth:`fail`, and they raise."""
-
-    def __init__(self, comm: "Comm", checkpoint_dir: str) -> None:
-        self.comm, self.checkpoint_dir = comm, checkpoint_dir
-        self.raised = False
-
-    def __call__(self) -> None:
-        flag = self.comm.all_reduce(torch.zeros(1), dist.ReduceOp.MAX) if self.comm.world > 1 else torch.zeros(1)
-        if flag.item():
-            self.raised = True
-            raise OutputError(self.checkpoint_dir, "another rank could not write its part of the checkpoint; the previous checkpoint is kept")
-
-    def fail(self) -> None:
-        if not self.raised and self.comm.world > 1:  # this rank is the one that failed
-            self.comm.all_reduce(torch.ones(1), dist.ReduceOp.MAX)
 
 
 def load_checkpoint(trainer: "Trainer", path: str) -> None:
