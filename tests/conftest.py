@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_signals() -> None:
+    """preexec_fn for a child that is signalled: SIGINT, SIGTERM and SIGHUP at their default
+    dispositions, whatever this run inherited (a background or nohup test run has SIGINT or
+    SIGHUP ignored, which zckpt then keeps ignoring, as it should)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 SAMPLES = ROOT / "sample_ckpts"
 
 

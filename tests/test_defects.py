@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from conftest import ROOT, sample, same_bits
+from conftest import ROOT, default_signals, sample, same_bits
 from zckpt import load_into_module, load_state_dict, torchfile, torchsave
 from zckpt.deepspeed import names as N
 from zckpt.deepspeed.writer import carry, tensor_of
@@ -336,11 +336,6 @@ def zckpt_leftovers(folder: Path) -> list[str]:
     return sorted(n for n in os.listdir(folder) if ".zckpt-" in n) if folder.is_dir() else []
 
 
-def _default_signals() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
-
-
 def killed_mid_write(tmp_path: Path, out: Path, signum: int, *extra: str) -> subprocess.CompletedProcess[str]:
     """Start a slowed consolidate of the largest sample, wait until it has a temporary file in
     `out`, send `signum` at a random moment of the write, and return the finished process."""
@@ -349,7 +344,7 @@ def killed_mid_write(tmp_path: Path, out: Path, signum: int, *extra: str) -> sub
     args = [sys.executable, str(script), "consolidate", str(sample(LARGEST).checkpoint), str(out), "--max-shard-size", "200KB", *extra]
     # a test run started in the background (CI under nohup, `cmd &`) inherits SIGINT ignored, and
     # zckpt rightly keeps ignored signals ignored: the child gets the default dispositions
-    process = subprocess.Popen(args, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals)
+    process = subprocess.Popen(args, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     deadline = time.monotonic() + 60
     while not zckpt_leftovers(out):
         assert process.poll() is None, process.communicate()

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, sample
+from conftest import ROOT, default_signals, sample
 
 BIG = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups").checkpoint  # 537k params, the largest sample
 OTHER = sample("z3_bf16_ws3_subgroups_groups").checkpoint  # same tag (global_step3), other model
@@ -193,11 +193,6 @@ class Run:
     ops: int | None = None
 
 
-def _default_signals() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
-
-
 class Zygote:
     """A warm interpreter (zckpt and torch imported) forking one `zckpt` process per run."""
 
@@ -206,7 +201,7 @@ class Zygote:
         env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE], cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_default_signals
+            [sys.executable, "-c", ZYGOTE], cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=default_signals
         )
         self.count = 0
 

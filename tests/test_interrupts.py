@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, default_signals
 
 DEADLINE = 60  # seconds; the child needs well under one even on a loaded machine
 
@@ -47,7 +47,7 @@ def run_child(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         return subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                              text=True, timeout=DEADLINE)
+                              text=True, timeout=DEADLINE, preexec_fn=default_signals)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the child did not exit within {DEADLINE} s: {exc.stdout!r} {exc.stderr!r}")
 
@@ -66,7 +66,7 @@ def test_the_plain_pool_hangs_there(tmp_path) -> None:
     code = PRELUDE + "from concurrent.futures import ThreadPoolExecutor\nPOOL = ThreadPoolExecutor(2)\n" + SIGNAL_WHILE_A_THREAD_STARTS
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=10)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=10, preexec_fn=default_signals)
     except subprocess.TimeoutExpired as exc:
         assert exc.stdout in (b"interrupted\n", "interrupted\n")
         return
@@ -162,7 +162,7 @@ def test_a_rank_waiting_for_a_missing_rank_leaves_on_sigterm(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RANK": "0", "LOCAL_RANK": "0",
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     process = subprocess.Popen([sys.executable, "-m", "zckpt", "train", "--out", str(tmp_path / "run"), "--steps", "1", "--device", "cpu"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:  # until it listens for the missing rank: it is in the rendezvous
         with socket.socket() as client:
