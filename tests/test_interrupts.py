@@ -32,8 +32,11 @@ real_wait = threading.Event.wait
 
 def wait_and_get_signalled(self, timeout=None):
     threading.Event.wait = real_wait
+    started = real_wait(self, timeout)  # the new thread runs
     os.kill(os.getpid(), signal.SIGTERM)
-    return real_wait(self, timeout)
+    for _ in range(100000):  # the handler runs here: inside Thread.start(), before the pool registers the thread
+        pass
+    return started
 
 threading.Event.wait = wait_and_get_signalled
 try:
