@@ -16,8 +16,19 @@ Python API::
 
 from __future__ import annotations
 
-import importlib
 import sys
+
+_module = sys.orig_argv[sys.orig_argv.index("-m") + 1:][:1] if "-m" in sys.orig_argv else []  # `python [options] -m MODULE`
+if _module == ["zckpt"] or sys.argv[0].endswith(("/zckpt", "\\zckpt", "zckpt.exe")):
+    # the `zckpt` command (or `python -m zckpt`) is starting: from this first line of zckpt on,
+    # SIGINT, SIGTERM and SIGHUP end it with the CLI's one line (not a KeyboardInterrupt
+    # traceback from an import); the CLI installs its own handlers once it runs
+    from .interrupts import exit_on_signal
+
+    exit_on_signal()
+del _module
+
+import importlib
 import types
 
 from .errors import (
