@@ -197,7 +197,13 @@ def main() -> int:
         row["hangs"] += any(p.startswith("HANG") for p in o.problems)
         row["problems"] += bool(o.problems)
         row["before start"] += o.before_start
-    slowest = max((o.exit_after_signal for o in outcomes if o.exit_after_signal is not None), default=0.0)
+    timed = sorted((o for o in outcomes if o.exit_after_signal is not None), key=lambda o: -o.exit_after_signal)
+    slowest = timed[0].exit_after_signal if timed else 0.0
+    if timed:
+        print("slowest exits after the signal: " + ", ".join(f"{o.command} {o.signal} {o.exit_after_signal:.2f} s" for o in timed[:5]))
+        within = [o.exit_after_signal for o in timed]
+        print(f"exit after the signal: median {within[len(within) // 2]:.2f} s, {sum(t <= 1 for t in within)} of {len(within)} within 1 s, "
+              f"{sum(t <= 3 for t in within)} within 3 s")
     print(f"\n{'command':22} {'signal':8} {'runs':>5} {'landed':>7} {'start-up':>9} {'hangs':>6} {'problems':>9}")
     for (name, sig), row in sorted(table.items()):
         print(f"{name:22} {sig:8} {row['runs']:5} {row['landed']:7} {row['before start']:9} {row['hangs']:6} {row['problems']:9}")
