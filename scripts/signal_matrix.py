@@ -4,8 +4,9 @@ Each run starts a real ``zckpt`` process (the installed command, the way a user 
 it), sends SIGINT, SIGTERM or SIGHUP after a random delay between 0 and the uninterrupted run's
 duration (start-up included), and then checks:
 
-- it exits within ``--deadline`` seconds of the signal (else: a hang; its Python stacks are
-  taken with faulthandler (PYTHONFAULTHANDLER=1 and SIGABRT) and printed);
+- it exits within ``--deadline`` seconds of the signal (else: a hang; each thread's kernel
+  state and gdb's native stacks, then its Python stacks (faulthandler: PYTHONFAULTHANDLER=1 and
+  SIGABRT) are printed; a process that exited while another holds its stderr is named);
 - its stderr is exactly one line ``zckpt: error: interrupted by SIG...`` and its exit code
   128 + the signal's number, or, when it finished before the signal landed, exit 0 and no error;
 - nothing is left behind: no zckpt temporary name or staging folder anywhere under the work
@@ -90,6 +91,41 @@ def make_checkpoint(work: Path, layers: int, dim: int) -> Path:
     return out
 
 
+def native_state(process: subprocess.Popen) -> str:
+    """Each thread's name, state and kernel wait channel, and gdb's native backtraces: a thread
+    stuck in C (a lock in a destructor at exit, a syscall) shows no Python frame to faulthandler."""
+    pid = process.pid
+    if process.poll() is not None:
+        pipe = os.readlink(f"/proc/self/fd/{process.stderr.fileno()}")  # pipe:[inode], the same for both ends
+        holders = []
+        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+            if fd_dir.parent.name == str(os.getpid()):
+                continue
+            try:
+                if any(os.readlink(fd) == pipe for fd in fd_dir.iterdir()):
+                    holders.append(f"{fd_dir.parent.name} {(fd_dir.parent / 'cmdline').read_bytes()[:200]!r}")
+            except OSError:
+                continue
+        return f"the process exited ({process.returncode}); its stderr pipe is still open in: {holders}"
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            comm = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip()
+            lines.append(f"  thread {task.name} {comm!r} state {state} wchan {wchan}")
+        except OSError:
+            continue
+    gdb = shutil.which("gdb")
+    if gdb:
+        try:
+            lines.append(subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"], capture_output=True,
+                                        text=True, timeout=60).stdout[-20000:])
+        except subprocess.TimeoutExpired:
+            lines.append("gdb took over 60 s")
+    return "native state:\n" + "\n".join(lines)
+
+
 def run_once(command: Command, ck: Path, work: Path, signum: int | None, delay: float, deadline: float) -> Outcome:
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
@@ -110,13 +146,14 @@ def run_once(command: Command, ck: Path, work: Path, signum: int | None, delay: 
     try:
         _, stderr = process.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:
+        native = native_state(process)  # what the kernel and gdb see, before faulthandler's Python stacks
         process.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER=1: every thread's Python stack on stderr
         try:
             _, stderr = process.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
             _, stderr = process.communicate()
-        problems.append(f"HANG: still running {deadline:.0f} s after the signal; stderr and stacks:\n{stderr}")
+        problems.append(f"HANG: still running {deadline:.0f} s after the signal; stderr and stacks:\n{stderr}\n{native}")
         return Outcome(command.name, signal.Signals(signum).name if signum else "-", delay, landed, -9, None, problems, time.monotonic() - start)
     ended = time.monotonic()
     code = process.returncode
@@ -200,7 +237,8 @@ def main() -> int:
     timed = sorted((o for o in outcomes if o.exit_after_signal is not None), key=lambda o: -o.exit_after_signal)
     slowest = timed[0].exit_after_signal if timed else 0.0
     if timed:
-        print("slowest exits after the signal: " + ", ".join(f"{o.command} {o.signal} {o.exit_after_signal:.2f} s" for o in timed[:5]))
+        print("slowest exits after the signal: " + ", ".join(
+            f"{o.command} {o.signal} {o.exit_after_signal:.2f} s (sent {o.delay:.2f} s after start)" for o in timed[:5]))
         within = [o.exit_after_signal for o in timed]
         print(f"exit after the signal: median {within[len(within) // 2]:.2f} s, {sum(t <= 1 for t in within)} of {len(within)} within 1 s, "
               f"{sum(t <= 3 for t in within)} within 3 s")
