@@ -28,7 +28,7 @@ import typer
 from typer.core import TyperCommand
 
 from .errors import Interrupted, UsageError, ZckptError
-from .interrupts import CAUGHT_SIGNALS, exit_now, handler_ran, raise_in_zckpt_code, waiting_on_other_processes, watch_for_stuck_handlers
+from .interrupts import CAUGHT_SIGNALS, exit_now, exit_without_teardown, handler_ran, raise_in_zckpt_code, waiting_on_other_processes, watch_for_stuck_handlers
 from .jobs import leave_job
 
 EXIT_BAD_INPUT = 1
@@ -637,9 +637,7 @@ def train(
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torch 2.13's gloo threads can abort a rank's interpreter exit ("terminate called without
         # an active exception"), which torchrun reports as a failed job; everything is written
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_without_teardown(0)
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
@@ -707,7 +705,5 @@ def main() -> None:
         # garbage collection and torch's static destructors (deregistering every operator) take
         # half a second of CPU, and the signal matrix saw them take over 20 s on a machine
         # running 8 processes on its 2 cores
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_without_teardown(code)
     sys.exit(code)

@@ -67,6 +67,15 @@ def exit_now(signum: int, line: str | None = None) -> None:
     os._exit(128 + signum)
 
 
+def exit_without_teardown(code: int) -> None:
+    """Flush stdout and stderr and exit with `code` at once, skipping the interpreter's teardown
+    (thread joins, the last garbage collection, torch's static destructors): for a process whose
+    work and cleanup are done but whose teardown can hang, abort or take seconds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def handler_ran() -> None:
     """Called first by every Python-level handler of a termination signal (see the watchdog)."""
     _handled[0] += 1

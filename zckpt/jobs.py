@@ -7,7 +7,7 @@ import sys
 from typing import Callable
 
 from .errors import OutputError
-from .interrupts import waiting_on_other_processes
+from .interrupts import exit_without_teardown, waiting_on_other_processes
 
 _GO, _WAITING, _FAILED = 0, 1, 2  # what a process brings to a barrier; the highest wins
 
@@ -86,6 +86,4 @@ def leave_job(code: int) -> None:
     active exception", SIGABRT instead of the command's exit code). Elsewhere does nothing."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_without_teardown(code)

@@ -4,12 +4,13 @@ every rank returned: how the round trip runs its phases and the tests their dist
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ..interrupts import exit_without_teardown
 
 
 def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
@@ -25,9 +26,7 @@ def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tup
             dist.destroy_process_group()
     # torch 2.13's gloo threads can abort the interpreter's exit ("terminate called without an
     # active exception", about one run in four here); the result is saved: leave now
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 def run_ranks(world: int, folder: str | os.PathLike[str], fn: Callable[..., Any], *args: Any, backend: str = "gloo") -> list[Any]:
