@@ -13,7 +13,7 @@ What it does:
    - ``open_training_state`` reads each output back: world size 3, the ZeRO stage asked, the
      same trainable params (names, shapes, groups), same counters, lr scheduler and step scalars;
    - for ``--sample`` params spread over the model, the fp32 master and every optimizer state
-     (exp_avg, exp_avg_sq) equal the input's bit for bit (``zckpt.materialize.read_tensor``);
+     (exp_avg, exp_avg_sq) equal the input's bit for bit (``zckpt.io.materialize.read_tensor``);
    - every output ``.pt`` file passes ``zipfile.ZipFile.testzip()`` (CRC-32 of every record),
      and, when torch and deepspeed import, loads with ``torch.load(mmap=True,
      weights_only=False)``; the ZeRO-2 model_states' bf16 weights of the sample params equal
@@ -98,10 +98,10 @@ VERIFY_CODE = r"""
 import importlib.util, json, sys, zipfile
 from pathlib import Path
 import torch
+from zckpt.core.dtypes import BF16
 from zckpt.deepspeed.reader import open_training_state
-from zckpt.dtypes import BF16
-from zckpt.materialize import read_tensor
-from zckpt.reading import FileReader
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
 
 src_dir, out_dir, world, stage, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 src, out = open_training_state(src_dir), open_training_state(out_dir)

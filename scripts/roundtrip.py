@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", help="keep the checkpoints here (default: a temporary folder)")
     args = parser.parse_args(argv)
 
-    from zckpt.errors import ZckptError
+    from zckpt.core.errors import ZckptError
     from zckpt.trainer.config import TrainConfig
     from zckpt.trainer.roundtrip import render, roundtrip
 

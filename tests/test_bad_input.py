@@ -180,7 +180,7 @@ def test_inspect_verify_finds_corrupted_tensor_data(copy_checkpoint) -> None:
 
     ckpt = copy_checkpoint(ZERO3)
     victim = tag_dir(ckpt) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    from zckpt import torchfile
+    from zckpt.torchfile import reader as torchfile
 
     flat = torchfile.load(victim)["optimizer_state_dict"]["fp32_flat_groups"][0]
     data = bytearray(victim.read_bytes())
@@ -210,7 +210,7 @@ def test_existing_weights_are_not_overwritten_silently(tmp_path: Path) -> None:
 
 def test_disk_full_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC in the middle of a shard: the error names the file and no output remains."""
-    import zckpt.materialize as materialize
+    import zckpt.io.materialize as materialize
 
     calls = {"n": 0}
     real_write = os.write
@@ -238,7 +238,7 @@ def test_disk_full_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.Mon
 def test_not_enough_free_space_is_refused_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import collections
 
-    import zckpt.output as output
+    import zckpt.io.output as output
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(output.shutil, "disk_usage", lambda _p: usage(100, 90, 10))

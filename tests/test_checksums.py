@@ -17,13 +17,14 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import sample, same_bits
-from zckpt import ZckptError, consolidate, torchfile
-from zckpt.checksums import RecordChecker, RepeatedRank, archive_records, crc32_combine, repeated_ranks
-from zckpt.cli import app
-from zckpt.errors import CorruptFileError
-from zckpt.reshard import reshard
-from zckpt.universal import to_universal
-from zckpt.verify import verify
+from zckpt import ZckptError, consolidate
+from zckpt.cli.app import app
+from zckpt.core.errors import CorruptFileError
+from zckpt.io.checksums import RecordChecker, RepeatedRank, archive_records, crc32_combine, repeated_ranks
+from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
 
 
 def data_records(path: Path) -> list[zipfile.ZipInfo]:

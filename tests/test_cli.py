@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import Sample, sample
-from zckpt.cli import app
+from zckpt.cli.app import app
 from test_bad_input import run_cli
 
 try:  # click < 8.2 mixes stderr into output unless told not to; 8.2 always keeps it apart

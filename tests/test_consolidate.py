@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from conftest import SAMPLE_LIST, Sample, same_bits, sample
 from zckpt import consolidate, plan_consolidation
 from zckpt.deepspeed.reader import open_checkpoint
-from zckpt.safetensors_format import TIED_METADATA_KEY
+from zckpt.hf.safetensors import TIED_METADATA_KEY
 
 
 def load_output(folder: Path) -> dict[str, torch.Tensor]:
@@ -97,9 +97,9 @@ def test_bf16_output_of_a_bf16_run_equals_the_trained_16bit_weights(tmp_path: Pa
     case = sample("z2_bf16_ws3_frozen_groups")
     consolidate(case.checkpoint, tmp_path / "out", dtype="bf16")
     ours = load_output(tmp_path / "out")
-    from zckpt import torchfile
-    from zckpt.materialize import read_tensor
-    from zckpt.reading import FileReader, source_of
+    from zckpt.io.materialize import read_tensor
+    from zckpt.io.reading import FileReader, source_of
+    from zckpt.torchfile import reader as torchfile
 
     module = torchfile.load(next((case.checkpoint / case.meta["tag"]).glob("mp_rank_00_model_states.pt")))["module"]
     with FileReader() as reader:

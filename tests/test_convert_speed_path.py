@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import zckpt.materialize as materialize
+import zckpt.io.materialize as materialize
 from conftest import Sample, sample, same_bits
 from zckpt import consolidate
-from zckpt.dtypes import BF16, FP16, FP32, DType
-from zckpt.errors import CorruptFileError
-from zckpt.index import Segment, TensorSource
-from zckpt.materialize import StreamWriter, convert, fp32_to_bf16, fp32_to_fp16
-from zckpt.reading import FileReader
+from zckpt.core.dtypes import BF16, FP16, FP32, DType
+from zckpt.core.errors import CorruptFileError
+from zckpt.core.index import Segment, TensorSource
+from zckpt.io.materialize import StreamWriter, convert, fp32_to_bf16, fp32_to_fp16
+from zckpt.io.reading import FileReader
 
 TARGETS = [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16")]
 

@@ -21,14 +21,16 @@ import pytest
 import torch
 
 from conftest import ROOT, default_signals, sample, same_bits
-from zckpt import load_into_module, load_state_dict, torchfile, torchsave
+from zckpt import load_into_module, load_state_dict
+from zckpt.core.index import Segment, TensorSource
 from zckpt.deepspeed import names as N
 from zckpt.deepspeed.writer import carry, tensor_of
-from zckpt.index import Segment, TensorSource
-from zckpt.inspect import inspect_path
-from zckpt.output import temp_name
-from zckpt.reading import source_of
-from zckpt.torchfile import TensorRef
+from zckpt.io.output import temp_name
+from zckpt.io.reading import source_of
+from zckpt.ops.inspect import inspect_path
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
+from zckpt.torchfile.reader import TensorRef
 
 ZERO2 = "z2_bf16_ws3_frozen_groups"  # 3 ranks, 2 param groups, frozen params, int64 buffer
 ZERO3 = "z3_fp32_ws2_tied_frozen"
@@ -320,13 +322,13 @@ def test_load_into_meta_module_keeps_the_module_dtype() -> None:
 # library), so that a signal lands while its temporary files exist.
 SLOW_CLI = """
 import sys, time
-import zckpt.materialize as materialize
+import zckpt.io.materialize as materialize
 write = materialize.StreamWriter.write
 def slow(self, *args, **kwargs):
     time.sleep(0.2)
     return write(self, *args, **kwargs)
 materialize.StreamWriter.write = slow
-from zckpt.cli import main
+from zckpt.cli.app import main
 sys.argv = ["zckpt", *sys.argv[1:]]
 main()
 """

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import zckpt
 from conftest import sample
 from test_bad_input import run_cli
-from zckpt.cli import app
-from zckpt.diff import DiffReport, TensorDiff, render
-from zckpt.reading import FileReader
+from zckpt.cli.app import app
+from zckpt.io.reading import FileReader
+from zckpt.ops.diff import DiffReport, TensorDiff, render
 
 try:  # click < 8.2 mixes stderr into output unless told not to
     runner = CliRunner(mix_stderr=False)

@@ -1,4 +1,4 @@
-"""O_DIRECT output (zckpt.direct_write): the same bytes as torch.save and as page-cache writes.
+"""O_DIRECT output (zckpt.io.direct_write): the same bytes as torch.save and as page-cache writes.
 
 Oracles: torch.save's own file for the same objects; util-linux ``findmnt`` for filesystem
 types; the page-cache path's outputs, which the reshard and universal tests check against
@@ -21,13 +21,14 @@ import torch
 from conftest import SAMPLE_LIST
 from test_checksums import data_records, flip, record_start
 from test_torchsave import Source, same_except_serialization_id, torch_and_ours
-from zckpt import direct_write, torchsave
-from zckpt.dtypes import BF16
-from zckpt.errors import CorruptFileError
-from zckpt.reading import FileReader
-from zckpt.reshard import reshard
-from zckpt.torchsave import plan_archive, write_archive
-from zckpt.universal import to_universal
+from zckpt.core.dtypes import BF16
+from zckpt.core.errors import CorruptFileError
+from zckpt.io import direct_write
+from zckpt.io.reading import FileReader
+from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.torchfile import save as torchsave
+from zckpt.torchfile.save import plan_archive, write_archive
 
 
 def _direct_works(folder: Path) -> bool:

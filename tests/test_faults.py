@@ -67,9 +67,9 @@ TIMES: collections.Counter = collections.Counter()  # seconds in zckpt processes
 ZYGOTE = r'''
 import faulthandler, json, os, signal, sys, time, traceback
 import torch  # noqa: F401  (the torch writer and the CRC checks use it: forks start warm)
-import zckpt.cli as cli
-import zckpt.output as output
-import zckpt.consolidate, zckpt.reshard, zckpt.universal, zckpt.verify, zckpt.inspect  # noqa: F401
+import zckpt.cli.app as cli
+import zckpt.io.output as output
+import zckpt.ops.consolidate, zckpt.ops.reshard, zckpt.ops.universal, zckpt.ops.verify, zckpt.ops.inspect  # noqa: F401
 
 OPS = ("mkdir", "rename", "replace", "remove", "unlink", "rmdir")
 

@@ -92,12 +92,14 @@ from safetensors.torch import load_file
 
 from conftest import SAMPLE_LIST, sample, same_bits
 from test_untrusted import listing, rename_everywhere
-from zckpt import ZckptError, consolidate, inspect_path, reshard, to_universal, torchfile, torchsave
+from zckpt import ZckptError, consolidate, inspect_path, reshard, to_universal
+from zckpt.core.index import Segment, TensorSource
 from zckpt.deepspeed.writer import carry, tensor_of
-from zckpt.index import Segment, TensorSource
-from zckpt.reading import source_of
-from zckpt.torchfile import TensorRef
-from zckpt.verify import verify
+from zckpt.io.reading import source_of
+from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
+from zckpt.torchfile.reader import TensorRef
 
 # an allocation sized from a damaged declared size fails here instead of taking the machine
 size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024

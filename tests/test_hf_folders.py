@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from conftest import sample
 from test_reshard import run_cli
-from zckpt.consolidate import consolidate
-from zckpt.inspect import inspect_path
+from zckpt.ops.consolidate import consolidate
+from zckpt.ops.inspect import inspect_path
 
 
 @pytest.mark.parametrize("dtype,name", [("fp32", "float32"), ("bf16", "bfloat16"), ("float16", "float16")])

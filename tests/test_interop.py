@@ -83,8 +83,8 @@ def test_cases_are_not_the_bundled_ones() -> None:
 from interop_helpers import run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
 from zckpt import reshard  # noqa: E402
 from zckpt.deepspeed.reader import open_training_state  # noqa: E402
-from zckpt.materialize import read_tensor  # noqa: E402
-from zckpt.reading import FileReader  # noqa: E402
+from zckpt.io.materialize import read_tensor  # noqa: E402
+from zckpt.io.reading import FileReader  # noqa: E402
 from conftest import sample  # noqa: E402
 
 

@@ -30,7 +30,7 @@ if importlib.util.find_spec("deepspeed") is None:
 
 from interop_helpers import ds_env, ds_python, free_port, run_logged, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
 from zckpt import ZckptError, consolidate, inspect_path, reshard  # noqa: E402
-from zckpt.verify import verify  # noqa: E402
+from zckpt.ops.verify import verify  # noqa: E402
 
 TAG = "global_step2"
 MODEL_STATES = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)]

@@ -23,8 +23,8 @@ import pytest
 
 from conftest import sample
 from zckpt import reshard
+from zckpt.core.errors import ZckptError
 from zckpt.deepspeed.run_config import read_run_config
-from zckpt.errors import ZckptError
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 

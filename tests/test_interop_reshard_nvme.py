@@ -40,8 +40,9 @@ import pytest  # noqa: E402
 from conftest import Sample, same_bits, sample  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from zckpt import reshard, torchfile  # noqa: E402
+from zckpt import reshard  # noqa: E402
 from zckpt.deepspeed.reader import open_training_state  # noqa: E402
+from zckpt.torchfile import reader as torchfile
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from conftest import Sample, same_bits, sample
 from test_reshard import run_cli
-from zckpt import api
-from zckpt.inspect import inspect_path
+from zckpt.ops import api
+from zckpt.ops.inspect import inspect_path
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 

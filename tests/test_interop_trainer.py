@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from interop_helpers import ROOT, ds_env, ds_python, free_port, run_logged
-from zckpt.trainer.ranks import run_ranks
-from zckpt import api
-from zckpt.errors import UsageError
+from zckpt.core.errors import UsageError
+from zckpt.ops import api
 from zckpt.trainer import TrainConfig, Trainer, plan_training
+from zckpt.trainer.ranks import run_ranks
 
 pytestmark = pytest.mark.deepspeed
 

@@ -18,7 +18,7 @@ DEADLINE = 60  # seconds; the child needs well under one even on a loaded machin
 # The CLI's handler: a termination signal raises Interrupted in the main thread.
 PRELUDE = """
 import os, signal, sys, threading
-from zckpt.errors import Interrupted
+from zckpt.core.errors import Interrupted
 
 def handler(signum, frame):
     raise Interrupted(signum)
@@ -56,7 +56,7 @@ def run_child(code: str) -> subprocess.CompletedProcess:
 
 
 def test_a_signal_while_a_pool_starts_a_thread_cannot_hang_the_exit() -> None:
-    pool = "from zckpt.workers import WorkerPool\nPOOL = WorkerPool(2, 'zckpt-test')\n"
+    pool = "from zckpt.io.workers import WorkerPool\nPOOL = WorkerPool(2, 'zckpt-test')\n"
     done = run_child(PRELUDE + pool + SIGNAL_WHILE_A_THREAD_STARTS)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "interrupted\n" and done.stderr == ""
@@ -88,7 +88,7 @@ def test_a_signal_while_a_zip_is_opened_leaves_no_traceback(tmp_path, build: str
         handle.writestr("x", b"y")
     code = PRELUDE + f"""
 import gc, types, zipfile
-from zckpt.interrupts import uninterrupted
+from zckpt.io.interrupts import uninterrupted
 
 def rlock_and_get_signalled():  # ZipFile.__init__ makes its lock just before it sets _writing
     zipfile.threading = threading
@@ -112,7 +112,7 @@ gc.collect()
 
 def test_signals_deferred_delivers_the_first_signal_at_the_end() -> None:
     code = PRELUDE + """
-from zckpt.interrupts import signals_deferred
+from zckpt.io.interrupts import signals_deferred
 steps = []
 try:
     with signals_deferred():
@@ -193,7 +193,7 @@ def test_a_signal_wrapped_in_another_exception_is_still_an_interruption(tmp_path
     code = """
 import os, signal, sys
 sys.argv = ["zckpt", "inspect", "."]
-import zckpt.cli as cli
+import zckpt.cli.app as cli
 
 class Named:
     def __set_name__(self, owner, name):
@@ -205,7 +205,7 @@ def inspect_path(*args, **kwargs):
     class Source:
         field = Named()
 
-cli_inspect = __import__("zckpt.inspect", fromlist=["inspect_path"])
+cli_inspect = __import__("zckpt.ops.inspect", fromlist=["inspect_path"])
 cli_inspect.inspect_path = inspect_path
 cli.main()
 """
@@ -221,8 +221,8 @@ def test_the_exception_is_raised_only_in_zckpt_code() -> None:
     code = """
 import os, signal, sys, threading
 sys.argv = ["zckpt", "inspect", "."]
-import zckpt.cli as cli
-import zckpt.inspect
+import zckpt.cli.app as cli
+import zckpt.ops.inspect
 
 lock = threading.Lock()
 
@@ -234,7 +234,7 @@ def fragile(*args, **kwargs):
     lock.release()
     return {}
 
-zckpt.inspect.inspect_path = fragile
+zckpt.ops.inspect.inspect_path = fragile
 real_exit = os._exit
 def exit_now(code):  # an interrupted command leaves by os._exit (its teardown skipped)
     print("exit", code, "lock held:", lock.locked(), flush=True)
@@ -254,8 +254,8 @@ def test_an_interrupted_command_skips_the_interpreter_teardown() -> None:
     code = """
 import atexit, os, signal, sys
 sys.argv = ["zckpt", "inspect", "."]
-import zckpt.cli as cli
-import zckpt.inspect
+import zckpt.cli.app as cli
+import zckpt.ops.inspect
 
 atexit.register(lambda: print("teardown ran", flush=True))
 
@@ -266,7 +266,7 @@ def interrupted(*args, **kwargs):
     return {}
 
 if INTERRUPT:
-    zckpt.inspect.inspect_path = interrupted
+    zckpt.ops.inspect.inspect_path = interrupted
 cli.main()
 """
     done = run_child("INTERRUPT = True\n" + code)

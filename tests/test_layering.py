@@ -27,7 +27,7 @@ def test_never_imports_deepspeed() -> None:
 
 def test_deepspeed_names_live_in_one_subpackage() -> None:
     for path in modules():
-        if path.parent.name == "deepspeed" or path.name == "torchfile.py":
+        if path.parent.name == "deepspeed" or path == PACKAGE / "torchfile" / "reader.py":
             continue
         text = path.read_text()
         for word in FORMAT_WORDS:
@@ -36,14 +36,15 @@ def test_deepspeed_names_live_in_one_subpackage() -> None:
 
 def test_nothing_imports_the_cli() -> None:
     for path in modules():
-        if path.name in ("cli.py", "__main__.py"):
+        if path.parent.name == "cli" or path.name == "__main__.py":
             continue
-        assert "cli" not in {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module}, path
+        imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any("cli" in module.split(".") for module in imported), path
 
 
 def test_reading_needs_neither_deepspeed_nor_eager_torch() -> None:
     code = (
-        "import sys, zckpt.deepspeed.reader as r, zckpt.consolidate;"
+        "import sys, zckpt.deepspeed.reader as r, zckpt.ops.consolidate;"
         "print('deepspeed' in sys.modules, 'torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)

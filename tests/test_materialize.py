@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import same_bits
-from zckpt.dtypes import BF16, FP16, FP32, DType, from_torch
-from zckpt.materialize import convert, numpy_to_torch
+from zckpt.core.dtypes import BF16, FP16, FP32, DType, from_torch
+from zckpt.io.materialize import convert, numpy_to_torch
 
 
 def every_pattern(dtype: torch.dtype) -> torch.Tensor:

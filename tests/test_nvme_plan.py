@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from conftest import ROOT
-from zckpt.cli import app
+from zckpt.cli.app import app
+from zckpt.core.errors import UsageError
 from zckpt.deepspeed import swap_rules as R
-from zckpt.errors import UsageError
-from zckpt.nvme_plan import ParamShape, load_params, nvme_plan, plan_nvme, shapes_from_hf_config
+from zckpt.ops.nvme_plan import ParamShape, load_params, nvme_plan, plan_nvme, shapes_from_hf_config
 
 DATA = ROOT / "tests" / "data"
 MEASURED = json.loads((DATA / "nvme_plan_measured.json").read_text())["runs"]

@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLES, same_bits
 from zckpt import LayoutError, UsageError, consolidate, inspect_path
-from zckpt.cli import app
+from zckpt.cli.app import app
 
 PEFT_SAMPLES = SAMPLES / "peft_lora"
 RUNS = ("llama_z3_bf16_ws2", "gpt2_z2_fp32_ws2")
@@ -249,7 +249,7 @@ def test_inspect_reports_adapter_excluded_base_and_dangling_alias() -> None:
     assert report["frozen_excluded"] is True and report["frozen"] == []
     assert report["tied_missing_source"] == {"base_model.model.lm_head.weight": "base_model.model.model.embed_tokens.weight"}
     assert report["complete"]
-    from zckpt.inspect import render
+    from zckpt.ops.inspect import render
 
     text = render(report)
     assert "adapter        LORA r=4 alpha=8" in text and "frozen base    not in these files" in text
@@ -270,9 +270,9 @@ def test_embedding_lora_merge_rounds_the_delta_first(tmp_path: Path) -> None:
     fp32 delta. A bf16 embedding base and a synthetic lora_embedding_A/B show the difference."""
     from safetensors.torch import save_file
 
-    from zckpt.index import Entry
-    from zckpt.peft import Adapter, merged_value, plan_merge
-    from zckpt.reading import FileReader
+    from zckpt.core.index import Entry
+    from zckpt.io.reading import FileReader
+    from zckpt.ops.peft import Adapter, merged_value, plan_merge
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(10, 6, generator=generator).to(torch.bfloat16)
@@ -297,8 +297,8 @@ def test_embedding_lora_merge_rounds_the_delta_first(tmp_path: Path) -> None:
 
 
 def _sources(path: Path) -> list:
-    from zckpt.index import Segment, TensorSource
-    from zckpt.safetensors_format import read_header
+    from zckpt.core.index import Segment, TensorSource
+    from zckpt.hf.safetensors import read_header
 
     header = read_header(path)
     return [(t.name, TensorSource(t.dtype, t.shape, (Segment(str(path), header.data_start + t.begin, t.numel),))) for t in header.tensors]

@@ -36,11 +36,11 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import ROOT, sample
-from zckpt import torchfile
-from zckpt.cli import app
-from zckpt.dtypes import BY_NAME, FP32
-from zckpt.errors import CorruptFileError, UnsafePickleError
-from zckpt.reading import FileReader, read_ref
+from zckpt.cli.app import app
+from zckpt.core.dtypes import BY_NAME, FP32
+from zckpt.core.errors import CorruptFileError, UnsafePickleError
+from zckpt.io.reading import FileReader, read_ref
+from zckpt.torchfile import reader as torchfile
 
 try:  # click < 8.2 mixes stderr into output unless told not to; 8.2 always keeps it apart
     runner = CliRunner(mix_stderr=False)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from conftest import SAMPLE_LIST, sample
-from zckpt import CheckpointNotFoundError, UsageError, torchfile
+from zckpt import CheckpointNotFoundError, UsageError
 from zckpt.deepspeed import names as N
 from zckpt.deepspeed.reader import locate, open_checkpoint
+from zckpt.torchfile import reader as torchfile
 
 
 def test_nvme_swap_files_are_named_by_module_order_ids_too() -> None:
@@ -57,7 +58,7 @@ def test_index_segments_lie_inside_their_files() -> None:
 def test_file_reader_bounds_open_descriptors(tmp_path: Path) -> None:
     import numpy as np
 
-    from zckpt.reading import FileReader
+    from zckpt.io.reading import FileReader
 
     paths = []
     for i in range(10):

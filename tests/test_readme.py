@@ -16,7 +16,7 @@ import pytest
 import typer.main
 
 from conftest import ROOT, SAMPLES
-from zckpt.cli import app
+from zckpt.cli.app import app
 
 README = (ROOT / "README.md").read_text()
 COMMANDS = typer.main.get_command(app).commands

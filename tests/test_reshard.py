@@ -12,13 +12,13 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import SAMPLE_LIST, Sample, run_zckpt_torchrun, same_bits, sample
-from zckpt import torchfile
-from zckpt.consolidate import consolidate
 from zckpt.deepspeed.reader import open_training_state
-from zckpt.materialize import read_tensor
-from zckpt.reading import FileReader, read_ref
-from zckpt.reshard import reshard
-from zckpt.torchfile import PickledObject, TensorRef
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader, read_ref
+from zckpt.ops.consolidate import consolidate
+from zckpt.ops.reshard import reshard
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile.reader import PickledObject, TensorRef
 
 RESHARDABLE = [s for s in SAMPLE_LIST if s.meta["ds_config"]["zero_optimization"].get("offload_optimizer", {}).get("device") != "nvme"]
 

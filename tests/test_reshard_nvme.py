@@ -26,12 +26,13 @@ from safetensors.torch import load_file
 
 from conftest import run_zckpt_torchrun, same_bits, sample
 from test_reshard import compare_trees, tag_files
-from zckpt import inspect_path, torchfile
+from zckpt import inspect_path
 from zckpt.deepspeed.reader import open_training_state
-from zckpt.materialize import read_tensor
-from zckpt.reading import FileReader
-from zckpt.reshard import reshard
-from zckpt.universal import to_universal
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
+from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.torchfile import reader as torchfile
 
 NAME = "z3_bf16_ws2_nvmeoffload_frozen_tied_groups"
 CASE = sample(NAME)

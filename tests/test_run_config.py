@@ -16,15 +16,15 @@ import pytest
 
 from conftest import sample
 from test_cli import runner
-from zckpt import torchfile
-from zckpt.cli import app
+from zckpt.cli.app import app
+from zckpt.core.errors import CorruptFileError, UsageError
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.deepspeed.run_config import read_run_config
 from zckpt.deepspeed.save import write_checkpoint
 from zckpt.deepspeed.writer import plan_checkpoint, plan_target
-from zckpt.errors import CorruptFileError, UsageError
-from zckpt.nvme_plan import ParamShape, plan_nvme
-from zckpt.reshard import reshard
+from zckpt.ops.nvme_plan import ParamShape, plan_nvme
+from zckpt.ops.reshard import reshard
+from zckpt.torchfile import reader as torchfile
 from zckpt.trainer import TrainConfig
 from zckpt.trainer.loop import Trainer
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from zckpt.dtypes import BF16, FP32, BY_NAME
-from zckpt.errors import CorruptFileError
-from zckpt.safetensors_format import build_header, read_header
+from zckpt.core.dtypes import BF16, FP32, BY_NAME
+from zckpt.core.errors import CorruptFileError
+from zckpt.hf.safetensors import build_header, read_header
 
 
 def test_streamed_file_loads_with_safetensors(tmp_path: Path) -> None:

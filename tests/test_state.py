@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from conftest import SAMPLE_LIST, Sample, same_bits
 from zckpt.deepspeed.reader import open_training_state
-from zckpt.materialize import read_tensor
-from zckpt.reading import FileReader
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
 
 WITH_LIVE_OPTIMIZER = [s for s in SAMPLE_LIST if (s.folder / "reference" / "live_optimizer.safetensors").exists()]
 

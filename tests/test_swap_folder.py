@@ -21,14 +21,14 @@ from safetensors.torch import load_file
 
 from conftest import same_bits, sample
 from test_reshard import one_line, run_cli
-from zckpt import api
-from zckpt.consolidate import consolidate
+from zckpt.core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError
 from zckpt.deepspeed.reader import survey
-from zckpt.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError
-from zckpt.inspect import inspect_path
-from zckpt.reshard import reshard
-from zckpt.universal import to_universal
-from zckpt.verify import verify
+from zckpt.ops import api
+from zckpt.ops.consolidate import consolidate
+from zckpt.ops.inspect import inspect_path
+from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.ops.verify import verify
 
 CASE = sample("z3_bf16_ws2_nvme_live_swap")
 CKPT = CASE.checkpoint

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import SAMPLE_LIST
-from zckpt import torchfile
-from zckpt.dtypes import BY_NAME
-from zckpt.errors import CheckpointNotFoundError, CorruptFileError, UnsafePickleError
-from zckpt.materialize import numpy_to_torch
-from zckpt.reading import FileReader, read_ref
-from zckpt.torchfile import PickledObject, TensorRef, ZeroStageEnum
+from zckpt.core.dtypes import BY_NAME
+from zckpt.core.errors import CheckpointNotFoundError, CorruptFileError, UnsafePickleError
+from zckpt.io.materialize import numpy_to_torch
+from zckpt.io.reading import FileReader, read_ref
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile.reader import PickledObject, TensorRef, ZeroStageEnum
 
 
 def rewrite_archive(source: Path, target: Path, edit=lambda records: records, compression: int = zipfile.ZIP_STORED) -> None:
@@ -164,8 +164,8 @@ def test_safetensors_codes_are_the_installed_safetensors_own() -> None:
 
     from safetensors.torch import save
 
-    from zckpt.errors import UsageError
-    from zckpt.safetensors_format import build_header
+    from zckpt.core.errors import UsageError
+    from zckpt.hf.safetensors import build_header
 
     for dtype in BY_NAME.values():
         try:

@@ -30,12 +30,16 @@ import pytest
 import torch
 
 from conftest import ROOT, SAMPLES, same_bits
-from zckpt import torchfile, torchpickle, torchsave, unpickler, ziparchive
-from zckpt.dtypes import BF16, BY_NAME, FP16, FP32, from_torch
-from zckpt.errors import CorruptFileError
-from zckpt.index import Segment
-from zckpt.reading import FileReader
-from zckpt.torchsave import (
+from zckpt.core.dtypes import BF16, BY_NAME, FP16, FP32, from_torch
+from zckpt.core.errors import CorruptFileError
+from zckpt.core.index import Segment
+from zckpt.io.reading import FileReader
+from zckpt.torchfile import pickler as torchpickle
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
+from zckpt.torchfile import unpickler
+from zckpt.torchfile import ziparchive
+from zckpt.torchfile.save import (
     Copy,
     GlobalName,
     Inline,
@@ -688,10 +692,10 @@ def test_zip64_threshold_is_minizs(size: int, header_offset: int, zip64: bool) -
 
 MEMORY_SCRIPT = r"""
 import os, resource, sys
-from zckpt.dtypes import BF16, FP32
-from zckpt.index import Segment
-from zckpt.reading import FileReader
-from zckpt.torchsave import Copy, OutTensor, plan_archive, write_archive
+from zckpt.core.dtypes import BF16, FP32
+from zckpt.core.index import Segment
+from zckpt.io.reading import FileReader
+from zckpt.torchfile.save import Copy, OutTensor, plan_archive, write_archive
 folder = sys.argv[1]
 source = os.path.join(folder, "source.bin")
 with open(source, "wb") as handle:

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from zckpt.trainer.ranks import run_ranks
-from zckpt import api
 from zckpt.deepspeed.reader import open_training_state
+from zckpt.ops import api
 from zckpt.trainer import TrainConfig, Trainer, build_model, plan_training
+from zckpt.trainer.ranks import run_ranks
 
 # tied embeddings, a frozen param, several sub-groups, bf16 compute
 OPTIONS = dict(layers=1, dim=12, heads=2, vocab=19, seq_len=6, micro_batch=2, grad_accum=2, lr=1e-2, warmup=1, steps=6, seed=5,
@@ -104,8 +104,8 @@ def test_resume_at_another_world_size(two_ranks, tmp_path):
     run resumes from each with the saved state bit for bit, and the three continue identically.
     Against the uninterrupted 2-rank run, the gradient is reduced in another order (no
     reduce-scatter at one rank) and rounded to bf16 elsewhere: losses agree to 2e-3 relative."""
-    from zckpt.reshard import reshard
-    from zckpt.universal import to_universal
+    from zckpt.ops.reshard import reshard
+    from zckpt.ops.universal import to_universal
 
     folder, results = two_ranks
     reshard(folder, tmp_path / "ws1", world_size=1)
@@ -152,7 +152,7 @@ def _failing_save(rank: int, world: int, folder: str) -> str:
     import errno
 
     import zckpt.deepspeed.save as save_module
-    from zckpt.errors import ZckptError
+    from zckpt.core.errors import ZckptError
 
     trainer = Trainer(TrainConfig(**{**OPTIONS, "out": folder}))
     trainer.train_step()

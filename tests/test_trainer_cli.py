@@ -14,8 +14,8 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from zckpt import api
-from zckpt.cli import app
+from zckpt.cli.app import app
+from zckpt.ops import api
 from zckpt.trainer import TrainConfig, build_model
 
 try:  # click < 8.2 mixes stderr into output unless told not to

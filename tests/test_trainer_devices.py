@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from test_trainer_cli import SMALL, runner
-from zckpt.cli import app
-from zckpt.errors import UsageError
+from zckpt.cli.app import app
+from zckpt.core.errors import UsageError
 from zckpt.trainer import TrainConfig, Trainer
 from zckpt.trainer.devices import compute_device, process_group_backend, rank_device
 from zckpt.trainer.ranks import run_ranks

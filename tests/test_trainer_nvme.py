@@ -14,8 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zckpt import api, torchfile
 from zckpt.deepspeed.reader import open_training_state
+from zckpt.ops import api
+from zckpt.torchfile import reader as torchfile
 from zckpt.trainer import TrainConfig, Trainer
 from zckpt.trainer.ranks import run_ranks
 
@@ -163,7 +164,7 @@ def test_swapped_state_takes_the_pool_not_the_model(tmp_path):
 def test_cli_trains_with_nvme_path(tmp_path):
     from typer.testing import CliRunner
 
-    from zckpt.cli import app
+    from zckpt.cli.app import app
 
     model = ["--layers", "1", "--dim", "256", "--heads", "4", "--vocab", "64", "--seq-len", "8", "--micro-batch", "2", "--sub-group-size", "530000"]
     result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), "--steps", "2", "--nvme-path", str(tmp_path / "nvme"), *model])

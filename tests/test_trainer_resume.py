@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from zckpt.core.errors import UsageError
 from zckpt.deepspeed.engine_config import RecordedRun, engine_config, recorded_run
-from zckpt.errors import UsageError
 from zckpt.trainer.model import GPTConfig
 from zckpt.trainer.optim import LRSchedule
 from zckpt.trainer.resume import CheckpointFacts, resolve_resume

@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 
 from conftest import SAMPLE_LIST, Sample, run_zckpt_torchrun, same_bits, sample
 from test_reshard import RESHARDABLE, compare_trees, one_line, run_cli, tag_files
-from zckpt import torchfile
-from zckpt.consolidate import consolidate
 from zckpt.deepspeed.reader import open_training_state
-from zckpt.reading import FileReader
-from zckpt.reshard import reshard
-from zckpt.universal import to_universal
+from zckpt.io.reading import FileReader
+from zckpt.ops.consolidate import consolidate
+from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.torchfile import reader as torchfile
 
 WITH_LIVE_OPTIMIZER = [s for s in SAMPLE_LIST if (s.folder / "reference" / "live_optimizer.safetensors").exists()]
 
@@ -177,7 +177,7 @@ def test_torchrun_processes_split_the_params_byte_identically(tmp_path: Path) ->
 
 
 def test_inspect_tells_a_universal_folder_and_the_stage_that_loads_it(tmp_path: Path) -> None:
-    from zckpt.inspect import inspect_path, render
+    from zckpt.ops.inspect import inspect_path, render
 
     to_universal(sample("z2_fp16_ws4_tied").checkpoint, tmp_path / "u", target_stage=3)
     report = inspect_path(tmp_path / "u")

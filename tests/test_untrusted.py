@@ -25,12 +25,14 @@ from safetensors.torch import load_file
 
 from conftest import SAMPLES, sample, same_bits
 from test_bad_input import run_cli
-from zckpt import OutputError, UnsafePathError, to_universal, torchfile, torchsave
+from zckpt import OutputError, UnsafePathError, to_universal
+from zckpt.core.untrusted import input_roots, name_problem, path_component, regular_file_inside
 from zckpt.deepspeed.save import write_checkpoint
 from zckpt.deepspeed.writer import carry
-from zckpt.output import StagedOutput, path_inside
-from zckpt.reshard import plan_reshard
-from zckpt.untrusted import input_roots, name_problem, path_component, regular_file_inside
+from zckpt.io.output import StagedOutput, path_inside
+from zckpt.ops.reshard import plan_reshard
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
 
 ZERO2 = "z2_fp32_ws1"  # one rank, ZeRO-2: the "small ZeRO-2 checkpoint"
 TRAINER = "hf_trainer"  # a Trainer checkpoint-N folder (config, tokenizer, trainer_state beside the tag)

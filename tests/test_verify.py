@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from conftest import SAMPLE_LIST, sample
 from test_checksums import data_records, flip, record_start
 from zckpt import consolidate
-from zckpt.cli import app
-from zckpt.reshard import reshard
-from zckpt.universal import to_universal
-from zckpt.verify import verify
+from zckpt.cli.app import app
+from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.ops.verify import verify
 
 
 def run_cli(*args: str) -> tuple[int, str]:
@@ -105,7 +105,7 @@ def test_swapped_zero12_rank_files_fail(tmp_path: Path) -> None:
 
 def test_leftovers_of_a_killed_run_fail(tmp_path: Path) -> None:
     checkpoint, _ = _copy(tmp_path, "z2_fp32_ws1")
-    from zckpt.output import owner_tag
+    from zckpt.io.output import owner_tag
 
     host = owner_tag().rsplit("-", 1)[0]  # this host, a pid that is not running: a dead owner
     (checkpoint / f".model.safetensors.zckpt-tmp-{host}-999999999").write_bytes(b"partial")

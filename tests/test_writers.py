@@ -1,4 +1,4 @@
-"""One writer per output folder (issue #17, item 5): `zckpt.output.OutputLock`, and writers
+"""One writer per output folder (issue #17, item 5): `zckpt.io.output.OutputLock`, and writers
 started together into one folder as a retried job or a job array starts them.
 
 Each round starts several real `python -m zckpt` processes at once into one fresh folder
@@ -42,9 +42,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, sample
-from zckpt.errors import OutputError
-from zckpt.output import LOCK_FILE, OutputLock, find_leftovers, owner_tag
-from zckpt.verify import verify
+from zckpt.core.errors import OutputError
+from zckpt.io.output import LOCK_FILE, OutputLock, find_leftovers, owner_tag
+from zckpt.ops.verify import verify
 
 SOURCE = sample("z3_bf16_ws3_subgroups_groups").checkpoint
 HOST = owner_tag().rpartition("-")[0]
@@ -302,7 +302,7 @@ def test_a_torchrun_job_waits_with_all_its_ranks(references, gate_path: Path, tm
 
 HOLDER = r"""
 import sys, time
-from zckpt.output import OutputLock
+from zckpt.io.output import OutputLock
 lock = OutputLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)

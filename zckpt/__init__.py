@@ -23,7 +23,7 @@ if _module == ["zckpt"] or sys.argv[0].endswith(("/zckpt", "\\zckpt", "zckpt.exe
     # the `zckpt` command (or `python -m zckpt`) is starting: from this first line of zckpt on,
     # SIGINT, SIGTERM and SIGHUP end it with the CLI's one line (not a KeyboardInterrupt
     # traceback from an import); the CLI installs its own handlers once it runs
-    from .interrupts import exit_on_signal
+    from .io.interrupts import exit_on_signal
 
     exit_on_signal()
 del _module
@@ -31,7 +31,7 @@ del _module
 import importlib
 import types
 
-from .errors import (
+from .core.errors import (
     CheckpointNotFoundError,
     CorruptFileError,
     LayoutError,
@@ -46,24 +46,24 @@ TYPE_CHECKING = False  # not typing's: importing typing costs the command's star
 if TYPE_CHECKING:
     from typing import Any
 
-    from .api import iter_tensors, load_into_module, load_state_dict
-    from .consolidate import consolidate, plan_consolidation
     from .deepspeed.reader import open_checkpoint, open_training_state, survey
-    from .diff import DiffReport, diff
-    from .inspect import inspect_path
-    from .reshard import plan_reshard, reshard
-    from .universal import plan_to_universal, to_universal
+    from .ops.api import iter_tensors, load_into_module, load_state_dict
+    from .ops.consolidate import consolidate, plan_consolidation
+    from .ops.diff import DiffReport, diff
+    from .ops.inspect import inspect_path
+    from .ops.reshard import plan_reshard, reshard
+    from .ops.universal import plan_to_universal, to_universal
 
 # The API is imported when first used, not with the package: `zckpt` (the command) starts with
 # only its own imports, and so can answer Ctrl-C at start-up with its one line at once.
 _API = {
-    "iter_tensors": ".api", "load_into_module": ".api", "load_state_dict": ".api",
-    "consolidate": ".consolidate", "plan_consolidation": ".consolidate",
+    "iter_tensors": ".ops.api", "load_into_module": ".ops.api", "load_state_dict": ".ops.api",
+    "consolidate": ".ops.consolidate", "plan_consolidation": ".ops.consolidate",
     "open_checkpoint": ".deepspeed.reader", "open_training_state": ".deepspeed.reader", "survey": ".deepspeed.reader",
-    "DiffReport": ".diff", "diff": ".diff",
-    "inspect_path": ".inspect",
-    "plan_reshard": ".reshard", "reshard": ".reshard",
-    "plan_to_universal": ".universal", "to_universal": ".universal",
+    "DiffReport": ".ops.diff", "diff": ".ops.diff",
+    "inspect_path": ".ops.inspect",
+    "plan_reshard": ".ops.reshard", "reshard": ".ops.reshard",
+    "plan_to_universal": ".ops.universal", "to_universal": ".ops.universal",
 }
 
 
@@ -76,8 +76,8 @@ class _Package(types.ModuleType):
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # importing submodule `zckpt.consolidate` binds it as an attribute of the package: the
-        # function of the same name keeps `zckpt.consolidate` (as when it was imported eagerly)
+        # importing a submodule binds it as an attribute of the package: one named like an API
+        # function (`zckpt.consolidate` was, before the layers) must not replace the function
         if name in _API and isinstance(value, types.ModuleType):
             return
         types.ModuleType.__setattr__(self, name, value)

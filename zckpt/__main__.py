@@ -1,11 +1,11 @@
 """``python -m zckpt`` and the ``zckpt`` command."""
 
-from .interrupts import exit_on_signal
+from .io.interrupts import exit_on_signal
 
 
 def main() -> None:
     exit_on_signal()  # a signal while the CLI's imports run: one line, not a traceback
-    from .cli import main as run_cli
+    from .cli.app import main as run_cli
 
     run_cli()
 

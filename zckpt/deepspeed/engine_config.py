@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import FP16
-from ..torchpickle import GlobalName, PickledInstance
+from ..core.dtypes import FP16
+from ..torchfile.pickler import GlobalName, PickledInstance
 from . import names as N
 from .run_config import read_run_config
 from .swap_rules import MAX_IN_CPU_DEFAULT, OPTIMIZER_BUFFER_COUNT_DEFAULT, offload_optimizer_section, offload_param_section

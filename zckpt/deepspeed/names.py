@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..untrusted import path_component
+from ..core.untrusted import path_component
 
 # --- files -------------------------------------------------------------------------------------
 LATEST_FILE = "latest"

@@ -1,4 +1,4 @@
-"""Read a DeepSpeed ZeRO checkpoint folder into zckpt's :class:`~zckpt.index.CheckpointIndex`.
+"""Read a DeepSpeed ZeRO checkpoint folder into zckpt's :class:`~zckpt.core.index.CheckpointIndex`.
 
 Only small pickles are parsed (no tensor data is read, bar a few step counters used to tell
 rank files of different runs apart), the whole layout is validated, and every param's bytes
@@ -17,23 +17,24 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .. import hf, torchfile
-from ..checksums import RecordChecker, repeated_ranks
-from ..dtypes import BF16, FP16, FP32, DType
-from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
-from ..index import CheckpointIndex, Entry, Segment, TensorSource
-from ..state import TrainingState
-from ..materialize import read_scalar
-from ..reading import FileReader, source_of
-from ..torchfile import TensorRef
-from ..untrusted import path_component, regular_file_inside
+from ..core.dtypes import BF16, FP16, FP32, DType
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError, ZckptError
+from ..core.index import CheckpointIndex, Entry, Segment, TensorSource
+from ..core.state import TrainingState
+from ..core.untrusted import path_component, regular_file_inside
+from ..hf import names as hf
+from ..io.checksums import RecordChecker, repeated_ranks
+from ..io.materialize import read_scalar
+from ..io.reading import FileReader, source_of
+from ..torchfile import reader as torchfile
+from ..torchfile.reader import TensorRef
 from . import names as N
 from . import swap_folder as swap
+from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
 from .optim_state import build_training_state, flat_states, slice_mapping_layout
+from .partition import zero3_partition
 from .run_config import RunConfig, read_run_config
 from .swap_rules import Aio, SwapRule
-from .layout import FlatGroup, LayoutParam, ZeroLayout, zero12_layout, zero3_layout_of_sub_groups
-from .partition import zero3_partition
 
 
 def natural_key(text: str) -> list[int | str]:

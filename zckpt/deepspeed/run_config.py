@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Mapping, NoReturn
 
-from ..errors import CorruptFileError, UsageError, ZckptError
+from ..core.errors import CorruptFileError, UsageError, ZckptError
 from . import names as N
 from .swap_rules import (
     AIO_BLOCK_SIZE,

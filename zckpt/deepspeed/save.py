@@ -10,15 +10,15 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from ..core.errors import OutputError
+from ..io.checksums import RecordChecker
+from ..io.interrupts import signals_deferred
+from ..io.jobs import JobFailed, JobSync
+from ..io.output import OutputLock, StagedFolder, fsync_file, output_error, path_inside, write_text_atomic
+from ..io.reading import FileReader
+from ..io.workers import WorkerPool
+from ..torchfile.save import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
 from .writer import CheckpointPlan, RawFile
-from ..checksums import RecordChecker
-from ..errors import OutputError
-from ..interrupts import signals_deferred
-from ..jobs import JobFailed, JobSync
-from ..output import OutputLock, StagedFolder, fsync_file, output_error, path_inside, write_text_atomic
-from ..reading import FileReader
-from ..torchsave import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
-from ..workers import WorkerPool
 
 PARALLEL_MIN_BYTES = 64 << 20  # below this, one thread does it
 
@@ -80,7 +80,7 @@ def write_checkpoint(
     """Write every file of `plan` into ``output_dir/<tag>/`` and point ``output_dir/latest`` (the
     plan's `latest_file`) at it.
 
-    One writer per output folder: process 0 holds ``output_dir``'s :class:`~zckpt.output.OutputLock`
+    One writer per output folder: process 0 holds ``output_dir``'s :class:`~zckpt.io.output.OutputLock`
     from its checks to ``latest``; another run holding it refuses this one, or with `wait` is
     waited for. With `parts` > 1 (processes of one job sharing a filesystem), process `part`
     writes its share and process 0 checks, commits and holds the lock for the job; `barrier`

@@ -29,11 +29,11 @@ from typing import Literal
 
 import numpy as np
 
-from ..dtypes import BF16, FP16, DType
-from ..errors import CheckpointNotFoundError, LayoutError
-from ..index import TensorSource
-from ..materialize import convert
-from ..reading import FileReader
+from ..core.dtypes import BF16, FP16, DType
+from ..core.errors import CheckpointNotFoundError, LayoutError
+from ..core.index import TensorSource
+from ..io.materialize import convert
+from ..io.reading import FileReader
 from . import names as N
 from .swap_rules import SwapRule
 

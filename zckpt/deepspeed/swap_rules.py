@@ -3,7 +3,7 @@
 Read from DeepSpeed 0.19.8 (``runtime/swap_tensor/``, ``runtime/zero/``; file:line references in
 sample_ckpts/FORMAT_OBSERVED.md, "NVMe swap buffers: DeepSpeed's rules") and checked against the
 swap folders and buffers of real runs (tests/data/nvme_plan_measured.json). Pure: no files, no
-tensors; :mod:`zckpt.nvme_plan` plans with them.
+tensors; :mod:`zckpt.ops.nvme_plan` plans with them.
 
 Worked example, the issue's Qwen3-0.6B at one rank in bf16 (2-byte elements)::
 

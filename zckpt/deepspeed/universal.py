@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..state import ParamState, TrainingState
-from ..torchsave import OutTensor
+from ..core.state import ParamState, TrainingState
+from ..torchfile.save import OutTensor
 from . import names as N
 from .writer import CheckpointPlan, OptimPlanner, PlannedFile, plan_model_states, plan_target, scalar_of, target_layout, tensor_of
 

@@ -16,12 +16,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptFileError, LayoutError
-from ..index import CheckpointIndex, Entry, TensorSource
-from ..materialize import read_scalar
-from ..reading import FileReader, source_of
-from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
-from ..torchfile import TensorRef
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..core.index import CheckpointIndex, Entry, TensorSource
+from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
+from ..io.materialize import read_scalar
+from ..io.reading import FileReader, source_of
+from ..torchfile.reader import TensorRef
 from . import names as N
 from .layout import LayoutParam, zero12_layout
 from .optim_state import module_buffers, optimizer_order, saved_run_state

@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from ..dtypes import BF16, BY_SHORT, FP32, DType
-from ..errors import UsageError
-from ..index import Segment, TensorSource
-from ..state import ScalarState, TrainingState
-from ..torchfile import PickledEnumMember, PickledObject, TensorRef, TorchDevice, TorchSize, global_name
-from ..torchsave import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
+from ..core.dtypes import BF16, BY_SHORT, FP32, DType
+from ..core.errors import UsageError
+from ..core.index import Segment, TensorSource
+from ..core.state import ScalarState, TrainingState
+from ..torchfile.reader import PickledEnumMember, PickledObject, TensorRef, TorchDevice, TorchSize, global_name
+from ..torchfile.save import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
+from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
+from .optim_state import slice_mapping_layout
 from .partition import zero3_partition
 from .run_config import NVME, OFFLOAD_OPTIMIZER_DEVICE_KEY, STAGE_KEY, read_run_config
 from .swap_rules import SwapRule
-from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
-from .optim_state import slice_mapping_layout
 
 ZERO_STAGE_ENUM = GlobalName("deepspeed.runtime.zero.config", "ZeroStageEnum")
 LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
@@ -217,7 +217,7 @@ def carry(obj: Any) -> Any:
     Megatron's ``args``) with their state, enum members, class references, torch.Size and
     torch.device, numpy arrays, dtypes and scalars (pickled by numpy's own reduce)."""
     if isinstance(obj, TensorRef):
-        from ..reading import source_of
+        from ..io.reading import source_of
 
         return tensor_of(source_of(obj))
     if isinstance(obj, PickledObject):

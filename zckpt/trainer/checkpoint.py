@@ -1,6 +1,6 @@
 """Save and resume the trainer's state as DeepSpeed ZeRO-3 checkpoints, through the shared writer.
 
-Saving describes the live state as a :class:`~zckpt.state.TrainingState` whose tensors are byte
+Saving describes the live state as a :class:`~zckpt.core.state.TrainingState` whose tensors are byte
 ranges of the trainer's memory files (:mod:`.arena`): the writer that reshards checkpoints then
 plans and streams the files, each rank writing its own rank's files, and rank 0 moves ``latest``
 only after every rank has written and synced (``write_checkpoint``'s barrier). A rank's sources
@@ -19,20 +19,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..core.dtypes import FP32, from_torch
+from ..core.errors import LayoutError
+from ..core.index import CheckpointIndex, Entry, Segment, TensorSource
+from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..deepspeed import engine_config as E
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import write_checkpoint
 from ..deepspeed.writer import plan_checkpoint, plan_target
-from ..dtypes import FP32, from_torch
-from ..errors import LayoutError
-from ..index import CheckpointIndex, Entry, Segment, TensorSource
-from ..jobs import JobSync
-from ..materialize import read_tensor
-from ..output import write_text_atomic
-from ..reading import FileReader
-from ..state import ParamGroupState, ParamState, ScalarState, TrainingState
-from ..tensor_sources import read_range
-from ..torchpickle import Inline, OutTensor
+from ..io.jobs import JobSync
+from ..io.materialize import read_tensor
+from ..io.output import write_text_atomic
+from ..io.reading import FileReader
+from ..ops.tensor_sources import read_range
+from ..torchfile.pickler import Inline, OutTensor
 from .model import MODEL_CONFIG_FILE
 from .optim import ADAM_STATES
 

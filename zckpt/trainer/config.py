@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .devices import check_device_choice
 from .model import GPTConfig
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from ..errors import CorruptFileError, UsageError
+from ..core.errors import CorruptFileError, UsageError
 
 _SEED_STRIDE = 1_000_003
 

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CorruptFileError, UsageError
-from ..index import TRAINER_MODEL_CONFIG as MODEL_CONFIG_FILE
-from ..index import TRAINER_MODEL_TYPE
+from ..core.errors import CorruptFileError, UsageError
+from ..core.index import TRAINER_MODEL_CONFIG as MODEL_CONFIG_FILE
+from ..core.index import TRAINER_MODEL_TYPE
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from typing import Sequence
 
 import torch
 
+from ..core.errors import OutputError
 from ..deepspeed import names as N
 from ..deepspeed.swap_folder import STAGE_DIR
 from ..deepspeed.swap_rules import SwapRule
-from ..errors import OutputError
 from .arena import MemoryArena
 from .swap import pread_exactly, pwrite_all
 

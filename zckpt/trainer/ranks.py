@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..interrupts import exit_without_teardown
+from ..io.interrupts import exit_without_teardown
 
 
 def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:

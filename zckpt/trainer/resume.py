@@ -34,9 +34,9 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from ..core.errors import CorruptFileError, UsageError
 from ..deepspeed.engine_config import RecordedRun, recorded_run
 from ..deepspeed.reader import open_training_state
-from ..errors import CorruptFileError, UsageError
 from .config import TrainConfig, check_dtype
 from .model import MODEL_CONFIG_FILE, GPTConfig, load_model_config
 

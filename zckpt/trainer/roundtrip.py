@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .config import TrainConfig
 from .loop import Trainer
 from .ranks import run_ranks
@@ -108,9 +108,9 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
     `save_at`); `config.micro_batch` is the micro-batch at `from_world`; with `nvme`, every run
     offloads its optimizer state and gradients (with `nvme_params` its params too) to a swap
     folder of its own under the work folder."""
-    from ..api import load_state_dict
-    from ..reshard import reshard
-    from ..universal import to_universal
+    from ..ops.api import load_state_dict
+    from ..ops.reshard import reshard
+    from ..ops.universal import to_universal
 
     if not 0 < save_at < config.steps:
         raise UsageError(None, f"the save step must lie inside the run: 0 < {save_at} < {config.steps}")

@@ -35,11 +35,11 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..core.errors import OutputError
 from ..deepspeed import names as N
 from ..deepspeed.swap_folder import OPTIMIZER_DIR, STAGE_DIR
-from ..direct_write import BLOCK, DIRECT_MIN_BYTES, wants_direct
-from ..errors import OutputError
-from ..workers import WorkerPool
+from ..io.direct_write import BLOCK, DIRECT_MIN_BYTES, wants_direct
+from ..io.workers import WorkerPool
 
 SWAP_KEYS = (None, "exp_avg", "exp_avg_sq")  # the master's file, then each Adam moment's
 IN_FLIGHT = 3  # buffer sets: one being read, one in AdamW, one being written back

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.errors import UsageError
 from ..deepspeed.layout import LayoutParam, ZeroLayout, zero3_layout
 from ..deepspeed.partition import zero3_partition
-from ..errors import UsageError
 from .param_store import ParamStore
 
 DECAY, NO_DECAY = "decay", "no_decay"

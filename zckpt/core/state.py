@@ -1,6 +1,6 @@
 """The whole training state of a checkpoint in zckpt's own types: what a resume needs.
 
-Built by the format layer beside the :class:`~zckpt.index.CheckpointIndex` (the weights): every
+Built by the format layer beside the :class:`~zckpt.core.index.CheckpointIndex` (the weights): every
 trainable param's fp32 master and optimizer state tensors as lazy file segments, the param
 groups with their hyperparameters and per-group scalars (``step``), and the engine's counters,
 loss scaler, lr scheduler, config and client state as plain objects. Writers lay these out again

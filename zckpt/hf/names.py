@@ -7,11 +7,11 @@ import os
 import re
 from typing import Any, Callable
 
-from .errors import CheckpointNotFoundError, CorruptFileError
-from .index import Segment, TensorSource
-from .reading import read_json_object
-from .safetensors_format import read_header
-from .untrusted import path_component, regular_file_inside
+from ..core.errors import CheckpointNotFoundError, CorruptFileError
+from ..core.index import Segment, TensorSource
+from ..core.untrusted import path_component, regular_file_inside
+from ..io.reading import read_json_object
+from .safetensors import read_header
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -1,6 +1,6 @@
 """Termination signals (SIGINT, SIGTERM, SIGHUP) become an exception only where that is safe.
 
-The CLI turns a termination signal into an :class:`~zckpt.errors.Interrupted` exception raised
+The CLI turns a termination signal into an :class:`~zckpt.core.errors.Interrupted` exception raised
 in the main thread, so the cleanup that runs for any error (temporary files, staging folders)
 runs for a signal too. Python raises it at whatever bytecode the main thread is at, which is
 harmless in zckpt's own code (every write is staged) but not inside a few pieces of bookkeeping
@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 
-from .errors import Interrupted
+from ..core.errors import Interrupted
 
 CAUGHT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
@@ -164,7 +164,8 @@ def signals_deferred() -> Iterator[None]:
             signal.raise_signal(pending[0])
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# zckpt's own code is every module under the package folder: the parent of this module's zckpt/io/
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def in_zckpt_code(frame: Any) -> bool:

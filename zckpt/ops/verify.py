@@ -21,18 +21,18 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .checksums import check_archive
-from .deepspeed import swap_folder as swap
-from .deepspeed.reader import Survey, looks_like_checkpoint, survey
-from .dtypes import BF16, FP16, FP32, DType
-from .errors import CheckpointNotFoundError, UsageError, ZckptError
-from .index import Segment, TensorSource
-from .materialize import CHUNK_BYTES
-from .output import find_leftovers
-from .reading import FileReader
-from .shards import format_size
+from ..core.dtypes import BF16, FP16, FP32, DType
+from ..core.errors import CheckpointNotFoundError, UsageError, ZckptError
+from ..core.index import Segment, TensorSource
+from ..deepspeed import swap_folder as swap
+from ..deepspeed.reader import Survey, looks_like_checkpoint, survey
+from ..hf.shards import format_size
+from ..io.checksums import check_archive
+from ..io.materialize import CHUNK_BYTES
+from ..io.output import find_leftovers
+from ..io.reading import FileReader
+from ..io.workers import WorkerPool
 from .tensor_sources import open_tensors, read_range
-from .workers import WorkerPool
 
 
 @dataclass(frozen=True)
@@ -325,10 +325,10 @@ def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
 
 def _needs(found: Survey) -> list[Need]:
     """Disk each operation writes (planned exactly, nothing read) and its peak memory bound."""
+    from ..deepspeed.save import archives
+    from ..deepspeed.universal import plan_universal
+    from ..deepspeed.writer import plan_checkpoint, plan_target
     from .consolidate import plan_consolidation
-    from .deepspeed.save import archives
-    from .deepspeed.universal import plan_universal
-    from .deepspeed.writer import plan_checkpoint, plan_target
 
     assert found.index is not None
     largest = max((e.source.nbytes for e in found.index.entries), default=0)

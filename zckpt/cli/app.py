@@ -27,9 +27,9 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
-from .errors import Interrupted, UsageError, ZckptError
-from .interrupts import CAUGHT_SIGNALS, exit_now, exit_without_teardown, handler_ran, raise_in_zckpt_code, waiting_on_other_processes, watch_for_stuck_handlers
-from .jobs import leave_job
+from ..core.errors import Interrupted, UsageError, ZckptError
+from ..io.interrupts import CAUGHT_SIGNALS, exit_now, exit_without_teardown, handler_ran, raise_in_zckpt_code, waiting_on_other_processes, watch_for_stuck_handlers
+from ..io.jobs import leave_job
 
 EXIT_BAD_INPUT = 1
 EXIT_USAGE = 2
@@ -76,7 +76,7 @@ app = typer.Typer(
 
 def _show_version(value: bool) -> None:
     if value:
-        from . import __version__
+        from .. import __version__
 
         typer.echo(f"zckpt {__version__}")
         raise typer.Exit()
@@ -220,10 +220,10 @@ def consolidate(
     tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along. A PEFT
     run's checkpoint gives PEFT's adapter folder, or with --merge-into the merged model.
     """
-    from .consolidate import consolidate as run_consolidate
-    from .hf import TRAINER_FOLDER_NOTE
-    from .dtypes import output_dtype
-    from .shards import format_size
+    from ..core.dtypes import output_dtype
+    from ..hf.names import TRAINER_FOLDER_NOTE
+    from ..hf.shards import format_size
+    from ..ops.consolidate import consolidate as run_consolidate
 
     if safe_serialization and format is Format.torch:
         _fail("--safe_serialization asks for safetensors, but --format torch was given", EXIT_USAGE)
@@ -288,7 +288,7 @@ def inspect(
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", metavar="CKPT", help="With a swap folder as PATH: a checkpoint of the same run, to name what each swap file holds, check the files against its layout and compare the 16-bit param swaps with the fp32 masters.")] = None,
 ) -> None:
     """Tell what a checkpoint, weights file or live ZeRO-Infinity swap folder holds and whether it is complete (exit 3 if not)."""
-    from .inspect import inspect_path, render
+    from ..ops.inspect import inspect_path, render
 
     report = _guarded(lambda: inspect_path(path, tag, verify, checkpoint=checkpoint))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
@@ -323,7 +323,7 @@ def verify(
     an interrupted zckpt run, with --scan no NaN/Inf; and says the disk and memory each zckpt
     operation on it would need.
     """
-    from .verify import render, verify as run_verify
+    from ..ops.verify import render, verify as run_verify
 
     report = _guarded(lambda: run_verify(path, tag=tag, scan=scan, workers=workers or 2, checkpoint=checkpoint, swap_folder=swap_folder))
     typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
@@ -371,8 +371,8 @@ def reshard(
     state exactly as saved. Files beside the tag folders (Trainer's config, trainer_state.json,
     ...) are copied along.
     """
-    from .reshard import reshard as run_reshard
-    from .shards import format_size
+    from ..hf.shards import format_size
+    from ..ops.reshard import reshard as run_reshard
 
     if world_size < 1:
         _fail(f"--world-size must be at least 1, got {world_size}", EXIT_USAGE)
@@ -430,8 +430,8 @@ def to_universal(
     at any world size: fp32 masters, every optimizer state, steps, loss scaler and lr scheduler.
     Works on any ZeRO 1/2/3 checkpoint (no universal_checkpoint_info needed), and across stages.
     """
-    from .shards import format_size
-    from .universal import to_universal as run_to_universal
+    from ..hf.shards import format_size
+    from ..ops.universal import to_universal as run_to_universal
 
     primary = _primary_process()
     result = _with_progress(
@@ -486,7 +486,7 @@ def diff(
     and relative difference and how many elements differ. Values are compared in float64, so a
     bf16 output can be compared with fp32 masters (its dtype difference is reported too).
     """
-    from .diff import diff as run_diff, render
+    from ..ops.diff import diff as run_diff, render
 
     report = _with_progress(
         False, "comparing", lambda progress: run_diff(a, b, atol=atol, rtol=rtol, states=states, progress=progress, verify=not no_verify)
@@ -525,7 +525,7 @@ def nvme_plan(
     """Plan ZeRO-3 NVMe offload: offload_param buffer_size, buffer_count and max_in_cpu and
     offload_optimizer buffer_count with which DeepSpeed's swap-buffer assertions cannot fire,
     the pinned memory and swap-folder disk they cost, and cheaper alternatives."""
-    from .nvme_plan import nvme_plan as plan_nvme, render
+    from ..ops.nvme_plan import nvme_plan as plan_nvme, render
 
     report = _guarded(lambda: plan_nvme(model, world_size=world_size, dtype=dtype, config=config, memory_budget=memory_budget, frozen=frozen))
     typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
@@ -581,7 +581,7 @@ def train(
 
     One process as is; several under torchrun. Checkpoints are DeepSpeed ZeRO-3 checkpoints
     (zero_to_fp32, zckpt consolidate and a DeepSpeed engine read them)."""
-    from .trainer import plan_training, train as run_train
+    from ..trainer import plan_training, train as run_train
 
     def text(path: Optional[Path]) -> Optional[str]:
         return None if path is None else str(path)

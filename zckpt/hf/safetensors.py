@@ -15,8 +15,8 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
-from .dtypes import BY_SAFETENSORS, DType
-from .errors import CheckpointNotFoundError, CorruptFileError
+from ..core.dtypes import BY_SAFETENSORS, DType
+from ..core.errors import CheckpointNotFoundError, CorruptFileError
 
 METADATA_KEY = "__metadata__"
 # Metadata key recording tied weights ({alias: source}, as JSON): safetensors cannot alias, so

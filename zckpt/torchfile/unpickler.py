@@ -12,7 +12,7 @@ Megatron's ``args`` Namespace, numpy RNG state). Here:
   name and is never imported. Instantiated the way pickle builds instances of plain classes
   (NEWOBJ, NEWOBJ_EX, ``copyreg`` reconstructors) it gives a :class:`PickledObject`: the class
   name, the arguments, and the state BUILD gives it, kept as data; no ``__setstate__`` runs.
-  Called (REDUCE, INST, OBJ) it raises :class:`~zckpt.errors.UnsafePickleError` naming it: that
+  Called (REDUCE, INST, OBJ) it raises :class:`~zckpt.core.errors.UnsafePickleError` naming it: that
   is how a payload (``os.system``, ``eval``, ``subprocess.Popen``) would run.
 - Every object the pickle can reach refuses BUILD (a pickle could otherwise rewrite a
   :class:`TensorRef`'s path, or the shared ``DType`` objects, through their ``__setstate__``),
@@ -38,8 +38,8 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from .dtypes import BY_NAME, BY_STORAGE, DType
-from .errors import CorruptFileError, UnsafePickleError, ZckptError
+from ..core.dtypes import BY_NAME, BY_STORAGE, DType
+from ..core.errors import CorruptFileError, UnsafePickleError, ZckptError
 
 __all__ = [
     "ENUM_CLASSES", "PickledEnumMember", "PickledGlobal", "PickledObject", "TensorRef", "TorchDevice", "TorchSize",

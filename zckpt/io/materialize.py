@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from ..core.dtypes import BF16, FP16, FP32, DType
+from ..core.errors import CorruptFileError
+from ..core.index import Segment, TensorSource
 from .checksums import checksum_range
-from .dtypes import BF16, FP16, FP32, DType
-from .errors import CorruptFileError
-from .index import Segment, TensorSource
 from .reading import FileReader
 from .workers import WorkerPool
 

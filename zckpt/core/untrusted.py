@@ -12,7 +12,7 @@ write inside the output:
   file copied along, a raw NVMe swap file) must resolve, symlinks followed, to a regular file
   inside its input folder; a link that leads elsewhere is refused, and its target never read.
 
-The writers add a fence of their own (:func:`zckpt.output.path_inside`): every path they create
+The writers add a fence of their own (:func:`zckpt.io.output.path_inside`): every path they create
 must resolve inside the folder they stage, so a caller that forgot the first rule cannot escape.
 """
 

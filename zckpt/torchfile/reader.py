@@ -2,7 +2,7 @@
 
 Why not ``torch.load``: DeepSpeed pickles its own classes, so stock loading needs DeepSpeed
 installed and ``weights_only=False``, which runs whatever a pickle says. Here the pickle is read
-as data by :mod:`zckpt.unpickler` (nothing from it is ever called; instances of classes zckpt
+as data by :mod:`zckpt.torchfile.unpickler` (nothing from it is ever called; instances of classes zckpt
 does not know become inert records), and every tensor becomes a :class:`TensorRef` (file, byte
 offset, dtype, shape) without reading a byte of tensor data. Data is read later, only where it
 is needed.
@@ -18,8 +18,8 @@ import struct
 import zipfile
 from typing import Any
 
-from .errors import CheckpointNotFoundError, CorruptFileError
-from .interrupts import uninterrupted
+from ..core.errors import CheckpointNotFoundError, CorruptFileError
+from ..io.interrupts import uninterrupted
 from .unpickler import (  # re-exported: what a pickle is read as
     PickledEnumMember,
     PickledGlobal,
@@ -100,7 +100,7 @@ def _check_end_records(handle: Any, file_size: int, count: int, path: str) -> No
 def load(path: str | os.PathLike[str]) -> Any:
     """Unpickle a torch.save zip archive into plain Python objects and :class:`TensorRef` s.
 
-    Raises a :class:`~zckpt.errors.ZckptError` naming `path` for anything that is not a sound,
+    Raises a :class:`~zckpt.core.errors.ZckptError` naming `path` for anything that is not a sound,
     safe torch archive: missing, truncated, garbled, compressed, or referencing a global that is
     not allowlisted.
     """

@@ -14,16 +14,16 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
-from .deepspeed import names as N
-from .deepspeed.reader import open_training_state
-from .deepspeed.save import SaveResult, write_checkpoint
-from .deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
-from .errors import OutputError, UsageError
-from .jobs import job_share
-from .output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
-from .reading import read_json_object
-from .state import TrainingState
-from .untrusted import path_component, regular_file_inside
+from ..core.errors import OutputError, UsageError
+from ..core.state import TrainingState
+from ..core.untrusted import path_component, regular_file_inside
+from ..deepspeed import names as N
+from ..deepspeed.reader import open_training_state
+from ..deepspeed.save import SaveResult, write_checkpoint
+from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
+from ..io.jobs import job_share
+from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
+from ..io.reading import read_json_object
 
 # Hugging Face Trainer's per-process RNG files: rng_state.pth (one process) or rng_state_<i>.pth
 _RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")

@@ -18,14 +18,14 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
-from . import dtypes
-from .deepspeed import names as N
-from .deepspeed import swap_rules as R
-from .deepspeed.partition import zero3_sub_groups
-from .deepspeed.run_config import DTYPE_KEYS, STAGE_KEY, RunConfig, read_run_config
-from .errors import CorruptFileError, UsageError
-from .reading import read_json_object
-from .shards import format_size, parse_size
+from ..core import dtypes
+from ..core.errors import CorruptFileError, UsageError
+from ..deepspeed import names as N
+from ..deepspeed import swap_rules as R
+from ..deepspeed.partition import zero3_sub_groups
+from ..deepspeed.run_config import DTYPE_KEYS, STAGE_KEY, RunConfig, read_run_config
+from ..hf.shards import format_size, parse_size
+from ..io.reading import read_json_object
 
 DEFAULT_NVME_PATH = "/local_nvme"  # in the snippet when the config names none
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
@@ -519,7 +519,7 @@ class LoadedModel:
 def load_params(path: str | os.PathLike[str]) -> LoadedModel:
     """The params of MODEL: a Hugging Face ``config.json`` (or a folder holding only that), a
     zckpt-readable checkpoint, or weights (safetensors/torch file, ``.index.json`` or their folder)."""
-    from .deepspeed.reader import looks_like_checkpoint, open_checkpoint
+    from ..deepspeed.reader import looks_like_checkpoint, open_checkpoint
     from .tensor_sources import open_tensors
 
     path = os.fspath(path)

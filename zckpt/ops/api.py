@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Iterator
 
+from ..core.dtypes import DTypeLike
+from ..core.errors import LayoutError
+from ..core.index import CheckpointIndex, Entry
+from ..deepspeed.reader import open_checkpoint, open_training_state
+from ..io.materialize import read_tensor
+from ..io.reading import FileReader
 from .consolidate import output_dtype
-from .deepspeed.reader import open_checkpoint, open_training_state
-from .dtypes import DTypeLike
-from .errors import LayoutError
-from .index import CheckpointIndex, Entry
-from .materialize import read_tensor
-from .reading import FileReader
 
 if TYPE_CHECKING:
     import torch

@@ -35,16 +35,16 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import hf
-from .dtypes import FP32, OUTPUT_DTYPES, DType, DTypeLike, output_dtype
-from .errors import CorruptFileError, LayoutError, UsageError
-from .index import CheckpointIndex, Entry, TensorSource
-from .materialize import StreamWriter, read_tensor, write_all
-from .output import StagedOutput
-from .reading import FileReader, read_json_object
-from .safetensors_format import build_header
-from .shards import ShardItem, parse_size, plan_shards
-from .untrusted import regular_file_inside
+from ..core.dtypes import FP32, OUTPUT_DTYPES, DType, DTypeLike, output_dtype
+from ..core.errors import CorruptFileError, LayoutError, UsageError
+from ..core.index import CheckpointIndex, Entry, TensorSource
+from ..core.untrusted import regular_file_inside
+from ..hf import names as hf
+from ..hf.safetensors import build_header
+from ..hf.shards import ShardItem, parse_size, plan_shards
+from ..io.materialize import StreamWriter, read_tensor, write_all
+from ..io.output import StagedOutput
+from ..io.reading import FileReader, read_json_object
 
 if TYPE_CHECKING:
     import torch

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from ..core.dtypes import DType
+from ..core.errors import CorruptFileError, UsageError
+from ..core.index import Segment, TensorSource
+from ..torchfile.reader import TensorRef
 from .checksums import RecordChecker
-from .dtypes import DType
-from .errors import CorruptFileError, UsageError
-from .index import Segment, TensorSource
-from .torchfile import TensorRef
 
 
 class FileReader:
@@ -27,7 +27,7 @@ class FileReader:
     checkpoint of a thousand ranks must not exhaust the process's descriptor limit).
 
     With `verify` (the default), every byte read is checksummed against the CRC-32 of the zip
-    record it lies in (:mod:`zckpt.checksums`); the records touched are checked whole when the
+    record it lies in (:mod:`zckpt.io.checksums`); the records touched are checked whole when the
     reader is closed without an error, or earlier by :meth:`verify_now`. A `checker` shared by
     several readers (the threads of one job) is checked by its owner instead.
     """

@@ -14,14 +14,14 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .deepspeed.reader import open_training_state
-from .deepspeed.save import write_checkpoint
-from .deepspeed.universal import plan_universal
-from .deepspeed.writer import CheckpointPlan
-from .errors import UsageError
-from .jobs import job_share
-from .output import is_inside, refuse_output_inside_input
-from .state import TrainingState
+from ..core.errors import UsageError
+from ..core.state import TrainingState
+from ..deepspeed.reader import open_training_state
+from ..deepspeed.save import write_checkpoint
+from ..deepspeed.universal import plan_universal
+from ..deepspeed.writer import CheckpointPlan
+from ..io.jobs import job_share
+from ..io.output import is_inside, refuse_output_inside_input
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``zckpt diff``: how two checkpoints or weights outputs differ, tensor by tensor.
 
 Either side may be a ZeRO checkpoint (any stage or world size), a universal folder, or weights
-(safetensors or torch, sharded or not): :mod:`zckpt.tensor_sources` turns each into names and
+(safetensors or torch, sharded or not): :mod:`zckpt.ops.tensor_sources` turns each into names and
 file segments. Tensors present on both sides are read a range at a time (`chunk_elements` of
 each side, 4M by default), compared in float64 and dropped, so memory stays bounded by a few
 chunk buffers (about 200 MB) whatever the model size; two whole models are never held.
@@ -32,12 +32,12 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from .dtypes import BF16, FP32, DType
-from .errors import UsageError
-from .index import TensorSource
-from .materialize import convert, read_scalar
-from .reading import FileReader
-from .state import ScalarState
+from ..core.dtypes import BF16, FP32, DType
+from ..core.errors import UsageError
+from ..core.index import TensorSource
+from ..core.state import ScalarState
+from ..io.materialize import convert, read_scalar
+from ..io.reading import FileReader
 from .tensor_sources import NamedTensors, open_tensors, read_range
 
 CHUNK_ELEMENTS = 1 << 22  # elements of each side read and compared at once

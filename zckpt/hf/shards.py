@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from .errors import UsageError
+from ..core.errors import UsageError
 
 _UNITS = {
     "": 1,

@@ -21,7 +21,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 
-from .errors import CorruptFileError
+from ..core.errors import CorruptFileError
 from .interrupts import uninterrupted
 from .workers import WorkerPool
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Callable
 
-from .errors import OutputError, UsageError
+from ..core.errors import OutputError, UsageError
+from ..core.untrusted import within
+from ..hf.shards import format_size
 from .interrupts import signals_deferred
-from .shards import format_size
-from .untrusted import within
 
 # Weights files a previous run may have left; replaced only with overwrite=True.
 _WEIGHTS_FILE_RE = re.compile(
@@ -579,7 +579,7 @@ def path_inside(folder: str, relative: str) -> str:
     way resolved (symlinks followed).
 
     The writers' second fence: names from an input are checked where they become paths
-    (:func:`zckpt.untrusted.path_component`); this check stands behind that rule, so a name that
+    (:func:`zckpt.core.untrusted.path_component`); this check stands behind that rule, so a name that
     reached a writer unchecked (``../x``, ``/tmp/x``, ``.``, ``a_link/x``) still cannot place a
     file elsewhere. The last component is not resolved: a final name that exists already (the
     output being replaced) is replaced by a rename, and staged or temporary files are new names."""

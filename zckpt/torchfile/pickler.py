@@ -20,8 +20,8 @@ from typing import Any, Union
 
 import numpy as np
 
-from .dtypes import DType
-from .index import Segment
+from ..core.dtypes import DType
+from ..core.index import Segment
 
 # ---------------------------------------------------------------------------------------------
 # What callers put in the object tree.

@@ -3,9 +3,9 @@
 Why not ``torch.save``: it needs every tensor in memory and pickles real objects, so writing a
 DeepSpeed ``optim_states`` file would mean holding a rank's whole optimizer state and having
 DeepSpeed's classes importable. Here the pickle is produced from plain descriptions
-(``zckpt.torchpickle``: classes named by :class:`GlobalName`, tensors as :class:`OutTensor`
+(``zckpt.torchfile.pickler``: classes named by :class:`GlobalName`, tensors as :class:`OutTensor`
 lists of file segments, zeros and inline bytes), the archive is planned with every offset known
-(``zckpt.ziparchive``; so free space can be checked first), and tensor bytes are then streamed
+(``zckpt.torchfile.ziparchive``; so free space can be checked first), and tensor bytes are then streamed
 through one reused buffer, read from their source exactly once, CRC-32 computed on the way.
 
 The output is byte-identical to what ``torch.save`` (2.x) writes for the same objects, except
@@ -27,15 +27,15 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
+from ..core.dtypes import DType
+from ..core.errors import CorruptFileError
+from ..core.index import Segment
+from ..io.checksums import checksum_range, crc32_combine
+from ..io.direct_write import DirectFile, open_output
+from ..io.materialize import CHUNK_BYTES, convert, write_all
+from ..io.reading import FileReader
 from . import ziparchive
-from .checksums import checksum_range, crc32_combine
-from .direct_write import DirectFile, open_output
-from .dtypes import DType
-from .errors import CorruptFileError
-from .index import Segment
-from .materialize import CHUNK_BYTES, convert, write_all
-from .reading import FileReader
-from .torchpickle import (
+from .pickler import (
     Copy,
     GlobalName,
     Inline,
@@ -49,7 +49,7 @@ from .torchpickle import (
     pickle_tree,
     torch_size,
 )
-from .workers import WorkerPool
+from ..io.workers import WorkerPool
 
 __all__ = [
     "ArchivePlan", "Copy", "GlobalName", "Inline", "OutStorage", "OutTensor", "Part", "PickledEnum", "PickledInstance",
@@ -245,7 +245,7 @@ class _TensorStream:
     and zlib.crc32 all release the GIL, so this runs at the speed of the slowest of the three
     rather than of their sum.
 
-    With `direct` (an O_DIRECT descriptor, :mod:`zckpt.direct_write`), bytes are read straight
+    With `direct` (an O_DIRECT descriptor, :mod:`zckpt.io.direct_write`), bytes are read straight
     into the aligned buffers that are written to the disk, checksummed there on a helper thread:
     one copy per byte, none through the page cache.
     """

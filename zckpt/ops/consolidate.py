@@ -20,16 +20,16 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from . import hf
-from .deepspeed.reader import open_checkpoint
-from .dtypes import FP32, DType, DTypeLike, output_dtype
-from .errors import UsageError
-from .index import CheckpointIndex, TensorSource
-from .materialize import StreamWriter, read_tensor, write_all
-from .output import StagedOutput, output_error, refuse_output_inside_input
-from .reading import FileReader
-from .safetensors_format import TIED_METADATA_KEY, build_header
-from .shards import ShardItem, parse_size, plan_shards
+from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
+from ..core.errors import UsageError
+from ..core.index import CheckpointIndex, TensorSource
+from ..deepspeed.reader import open_checkpoint
+from ..hf import names as hf
+from ..hf.safetensors import TIED_METADATA_KEY, build_header
+from ..hf.shards import ShardItem, parse_size, plan_shards
+from ..io.materialize import StreamWriter, read_tensor, write_all
+from ..io.output import StagedOutput, output_error, refuse_output_inside_input
+from ..io.reading import FileReader
 
 OutputFormat = Literal["safetensors", "torch"]
 Progress = Callable[[int, int], None]  # (bytes done so far, total bytes)
@@ -159,7 +159,7 @@ def consolidate(
 
     A PEFT run's checkpoint (adapter_config.json beside the tag folders, or `peft` True) gives
     PEFT's adapter folder instead; with `merge_into` (a Hugging Face model folder) the adapter
-    merged into that base model (see :mod:`zckpt.peft`). `peft` False writes the raw tensors.
+    merged into that base model (see :mod:`zckpt.ops.peft`). `peft` False writes the raw tensors.
     `dtype` defaults to fp32, or for a merge to the base's own dtype.
 
     `swap_folder` (a live ZeRO-Infinity ``<nvme_path>``): `checkpoint` (any checkpoint of the same
@@ -173,7 +173,7 @@ def consolidate(
     index = open_checkpoint(checkpoint, tag, swap_folder)
     in_place = index.checkpoint_dir if hf.TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir))) else None
     refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=in_place)
-    from .peft import consolidate_peft  # (here: zckpt.peft builds on this module's plan and writer)
+    from .peft import consolidate_peft  # (here: zckpt.ops.peft builds on this module's plan and writer)
 
     done = consolidate_peft(index, os.fspath(output_dir), peft=peft, merge_into=merge_into, dtype=dtype, format=format,
                             max_shard_size=max_shard_size, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
@@ -209,7 +209,7 @@ def write_consolidated(
     wait: bool = False,
 ) -> ConsolidationResult:
     """Execute a plan: stream every tensor into staged files, then move them into place (holding
-    the output folder's lock: see :class:`~zckpt.output.OutputLock`)."""
+    the output folder's lock: see :class:`~zckpt.io.output.OutputLock`)."""
     names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
     # writing beside the checkpoint's own config and tokenizer (`consolidate . .` inside a
     # checkpoint-N folder): the weights are added and nothing else is touched

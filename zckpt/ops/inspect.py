@@ -12,22 +12,23 @@ import math
 import os
 from typing import Any, Callable
 
-from . import hf, torchfile
-from .deepspeed import names as N
-from .deepspeed import swap_folder as swap
-from .deepspeed.reader import list_tags, looks_like_checkpoint, survey, tag_named_in
-from .dtypes import BY_SHORT
-from .checksums import check_archive
-from .errors import CheckpointNotFoundError, UsageError, ZckptError
-from .index import TRAINER_MODEL_CONFIG, TRAINER_MODEL_TYPE
-from .safetensors_format import TIED_METADATA_KEY, read_header
-from .shards import format_size
-from .materialize import read_scalar
-from .output import find_leftovers
-from .untrusted import name_problem, path_component
+from ..core.dtypes import BY_SHORT
+from ..core.errors import CheckpointNotFoundError, UsageError, ZckptError
+from ..core.index import TRAINER_MODEL_CONFIG, TRAINER_MODEL_TYPE
+from ..core.state import TrainingState
+from ..core.untrusted import name_problem, path_component
+from ..deepspeed import names as N
+from ..deepspeed import swap_folder as swap
+from ..deepspeed.reader import list_tags, looks_like_checkpoint, survey, tag_named_in
+from ..hf import names as hf
+from ..hf.safetensors import TIED_METADATA_KEY, read_header
+from ..hf.shards import format_size
+from ..io.checksums import check_archive
+from ..io.materialize import read_scalar
+from ..io.output import find_leftovers
+from ..io.reading import FileReader
+from ..torchfile import reader as torchfile
 from .peft import describe_adapter
-from .reading import FileReader
-from .state import TrainingState
 from .tensor_sources import torch_state_refs
 
 

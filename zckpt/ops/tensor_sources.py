@@ -3,7 +3,7 @@
 A ZeRO checkpoint (any stage or world size, a tag folder, a Trainer ``checkpoint-N`` folder), a
 universal folder, or a weights output (safetensors or torch ``.bin``/``.pt``, one file or shards
 with their ``.index.json``) all become the same thing: names mapped to
-:class:`~zckpt.index.TensorSource` (where the bytes lie), plus, for training checkpoints, the
+:class:`~zckpt.core.index.TensorSource` (where the bytes lie), plus, for training checkpoints, the
 optimizer states and scalars. Only headers and pickles are parsed here; tensor bytes are read
 later, a range at a time (:func:`read_range`), so two inputs can be walked side by side with
 memory bounded by a buffer.
@@ -18,16 +18,17 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import hf, torchfile
-from .deepspeed import names as N
-from .deepspeed.reader import looks_like_checkpoint, open_checkpoint, open_training_state, tag_named_in
-from .errors import CheckpointNotFoundError, CorruptFileError
-from .index import Segment, TensorSource
-from .reading import FileReader, source_of
-from .safetensors_format import read_header
-from .state import ScalarState, TrainingState
-from .torchfile import TensorRef
-from .untrusted import path_component
+from ..core.errors import CheckpointNotFoundError, CorruptFileError
+from ..core.index import Segment, TensorSource
+from ..core.state import ScalarState, TrainingState
+from ..core.untrusted import path_component
+from ..deepspeed import names as N
+from ..deepspeed.reader import looks_like_checkpoint, open_checkpoint, open_training_state, tag_named_in
+from ..hf import names as hf
+from ..hf.safetensors import read_header
+from ..io.reading import FileReader, source_of
+from ..torchfile import reader as torchfile
+from ..torchfile.reader import TensorRef
 
 InputKind = Literal["zero_checkpoint", "universal_checkpoint", "safetensors", "torch"]
 

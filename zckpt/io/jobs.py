@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Callable
 
-from .errors import OutputError
+from ..core.errors import OutputError
 from .interrupts import exit_without_teardown, waiting_on_other_processes
 
 _GO, _WAITING, _FAILED = 0, 1, 2  # what a process brings to a barrier; the highest wins

@@ -1,0 +1,2 @@
+"""The ``zckpt`` command's typer front end.
+"""
