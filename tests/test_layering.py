@@ -1,5 +1,6 @@
-"""The architecture rules, checked: zckpt never imports DeepSpeed, DeepSpeed's names live only in
-zckpt/deepspeed/, and nothing imports the CLI."""
+"""The architecture rules, checked: the layers import downwards only (:data:`MAY_IMPORT`), no
+module imports itself back through others, zckpt never imports DeepSpeed, DeepSpeed's names live
+only in zckpt/deepspeed/, and nothing imports the CLI."""
 
 from __future__ import annotations
 
@@ -14,6 +15,116 @@ FORMAT_WORDS = ("optimizer_state_dict", "fp32_flat_groups", "single_partition_of
 
 def modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
+
+
+# --- the layers ----------------------------------------------------------------------------------
+# Each part of the package (a subpackage, or one of the two top modules) and the parts it may
+# import besides itself, lowest layer first: core -> io -> torchfile -> {hf, deepspeed} -> ops ->
+# trainer -> cli. The container (torchfile) sits below the two formats that use it; hf and
+# deepspeed never import each other (operations compose them); io moves bytes and knows no format.
+# Function-level imports (lazy ones, TYPE_CHECKING ones) count as much as the module's own.
+BELOW_OPS = {"core", "io", "torchfile", "hf", "deepspeed"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": set(),
+    "io": {"core"},
+    "torchfile": {"core", "io"},
+    "hf": {"core", "io", "torchfile"},
+    "deepspeed": {"core", "io", "torchfile"},
+    "ops": BELOW_OPS,
+    "trainer": BELOW_OPS | {"ops"},  # its round trip drives the operations; no operation knows the trainer
+    "cli": BELOW_OPS | {"ops", "trainer", "zckpt"},  # zckpt: the package's __version__
+    "zckpt": {"core", "io", "deepspeed", "ops"},  # __init__: the errors, the start-up signal handler, the lazy API
+    "__main__": {"io", "cli"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def part_of(module: str) -> str:
+    """The part of the package a module belongs to: its subpackage, or the top module's name."""
+    parts = module.split(".")
+    return "zckpt" if len(parts) == 1 else parts[1]
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every zckpt module `path` imports anywhere in it (inside functions and
+    TYPE_CHECKING blocks too), relative imports resolved; ``from X import y`` names module X.y
+    when y is a module, else X."""
+    own = module_name(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "zckpt"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "zckpt":
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                where = PACKAGE.parent.joinpath(*sub.split("."))
+                found.append((node.lineno, sub if where.with_suffix(".py").is_file() or where.is_dir() else target))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(path): {target for _, target in imports_of(path)} for path in modules()}
+
+
+def test_every_part_is_in_the_table() -> None:
+    parts = {part_of(module_name(path)) for path in modules()}
+    assert parts <= set(MAY_IMPORT), f"place {sorted(parts - set(MAY_IMPORT))} in MAY_IMPORT (a module at the top level belongs in a layer's folder)"
+
+
+def test_layers_import_downwards_only() -> None:
+    wrong = []
+    for path in modules():
+        part = part_of(module_name(path))
+        for line, target in imports_of(path):
+            if part_of(target) not in MAY_IMPORT[part] | {part}:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target} ({part} may import {', '.join(sorted(MAY_IMPORT[part])) or 'nothing else'})")
+    assert not wrong, "\n".join(wrong)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (its modules in import order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once every import below it is
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    """A cycle hidden by a function-level import is still a cycle: the two modules are one."""
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_never_imports_deepspeed() -> None:

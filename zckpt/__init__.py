@@ -48,17 +48,18 @@ if TYPE_CHECKING:
 
     from .deepspeed.reader import open_checkpoint, open_training_state, survey
     from .ops.api import iter_tensors, load_into_module, load_state_dict
-    from .ops.consolidate import consolidate, plan_consolidation
+    from .ops.consolidate import consolidate
     from .ops.diff import DiffReport, diff
     from .ops.inspect import inspect_path
     from .ops.reshard import plan_reshard, reshard
     from .ops.universal import plan_to_universal, to_universal
+    from .ops.weights_folder import plan_consolidation
 
 # The API is imported when first used, not with the package: `zckpt` (the command) starts with
 # only its own imports, and so can answer Ctrl-C at start-up with its one line at once.
 _API = {
     "iter_tensors": ".ops.api", "load_into_module": ".ops.api", "load_state_dict": ".ops.api",
-    "consolidate": ".ops.consolidate", "plan_consolidation": ".ops.consolidate",
+    "consolidate": ".ops.consolidate", "plan_consolidation": ".ops.weights_folder",
     "open_checkpoint": ".deepspeed.reader", "open_training_state": ".deepspeed.reader", "survey": ".deepspeed.reader",
     "DiffReport": ".ops.diff", "diff": ".ops.diff",
     "inspect_path": ".ops.inspect",

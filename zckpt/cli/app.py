@@ -221,8 +221,8 @@ def consolidate(
     run's checkpoint gives PEFT's adapter folder, or with --merge-into the merged model.
     """
     from ..core.dtypes import output_dtype
-    from ..hf.names import TRAINER_FOLDER_NOTE
-    from ..hf.shards import format_size
+    from ..core.run_folders import TRAINER_FOLDER_NOTE
+    from ..core.sizes import format_size
     from ..ops.consolidate import consolidate as run_consolidate
 
     if safe_serialization and format is Format.torch:
@@ -371,7 +371,7 @@ def reshard(
     state exactly as saved. Files beside the tag folders (Trainer's config, trainer_state.json,
     ...) are copied along.
     """
-    from ..hf.shards import format_size
+    from ..core.sizes import format_size
     from ..ops.reshard import reshard as run_reshard
 
     if world_size < 1:
@@ -430,7 +430,7 @@ def to_universal(
     at any world size: fp32 masters, every optimizer state, steps, loss scaler and lr scheduler.
     Works on any ZeRO 1/2/3 checkpoint (no universal_checkpoint_info needed), and across stages.
     """
-    from ..hf.shards import format_size
+    from ..core.sizes import format_size
     from ..ops.universal import to_universal as run_to_universal
 
     primary = _primary_process()

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .dtypes import DType
+from .errors import CorruptFileError
 
 EntryKind = Literal["param", "frozen", "buffer", "tied"]
 
@@ -39,6 +40,49 @@ class TensorSource:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Where a tensor's elements lie in a file; holds no data. What the torch file reader makes of
+    every tensor in a pickle (and the DeepSpeed reader of a raw swap file's run), read by the I/O
+    layer (:func:`zckpt.io.reading.source_of`) without knowing either format."""
+
+    path: str
+    offset: int  # byte offset in `path` of element 0
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    # Python attributes pickled with the tensor (DeepSpeed's ZeRO-3 flat groups carry `ds_id`).
+    attributes: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, step in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and step != expected:
+                return False
+            expected *= size
+        return True
+
+    @classmethod
+    def flat(cls, path: str, offset: int, dtype: DType, numel: int) -> "TensorRef":
+        """A 1-D contiguous run of `numel` elements at byte `offset` (e.g. in a raw swap file)."""
+        return cls(path, offset, dtype, (numel,), (1,))
+
+    def __reduce__(self) -> tuple:  # stdlib pickling (processes) by constructor, not by state
+        return (TensorRef, (self.path, self.offset, self.dtype, self.shape, self.stride, self.attributes))
+
+    def __setstate__(self, state: object) -> None:  # a pickle must not repoint it at another file
+        raise CorruptFileError(None, "corrupted pickle: BUILD applied to a tensor")
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ..core.errors import LayoutError
-from ..core.index import CheckpointIndex, Segment, TensorSource
+from ..core.index import CheckpointIndex, Segment, TensorRef, TensorSource
 from ..core.state import PaddingRun, ParamGroupState, ParamState, ScalarState, TrainingState
 from ..io.reading import source_of
-from ..torchfile.reader import TensorRef
 from . import names as N
 from .layout import FlatGroup, ZeroLayout, round_robin_order, zero12_layout
 

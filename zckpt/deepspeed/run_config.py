@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Mapping, NoReturn
 
 from ..core.errors import CorruptFileError, UsageError, ZckptError
+from ..io.reading import read_json_object
 from . import names as N
 from .swap_rules import (
     AIO_BLOCK_SIZE,
@@ -182,6 +184,12 @@ def read_run_config(
     if not isinstance(config, dict):
         reader.fail("ds_config", config, "must be a JSON object")
     return reader.read(config, swaps)
+
+
+def load_config(path: str | os.PathLike[str] | None) -> dict | None:
+    """A DeepSpeed config JSON of the target run (its values are checked where they are read:
+    :func:`read_run_config`)."""
+    return None if path is None else read_json_object(path, "DeepSpeed config")
 
 
 # --- pydantic's lax coercion (pydantic-core 2.x), as DeepSpeed's models apply it ------------------

@@ -1,7 +1,7 @@
 """Read a universal checkpoint folder (zckpt's or ``ds_to_universal``'s) into a Survey.
 
 The model_states files are read as in a ZeRO checkpoint (buffers, frozen params, tied aliases,
-counters, scheduler: :class:`~zckpt.deepspeed.reader.ZeroReader` does it); the trainable params
+counters, scheduler: :class:`~zckpt.deepspeed.zero_reader.ZeroReader` does it); the trainable params
 come from ``zero/<name>/<state>.pt`` instead of rank partitions. Both flavours are read: ZeRO-1/2
 files hold ``{"param": full-shape tensor, ...}`` and a ``step.pt`` per param, ZeRO-3 files a flat
 tensor, with the steps in ``zero/optimizer_state.pt``. Everything a resume needs is checked
@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
-from ..core.index import CheckpointIndex, Entry, TensorSource
+from ..core.index import CheckpointIndex, Entry, TensorRef, TensorSource
 from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..io.materialize import read_scalar
 from ..io.reading import FileReader, source_of
-from ..torchfile.reader import TensorRef
 from . import names as N
 from .layout import LayoutParam, zero12_layout
 from .optim_state import module_buffers, optimizer_order, saved_run_state
-from .reader import ZeroReader, as_shape, numel_of, sub_group_param_groups
+from .zero_reader import ZeroReader, as_shape, numel_of, sub_group_param_groups
 
 
 @dataclass(frozen=True)

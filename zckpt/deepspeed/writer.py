@@ -22,9 +22,9 @@ from typing import Any
 
 from ..core.dtypes import BF16, BY_SHORT, FP32, DType
 from ..core.errors import UsageError
-from ..core.index import Segment, TensorSource
+from ..core.index import Segment, TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
-from ..torchfile.reader import PickledEnumMember, PickledObject, TensorRef, TorchDevice, TorchSize, global_name
+from ..torchfile.reader import PickledEnumMember, PickledObject, TorchDevice, TorchSize, global_name
 from ..torchfile.save import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
 from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from typing import Any, Callable
+from typing import Any
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError
 from ..core.index import Segment, TensorSource
@@ -26,24 +25,6 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_SAFETENSORS = "adapter_model.safetensors"
 ADAPTER_TORCH = "adapter_model.bin"
 ADAPTER_README = "README.md"  # PEFT's model card, written beside the adapter
-# transformers' PREFIX_CHECKPOINT_DIR folders (checkpoint-N), and Accelerate's save_state folders
-# under ProjectConfiguration(automatic_checkpoint_naming=True) (project_dir/checkpoints/checkpoint_N)
-TRAINER_CHECKPOINT_RE = re.compile(r"^checkpoint[-_](\d+)$")
-
-
-TRAINER_FOLDER_NOTE = "Trainer output folder"  # starts the note saying which checkpoint-N was read
-
-
-def newest_trainer_checkpoint(folder: str, is_checkpoint: Callable[[str], bool]) -> tuple[str, int] | None:
-    """The newest ``checkpoint-N`` folder in a Trainer's output folder (largest N, as
-    transformers' ``get_last_checkpoint`` picks) that `is_checkpoint`, and how many there are."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return None
-    found = [(int(m[1]), n) for n in names if (m := TRAINER_CHECKPOINT_RE.match(n)) and os.path.isdir(os.path.join(folder, n))]
-    usable = [(step, n) for step, n in found if is_checkpoint(os.path.join(folder, n))]
-    return (max(usable)[1], len(found)) if usable else None
 
 # Files a Hugging Face Trainer `checkpoint-N` folder holds beside the DeepSpeed tag folders that
 # make the consolidated output loadable with `from_pretrained`.

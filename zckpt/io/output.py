@@ -30,8 +30,8 @@ from types import TracebackType
 from typing import Callable
 
 from ..core.errors import OutputError, UsageError
+from ..core.sizes import format_size
 from ..core.untrusted import within
-from ..hf.shards import format_size
 from .interrupts import signals_deferred
 
 # Weights files a previous run may have left; replaced only with overwrite=True.

@@ -17,8 +17,7 @@ import numpy as np
 
 from ..core.dtypes import DType
 from ..core.errors import CorruptFileError, UsageError
-from ..core.index import Segment, TensorSource
-from ..torchfile.reader import TensorRef
+from ..core.index import Segment, TensorRef, TensorSource
 from .checksums import RecordChecker
 
 
@@ -117,6 +116,28 @@ def source_of(ref: TensorRef) -> TensorSource:
 def read_ref(reader: FileReader, ref: TensorRef) -> np.ndarray:
     """Read a small whole tensor (a buffer, a step counter) as a raw numpy array of its shape."""
     return reader.read_source(source_of(ref)).reshape(ref.shape)
+
+
+def read_range(reader: FileReader, source: TensorSource, start: int, dest: np.ndarray) -> None:
+    """Fill the raw array `dest` with elements ``start .. start + len(dest)`` of `source`
+    (elements in file order, across its segments)."""
+    raw = memoryview(dest.view(np.uint8).reshape(-1))
+    itemsize = source.dtype.itemsize
+    wanted_end = start + dest.size
+    position = 0  # element index where the current segment begins
+    filled = 0
+    for segment in source.segments:
+        end = position + segment.numel
+        if end > start and position < wanted_end:
+            first = max(start, position)
+            count = min(end, wanted_end) - first
+            reader.read_into(segment.path, segment.offset + (first - position) * itemsize, raw[filled * itemsize : (filled + count) * itemsize])
+            filled += count
+        position = end
+        if position >= wanted_end:
+            break
+    if filled != dest.size:
+        raise CorruptFileError(source.segments[0].path if source.segments else None, f"holds {position} elements, {wanted_end} expected")
 
 
 def read_json_object(path: str | os.PathLike[str], what: str) -> dict[str, Any]:

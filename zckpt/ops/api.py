@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Iterator
 
-from ..core.dtypes import DTypeLike
+from ..core.dtypes import DTypeLike, output_dtype
 from ..core.errors import LayoutError
 from ..core.index import CheckpointIndex, Entry
 from ..deepspeed.reader import open_checkpoint, open_training_state
 from ..io.materialize import read_tensor
 from ..io.reading import FileReader
-from .consolidate import output_dtype
 
 if TYPE_CHECKING:
     import torch

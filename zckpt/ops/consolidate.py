@@ -1,138 +1,26 @@
 """Consolidate a ZeRO checkpoint into full weights (safetensors or torch), like zero_to_fp32.py.
 
-Two steps: :func:`plan_consolidation` decides, from the checkpoint index alone, which tensor
-goes into which file in which dtype (pure, no I/O); :func:`write_consolidated` then streams
-the bytes, one tensor at a time, into staged files that appear together when all are done.
-
 Differences from DeepSpeed's tool, all deliberate: frozen params are always kept (unless
 excluded), including those ZeRO-1 records only in the module state dict; tied weights are
 written under every name in safetensors too (the metadata says which name aliases which);
 NVMe-offloaded checkpoints are read where the tool fails. Every tensor the tool writes comes
 out with the same bits.
+
+The plan and the writer are :mod:`.weights_folder`'s, shared with the PEFT outputs (:mod:`.peft`),
+which a PEFT run's checkpoint gets instead.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import shutil
-from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
 
-from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
+from ..core.dtypes import FP32, DTypeLike
 from ..core.errors import UsageError
-from ..core.index import CheckpointIndex, TensorSource
+from ..core.run_folders import TRAINER_CHECKPOINT_RE
 from ..deepspeed.reader import open_checkpoint
-from ..hf import names as hf
-from ..hf.safetensors import TIED_METADATA_KEY, build_header
-from ..hf.shards import ShardItem, parse_size, plan_shards
-from ..io.materialize import StreamWriter, read_tensor, write_all
-from ..io.output import StagedOutput, output_error, refuse_output_inside_input
-from ..io.reading import FileReader
-
-OutputFormat = Literal["safetensors", "torch"]
-Progress = Callable[[int, int], None]  # (bytes done so far, total bytes)
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    name: str
-    dtype: DType  # output dtype
-    shape: tuple[int, ...]
-    source: TensorSource
-    alias_of: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class PlannedFile:
-    name: str
-    tensors: tuple[PlannedTensor, ...]
-
-
-@dataclass(frozen=True)
-class ConsolidationPlan:
-    format: OutputFormat
-    files: tuple[PlannedFile, ...]
-    index_file: str | None  # written when sharded
-    weight_map: dict[str, str]
-    total_size: int  # bytes of distinct tensors (the index's metadata.total_size)
-    tied: dict[str, str]  # alias -> source
-    extra_files: tuple[str, ...]  # Hugging Face config/tokenizer files to copy along
-    dtype: DType = FP32  # of the floating tensors written (config.json is told)
-
-    @property
-    def bytes_to_write(self) -> int:
-        """Tensor bytes the writer produces (tied copies counted for safetensors)."""
-        if self.format == "torch":
-            return self.total_size
-        return sum(t.nbytes for f in self.files for t in f.tensors)
-
-    def disk_bytes(self) -> int:
-        """The size of every output file: exact for safetensors (headers, index and the files
-        copied along included); torch pickles add a few KB of their own per file."""
-        total = sum(os.path.getsize(p) for p in self.extra_files if os.path.isfile(p))
-        total += len(index_text(self.total_size, self.weight_map).encode("utf-8")) if self.index_file else 0
-        if self.format == "torch":
-            return total + self.total_size
-        return total + sum(len(_safetensors_header(f, self.tied)) + sum(t.nbytes for t in f.tensors) for f in self.files)
-
-
-@dataclass(frozen=True)
-class ConsolidationResult:
-    output_dir: str
-    files: tuple[str, ...]
-    tensors: int
-    bytes_written: int
-    index: CheckpointIndex
-    dtype: DType = FP32  # of the floating tensors written
-    peft: Literal["adapter", "merged"] | None = None  # a PEFT adapter folder, or the adapter merged into a base
-
-
-def plan_consolidation(
-    index: CheckpointIndex,
-    *,
-    dtype: DTypeLike = "fp32",
-    format: OutputFormat = "safetensors",
-    max_shard_size: str | int = "5GB",
-    exclude_frozen: bool = False,
-) -> ConsolidationPlan:
-    """Decide every output file and tensor; reads nothing."""
-    target = output_dtype(dtype)
-    if format not in ("safetensors", "torch"):
-        raise UsageError(None, f"unknown format {format!r}: choose safetensors or torch")
-    limit = parse_size(max_shard_size)
-    kept = [e for e in index.entries if not (exclude_frozen and e.kind == "frozen")]
-    names = {e.name for e in kept}
-    kept = [e for e in kept if e.alias_of is None or e.alias_of in names]
-    tensors = {
-        e.name: PlannedTensor(e.name, target if e.source.dtype.is_floating else e.source.dtype, e.source.shape, e.source, e.alias_of)
-        for e in kept
-    }
-    items = [ShardItem(t.name, t.nbytes, t.alias_of) for t in tensors.values()]
-    pattern = hf.SAFETENSORS_PATTERN if format == "safetensors" else hf.TORCH_PATTERN
-    shards = plan_shards(items, limit, pattern)
-    files = []
-    for filename, members in shards.files:
-        planned = [tensors[n] for n in members]
-        if format == "safetensors":  # widest dtypes first keeps every tensor aligned, as safetensors does
-            planned.sort(key=lambda t: -t.dtype.itemsize)
-        files.append(PlannedFile(filename, tuple(planned)))
-    extra = hf.files_to_copy(index.checkpoint_dir, hf.MODEL_FILES)
-    return ConsolidationPlan(
-        format=format,
-        files=tuple(files),
-        index_file=(hf.SAFETENSORS_INDEX if format == "safetensors" else hf.TORCH_INDEX) if shards.is_sharded else None,
-        weight_map=shards.weight_map(),
-        total_size=shards.total_size,
-        tied={t.name: t.alias_of for t in tensors.values() if t.alias_of},
-        extra_files=extra,
-        dtype=target,
-    )
+from ..io.output import refuse_output_inside_input
+from .peft import consolidate_peft
+from .weights_folder import ConsolidationResult, OutputFormat, Progress, plan_consolidation, write_consolidated
 
 
 def consolidate(
@@ -171,10 +59,8 @@ def consolidate(
     """
     _refuse_file_name(os.fspath(output_dir), format)
     index = open_checkpoint(checkpoint, tag, swap_folder)
-    in_place = index.checkpoint_dir if hf.TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir))) else None
+    in_place = index.checkpoint_dir if TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir))) else None
     refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=in_place)
-    from .peft import consolidate_peft  # (here: zckpt.ops.peft builds on this module's plan and writer)
-
     done = consolidate_peft(index, os.fspath(output_dir), peft=peft, merge_into=merge_into, dtype=dtype, format=format,
                             max_shard_size=max_shard_size, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
     if done is not None:
@@ -196,121 +82,3 @@ def _refuse_file_name(output_dir: str, format: str) -> None:
         written = "pytorch_model.bin" if format == "torch" else "model.safetensors"
         raise UsageError(output_dir, f"OUTPUT_DIR names a file (zero_to_fp32.py's old output-file form); give the folder: "
                                      f"'{folder}' gets {written}{'' if format == 'torch' else ' (--format torch: pytorch_model.bin)'}")
-
-
-def write_consolidated(
-    index: CheckpointIndex,
-    plan: ConsolidationPlan,
-    output_dir: str,
-    *,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-    verify: bool = True,
-    wait: bool = False,
-) -> ConsolidationResult:
-    """Execute a plan: stream every tensor into staged files, then move them into place (holding
-    the output folder's lock: see :class:`~zckpt.io.output.OutputLock`)."""
-    names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
-    # writing beside the checkpoint's own config and tokenizer (`consolidate . .` inside a
-    # checkpoint-N folder): the weights are added and nothing else is touched
-    extra = [p for p in plan.extra_files if not _same_file(p, os.path.join(output_dir, os.path.basename(p)))]
-    names += [os.path.basename(p) for p in extra]
-    total = plan.bytes_to_write
-    advance = byte_counter(progress, total)
-    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged, FileReader(verify=verify) as reader:
-        for planned in plan.files:
-            if plan.format == "safetensors":
-                write_staged(staged, output_dir, planned.name, lambda path, f=planned: _write_safetensors(path, f, plan.tied, reader, advance))
-            else:
-                write_staged(staged, output_dir, planned.name, lambda path, f=planned: _write_torch(path, f, reader, advance))
-        if plan.index_file:
-            write_staged(staged, output_dir, plan.index_file, lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)))
-        write_extra_files(staged, output_dir, extra, plan.dtype)
-        reader.verify_now()  # before anything is moved into place
-        staged.commit()
-    return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index, plan.dtype)
-
-
-def byte_counter(progress: Progress | None, total: int) -> Callable[[int], None]:
-    """`advance(count)`: count more bytes written, reported to `progress` as (done, total)."""
-    done = 0
-
-    def advance(count: int) -> None:
-        nonlocal done
-        done += count
-        if progress:
-            progress(done, total)
-
-    return advance
-
-
-def write_staged(staged: StagedOutput, output_dir: str, name: str, write: Callable[[str], object]) -> None:
-    """Write one output file under its temporary name; an OS error names the final file."""
-    try:
-        write(staged.temp_path(name))
-    except OSError as exc:
-        raise output_error(os.path.join(output_dir, name), exc) from None
-
-
-def write_extra_files(staged: StagedOutput, output_dir: str, sources: Sequence[str], dtype: DType) -> None:
-    """The Hugging Face files copied along; config.json told the dtype written."""
-    for source in sources:
-        if os.path.basename(source) == hf.CONFIG_FILE:
-            write_staged(staged, output_dir, hf.CONFIG_FILE, lambda path, source=source: write_text(path, hf.config_with_dtype(source, dtype.name)))
-        else:
-            write_staged(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
-
-
-def index_text(total_size: int, weight_map: dict[str, str]) -> str:
-    """The shard index (model.safetensors.index.json), as transformers writes it."""
-    content = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    return json.dumps(content, indent=2, sort_keys=True) + "\n"
-
-
-def _safetensors_header(planned: PlannedFile, tied: dict[str, str]) -> bytes:
-    metadata = {"format": "pt"}
-    if tied:
-        metadata[TIED_METADATA_KEY] = json.dumps(tied, sort_keys=True)
-    header, _ = build_header([(t.name, t.dtype, t.shape) for t in planned.tensors], metadata)
-    return header
-
-
-def _write_safetensors(path: str, planned: PlannedFile, tied: dict[str, str], reader: FileReader, advance: Callable[[int], None]) -> None:
-    header = _safetensors_header(planned, tied)
-    writer = StreamWriter(reader, advance)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, header)
-        for tensor in planned.tensors:
-            writer.write(fd, tensor.source, tensor.dtype)
-    finally:
-        os.close(fd)
-
-
-def _write_torch(path: str, planned: PlannedFile, reader: FileReader, advance: Callable[[int], None]) -> None:
-    import torch
-
-    shard: dict[str, torch.Tensor] = {}
-    for tensor in planned.tensors:
-        if tensor.alias_of is not None and tensor.alias_of in shard:
-            shard[tensor.name] = shard[tensor.alias_of]  # one storage, as in the model
-            continue
-        shard[tensor.name] = read_tensor(reader, tensor.source, tensor.dtype)
-        advance(tensor.nbytes)
-    try:
-        torch.save(shard, path)
-    except RuntimeError as exc:  # torch's zip writer reports write failures (a full disk) this way
-        full = shutil.disk_usage(os.path.dirname(path) or ".").free < 1 << 20
-        raise OSError(errno.ENOSPC if full else errno.EIO, str(exc).splitlines()[0]) from None

@@ -37,8 +37,8 @@ from ..core.errors import UsageError
 from ..core.index import TensorSource
 from ..core.state import ScalarState
 from ..io.materialize import convert, read_scalar
-from ..io.reading import FileReader
-from .tensor_sources import NamedTensors, open_tensors, read_range
+from ..io.reading import FileReader, read_range
+from .tensor_sources import NamedTensors, open_tensors
 
 CHUNK_ELEMENTS = 1 << 22  # elements of each side read and compared at once
 Progress = Callable[[int, int], None]  # (bytes read so far, total bytes to read)

@@ -15,14 +15,15 @@ from typing import Any, Callable
 from ..core.dtypes import BY_SHORT
 from ..core.errors import CheckpointNotFoundError, UsageError, ZckptError
 from ..core.index import TRAINER_MODEL_CONFIG, TRAINER_MODEL_TYPE
+from ..core.sizes import format_size
 from ..core.state import TrainingState
 from ..core.untrusted import name_problem, path_component
 from ..deepspeed import names as N
 from ..deepspeed import swap_folder as swap
-from ..deepspeed.reader import list_tags, looks_like_checkpoint, survey, tag_named_in
+from ..deepspeed.locate import list_tags, looks_like_checkpoint, tag_named_in
+from ..deepspeed.reader import survey
 from ..hf import names as hf
 from ..hf.safetensors import TIED_METADATA_KEY, read_header
-from ..hf.shards import format_size
 from ..io.checksums import check_archive
 from ..io.materialize import read_scalar
 from ..io.output import find_leftovers

@@ -20,11 +20,11 @@ from typing import Any, Sequence
 
 from ..core import dtypes
 from ..core.errors import CorruptFileError, UsageError
+from ..core.sizes import format_size, parse_size
 from ..deepspeed import names as N
 from ..deepspeed import swap_rules as R
 from ..deepspeed.partition import zero3_sub_groups
-from ..deepspeed.run_config import DTYPE_KEYS, STAGE_KEY, RunConfig, read_run_config
-from ..hf.shards import format_size, parse_size
+from ..deepspeed.run_config import DTYPE_KEYS, STAGE_KEY, RunConfig, load_config, read_run_config
 from ..io.reading import read_json_object
 
 DEFAULT_NVME_PATH = "/local_nvme"  # in the snippet when the config names none
@@ -519,7 +519,8 @@ class LoadedModel:
 def load_params(path: str | os.PathLike[str]) -> LoadedModel:
     """The params of MODEL: a Hugging Face ``config.json`` (or a folder holding only that), a
     zckpt-readable checkpoint, or weights (safetensors/torch file, ``.index.json`` or their folder)."""
-    from ..deepspeed.reader import looks_like_checkpoint, open_checkpoint
+    from ..deepspeed.locate import looks_like_checkpoint
+    from ..deepspeed.reader import open_checkpoint
     from .tensor_sources import open_tensors
 
     path = os.fspath(path)
@@ -578,8 +579,6 @@ def nvme_plan(
     The dtype is `dtype`, else the config's (bf16/fp16 enabled, else fp32), else the checkpoint's,
     else bf16. The world size is `world_size`, else the checkpoint's, else 1.
     """
-    from .reshard import load_config
-
     config_dict = load_config(config) if config is not None else None
     config_dtype = read_run_config(config_dict, os.fspath(config), swaps=True).known_dtype if config is not None else None
     loaded = load_params(model)

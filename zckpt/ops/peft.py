@@ -38,18 +38,30 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..core.dtypes import FP32, OUTPUT_DTYPES, DType, DTypeLike, output_dtype
 from ..core.errors import CorruptFileError, LayoutError, UsageError
 from ..core.index import CheckpointIndex, Entry, TensorSource
+from ..core.sizes import parse_size
 from ..core.untrusted import regular_file_inside
 from ..hf import names as hf
 from ..hf.safetensors import build_header
-from ..hf.shards import ShardItem, parse_size, plan_shards
+from ..hf.shards import ShardItem, plan_shards
 from ..io.materialize import StreamWriter, read_tensor, write_all
 from ..io.output import StagedOutput
 from ..io.reading import FileReader, read_json_object
+from .weights_folder import (
+    ConsolidationResult,
+    OutputFormat,
+    PlannedFile,
+    Progress,
+    byte_counter,
+    index_text,
+    plan_consolidation,
+    write_consolidated,
+    write_extra_files,
+    write_staged,
+    write_text,
+)
 
 if TYPE_CHECKING:
     import torch
-
-    from .consolidate import ConsolidationResult, OutputFormat, Progress
 
 PEFT_PREFIX = "base_model.model."  # PeftModel's path to the base model's modules (kept in adapter files)
 LORA = "LORA"
@@ -228,8 +240,6 @@ def write_adapter(
     """PEFT's adapter folder: ``adapter_model.safetensors`` (``.bin`` with format torch) under
     PEFT's keys, in fp32 by default (the masters), beside the adapter's config, model card and
     the tokenizer files the Trainer saved."""
-    from .consolidate import PlannedFile, plan_consolidation, write_consolidated
-
     renamed = tuple(replace(entry, name=key) for key, entry in adapter.tensors)
     plan = plan_consolidation(replace(index, entries=renamed), dtype=FP32 if dtype is None else dtype, format=format, max_shard_size=1 << 62)
     name = hf.ADAPTER_SAFETENSORS if format == "safetensors" else hf.ADAPTER_TORCH
@@ -401,8 +411,6 @@ def write_merged(
 ) -> "ConsolidationResult":
     """Execute a merge plan: the base streamed tensor by tensor into staged files (unchanged
     tensors copied, changed ones computed one at a time), then moved into place."""
-    from .consolidate import ConsolidationResult, byte_counter, index_text, write_extra_files, write_staged, write_text
-
     names = [f for f, _ in plan.files] + ([plan.index_file] if plan.index_file else []) + [os.path.basename(p) for p in plan.extra_files]
     total = plan.bytes_to_write
     advance = byte_counter(progress, total)

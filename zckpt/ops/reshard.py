@@ -19,11 +19,11 @@ from ..core.state import TrainingState
 from ..core.untrusted import path_component, regular_file_inside
 from ..deepspeed import names as N
 from ..deepspeed.reader import open_training_state
+from ..deepspeed.run_config import load_config
 from ..deepspeed.save import SaveResult, write_checkpoint
 from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from ..io.jobs import job_share
 from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
-from ..io.reading import read_json_object
 
 # Hugging Face Trainer's per-process RNG files: rng_state.pth (one process) or rng_state_<i>.pth
 _RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
@@ -39,12 +39,6 @@ class ReshardResult:
     bytes_written: int
     carried: tuple[str, ...]  # files copied from beside the input's tag folders (HF Trainer's, ...)
     dropped: tuple[str, ...]  # carried files left out (RNG states of processes the target lacks)
-
-
-def load_config(path: str | os.PathLike[str] | None) -> dict | None:
-    """A DeepSpeed config JSON of the target run (its values are checked where they are read:
-    :func:`zckpt.deepspeed.run_config.read_run_config`)."""
-    return None if path is None else read_json_object(path, "DeepSpeed config")
 
 
 def plan_reshard(

@@ -5,7 +5,7 @@ universal folder, or a weights output (safetensors or torch ``.bin``/``.pt``, on
 with their ``.index.json``) all become the same thing: names mapped to
 :class:`~zckpt.core.index.TensorSource` (where the bytes lie), plus, for training checkpoints, the
 optimizer states and scalars. Only headers and pickles are parsed here; tensor bytes are read
-later, a range at a time (:func:`read_range`), so two inputs can be walked side by side with
+later, a range at a time (:func:`~zckpt.io.reading.read_range`), so two inputs can be walked side by side with
 memory bounded by a buffer.
 """
 
@@ -16,19 +16,17 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-
 from ..core.errors import CheckpointNotFoundError, CorruptFileError
-from ..core.index import Segment, TensorSource
+from ..core.index import Segment, TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
 from ..core.untrusted import path_component
 from ..deepspeed import names as N
-from ..deepspeed.reader import looks_like_checkpoint, open_checkpoint, open_training_state, tag_named_in
+from ..deepspeed.locate import looks_like_checkpoint, tag_named_in
+from ..deepspeed.reader import open_checkpoint, open_training_state
 from ..hf import names as hf
 from ..hf.safetensors import read_header
-from ..io.reading import FileReader, source_of
+from ..io.reading import source_of
 from ..torchfile import reader as torchfile
-from ..torchfile.reader import TensorRef
 
 InputKind = Literal["zero_checkpoint", "universal_checkpoint", "safetensors", "torch"]
 
@@ -207,25 +205,3 @@ def _sharded(path: str) -> NamedTensors:
         for tensor_name in (n for n, f in weight_map.items() if f == name and n not in held):
             raise CorruptFileError(shard, f"lacks {tensor_name}, which {os.path.basename(path)} maps to it")
     return NamedTensors(path=path, kind=kind, tensors=tensors, files=tuple(files))
-
-
-def read_range(reader: FileReader, source: TensorSource, start: int, dest: np.ndarray) -> None:
-    """Fill the raw array `dest` with elements ``start .. start + len(dest)`` of `source`
-    (elements in file order, across its segments)."""
-    raw = memoryview(dest.view(np.uint8).reshape(-1))
-    itemsize = source.dtype.itemsize
-    wanted_end = start + dest.size
-    position = 0  # element index where the current segment begins
-    filled = 0
-    for segment in source.segments:
-        end = position + segment.numel
-        if end > start and position < wanted_end:
-            first = max(start, position)
-            count = min(end, wanted_end) - first
-            reader.read_into(segment.path, segment.offset + (first - position) * itemsize, raw[filled * itemsize : (filled + count) * itemsize])
-            filled += count
-        position = end
-        if position >= wanted_end:
-            break
-    if filled != dest.size:
-        raise CorruptFileError(source.segments[0].path if source.segments else None, f"holds {position} elements, {wanted_end} expected")

@@ -24,15 +24,17 @@ import numpy as np
 from ..core.dtypes import BF16, FP16, FP32, DType
 from ..core.errors import CheckpointNotFoundError, UsageError, ZckptError
 from ..core.index import Segment, TensorSource
+from ..core.sizes import format_size
 from ..deepspeed import swap_folder as swap
-from ..deepspeed.reader import Survey, looks_like_checkpoint, survey
-from ..hf.shards import format_size
+from ..deepspeed.locate import looks_like_checkpoint
+from ..deepspeed.reader import survey
+from ..deepspeed.survey import Survey
 from ..io.checksums import check_archive
 from ..io.materialize import CHUNK_BYTES
 from ..io.output import find_leftovers
-from ..io.reading import FileReader
+from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
-from .tensor_sources import open_tensors, read_range
+from .tensor_sources import open_tensors
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,7 @@ def _needs(found: Survey) -> list[Need]:
     from ..deepspeed.save import archives
     from ..deepspeed.universal import plan_universal
     from ..deepspeed.writer import plan_checkpoint, plan_target
-    from .consolidate import plan_consolidation
+    from .weights_folder import plan_consolidation
 
     assert found.index is not None
     largest = max((e.source.nbytes for e in found.index.entries), default=0)

@@ -32,7 +32,7 @@ import pickle
 import re
 import types
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Callable, ClassVar
 
@@ -40,6 +40,7 @@ import numpy as np
 
 from ..core.dtypes import BY_NAME, BY_STORAGE, DType
 from ..core.errors import CorruptFileError, UnsafePickleError, ZckptError
+from ..core.index import TensorRef
 
 __all__ = [
     "ENUM_CLASSES", "PickledEnumMember", "PickledGlobal", "PickledObject", "TensorRef", "TorchDevice", "TorchSize",
@@ -57,48 +58,7 @@ class _NoState:
 
 
 # ---------------------------------------------------------------------------------------------
-# What the data becomes
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """Where a tensor's elements lie in a file; holds no data."""
-
-    path: str
-    offset: int  # byte offset in `path` of element 0
-    dtype: DType
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    # Python attributes pickled with the tensor (DeepSpeed's ZeRO-3 flat groups carry `ds_id`).
-    attributes: dict[str, Any] | None = field(default=None, compare=False, hash=False)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, step in zip(reversed(self.shape), reversed(self.stride)):
-            if size != 1 and step != expected:
-                return False
-            expected *= size
-        return True
-
-    @classmethod
-    def flat(cls, path: str, offset: int, dtype: DType, numel: int) -> "TensorRef":
-        """A 1-D contiguous run of `numel` elements at byte `offset` (e.g. in a raw swap file)."""
-        return cls(path, offset, dtype, (numel,), (1,))
-
-    def __reduce__(self) -> tuple:  # stdlib pickling (processes) by constructor, not by state
-        return (TensorRef, (self.path, self.offset, self.dtype, self.shape, self.stride, self.attributes))
-
-    def __setstate__(self, state: object) -> None:  # a pickle must not repoint it at another file
-        raise CorruptFileError(None, "corrupted pickle: BUILD applied to a tensor")
+# What the data becomes (a tensor: core.index.TensorRef, a leaf type the I/O layer reads by)
 
 
 class PickledObject:

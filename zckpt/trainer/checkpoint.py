@@ -13,7 +13,7 @@ as whole params and takes this rank's share of each, so the world size may chang
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,16 +30,36 @@ from ..deepspeed.writer import plan_checkpoint, plan_target
 from ..io.jobs import JobSync
 from ..io.materialize import read_tensor
 from ..io.output import write_text_atomic
-from ..io.reading import FileReader
-from ..ops.tensor_sources import read_range
+from ..io.reading import FileReader, read_range
 from ..torchfile.pickler import Inline, OutTensor
-from .model import MODEL_CONFIG_FILE
-from .optim import ADAM_STATES
-
-if TYPE_CHECKING:
-    from .loop import Trainer
+from .model import MODEL_CONFIG_FILE, GPTConfig
+from .optim import ADAM_STATES, ShardedAdamW
+from .zero3 import Comm, ShardedModel, Zero3Plan
 
 STEP = "step"
+
+
+class CheckpointedTrainer(Protocol):
+    """What saving reads from the trainer and resuming sets on it (:class:`~.loop.Trainer` is
+    one): this module gets the trainer's parts handed in and never imports the loop that calls it."""
+
+    plan: Zero3Plan
+    optimizer: ShardedAdamW
+    comm: Comm
+    dtype: torch.dtype
+    model: ShardedModel
+    model_config: GPTConfig
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    last_batch_iteration: int
+
+    @property
+    def global_batch(self) -> int: ...
+
+    def ds_config(self) -> dict: ...
+
+    def lr(self) -> float: ...
 
 
 def tag_for(global_steps: int) -> str:
@@ -57,7 +77,7 @@ def _whole_param(path: str, byte_offset: int, numel: int, share: int, rank: int,
     return tuple(segments)
 
 
-def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> TrainingState:
+def training_state(trainer: CheckpointedTrainer, checkpoint_dir: str, tag: str) -> TrainingState:
     """The trainer's live state in zckpt's own types (no byte copied)."""
     plan, optimizer, rank, world = trainer.plan, trainer.optimizer, trainer.comm.rank, trainer.comm.world
     dtype = from_torch(trainer.dtype)
@@ -111,7 +131,7 @@ def training_state(trainer: "Trainer", checkpoint_dir: str, tag: str) -> Trainin
     )
 
 
-def save_checkpoint(trainer: "Trainer", checkpoint_dir: str) -> str:
+def save_checkpoint(trainer: CheckpointedTrainer, checkpoint_dir: str) -> str:
     """Write ``checkpoint_dir/global_stepN/`` (every rank its own files), then ``latest`` and
     ``model_config.json``; returns the tag. Collective: every rank calls it."""
     tag = tag_for(trainer.global_steps)
@@ -135,7 +155,7 @@ def save_checkpoint(trainer: "Trainer", checkpoint_dir: str) -> str:
     return tag
 
 
-def load_checkpoint(trainer: "Trainer", path: str) -> None:
+def load_checkpoint(trainer: CheckpointedTrainer, path: str) -> None:
     """Take this rank's share of every param's master and Adam moments, the step counters, the
     lr scheduler and the loss scaler from any checkpoint zckpt reads."""
     state = open_training_state(path)

@@ -1,0 +1,51 @@
+"""What a look at a checkpoint found: the :class:`Survey` that the ZeRO and universal readers
+fill (:mod:`.zero_reader`, :mod:`.universal_reader`) and :func:`zckpt.deepspeed.reader.survey`
+returns, every problem listed instead of raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..core.dtypes import DType
+from ..core.errors import ZckptError
+from ..core.index import CheckpointIndex
+from ..core.state import TrainingState
+from .locate import Location
+from .swap_folder import SwapReport
+
+
+@dataclass
+class Survey:
+    """What a look at a checkpoint found: the index when the checkpoint is complete, and every
+    problem seen (each a ZckptError naming a file)."""
+
+    path: str
+    location: Location | None = None
+    zero_stage: int | None = None
+    world_size: int | None = None
+    dtype: DType | None = None
+    ds_version: str | None = None
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    files: list[str] = field(default_factory=list)
+    index: CheckpointIndex | None = None
+    problems: list[ZckptError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # ZeRO-3 rank files that repeat another rank's where nothing tells whether one was copied:
+    # verify says so; commands read them as they are (not index notes)
+    untold_copies: list[str] = field(default_factory=list)
+    # What the model-states file declares, known even when the index cannot be built.
+    declared: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, kind)
+    declared_dtypes: dict[str, DType] = field(default_factory=dict)  # as stored in the module state dict
+    tied: dict[str, str] = field(default_factory=dict)
+    # When the tag cannot be located: the tags the folder holds and the one `latest` names.
+    tags: tuple[str, ...] = ()
+    named_tag: str | None = None
+    state: TrainingState | None = None  # the whole training state, when the checkpoint is complete
+    universal: bool = False  # a universal folder (zero/<param>/<state>.pt), not rank partitions
+    swap: SwapReport | None = None  # read with a live swap folder: what it held and where data came from
+
+    @property
+    def complete(self) -> bool:
+        return self.index is not None and not self.problems
