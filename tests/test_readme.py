@@ -1,6 +1,7 @@
 """README facts that can go stale, checked against the code and the repository (issue 17):
 the exit-code table run row by row through the real CLI, the Command line section against the
-CLI's own commands and options, every help text's width, and the sample folder's count and size."""
+CLI's own commands and options, every help text's width, the sample folder's count and size, and
+the package map against the tree (issue 18)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,40 @@ def test_sample_count_and_size_as_the_readme_says() -> None:
     size = sum(p.stat().st_size for p in SAMPLES.rglob("*") if p.is_file())
     assert count == len(checkpoints), f"README says {count} checkpoints, sample_ckpts/ holds {len(checkpoints)}"
     assert megabytes == round(size / 1e6), f"README says {megabytes} MB, sample_ckpts/ holds {size / 1e6:.1f} MB"
+
+
+# --- the package map -----------------------------------------------------------------------------
+
+
+def package_map() -> tuple[list[str], list[str]]:
+    """The files and folders the tree map at the top of "How it works, and why" names, as paths
+    from the repository root: one entry per line, indented two spaces a folder level; a line
+    names a folder (``core/``) or modules (``errors.py, dtypes.py``), then says what they do."""
+    block = section("How it works, and why").split("```")[1]
+    files: list[str] = []
+    folders: list[str] = []
+    parents: list[str] = []  # the folder of each indentation level so far
+    for line in block.strip("\n").splitlines():
+        level = (len(line) - len(line.lstrip(" "))) // 2
+        names = [n.strip() for n in re.split(r"\s{2,}", line.strip())[0].split(",")]
+        del parents[level:]
+        here = "/".join(parents)
+        for name in names:
+            assert re.fullmatch(r"[\w.]+\.py|\w+/", name), f"the map's line {line.strip()!r}: {name!r} is no module or folder"
+            (folders if name.endswith("/") else files).append(f"{here}/{name}".lstrip("/").rstrip("/"))
+        if names[0].endswith("/"):
+            parents.append(names[0].rstrip("/"))
+    return files, folders
+
+
+def test_the_package_map_is_the_tree() -> None:
+    """Every module file appears in the map once, and the map names nothing that is not there
+    (a folder's line stands for its __init__.py; the package's own __init__.py is listed)."""
+    files, folders = package_map()
+    package = ROOT / "zckpt"
+    modules = sorted(str(p.relative_to(ROOT)) for p in package.rglob("*.py") if p.name != "__init__.py" or p.parent == package)
+    packages = sorted(str(p.parent.relative_to(ROOT)) for p in package.rglob("__init__.py"))
+    assert sorted(set(files)) == sorted(files), f"the map lists {sorted({f for f in files if files.count(f) > 1})} twice"
+    assert sorted(folders) == packages, f"the map's folders {sorted(set(folders) ^ set(packages))} differ from the package's"
+    missing, absent = sorted(set(modules) - set(files)), sorted(set(files) - set(modules))
+    assert not missing and not absent, f"the map lacks {missing} and names {absent}, which do not exist"
