@@ -1,0 +1,102 @@
+"""``zckpt consolidate``: full weights from a ZeRO checkpoint, or a PEFT adapter folder or merged model."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import EXIT_USAGE, fail, guarded
+from .shared import Command, NoVerifyOption, QuietOption, SwapFolderOption, TagOption, WaitOption, app, swap_notes, with_progress
+
+
+class Format(str, enum.Enum):
+    safetensors = "safetensors"
+    torch = "torch"
+
+
+def file_list(files: tuple[str, ...]) -> str:
+    """The files written, short however many shards: all of two, else the first and a count."""
+    return ", ".join(files) if len(files) <= 2 else f"{files[0]} ... ({len(files)} files)"
+
+
+@app.command(
+    cls=Command,
+    short_help="Rebuild full weights, like zero_to_fp32.py (bit-identical).",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt consolidate runs/ckpt out/      # fp32 model.safetensors\n"
+        "  zckpt consolidate runs/ckpt out/ --dtype bf16 --max-shard-size 2GB\n"
+        "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch\n"
+        "  zckpt consolidate out/checkpoint-500 adapter/   # PEFT run: adapter folder\n"
+        "  zckpt consolidate out/checkpoint-500 merged/ --merge-into base-model/\n\n"
+        "zero_to_fp32.py's spellings work too: --max_shard_size, --exclude_frozen_parameters, "
+        "-t, -d/--debug, and --safe_serialization (safetensors is the default here)."
+    ),
+)
+def consolidate(
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it.")],
+    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Folder for the weights (created if missing). Files appear only when all are complete.")],
+    tag: TagOption = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="Dtype of floating tensors: fp32 (the exact masters; the default), or bf16/fp16 (rounded to nearest); float32, bfloat16 and float16 work too. Integer buffers keep their dtype. With --merge-into the default is the base model's dtype.")] = None,
+    format: Annotated[Format, typer.Option("--format", "-f", metavar="FORMAT", help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).")] = Format.safetensors,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", "--max_shard_size", metavar="SIZE", help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", "--exclude_frozen_parameters", help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
+    safe_serialization: Annotated[bool, typer.Option("--safe_serialization", help="Accepted for zero_to_fp32.py's users: safetensors is already the default.")] = False,
+    peft: Annotated[Optional[bool], typer.Option("--peft/--no-peft", help="A PEFT run's checkpoint: write PEFT's adapter folder (adapter_model.safetensors under PEFT's names, adapter_config.json, README.md). Default: when adapter_config.json is beside the checkpoint. --no-peft writes the raw tensors under their training names.", show_default=False)] = None,
+    merge_into: Annotated[Optional[Path], typer.Option("--merge-into", metavar="BASE_DIR", help="Merge the PEFT LoRA adapter into this Hugging Face model folder (config.json + safetensors) and write the full merged model, streamed one base tensor at a time; equal to PEFT's merge_and_unload().")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace weights files already in OUTPUT_DIR (stale shards are removed).")] = False,
+    quiet: QuietOption = False,
+    no_verify: NoVerifyOption = False,
+    debug: Annotated[bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")] = False,
+    swap_folder: SwapFolderOption = None,
+    wait: WaitOption = False,
+) -> None:
+    """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
+
+    Frozen params are kept, tied weights are written under every name, and the config and
+    tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along. A PEFT
+    run's checkpoint gives PEFT's adapter folder, or with --merge-into the merged model.
+    """
+    from ..core.dtypes import output_dtype
+    from ..core.run_folders import TRAINER_FOLDER_NOTE
+    from ..core.sizes import format_size
+    from ..ops.consolidate import consolidate as run_consolidate
+
+    if safe_serialization and format is Format.torch:
+        fail("--safe_serialization asks for safetensors, but --format torch was given", EXIT_USAGE)
+    target = guarded(lambda: output_dtype(dtype), debug) if dtype is not None else None
+    result = with_progress(
+        quiet,
+        "consolidating",
+        lambda progress: run_consolidate(
+            checkpoint,
+            output_dir,
+            tag=tag,
+            dtype=target,
+            format=format.value,
+            max_shard_size=max_shard_size,
+            exclude_frozen=exclude_frozen,
+            peft=peft,
+            merge_into=merge_into,
+            overwrite=overwrite,
+            progress=progress,
+            verify=not no_verify,
+            swap_folder=swap_folder,
+            wait=wait,
+        ),
+        debug,
+    )
+    if not quiet:
+        index = result.index
+        what = {"adapter": "PEFT adapter: ", "merged": f"adapter merged into {merge_into}: "}.get(result.peft or "", "")
+        typer.echo(
+            f"wrote {what}{result.tensors} tensors ({format_size(result.bytes_written)}, {result.dtype.short}) from "
+            f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {file_list(result.files)}"
+        )
+        for note in index.notes:
+            if note.startswith(TRAINER_FOLDER_NOTE):
+                typer.echo(f"note: {note}", err=True)
+    swap_notes(swap_folder, result.index.notes, quiet)

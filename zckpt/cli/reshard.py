@@ -1,0 +1,86 @@
+"""``zckpt reshard``: a checkpoint rewritten for another world size or ZeRO stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import EXIT_USAGE, fail
+from .shared import (
+    Command,
+    NoVerifyOption,
+    QuietOption,
+    Stage,
+    SwapFolderOption,
+    TagOption,
+    WaitOption,
+    WorkersOption,
+    app,
+    primary_process,
+    swap_notes,
+    with_progress,
+)
+
+
+@app.command(
+    cls=Command,
+    short_help="Rewrite a checkpoint for another world size or ZeRO stage.",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt reshard runs/ckpt runs/ckpt-4gpu -w 4     # same ZeRO stage, 4 ranks\n"
+        "  zckpt reshard runs/ckpt out/ -w 3 --stage 3    # ZeRO-2 -> ZeRO-3, 3 ranks\n"
+        "  zckpt reshard out/checkpoint-500 new/checkpoint-500 -w 8 \\\n"
+        "      --config ds_config.json\n"
+        "  # on a cluster the ranks split the files:\n"
+        "  torchrun --nproc-per-node 8 ... -m zckpt reshard big/ out/ -w 512"
+    ),
+)
+def reshard(
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a Hugging Face checkpoint-N folder.")],
+    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Checkpoint folder to write (created if missing): latest, the tag folder, and the files beside it.")],
+    world_size: Annotated[int, typer.Option("--world-size", "-w", metavar="M", help="Data-parallel ranks of the run that will load it.")],
+    stage: Annotated[Optional[Stage], typer.Option("--stage", metavar="STAGE", help="ZeRO stage of that run: 1, 2 or 3 (default: the checkpoint's).")] = None,
+    tag: TagOption = None,
+    config: Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.")] = None,
+    workers: WorkersOption = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already.")] = False,
+    quiet: QuietOption = False,
+    no_verify: NoVerifyOption = False,
+    swap_folder: SwapFolderOption = None,
+    wait: WaitOption = False,
+) -> None:
+    """Rewrite a ZeRO checkpoint for another world size and/or ZeRO stage, with the whole training state.
+
+    Stock DeepSpeed loads the output with a plain engine.load_checkpoint(OUTPUT_DIR) at the new
+    world size: fp32 masters, optimizer states, steps, loss scaler, lr scheduler and client
+    state exactly as saved. Files beside the tag folders (Trainer's config, trainer_state.json,
+    ...) are copied along.
+    """
+    from ..core.sizes import format_size
+    from ..ops.reshard import reshard as run_reshard
+
+    if world_size < 1:
+        fail(f"--world-size must be at least 1, got {world_size}", EXIT_USAGE)
+    primary = primary_process()
+    result = with_progress(
+        quiet or not primary,
+        "resharding",
+        lambda progress: run_reshard(
+            checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
+            config=config, overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify, swap_folder=swap_folder,
+            wait=wait,
+        ),
+    )
+    if primary:
+        swap_notes(swap_folder, result.source.index.notes, quiet)
+    if not quiet and primary:
+        source = result.source.index
+        typer.echo(
+            f"wrote {result.tag} for world size {result.target.world_size} (ZeRO-{result.target.stage}) from world size "
+            f"{source.world_size} (ZeRO-{source.zero_stage}): {len(result.files)} files, {format_size(result.bytes_written)}"
+            + (f", {len(result.carried)} files carried" if result.carried else "")
+            + (f", {len(result.dropped)} left out ({', '.join(result.dropped)})" if result.dropped else "")
+            + f" -> {output_dir}"
+        )

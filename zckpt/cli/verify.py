@@ -1,0 +1,47 @@
+"""``zckpt verify``: judge a checkpoint or weights output before use; exit 3 on any problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import EXIT_INCOMPLETE, guarded
+from .shared import Command, SwapFolderOption, TagOption, app
+
+
+@app.command(
+    cls=Command,
+    short_help="Check a checkpoint before use; exit 3 on any problem.",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt verify runs/ckpt                # every file, CRC, rank, state\n"
+        "  zckpt verify runs/ckpt --scan         # also NaN/Inf in every tensor\n"
+        "  zckpt verify uc/global_step500_universal\n"
+        "  zckpt verify out/ --json | jq .ok"
+    ),
+)
+def verify(
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="A DeepSpeed checkpoint folder or tag folder, a universal folder, or consolidated weights (folder, .safetensors, .index.json, torch .bin).")],
+    tag: TagOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+    scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor and report NaN and Inf values.")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files read at once (default: 2).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", metavar="CKPT", help="With a swap folder as PATH: a checkpoint of the same run, whose layout the swap files must fit.")] = None,
+    swap_folder: SwapFolderOption = None,
+) -> None:
+    """Judge a checkpoint before anyone runs on it: exit 0 when every check passes, 3 when any fails.
+
+    Reads every byte: files present and parsing, every CRC-32, ranks consistent (world size, tag,
+    version, sizes, which rank each file belongs to), optimizer state complete, no leftovers of
+    an interrupted zckpt run, with --scan no NaN/Inf; and says the disk and memory each zckpt
+    operation on it would need.
+    """
+    from ..ops.verify import render, verify as run_verify
+
+    report = guarded(lambda: run_verify(path, tag=tag, scan=scan, workers=workers or 2, checkpoint=checkpoint, swap_folder=swap_folder))
+    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
+    if not report.ok:
+        raise typer.Exit(EXIT_INCOMPLETE)
