@@ -84,7 +84,7 @@ def test_a_one_byte_message_change_is_reported(script, tmp_path: Path, capsys) -
     for name in ("before", "after"):
         shutil.copytree(ROOT / "zckpt", tmp_path / name / "zckpt", ignore=shutil.ignore_patterns("__pycache__"))
         (tmp_path / name / "sample_ckpts").mkdir()
-    cli = tmp_path / "after" / "zckpt" / "cli.py"
+    cli = tmp_path / "after" / "zckpt" / "cli" / "consolidate.py"
     text = cli.read_text()
     assert text.count("Show the Python traceback of an error") == 1
     cli.write_text(text.replace("Show the Python traceback of an error", "Show the Python traceback of an Error"))
