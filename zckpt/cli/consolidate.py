@@ -13,6 +13,9 @@ from .shared import Command, NoVerifyOption, QuietOption, SwapFolderOption, TagO
 
 
 class Format(str, enum.Enum):
+    """The --format choices: the names of zckpt.ops.formats.FORMATS (a test keeps them equal;
+    spelled out here so that --help needs no import of the operations)."""
+
     safetensors = "safetensors"
     torch = "torch"
 
@@ -64,8 +67,9 @@ def consolidate(
     from ..core.run_folders import TRAINER_FOLDER_NOTE
     from ..core.sizes import format_size
     from ..ops.consolidate import consolidate as run_consolidate
+    from ..ops.formats import SAFETENSORS, weights_format
 
-    if safe_serialization and format is Format.torch:
+    if safe_serialization and weights_format(format.value) is not SAFETENSORS:
         fail("--safe_serialization asks for safetensors, but --format torch was given", EXIT_USAGE)
     target = guarded(lambda: output_dtype(dtype), debug) if dtype is not None else None
     result = with_progress(

@@ -19,6 +19,7 @@ from ..core.errors import UsageError
 from ..core.run_folders import TRAINER_CHECKPOINT_RE
 from ..deepspeed.reader import open_checkpoint
 from ..io.output import refuse_output_inside_input
+from .formats import FORMATS, SAFETENSORS, WeightsFormat, find_format
 from .peft import consolidate_peft
 from .weights_folder import ConsolidationResult, OutputFormat, Progress, plan_consolidation, write_consolidated
 
@@ -29,7 +30,7 @@ def consolidate(
     *,
     tag: str | None = None,
     dtype: DTypeLike | None = None,
-    format: OutputFormat = "safetensors",
+    format: OutputFormat | WeightsFormat = "safetensors",
     max_shard_size: str | int = "5GB",
     exclude_frozen: bool = False,
     peft: bool | None = None,
@@ -73,12 +74,13 @@ def consolidate(
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 
 
-def _refuse_file_name(output_dir: str, format: str) -> None:
+def _refuse_file_name(output_dir: str, format: OutputFormat | WeightsFormat) -> None:
     """An OUTPUT_DIR named like a weights file (``out/pytorch_model.bin``: older zero_to_fp32.py
     took the output file) is refused rather than made a folder of that name or written as that
     one file: the output is a folder whose file names from_pretrained expects, sharded or not."""
     if output_dir.endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
         folder = os.path.dirname(output_dir.rstrip(os.sep)) or "."
-        written = "pytorch_model.bin" if format == "torch" else "model.safetensors"
+        fmt = find_format(format) or SAFETENSORS
+        other = "".join(f" (--format {f.name}: {f.single_file})" for f in FORMATS.values() if f is not fmt and f is not SAFETENSORS)
         raise UsageError(output_dir, f"OUTPUT_DIR names a file (zero_to_fp32.py's old output-file form); give the folder: "
-                                     f"'{folder}' gets {written}{'' if format == 'torch' else ' (--format torch: pytorch_model.bin)'}")
+                                     f"'{folder}' gets {fmt.single_file}{other}")

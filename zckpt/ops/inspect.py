@@ -20,7 +20,7 @@ from ..core.state import TrainingState
 from ..core.untrusted import name_problem, path_component
 from ..deepspeed import names as N
 from ..deepspeed import swap_folder as swap
-from ..deepspeed.locate import list_tags, looks_like_checkpoint, tag_named_in
+from ..deepspeed.locate import list_tags, tag_named_in
 from ..deepspeed.reader import survey
 from ..hf import names as hf
 from ..hf.safetensors import TIED_METADATA_KEY, read_header
@@ -29,6 +29,7 @@ from ..io.materialize import read_scalar
 from ..io.output import find_leftovers
 from ..io.reading import FileReader
 from ..torchfile import reader as torchfile
+from .classify import Kind, classify
 from .peft import describe_adapter
 from .tensor_sources import torch_state_refs
 
@@ -40,25 +41,24 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
     With `verify`, every checkpoint file is read in full and its CRC-32 checksums checked.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
+    found = classify(path)
+    if found.kind is Kind.MISSING:
         raise CheckpointNotFoundError(path, "no such file or directory")
-    if os.path.isdir(path) and not looks_like_checkpoint(path) and swap.is_swap_folder(path):
+    if found.kind is Kind.SWAP_FOLDER:
         return inspect_swap_folder(path, checkpoint, tag)
     if checkpoint is not None:
         raise UsageError(path, "--checkpoint goes with a swap folder as PATH (<nvme_path> or its zero_stage_3/)")
     if os.path.isdir(path):
-        if not looks_like_checkpoint(path):  # a consolidated folder: report on its weights
-            weights = (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, hf.SAFETENSORS_PATTERN.format(suffix=""), hf.TORCH_PATTERN.format(suffix=""),
-                       hf.ADAPTER_SAFETENSORS, hf.ADAPTER_TORCH)
-            for name in weights:
-                if os.path.isfile(os.path.join(path, name)):
-                    return _with_leftovers(_with_adapter(inspect_path(os.path.join(path, name)), path), path)
+        if not found.is_checkpoint:  # a consolidated folder: report on its weights
+            weights = found.weights_file or found.adapter_file
+            if weights is not None:
+                return _with_leftovers(_with_adapter(inspect_path(weights), path), path)
             if find_leftovers(path):  # only what a killed run left: say so rather than "no checkpoint"
                 return _with_leftovers({"kind": "folder", "path": path, "complete": False, "problems": [f"{path}: holds no checkpoint or weights file"], "parameters": []}, path)
         return inspect_checkpoint(path, tag, verify)
-    if path.endswith(".index.json"):
+    if found.kind is Kind.WEIGHTS_INDEX:
         return _inspect_index(path)
-    if os.path.basename(path) in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) and looks_like_checkpoint(os.path.dirname(path) or "."):
+    if found.kind is Kind.LATEST_FILE:
         return _inspect_latest(path, tag, verify)
     with open(path, "rb") as handle:
         magic = handle.read(4)

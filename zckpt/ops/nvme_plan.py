@@ -519,13 +519,14 @@ class LoadedModel:
 def load_params(path: str | os.PathLike[str]) -> LoadedModel:
     """The params of MODEL: a Hugging Face ``config.json`` (or a folder holding only that), a
     zckpt-readable checkpoint, or weights (safetensors/torch file, ``.index.json`` or their folder)."""
-    from ..deepspeed.locate import looks_like_checkpoint
     from ..deepspeed.reader import open_checkpoint
+    from .classify import classify
     from .tensor_sources import open_tensors
 
     path = os.fspath(path)
+    found = classify(path)
     config_json = path if path.endswith(".json") and not path.endswith(".index.json") else None
-    if config_json is None and os.path.isdir(path) and not looks_like_checkpoint(path) and _holds_no_weights(path) \
+    if config_json is None and os.path.isdir(path) and not found.is_checkpoint and _holds_no_weights(path) \
             and os.path.isfile(os.path.join(path, "config.json")):
         config_json = os.path.join(path, "config.json")
     if config_json is not None:
@@ -533,7 +534,7 @@ def load_params(path: str | os.PathLike[str]) -> LoadedModel:
         note = ("shapes computed from config.json: every param counted as trainable (a PEFT run trains far fewer; "
                 "pass its checkpoint for exact optimizer sizes)")
         return LoadedModel(tuple(shapes_from_hf_config(config, config_json)), "hf_config", notes=(note,))
-    if os.path.isdir(path) and looks_like_checkpoint(path) or os.path.basename(path) == N.LATEST_FILE:
+    if found.is_checkpoint or os.path.basename(path) == N.LATEST_FILE:  # any file named latest, as nvme-plan always took it
         index = open_checkpoint(os.path.dirname(path) if os.path.basename(path) == N.LATEST_FILE else path)
         params = tuple(ParamShape(e.name, e.source.shape, e.kind == "param") for e in index.entries if e.kind in ("param", "frozen"))
         return LoadedModel(params, "checkpoint", index.world_size, index.dtype.short, index.notes)

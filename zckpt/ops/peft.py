@@ -41,14 +41,13 @@ from ..core.index import CheckpointIndex, Entry, TensorSource
 from ..core.sizes import parse_size
 from ..core.untrusted import regular_file_inside
 from ..hf import names as hf
-from ..hf.safetensors import build_header
 from ..hf.shards import ShardItem, plan_shards
 from ..io.materialize import StreamWriter, read_tensor, write_all
 from ..io.output import StagedOutput
 from ..io.reading import FileReader, read_json_object
+from .formats import SAFETENSORS, OutputFormat, find_format, safetensors_header, weights_format, write_safetensors
 from .weights_folder import (
     ConsolidationResult,
-    OutputFormat,
     PlannedFile,
     Progress,
     byte_counter,
@@ -242,7 +241,7 @@ def write_adapter(
     the tokenizer files the Trainer saved."""
     renamed = tuple(replace(entry, name=key) for key, entry in adapter.tensors)
     plan = plan_consolidation(replace(index, entries=renamed), dtype=FP32 if dtype is None else dtype, format=format, max_shard_size=1 << 62)
-    name = hf.ADAPTER_SAFETENSORS if format == "safetensors" else hf.ADAPTER_TORCH
+    name = weights_format(format).adapter_file
     tensors = tuple(t for f in plan.files for t in f.tensors)
     extra = hf.files_to_copy(index.checkpoint_dir, hf.ADAPTER_FILES)
     plan = replace(plan, files=(PlannedFile(name, tensors),), index_file=None, weight_map={t.name: name for t in tensors}, extra_files=extra)
@@ -345,13 +344,13 @@ def plan_merge(adapter: Adapter, base_dir: str, *, dtype: DTypeLike | None = Non
         for name, source in base
     ]
     by_name = {t.name: t for t in merged}
-    shards = plan_shards([ShardItem(t.name, t.nbytes) for t in merged], limit, hf.SAFETENSORS_PATTERN)
-    files = tuple((filename, tuple(sorted((by_name[n] for n in names), key=lambda t: -t.dtype.itemsize))) for filename, names in shards.files)
+    shards = plan_shards([ShardItem(t.name, t.nbytes) for t in merged], limit, SAFETENSORS.pattern)
+    files = tuple((filename, tuple(SAFETENSORS.order([by_name[n] for n in names]))) for filename, names in shards.files)
     extra = hf.files_to_copy(base_dir, hf.MODEL_FILES)
     return MergePlan(
         base_dir=base_dir,
         files=files,
-        index_file=hf.SAFETENSORS_INDEX if shards.is_sharded else None,
+        index_file=SAFETENSORS.index_file if shards.is_sharded else None,
         weight_map=shards.weight_map(),
         total_size=shards.total_size,
         dtype=target,
@@ -429,21 +428,18 @@ def write_merged(
 def _write_merged_file(path: str, tensors: tuple[MergedTensor, ...], reader: FileReader, loras: dict, advance: Callable[[int], None]) -> None:
     import torch
 
-    header, _ = build_header([(t.name, t.dtype, t.shape) for t in tensors], {"format": "pt"})
     writer = StreamWriter(reader, advance)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, header)
-        for tensor in tensors:
-            if not tensor.changed:
-                writer.write(fd, tensor.source, tensor.dtype)
-                continue
-            value = merged_value(tensor, reader, loras)
-            raw = value.contiguous().reshape(-1).view(torch.uint8).numpy()
-            write_all(fd, memoryview(raw))
-            advance(raw.nbytes)
-    finally:
-        os.close(fd)
+
+    def write_tensor(fd: int, tensor: MergedTensor) -> None:
+        if not tensor.changed:
+            writer.write(fd, tensor.source, tensor.dtype)
+            return
+        value = merged_value(tensor, reader, loras)
+        raw = value.contiguous().reshape(-1).view(torch.uint8).numpy()
+        write_all(fd, memoryview(raw))
+        advance(raw.nbytes)
+
+    write_safetensors(path, safetensors_header(tensors, {}), tensors, write_tensor)  # type: ignore[arg-type]
 
 
 def merged_value(tensor: MergedTensor, reader: FileReader, loras: dict | None = None) -> "torch.Tensor":
@@ -497,7 +493,7 @@ def consolidate_peft(
         return None
     if merge_into is None:
         return write_adapter(index, adapter, output_dir, dtype=dtype, format=format, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
-    if format != "safetensors":
+    if find_format(format) is not SAFETENSORS:
         raise UsageError(None, "--merge-into writes safetensors; --format torch is not supported with it")
     base_dir = os.fspath(merge_into)
     if os.path.realpath(base_dir) == os.path.realpath(output_dir):

@@ -20,18 +20,15 @@ from ..core.errors import CheckpointNotFoundError, CorruptFileError
 from ..core.index import Segment, TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
 from ..core.untrusted import path_component
-from ..deepspeed import names as N
-from ..deepspeed.locate import looks_like_checkpoint, tag_named_in
+from ..deepspeed.locate import tag_named_in
 from ..deepspeed.reader import open_checkpoint, open_training_state
-from ..hf import names as hf
 from ..hf.safetensors import read_header
 from ..io.reading import source_of
 from ..torchfile import reader as torchfile
+from .classify import Kind, classify
 
 InputKind = Literal["zero_checkpoint", "universal_checkpoint", "safetensors", "torch"]
 
-# Weights files looked for in a folder that holds no checkpoint, in the order inspect uses.
-_WEIGHTS_IN_FOLDER = (hf.SAFETENSORS_INDEX, hf.TORCH_INDEX, hf.SAFETENSORS_PATTERN.format(suffix=""), hf.TORCH_PATTERN.format(suffix=""))
 
 
 @dataclass(frozen=True)
@@ -66,16 +63,15 @@ def open_tensors(path: str | os.PathLike[str], *, states: bool = False) -> Named
     optimizer state is validated, which costs its pickles).
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
+    found = classify(path)
+    if found.kind is Kind.MISSING:
         raise CheckpointNotFoundError(path, "no such file or directory")
     if os.path.isdir(path):
-        if not looks_like_checkpoint(path):  # a weights folder; else a Trainer output folder, or nothing (locate says)
-            for name in _WEIGHTS_IN_FOLDER:
-                if os.path.isfile(os.path.join(path, name)):
-                    return _weights(os.path.join(path, name))
+        if found.weights_file is not None:  # a weights folder; else a Trainer output folder, or nothing (locate says)
+            return _weights(found.weights_file)
         return _checkpoint(path, None, states)
-    if os.path.basename(path) in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) and looks_like_checkpoint(os.path.dirname(path) or "."):
-        return _checkpoint(os.path.dirname(path) or ".", tag_named_in(path), states)
+    if found.kind is Kind.LATEST_FILE:
+        return _checkpoint(found.checkpoint_dir, tag_named_in(path), states)
     return _weights(path)
 
 

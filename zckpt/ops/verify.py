@@ -26,7 +26,6 @@ from ..core.errors import CheckpointNotFoundError, UsageError, ZckptError
 from ..core.index import Segment, TensorSource
 from ..core.sizes import format_size
 from ..deepspeed import swap_folder as swap
-from ..deepspeed.locate import looks_like_checkpoint
 from ..deepspeed.reader import survey
 from ..deepspeed.survey import Survey
 from ..io.checksums import check_archive
@@ -34,6 +33,7 @@ from ..io.materialize import CHUNK_BYTES
 from ..io.output import find_leftovers
 from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
+from .classify import Kind, classify
 from .tensor_sources import open_tensors
 
 
@@ -98,17 +98,18 @@ def verify(
     swap folder) and report every problem. A swap folder is checked against the layout of
     `checkpoint`; ``verify(CHECKPOINT, swap_folder=NVME_PATH)`` is the same check."""
     path = os.fspath(path)
-    if not os.path.exists(path):
+    found = classify(path)
+    if found.kind is Kind.MISSING:
         raise CheckpointNotFoundError(path, "no such file or directory")
     if swap_folder is not None:
         if checkpoint is not None:
             raise UsageError(path, "give the checkpoint either as PATH with --swap-folder, or with --checkpoint and the swap folder as PATH")
         return _verify_swap_folder(os.fspath(swap_folder), path, tag, scan, workers)
-    if os.path.isdir(path) and not looks_like_checkpoint(path) and swap.is_swap_folder(path):
+    if found.kind is Kind.SWAP_FOLDER:
         return _verify_swap_folder(path, checkpoint, tag, scan, workers)
     if checkpoint is not None:
         raise UsageError(path, "--checkpoint goes with a swap folder as PATH (<nvme_path> or its zero_stage_3/)")
-    if os.path.isfile(path) or not looks_like_checkpoint(path):
+    if not found.is_checkpoint:
         return _verify_weights(path, scan, workers)
     return _verify_checkpoint(path, tag, scan, workers)
 

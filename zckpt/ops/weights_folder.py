@@ -8,7 +8,6 @@ the bytes, one tensor at a time, into staged files that appear together when all
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -16,17 +15,15 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
-from ..core.errors import UsageError
 from ..core.index import CheckpointIndex, TensorSource
 from ..core.sizes import parse_size
 from ..hf import names as hf
-from ..hf.safetensors import TIED_METADATA_KEY, build_header
 from ..hf.shards import ShardItem, plan_shards
-from ..io.materialize import StreamWriter, read_tensor, write_all
 from ..io.output import StagedOutput, output_error
 from ..io.reading import FileReader
+from .formats import OutputFormat, WeightsFormat, weights_format
 
-OutputFormat = Literal["safetensors", "torch"]
+__all__ = ["OutputFormat"]  # re-exported: the formats' names, from .formats
 Progress = Callable[[int, int], None]  # (bytes done so far, total bytes)
 
 
@@ -63,18 +60,15 @@ class ConsolidationPlan:
     @property
     def bytes_to_write(self) -> int:
         """Tensor bytes the writer produces (tied copies counted for safetensors)."""
-        if self.format == "torch":
-            return self.total_size
-        return sum(t.nbytes for f in self.files for t in f.tensors)
+        return weights_format(self.format).tensor_bytes([t for f in self.files for t in f.tensors], self.total_size)
 
     def disk_bytes(self) -> int:
         """The size of every output file: exact for safetensors (headers, index and the files
         copied along included); torch pickles add a few KB of their own per file."""
         total = sum(os.path.getsize(p) for p in self.extra_files if os.path.isfile(p))
         total += len(index_text(self.total_size, self.weight_map).encode("utf-8")) if self.index_file else 0
-        if self.format == "torch":
-            return total + self.total_size
-        return total + sum(len(_safetensors_header(f, self.tied)) + sum(t.nbytes for t in f.tensors) for f in self.files)
+        fmt = weights_format(self.format)
+        return total + sum(fmt.file_overhead(f.tensors, self.tied) for f in self.files) + self.bytes_to_write
 
 
 @dataclass(frozen=True)
@@ -92,14 +86,13 @@ def plan_consolidation(
     index: CheckpointIndex,
     *,
     dtype: DTypeLike = "fp32",
-    format: OutputFormat = "safetensors",
+    format: OutputFormat | WeightsFormat = "safetensors",
     max_shard_size: str | int = "5GB",
     exclude_frozen: bool = False,
 ) -> ConsolidationPlan:
     """Decide every output file and tensor; reads nothing."""
     target = output_dtype(dtype)
-    if format not in ("safetensors", "torch"):
-        raise UsageError(None, f"unknown format {format!r}: choose safetensors or torch")
+    fmt = weights_format(format)
     limit = parse_size(max_shard_size)
     kept = [e for e in index.entries if not (exclude_frozen and e.kind == "frozen")]
     names = {e.name for e in kept}
@@ -109,19 +102,13 @@ def plan_consolidation(
         for e in kept
     }
     items = [ShardItem(t.name, t.nbytes, t.alias_of) for t in tensors.values()]
-    pattern = hf.SAFETENSORS_PATTERN if format == "safetensors" else hf.TORCH_PATTERN
-    shards = plan_shards(items, limit, pattern)
-    files = []
-    for filename, members in shards.files:
-        planned = [tensors[n] for n in members]
-        if format == "safetensors":  # widest dtypes first keeps every tensor aligned, as safetensors does
-            planned.sort(key=lambda t: -t.dtype.itemsize)
-        files.append(PlannedFile(filename, tuple(planned)))
+    shards = plan_shards(items, limit, fmt.pattern)
+    files = [PlannedFile(filename, tuple(fmt.order([tensors[n] for n in members]))) for filename, members in shards.files]
     extra = hf.files_to_copy(index.checkpoint_dir, hf.MODEL_FILES)
     return ConsolidationPlan(
-        format=format,
+        format=fmt.name,  # type: ignore[arg-type]
         files=tuple(files),
-        index_file=(hf.SAFETENSORS_INDEX if format == "safetensors" else hf.TORCH_INDEX) if shards.is_sharded else None,
+        index_file=fmt.index_file if shards.is_sharded else None,
         weight_map=shards.weight_map(),
         total_size=shards.total_size,
         tied={t.name: t.alias_of for t in tensors.values() if t.alias_of},
@@ -150,11 +137,9 @@ def write_consolidated(
     total = plan.bytes_to_write
     advance = byte_counter(progress, total)
     with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged, FileReader(verify=verify) as reader:
+        fmt = weights_format(plan.format)
         for planned in plan.files:
-            if plan.format == "safetensors":
-                write_staged(staged, output_dir, planned.name, lambda path, f=planned: _write_safetensors(path, f, plan.tied, reader, advance))
-            else:
-                write_staged(staged, output_dir, planned.name, lambda path, f=planned: _write_torch(path, f, reader, advance))
+            write_staged(staged, output_dir, planned.name, lambda path, f=planned: fmt.write(path, f.tensors, plan.tied, reader, advance))
         if plan.index_file:
             write_staged(staged, output_dir, plan.index_file, lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)))
         write_extra_files(staged, output_dir, extra, plan.dtype)
@@ -209,40 +194,3 @@ def index_text(total_size: int, weight_map: dict[str, str]) -> str:
     """The shard index (model.safetensors.index.json), as transformers writes it."""
     content = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     return json.dumps(content, indent=2, sort_keys=True) + "\n"
-
-
-def _safetensors_header(planned: PlannedFile, tied: dict[str, str]) -> bytes:
-    metadata = {"format": "pt"}
-    if tied:
-        metadata[TIED_METADATA_KEY] = json.dumps(tied, sort_keys=True)
-    header, _ = build_header([(t.name, t.dtype, t.shape) for t in planned.tensors], metadata)
-    return header
-
-
-def _write_safetensors(path: str, planned: PlannedFile, tied: dict[str, str], reader: FileReader, advance: Callable[[int], None]) -> None:
-    header = _safetensors_header(planned, tied)
-    writer = StreamWriter(reader, advance)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, header)
-        for tensor in planned.tensors:
-            writer.write(fd, tensor.source, tensor.dtype)
-    finally:
-        os.close(fd)
-
-
-def _write_torch(path: str, planned: PlannedFile, reader: FileReader, advance: Callable[[int], None]) -> None:
-    import torch
-
-    shard: dict[str, torch.Tensor] = {}
-    for tensor in planned.tensors:
-        if tensor.alias_of is not None and tensor.alias_of in shard:
-            shard[tensor.name] = shard[tensor.alias_of]  # one storage, as in the model
-            continue
-        shard[tensor.name] = read_tensor(reader, tensor.source, tensor.dtype)
-        advance(tensor.nbytes)
-    try:
-        torch.save(shard, path)
-    except RuntimeError as exc:  # torch's zip writer reports write failures (a full disk) this way
-        full = shutil.disk_usage(os.path.dirname(path) or ".").free < 1 << 20
-        raise OSError(errno.ENOSPC if full else errno.EIO, str(exc).splitlines()[0]) from None

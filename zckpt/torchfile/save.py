@@ -84,6 +84,9 @@ class ArchivePlan:
     records: tuple[Record, ...]
     total_size: int  # bytes of the finished file
     storages: Mapping[str, OutStorage] = field(repr=False)  # storage key -> storage, in pickling order
+    # torch's own serialization id (:mod:`.torch_id`): the last record's 40 bytes computed while
+    # writing, from the records before it and their CRC-32s; None keeps the planned content
+    serialization_id: Callable[[tuple[Record, ...], list[int]], bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
     def tensor_bytes(self) -> int:
@@ -215,8 +218,13 @@ def _write_records(plan: ArchivePlan, stream: _TensorStream) -> None:
             raise ValueError(f"plan record {record.name} does not match the zip layout")
         pending += ziparchive.local_header(lay)
         if record.content is not None:
-            crc = zlib.crc32(record.content)
-            pending += record.content
+            content = record.content
+            if plan.serialization_id is not None and record is plan.records[-1]:
+                content = plan.serialization_id(plan.records[:-1], crcs)
+                if len(content) != record.size:
+                    raise ValueError(f"serialization id of {len(content)} bytes, planned {record.size}")
+            crc = zlib.crc32(content)
+            pending += content
         else:
             stream.put(pending)
             pending.clear()
