@@ -211,7 +211,8 @@ def resolve_placeholders(tree: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class _Storage:
-    """A storage record of the archive: data/<key> at `offset`, `nbytes` long."""
+    """A storage record of the archive: data/<key> at `offset`, `nbytes` long (its repr, name
+    included, shows in messages about misplaced storages, so the name stays)."""
 
     path: str
     offset: int
