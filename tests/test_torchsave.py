@@ -36,8 +36,8 @@ from zckpt.core.index import Segment
 from zckpt.io.reading import FileReader
 from zckpt.torchfile import pickler as torchpickle
 from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import rebuilds
 from zckpt.torchfile import save as torchsave
-from zckpt.torchfile import unpickler
 from zckpt.torchfile import ziparchive
 from zckpt.torchfile.save import (
     Copy,
@@ -353,9 +353,9 @@ def faithful_load(monkeypatch: pytest.MonkeyPatch):
         tensor = func(*args)
         return LoadedTensor(tensor.storage, tensor.offset, tensor.shape, tensor.stride, tensor.requires_grad, dict(state))
 
-    monkeypatch.setitem(unpickler._ALLOWED, ("torch", "Size"), lambda values=(): LoadedSize(values))
-    monkeypatch.setitem(unpickler._ALLOWED, ("torch._utils", "_rebuild_tensor_v2"), rebuild)
-    monkeypatch.setitem(unpickler._ALLOWED, ("torch._tensor", "_rebuild_from_type_v2"), from_type)
+    monkeypatch.setitem(rebuilds._ALLOWED, ("torch", "Size"), lambda values=(): LoadedSize(values))
+    monkeypatch.setitem(rebuilds._ALLOWED, ("torch._utils", "_rebuild_tensor_v2"), rebuild)
+    monkeypatch.setitem(rebuilds._ALLOWED, ("torch._tensor", "_rebuild_from_type_v2"), from_type)
     return torchfile.load
 
 

@@ -19,19 +19,19 @@ import zipfile
 from typing import Any
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError
+from ..core.index import TensorRef
 from ..io.interrupts import uninterrupted
-from .unpickler import (  # re-exported: what a pickle is read as
+from .records import (  # re-exported: what a pickle is read as
     PickledEnumMember,
     PickledGlobal,
     PickledObject,
-    TensorRef,
     TorchDevice,
     TorchSize,
     ZeroStageEnum,
     global_name,
-    unpickle,
     walk_tensor_refs,
 )
+from .unpickler import unpickle
 
 __all__ = [
     "LEGACY_PROBLEM", "PickledEnumMember", "PickledGlobal", "PickledObject", "TensorRef", "TorchDevice", "TorchSize",
