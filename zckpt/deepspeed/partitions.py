@@ -84,7 +84,9 @@ class Partitions:
         if paddings is not None and [len(p) for p in paddings] != [len(g) for g in flat_order]:
             self._problem(LayoutError, optim_files[0][1], f"{[len(p) for p in paddings]} alignment paddings per group for {[len(g) for g in flat_order]} params")
             return None
-        layout = zero12_layout(flat_order, world, alignment_paddings=paddings, stage=self.result.zero_stage or 2)
+        counts = inner[0].get(N.PARTITION_COUNT)  # per group, each checked to be the world size
+        counts = list(counts) if isinstance(counts, (list, tuple)) and len(counts) == len(flat_order) else None
+        layout = zero12_layout(flat_order, world, alignment_paddings=paddings, stage=self.result.zero_stage or 2, partition_counts=counts)
         if not check_rank_identity(self.result, layout, inner, optim_files, self.run_config.round_robin_gradients):
             return None
         for g, group in enumerate(layout.flat_groups):

@@ -66,10 +66,13 @@ def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
         return False
     ok = True
     for rank, state in inner.items():
-        count = state.get(N.PARTITION_COUNT)
-        count = max(count) if isinstance(count, (list, tuple)) else count
+        counts = state.get(N.PARTITION_COUNT)  # ZeRO-1/2: one per param group; ZeRO-3: one
+        count = max(counts) if isinstance(counts, (list, tuple)) else counts
         if count != world:
             result.add(LayoutError, optim_files[rank][1], f"was written by a run of world size {count}, rank 0's by one of world size {world}: files of different runs are mixed")
+            ok = False
+        elif isinstance(counts, (list, tuple)) and (odd := next((g for g, c in enumerate(counts) if c != world), None)) is not None:
+            result.add(LayoutError, optim_files[rank][1], f"param group {odd} is partitioned over {counts[odd]} ranks, not all {world}: zckpt reads checkpoints whose every param group spans all data-parallel ranks")
             ok = False
     missing = [r for r in range(world) if r not in inner]
     bf16 = optim_files[0][0] == N.BF16_PREFIX

@@ -5,11 +5,13 @@ loaded, as one value the later steps share (:class:`LoadedRanks`) instead of fiv
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..core.errors import CheckpointNotFoundError, LayoutError, ZckptError
+from ..core.topology import RankCoords, Topology
 from ..torchfile import reader as torchfile
 from . import names as N
 from .locate import natural_key
@@ -17,20 +19,47 @@ from .survey import Survey
 
 
 @dataclass(frozen=True)
+class RankFile:
+    """One rank file: where it is, its rank's coordinates, and what it holds."""
+
+    path: str
+    coords: RankCoords
+    kind: Literal["model", "optim"]
+    per_rank: bool = True  # a model-states file named with its dp rank (ZeRO-3); ZeRO-1/2 keep one
+    prefix: str = ""  # an optimizer file's bf16_ prefix
+
+
+@dataclass(frozen=True)
 class RankFiles:
-    """What a tag folder lists. `problems` are reported and reading goes on (so inspect can
-    still describe the rest); a `fatal` problem stops the reading."""
+    """What a tag folder lists, keyed by rank coordinates. `problems` are reported and reading
+    goes on (so inspect can still describe the rest); a `fatal` problem stops the reading."""
 
     tag_dir: str
-    model: dict[int | None, str]  # model-states paths by dp rank (None: ZeRO-1/2's one file), by rank
-    optim: dict[int, tuple[str, str]]  # (bf16_ prefix or "", path) of the optimizer files, by rank
+    files: tuple[RankFile, ...] = ()
     problems: tuple[ZckptError, ...] = ()
     fatal: ZckptError | None = None
 
     @property
+    def model(self) -> dict[int | None, str]:
+        """The model-states paths by dp rank (None: ZeRO-1/2's one file), by rank."""
+        found = {f.coords.data if f.per_rank else None: f.path for f in self.files if f.kind == "model"}
+        return dict(sorted(found.items(), key=lambda kv: kv[0] or 0))
+
+    @property
+    def optim(self) -> dict[int, tuple[str, str]]:
+        """(bf16_ prefix or "", path) of the optimizer files, by dp rank."""
+        return dict(sorted((f.coords.data, (f.prefix, f.path)) for f in self.files if f.kind == "optim"))
+
+    @property
+    def topology(self) -> Topology:
+        """The degrees the files' coordinates span (a data-parallel run: (1, 1, 1, ranks))."""
+        coords = [f.coords for f in self.files] or [RankCoords()]
+        return Topology(*(max(getattr(c, axis) for c in coords) + 1 for axis in ("pipe", "tensor", "expert", "data")))
+
+    @property
     def zero3(self) -> bool:
         """ZeRO-3 keeps one model-states file per dp rank, named with it."""
-        return any(rank is not None for rank in self.model)
+        return any(f.per_rank for f in self.files if f.kind == "model")
 
     @property
     def first(self) -> int | None:
@@ -44,14 +73,13 @@ class RankFiles:
 
 
 def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
-    """The model-states files by dp rank and the optimizer files by rank (with their bf16_
-    prefix); expert and model-parallel files are listed problems."""
+    """The model-states files and the optimizer files (with their bf16_ prefix) by rank
+    coordinates; expert and model-parallel files are listed problems."""
     try:
         listing = sorted(os.listdir(tag_dir), key=natural_key)
     except OSError as exc:
-        return RankFiles(tag_dir, {}, {}, fatal=CheckpointNotFoundError(tag_dir, f"cannot list {folder_kind} ({exc.strerror})"))
-    model: dict[int | None, str] = {}
-    optim: dict[int, tuple[str, str]] = {}
+        return RankFiles(tag_dir, fatal=CheckpointNotFoundError(tag_dir, f"cannot list {folder_kind} ({exc.strerror})"))
+    files: dict[tuple[str, RankCoords, bool], RankFile] = {}
     problems: list[ZckptError] = []
     for name in listing:
         path = os.path.join(tag_dir, name)
@@ -62,16 +90,17 @@ def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
         elif match and int(match["mp"]) != 0:
             problems.append(LayoutError(path, "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported"))
         elif model_match:
-            model[int(model_match["dp"]) if model_match["dp"] is not None else None] = path
+            per_rank = model_match["dp"] is not None
+            coords = RankCoords.dp(int(model_match["dp"]) if per_rank else 0)
+            files[("model", coords, per_rank)] = RankFile(path, coords, "model", per_rank)
         elif optim_match:
-            rank = int(optim_match["dp"])
-            if rank in optim:
-                other = optim[rank][1]
-                problems.append(LayoutError(path, f"two optimizer files for rank {rank} (also {os.path.basename(other)}): files of a bf16 and a non-bf16 run are mixed"))
+            coords = RankCoords.dp(int(optim_match["dp"]))
+            if (key := ("optim", coords, True)) in files:
+                other = files[key].path
+                problems.append(LayoutError(path, f"two optimizer files for rank {coords.data} (also {os.path.basename(other)}): files of a bf16 and a non-bf16 run are mixed"))
                 continue
-            optim[rank] = (optim_match["prefix"] or "", path)
-    model = dict(sorted(model.items(), key=lambda kv: kv[0] or 0))
-    return RankFiles(tag_dir, model, dict(sorted(optim.items())), tuple(problems))
+            files[key] = RankFile(path, coords, "optim", prefix=optim_match["prefix"] or "")
+    return RankFiles(tag_dir, tuple(files.values()), tuple(problems))
 
 
 def zero_rank_files(tag_dir: str) -> RankFiles:
@@ -87,7 +116,7 @@ def zero_rank_files(tag_dir: str) -> RankFiles:
         fatal = CheckpointNotFoundError(tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from")
     elif None in files.model and len(files.model) > 1:
         fatal = LayoutError(tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed")
-    return RankFiles(files.tag_dir, files.model, files.optim, files.problems, fatal)
+    return dataclasses.replace(files, fatal=fatal)
 
 
 def load(result: Survey, path: str) -> Any | None:

@@ -7,8 +7,9 @@ checked against what the reader relies on (:mod:`.rank_checks`), the model descr
 
 from __future__ import annotations
 
-from ..core.index import CheckpointIndex
 from ..core.errors import ZckptError
+from ..core.index import CheckpointIndex
+from ..core.topology import Topology
 from ..io.reading import FileReader
 from . import names as N
 from . import swap_folder as swap
@@ -74,6 +75,7 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
         tags=location.tags,
         zero_stage=result.zero_stage or 0,
         world_size=world,
+        topology=Topology.data_parallel(world),
         dtype=result.dtype,
         ds_version=result.ds_version,
         offload=result.offload,
