@@ -20,13 +20,25 @@ from .survey import Survey
 
 @dataclass(frozen=True)
 class RankFile:
-    """One rank file: where it is, its rank's coordinates, and what it holds."""
+    """One rank file: where it is, its rank's coordinates, and what it holds: the model or
+    optimizer states of a data-parallel rank, or a file of another layout (a pipeline layer,
+    an expert, the experts' optimizer states), recorded so that the layout can be named."""
 
     path: str
     coords: RankCoords
-    kind: Literal["model", "optim"]
+    kind: Literal["model", "optim", "layer", "expert", "expert_optim"]
     per_rank: bool = True  # a model-states file named with its dp rank (ZeRO-3); ZeRO-1/2 keep one
     prefix: str = ""  # an optimizer file's bf16_ prefix
+    layer: int | None = None  # the layer of a pipeline layer file or an expert file
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def data_parallel(self) -> bool:
+        """A file of a data-parallel-only layout, which zckpt reads."""
+        return self.kind in ("model", "optim") and self.coords.data_parallel_only
 
 
 @dataclass(frozen=True)
@@ -72,35 +84,83 @@ class RankFiles:
         return sorted(self.model.values()) + sorted(p for _, p in self.optim.values())
 
 
+def parse_rank_file(path: str) -> RankFile | None:
+    """The rank file a name in a tag folder is, with its coordinates; None: not a rank file.
+    ``mp_rank_NN`` is the tensor rank (stage * tp + tensor rank in a pipeline run: the names
+    alone do not tell), recorded as the tensor coordinate."""
+    name = os.path.basename(path)
+    if match := N.EXPERT_STATES_RE.match(name):
+        layer = int(match["layer"]) if match["layer"] is not None else None
+        return RankFile(path, RankCoords(0, int(match["mp"]), int(match["expert"]), 0), "expert", layer=layer)
+    if match := N.EXPERT_OPTIM_STATES_RE.match(name):
+        return RankFile(path, RankCoords(0, int(match["mp"]), int(match["ep"]), 0), "expert_optim")
+    if match := N.LAYER_STATES_RE.match(name):
+        return RankFile(path, RankCoords(0, int(match["tp"] or 0), 0, 0), "layer", layer=int(match["layer"]))
+    if match := N.MODEL_STATES_RE.match(name):
+        per_rank = match["dp"] is not None
+        return RankFile(path, RankCoords(0, int(match["mp"]), 0, int(match["dp"]) if per_rank else 0), "model", per_rank)
+    if match := N.OPTIM_STATES_RE.match(name):
+        return RankFile(path, RankCoords(0, int(match["mp"]), 0, int(match["dp"])), "optim", prefix=match["prefix"] or "")
+    return None
+
+
 def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
-    """The model-states files and the optimizer files (with their bf16_ prefix) by rank
-    coordinates; expert and model-parallel files are listed problems."""
+    """The rank files of a folder by their coordinates. A folder holding files of a pipeline,
+    tensor or expert parallel layout is refused here, in one line naming the layout."""
     try:
         listing = sorted(os.listdir(tag_dir), key=natural_key)
     except OSError as exc:
         return RankFiles(tag_dir, fatal=CheckpointNotFoundError(tag_dir, f"cannot list {folder_kind} ({exc.strerror})"))
+    found = [f for f in (parse_rank_file(os.path.join(tag_dir, name)) for name in listing) if f is not None]
+    refusal = layout_refusal(tag_dir, found)
+    if refusal is not None:
+        return RankFiles(tag_dir, tuple(found), fatal=refusal)
     files: dict[tuple[str, RankCoords, bool], RankFile] = {}
     problems: list[ZckptError] = []
-    for name in listing:
-        path = os.path.join(tag_dir, name)
-        model_match, optim_match = N.MODEL_STATES_RE.match(name), N.OPTIM_STATES_RE.match(name)
-        match = model_match or optim_match
-        if N.EXPERT_STATES_RE.match(name):
-            problems.append(LayoutError(path, "mixture-of-experts checkpoints (expert files) are not supported"))
-        elif match and int(match["mp"]) != 0:
-            problems.append(LayoutError(path, "tensor/pipeline-parallel checkpoints (mp_rank > 0) are not supported"))
-        elif model_match:
-            per_rank = model_match["dp"] is not None
-            coords = RankCoords.dp(int(model_match["dp"]) if per_rank else 0)
-            files[("model", coords, per_rank)] = RankFile(path, coords, "model", per_rank)
-        elif optim_match:
-            coords = RankCoords.dp(int(optim_match["dp"]))
-            if (key := ("optim", coords, True)) in files:
-                other = files[key].path
-                problems.append(LayoutError(path, f"two optimizer files for rank {coords.data} (also {os.path.basename(other)}): files of a bf16 and a non-bf16 run are mixed"))
-                continue
-            files[key] = RankFile(path, coords, "optim", prefix=optim_match["prefix"] or "")
+    for file in found:
+        key = (file.kind, file.coords, file.per_rank)
+        if file.kind == "optim" and key in files:
+            other = files[key].name
+            problems.append(LayoutError(file.path, f"two optimizer files for rank {file.coords.data} (also {other}): files of a bf16 and a non-bf16 run are mixed"))
+            continue
+        files[key] = file
     return RankFiles(tag_dir, tuple(files.values()), tuple(problems))
+
+
+def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
+    """The one refusal of a folder holding files of a layout other than data parallelism:
+    which layouts (pipeline, tensor, expert parallel) and a file of each; None if there are none."""
+    layers = [f for f in files if f.kind == "layer"]
+    model_parallel = [f for f in files if f.kind in ("model", "optim") and f.coords.tensor > 0]
+    experts = [f for f in files if f.kind in ("expert", "expert_optim")]
+    layouts, details = [], []
+    if layers:
+        tp = max(f.coords.tensor for f in layers) + 1  # layer files name the tensor rank, when there is one
+        stages = (max((f.coords.tensor for f in files if f.kind == "model"), default=0) + 1) // tp
+        layouts.append("pipeline-parallel" if tp == 1 else "pipeline- and tensor-parallel")
+        details.append(f"{stages} stage{'s' * (stages != 1)}{f' x {tp} tensor ranks' if tp > 1 else ''}; {_count(layers, 'layer file')}: {_some(layers)}")
+    elif model_parallel:
+        layouts.append("tensor/pipeline-parallel")
+        details.append(f"mp_rank > 0: {_some(model_parallel)}")
+    if experts:
+        layouts.append("mixture-of-experts (expert-parallel)")
+        details.append(f"{_count(experts, 'expert file')}: {_some(experts)}")
+    if not layouts:
+        return None
+    return LayoutError(
+        tag_dir,
+        f"a {' and '.join(layouts)} checkpoint ({'; '.join(details)}): zckpt reads data-parallel ZeRO checkpoints only "
+        "(pipeline, tensor and expert parallel layouts are not supported yet)",
+    )
+
+
+def _count(files: list[RankFile], what: str) -> str:
+    return f"{len(files)} {what}{'s' * (len(files) != 1)}"
+
+
+def _some(files: list[RankFile]) -> str:
+    """The first file's name, and '...' for the others."""
+    return files[0].name + (" ..." if len(files) > 1 else "")
 
 
 def zero_rank_files(tag_dir: str) -> RankFiles:
