@@ -168,3 +168,25 @@ def test_a_bug_of_zckpt_is_not_reported_as_damage(monkeypatch: pytest.MonkeyPatc
     found = survey(sample(ZERO3).checkpoint)
     assert len(found.problems) == 1 and isinstance(found.problems[0], CorruptFileError)
     assert "files not as DeepSpeed writes them (AttributeError: 'list' object has no attribute 'get')" in str(found.problems[0])
+
+
+# --- the writer names rank files from the same coordinates ------------------------------------
+def test_rank_file_names_from_coordinates() -> None:
+    assert N.rank_model_states_name(3, RankCoords.dp(2)) == N.model_states_name(3, 2) == "zero_pp_rank_2_mp_rank_00_model_states.pt"
+    assert N.rank_model_states_name(2, RankCoords()) == "mp_rank_00_model_states.pt"
+    assert N.rank_optim_states_name(RankCoords.dp(1), bf16=True) == "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    for coords in (RankCoords(pipe=1), RankCoords(expert=1)):
+        with pytest.raises(ValueError):
+            N.rank_optim_states_name(coords)
+
+
+def test_the_writer_plans_rank_files_from_the_topology() -> None:
+    from zckpt.deepspeed.reader import open_training_state
+    from zckpt.deepspeed.writer import plan_checkpoint, plan_target
+
+    state = open_training_state(sample(ZERO3).checkpoint)
+    target = plan_target(state, 3)
+    assert target.topology == Topology.data_parallel(3)
+    plan = plan_checkpoint(state, target)
+    found = [parse_rank_file(f.name) for f in plan.files if f.name.endswith(".pt")]
+    assert sorted((f.kind, f.coords) for f in found) == sorted((kind, RankCoords.dp(r)) for kind in ("model", "optim") for r in range(3))

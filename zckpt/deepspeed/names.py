@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from ..core.topology import RankCoords
 from ..core.untrusted import path_component
 
 # --- files -------------------------------------------------------------------------------------
@@ -39,6 +40,23 @@ def model_states_name(zero_stage: int, dp_rank: int = 0, mp_rank: int = 0) -> st
 
 def optim_states_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
     return f"{BF16_PREFIX if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def rank_model_states_name(zero_stage: int, coords: RankCoords) -> str:
+    """The model-states file of the rank at `coords` (ZeRO-1/2: the one file of its tensor rank)."""
+    return model_states_name(zero_stage, _data_parallel(coords).data, coords.tensor)
+
+
+def rank_optim_states_name(coords: RankCoords, bf16: bool = False) -> str:
+    """The optimizer-states file of the rank at `coords`."""
+    return optim_states_name(_data_parallel(coords).data, coords.tensor, bf16)
+
+
+def _data_parallel(coords: RankCoords) -> RankCoords:
+    """Pipeline stages and experts name their files otherwise (layer and expert files)."""
+    if coords.pipe or coords.expert:
+        raise ValueError(f"{coords}: a pipeline stage's or an expert's files are not named by rank")
+    return coords
 
 
 def layer_states_name(layer: int, tp_rank: int | None = None) -> str:
