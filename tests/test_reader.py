@@ -18,7 +18,7 @@ from zckpt.torchfile import reader as torchfile
 
 def test_nvme_swap_files_are_named_by_module_order_ids_too() -> None:
     """The fallback rule (ids in model.parameters() order) gives the ids DeepSpeed assigned."""
-    from zckpt.deepspeed.zero_reader import _ds_ids
+    from zckpt.deepspeed.model_states import ds_ids as _ds_ids
 
     case = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
     model = torchfile.load(case.checkpoint / case.meta["tag"] / N.model_states_name(3, 0))

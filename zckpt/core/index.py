@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from .dtypes import DType
 from .errors import CorruptFileError
+from .topology import Topology
 
 EntryKind = Literal["param", "frozen", "buffer", "tied"]
 
@@ -122,6 +123,12 @@ class CheckpointIndex:
     files: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())  # facts worth telling a user, not problems
     universal: bool = False  # a universal folder (one file per param and state), not rank partitions
+    # how the saving run's ranks were arranged; None given: data-parallel over world_size ranks
+    topology: Topology | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.topology is None:
+            object.__setattr__(self, "topology", Topology.data_parallel(self.world_size))
 
     @property
     def source_tag(self) -> str:

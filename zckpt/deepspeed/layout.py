@@ -66,6 +66,8 @@ class FlatGroup:
     `params` are indices into the layout's params, in flat order. `partition` is the elements
     each rank owns (padding included); `saved` the fp32 elements each rank's file holds (ZeRO-1/2
     drop the tail padding); `alignment_paddings` the padding after each param (ZeRO-1/2).
+    `partition_count` is the ranks the group is partitioned over (DeepSpeed saves it per group)
+    and `ranks` the data-parallel ranks they are; today every group spans all of them.
     """
 
     param_group: int
@@ -73,6 +75,14 @@ class FlatGroup:
     partition: int
     saved: tuple[int, ...]
     alignment_paddings: tuple[int, ...] = ()
+    partition_count: int = 0  # 0: one partition per saved size
+    ranks: tuple[int, ...] = ()  # (): ranks 0 .. partition_count - 1
+
+    def __post_init__(self) -> None:
+        if not self.partition_count:
+            object.__setattr__(self, "partition_count", len(self.saved))
+        if not self.ranks:
+            object.__setattr__(self, "ranks", tuple(range(self.partition_count)))
 
 
 @dataclass(frozen=True)
@@ -141,11 +151,14 @@ def zero12_layout(
     alignment_paddings: Sequence[Sequence[int]] | None = None,
     keep_group_padding: bool = False,
     stage: int = 2,
+    partition_counts: Sequence[int] | None = None,
 ) -> ZeroLayout:
     """The ZeRO-1/2 layout of param groups given in flat order.
 
     `alignment_paddings[g][i]` follows the i-th param of group g. `keep_group_padding`: the
     saved fp32 partitions keep the tail padding (DeepSpeed's BF16_Optimizer files do).
+    `partition_counts[g]`: the ranks group g is partitioned over, as saved (each the world
+    size: a group over a subset of the ranks is not a layout zckpt reads).
 
     >>> a, b = LayoutParam("a", 5, 0), LayoutParam("b", 4, 0)
     >>> layout = zero12_layout([[a, b]], 3)
@@ -155,6 +168,9 @@ def zero12_layout(
     (4, 4, 1)
     """
     _check_world(world_size)
+    counts = list(partition_counts) if partition_counts is not None else [world_size] * len(groups)
+    if len(counts) != len(groups) or any(c != world_size for c in counts):
+        raise ValueError(f"partition counts {counts} for {len(groups)} param groups over {world_size} ranks: each group must span every rank")
     params: list[LayoutParam] = [p for group in groups for p in group]
     flat_groups: list[FlatGroup] = []
     pieces: list[Piece] = []
@@ -170,7 +186,7 @@ def zero12_layout(
         else:
             saved = tuple(max(0, min(partition, group_numel - rank * partition)) for rank in range(world_size))
         indices = tuple(range(base, base + len(group)))
-        flat_groups.append(FlatGroup(g, indices, partition, saved, tuple(paddings)))
+        flat_groups.append(FlatGroup(g, indices, partition, saved, tuple(paddings), counts[g], tuple(range(counts[g]))))
         offset = 0
         for index, param, padding in zip(indices, group, paddings):
             pieces.extend(_cut(index, g, offset, param.numel, partition))
@@ -229,7 +245,7 @@ def zero3_layout_of_sub_groups(sub_groups: Sequence[Sequence[LayoutParam]], worl
                 if length:
                     pieces.append(Piece(index, rank, flat, offset, rank * share, length))
             offset += share
-        flat_groups.append(FlatGroup(group, tuple(indices), offset, tuple(offset for _ in range(world_size))))
+        flat_groups.append(FlatGroup(group, tuple(indices), offset, tuple(offset for _ in range(world_size)), (), world_size, tuple(range(world_size))))
     pieces.sort(key=lambda p: (p.param, p.rank))
     return ZeroLayout(3, world_size, tuple(params), tuple(flat_groups), tuple(pieces))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from ..core.topology import RankCoords
 from ..core.untrusted import path_component
 
 # --- files -------------------------------------------------------------------------------------
@@ -18,9 +19,17 @@ BF16_PREFIX = "bf16_"
 OFFLOADED_TENSORS_DIR = "offloaded_tensors"
 
 
+# The rank files of a save (DeepSpeed 0.19.8, engine._get_ckpt_name & co). `mp` is the
+# model-parallel rank: the tensor rank, or stage * tp + tensor rank in a pipeline run.
 MODEL_STATES_RE = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
-EXPERT_STATES_RE = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")  # MoE experts
 OPTIM_STATES_RE = re.compile(r"^(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+# pipeline runs (PipelineModule.ckpt_layer_path): one file per layer, per tensor rank when the
+# topology has a model axis
+LAYER_STATES_RE = re.compile(r"^layer_(?P<layer>\d+)(?:-model_(?P<tp>\d+))?-model_states\.pt$")
+# mixture of experts: one file per expert (per MoE layer in newer releases), and the experts'
+# optimizer files per expert-parallel rank
+EXPERT_STATES_RE = re.compile(r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+EXPERT_OPTIM_STATES_RE = re.compile(r"^expp_rank_(?P<ep>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 
 def model_states_name(zero_stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:
     """ZeRO-1/2 keep one model-states file per model-parallel rank; ZeRO-3 one per dp rank too."""
@@ -31,6 +40,28 @@ def model_states_name(zero_stage: int, dp_rank: int = 0, mp_rank: int = 0) -> st
 
 def optim_states_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
     return f"{BF16_PREFIX if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def rank_model_states_name(zero_stage: int, coords: RankCoords) -> str:
+    """The model-states file of the rank at `coords` (ZeRO-1/2: the one file of its tensor rank)."""
+    return model_states_name(zero_stage, _data_parallel(coords).data, coords.tensor)
+
+
+def rank_optim_states_name(coords: RankCoords, bf16: bool = False) -> str:
+    """The optimizer-states file of the rank at `coords`."""
+    return optim_states_name(_data_parallel(coords).data, coords.tensor, bf16)
+
+
+def _data_parallel(coords: RankCoords) -> RankCoords:
+    """Pipeline stages and experts name their files otherwise (layer and expert files)."""
+    if coords.pipe or coords.expert:
+        raise ValueError(f"{coords}: a pipeline stage's or an expert's files are not named by rank")
+    return coords
+
+
+def layer_states_name(layer: int, tp_rank: int | None = None) -> str:
+    """A pipeline run's file of one layer (of one tensor rank when tp > 1)."""
+    return f"layer_{layer:02d}-model_states.pt" if tp_rank is None else f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
 SWAP_SUFFIX = ".tensor.swp"

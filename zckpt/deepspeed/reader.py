@@ -7,7 +7,8 @@ stopping (``zckpt inspect``); :func:`open_checkpoint` raises the first (``consol
 
 This module is the entry point and picks the reader: :mod:`.locate` finds the tag folder,
 :mod:`.zero_reader` (rank partitions) or :mod:`.universal_reader` (one folder per param) reads it
-into a :class:`~.survey.Survey`.
+into a :class:`~.survey.Survey`. A damage the readers find is a listed problem; an exception
+of another kind is a bug of zckpt's and propagates (the CLI says "internal error").
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 import os
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
-from ..core.index import CheckpointIndex
+from ..core.index import CheckpointIndex, TensorRef
 from ..core.state import TrainingState
 from . import swap_folder as swap
 from .locate import is_universal_dir, list_tags, locate, named_in_latest
 from .survey import Survey
 from .universal_reader import UniversalReader
-from .zero_reader import ZeroReader
+from .zero_reader import read_zero
 
 
 def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None) -> CheckpointIndex:
@@ -76,16 +77,29 @@ def survey(path: str | os.PathLike[str], tag: str | None = None, swap_folder: st
         if result.universal:
             UniversalReader(result).run()
         else:
-            ZeroReader(result, folder).run()
+            read_zero(result, folder)
     except ZckptError as exc:  # a damage the readers raise rather than list: still a listed problem
         result.problems.append(exc)
         result.index = result.state = None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        if not _from_content(exc):
+            raise  # a bug of zckpt's, not damage: the CLI says "internal error"
         # Values of a type no check foresaw (a damaged or hand-edited file): a problem with the
         # tag folder, so inspect still describes it and consolidate still says one line.
         result.problems.append(CorruptFileError(result.location.tag_dir, f"files not as DeepSpeed writes them ({type(exc).__name__}: {exc})"))
         result.index = result.state = None
     return result
+
+
+def _from_content(exc: Exception) -> bool:
+    """Whether an exception the readers let through can come from a pickled value of a type no
+    check foresaw. An attribute missing from one of zckpt's own objects (a layout, a survey, a
+    reader) cannot: that is a bug, never damage. The pickles hold plain values, tensors
+    (TensorRef) and the unpickler's stand-ins (zckpt.torchfile)."""
+    if not isinstance(exc, AttributeError):
+        return True
+    owner = type(exc.obj).__module__ if getattr(exc, "obj", None) is not None else ""
+    return not owner.startswith("zckpt.") or owner.startswith("zckpt.torchfile.") or isinstance(exc.obj, TensorRef)
 
 
 def _unlocated(result: Survey, problem: ZckptError, tag: str | None) -> Survey:

@@ -1,6 +1,8 @@
 """What a look at a checkpoint found: the :class:`Survey` that the ZeRO and universal readers
-fill (:mod:`.zero_reader`, :mod:`.universal_reader`) and :func:`zckpt.deepspeed.reader.survey`
-returns, every problem listed instead of raised.
+fill (:mod:`.zero_reader`, :mod:`.universal_reader`, and the pieces they compose:
+:mod:`.rank_files`, :mod:`.model_states`, :mod:`.rank_checks`, :mod:`.partitions`,
+:mod:`.live_swap`) and :func:`zckpt.deepspeed.reader.survey` returns, every problem listed
+instead of raised.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class Survey:
     state: TrainingState | None = None  # the whole training state, when the checkpoint is complete
     universal: bool = False  # a universal folder (zero/<param>/<state>.pt), not rank partitions
     swap: SwapReport | None = None  # read with a live swap folder: what it held and where data came from
+
+    def add(self, error: type[ZckptError], path: str | None, text: str) -> None:
+        """List one problem (a ZckptError of type `error` naming `path`)."""
+        self.problems.append(error(path, text))
 
     @property
     def complete(self) -> bool:

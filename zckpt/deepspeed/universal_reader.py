@@ -1,7 +1,7 @@
 """Read a universal checkpoint folder (zckpt's or ``ds_to_universal``'s) into a Survey.
 
 The model_states files are read as in a ZeRO checkpoint (buffers, frozen params, tied aliases,
-counters, scheduler: :class:`~zckpt.deepspeed.zero_reader.ZeroReader` does it); the trainable params
+counters, scheduler: :mod:`~zckpt.deepspeed.model_states` does it); the trainable params
 come from ``zero/<name>/<state>.pt`` instead of rank partitions. Both flavours are read: ZeRO-1/2
 files hold ``{"param": full-shape tensor, ...}`` and a ``step.pt`` per param, ZeRO-3 files a flat
 tensor, with the steps in ``zero/optimizer_state.pt``. Everything a resume needs is checked
@@ -16,15 +16,21 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, ZckptError
 from ..core.index import CheckpointIndex, Entry, TensorRef, TensorSource
 from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..io.materialize import read_scalar
 from ..io.reading import FileReader, source_of
 from . import names as N
 from .layout import LayoutParam, zero12_layout
+from .model_states import declare, describe, module_entries, param_shapes_of, tied_entries
 from .optim_state import module_buffers, optimizer_order, saved_run_state
-from .zero_reader import ZeroReader, as_shape, numel_of, sub_group_param_groups
+from .partitions import sub_group_param_groups
+from .rank_checks import check_same_run
+from .rank_files import load, scan_rank_files
+from .run_config import RunConfig, read_run_config
+from .schema import as_shape, numel_of
+from .survey import Survey
 
 
 @dataclass(frozen=True)
@@ -38,15 +44,32 @@ class _ParamFiles:
     step_path: str | None = None
 
 
-class UniversalReader(ZeroReader):
-    """One pass over a universal folder, filling a Survey."""
+class UniversalReader:
+    """One pass over a universal folder, filling a Survey: the model_states files read as in a
+    ZeRO checkpoint (:mod:`.model_states`), the trainable params from their folders."""
+
+    def __init__(self, result: Survey) -> None:
+        assert result.location is not None
+        self.result = result
+        self.tag_dir = result.location.tag_dir
+        self.problems = result.problems
+        self.run_config: RunConfig = read_run_config({}, saved=True)  # the saved ds_config, as DeepSpeed read it
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def _problem(self, error: type[ZckptError], path: str | None, text: str) -> None:
+        self.result.add(error, path, text)
+
+    def _load(self, path: str) -> Any | None:
+        return load(self.result, path)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.tag_dir, name)
 
     def run(self) -> None:
-        model_files = self._model_files()
-        if model_files is None:
+        model_paths = self._model_files()
+        if model_paths is None:
             return
-        zero3 = any(rank is not None for rank in model_files)
-        model_paths = {rank: self._path(name) for rank, name in sorted(model_files.items(), key=lambda kv: kv[0] or 0)}
+        zero3 = any(rank is not None for rank in model_paths)
         optimizer_path = os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR, N.UNIVERSAL_OPTIMIZER_STATE)
         self.result.files = sorted(model_paths.values()) + [optimizer_path]
         models = {rank: self._load(p) for rank, p in model_paths.items()}
@@ -56,7 +79,7 @@ class UniversalReader(ZeroReader):
             self._problem(CheckpointNotFoundError, self._path(N.model_states_name(3, 0)), "missing (rank 0 model states, which DeepSpeed's loader reads)")
             return
         if isinstance(model0, dict):
-            self._declare(model0)
+            declare(self.result, model0)
         if not os.path.isfile(optimizer_path):
             self._problem(CheckpointNotFoundError, optimizer_path, "missing (the optimizer's global state: loss scaler, param groups, steps)")
             return
@@ -66,18 +89,24 @@ class UniversalReader(ZeroReader):
         if not self._check_kinds(models, model_paths, optimizer, optimizer_path):
             return
         self.optimizer, self.optimizer_path = optimizer, optimizer_path
-        self._describe(model0, optimizer, "", zero3, model_paths[first])
+        self._describe(model0, optimizer, zero3, model_paths[first])
         world = self.result.world_size
         if zero3 and any(rank not in models for rank in range(world or 0)) and model0.get(N.FROZEN_PARAM_SHAPES):
             missing = next(rank for rank in range(world or 0) if rank not in models)
             self._problem(CheckpointNotFoundError, self._path(N.model_states_name(3, missing)), f"missing: the frozen params' partitions of rank {missing} (world size {world}) are in it")
             return
-        self._check_same_run(models, {}, model_paths, {})
+        check_same_run(self.result, models, {}, model_paths, {})
         if self.problems:
             return
-        entries = self._entries(models, {0: optimizer}, model_paths, {}, zero3)
-        if entries is None or self.problems:
+        assert world is not None
+        entries = module_entries(self.result, models, model_paths, zero3, world)
+        if entries is None:
             return
+        params = self._trainable(param_shapes_of(model0), zero3)
+        if params is None or self.problems:
+            return
+        entries += params
+        entries += tied_entries(model0, entries)
         location = self.result.location
         assert location is not None and self.result.dtype is not None
         self.result.index = CheckpointIndex(
@@ -90,10 +119,12 @@ class UniversalReader(ZeroReader):
 
     # --- files --------------------------------------------------------------------------------
     def _model_files(self) -> dict[int | None, str] | None:
-        scanned = self._scan_rank_files("universal folder")  # a universal folder holds no optimizer files
-        if scanned is None:
+        scanned = scan_rank_files(self.tag_dir, "universal folder")  # a universal folder holds no optimizer files
+        self.problems.extend(scanned.problems)
+        if scanned.fatal is not None:
+            self.problems.append(scanned.fatal)
             return None
-        files = scanned[0]
+        files = scanned.model
         if not files:
             self._problem(CheckpointNotFoundError, self.tag_dir, "no *_model_states.pt file in the universal folder (DeepSpeed's loader reads the counters and scheduler from it)")
             return None
@@ -113,14 +144,14 @@ class UniversalReader(ZeroReader):
             ok = False
         return ok
 
-    def _describe(self, model0: dict, inner0: dict, prefix: str, zero3: bool, model_path: str) -> None:
-        super()._describe(model0, inner0, prefix, zero3, model_path)
+    def _describe(self, model0: dict, inner0: dict, zero3: bool, model_path: str) -> None:
+        self.run_config = describe(self.result, model0, inner0, "", zero3, model_path)
         # the world size of the run that saved it; partition_count in optimizer_state.pt says the same
         world = model0.get(N.DP_WORLD_SIZE)
         self.result.world_size = world if isinstance(world, int) and world >= 1 else self.result.world_size
 
     # --- params -------------------------------------------------------------------------------
-    def _trainable(self, param_shapes: list[dict], inner: dict, optim_files: dict, world: int, zero3: bool, model0: dict) -> list[Entry] | None:
+    def _trainable(self, param_shapes: list[dict], zero3: bool) -> list[Entry] | None:
         """Each trainable param's master from ``zero/<name>/fp32.pt``, its states beside it."""
         self.param_files: dict[str, _ParamFiles] = {}
         self.shapes = {name: as_shape(shape) for group in param_shapes for name, shape in group.items()}

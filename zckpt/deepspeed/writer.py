@@ -24,6 +24,7 @@ from ..core.dtypes import BF16, BY_SHORT, FP32, DType
 from ..core.errors import UsageError
 from ..core.index import Segment, TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
+from ..core.topology import RankCoords, Topology
 from ..torchfile.reader import PickledEnumMember, PickledObject, TorchDevice, TorchSize, global_name
 from ..torchfile.save import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
@@ -56,6 +57,12 @@ class Target:
     # in offloaded_tensors/, not in the optim files); None when the optimizer is not swapped
     swap: SwapRule | None = None
     clip_grad: float | None = None  # gradient_clipping the ZeRO-1/2 files carry where the input's files hold none
+
+    @property
+    def topology(self) -> Topology:
+        """The ranks the files are planned for: data-parallel over world_size (zckpt writes no
+        other layout)."""
+        return Topology.data_parallel(self.world_size)
 
 
 @dataclass(frozen=True)
@@ -157,10 +164,11 @@ def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None
     """Every file of the target checkpoint as an object tree (swap files as RawFiles); pure."""
     layout = target_layout(state, target)
     optim = OptimPlanner(state, target, layout)
-    optim_files = [PlannedFile(N.optim_states_name(rank, bf16=target.dtype == BF16), optim.file(rank), rank) for rank in range(target.world_size)]
-    swap_files = [f for rank in range(target.world_size) for f in optim.swap_files(rank)]
+    ranks = list(target.topology.data_ranks())
+    optim_files = [PlannedFile(N.rank_optim_states_name(at, bf16=target.dtype == BF16), optim.file(at.data), at.data) for at in ranks]
+    swap_files = [f for at in ranks for f in optim.swap_files(at.data)]
     # DeepSpeed saves every rank's swap folder, empty where no sub-group is swapped
-    folders = tuple(f"{N.OFFLOADED_TENSORS_DIR}/{N.offloaded_rank_dir(rank)}" for rank in range(target.world_size)) if optim.swaps else ()
+    folders = tuple(f"{N.OFFLOADED_TENSORS_DIR}/{N.offloaded_rank_dir(at.data)}" for at in ranks) if optim.swaps else ()
     files = tuple(plan_model_states(state, target, layout) + optim_files + swap_files)
     return CheckpointPlan(tag or state.index.source_tag, target, layout, files, folders=folders)
 
@@ -169,8 +177,8 @@ def plan_model_states(state: TrainingState, target: Target, layout: ZeroLayout) 
     """The model_states file(s) of the target run: one per rank for ZeRO-3, else one."""
     models = ModelPlanner(state, target, layout)
     if target.stage == 3:
-        return [PlannedFile(N.model_states_name(3, rank), models.file(rank), rank) for rank in range(target.world_size)]
-    return [PlannedFile(N.model_states_name(target.stage), models.file(None), None)]
+        return [PlannedFile(N.rank_model_states_name(3, at), models.file(at.data), at.data) for at in target.topology.data_ranks()]
+    return [PlannedFile(N.rank_model_states_name(target.stage, RankCoords()), models.file(None), None)]
 
 
 # --- tensors -------------------------------------------------------------------------------------

@@ -1,0 +1,248 @@
+"""The checks that the rank files of a ZeRO checkpoint belong together: of the right kind, one
+world size, one run and save, one step; and that each file holds its own rank's partition (the
+slice mappings, the zeros in the padding, no file a copy of another). Each lists its problems
+in the :class:`~.survey.Survey` and says whether reading can go on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..core.index import TensorRef
+from ..core.state import TrainingState
+from ..io.checksums import RecordChecker, repeated_ranks
+from ..io.materialize import read_scalar
+from ..io.reading import FileReader, source_of
+from . import names as N
+from .layout import ZeroLayout
+from .optim_state import slice_mapping_layout
+from .rank_files import LoadedRanks
+from .schema import MODEL_SCHEMA, OPTIM_SCHEMA, schema_problems
+from .survey import Survey
+
+_MAX_MISSING_RANKS = 4096  # beyond this many absent rank files, a world size is taken as damage
+
+
+def check_file_kinds(result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict, tag_dir: str) -> bool:
+    """Every model file a model-states pickle, every optimizer file a ZeRO optimizer's, each
+    key as DeepSpeed writes it, and rank 0's optimizer file there."""
+    ok = True
+    for rank, state in models.items():
+        if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
+            result.add(CorruptFileError, model_paths[rank], "not a DeepSpeed model-states file (no 'module'/'param_shapes')")
+            ok = False
+        elif problems := schema_problems(state, MODEL_SCHEMA):
+            result.add(CorruptFileError, model_paths[rank], problems[0])
+            ok = False
+    for rank, state in optims.items():
+        inner = state.get(N.OPTIMIZER_STATE_DICT) if isinstance(state, dict) else None
+        if not isinstance(inner, dict) or not (N.FP32_FLAT_GROUPS in inner or N.SINGLE_PARTITION_OF_FP32_GROUPS in inner):
+            result.add(CorruptFileError, optim_files[rank][1], "not a DeepSpeed ZeRO optimizer-states file (no fp32 partitions)")
+            ok = False
+        elif problems := schema_problems(inner, OPTIM_SCHEMA):
+            result.add(CorruptFileError, optim_files[rank][1], problems[0])
+            ok = False
+    if 0 not in optims:
+        bf16 = any(p for p, _ in optim_files.values())
+        result.add(CheckpointNotFoundError, os.path.join(tag_dir, N.optim_states_name(0, bf16=bf16)), "missing (rank 0 optimizer states)")
+        ok = False
+    return ok
+
+
+def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
+    """One world size (partition_count) in every file, and a file for every rank of it."""
+    world = result.world_size
+    inner, optim_files, models, model_paths = ranks.inner, ranks.optim_files, ranks.models, ranks.model_paths
+    path0 = optim_files[0][1]
+    if not isinstance(world, int) or world < 1:
+        result.add(CorruptFileError, path0, f"bad partition_count {world!r}")
+        return False
+    if world > len(inner) + _MAX_MISSING_RANKS:  # listing every missing rank would never end
+        result.add(CorruptFileError, path0, f"partition_count {world}, but {len(inner)} optimizer files are here: damaged, or nearly all rank files are missing")
+        return False
+    ok = True
+    for rank, state in inner.items():
+        counts = state.get(N.PARTITION_COUNT)  # ZeRO-1/2: one per param group; ZeRO-3: one
+        count = max(counts) if isinstance(counts, (list, tuple)) else counts
+        if count != world:
+            result.add(LayoutError, optim_files[rank][1], f"was written by a run of world size {count}, rank 0's by one of world size {world}: files of different runs are mixed")
+            ok = False
+        elif isinstance(counts, (list, tuple)) and (odd := next((g for g, c in enumerate(counts) if c != world), None)) is not None:
+            result.add(LayoutError, optim_files[rank][1], f"param group {odd} is partitioned over {counts[odd]} ranks, not all {world}: zckpt reads checkpoints whose every param group spans all data-parallel ranks")
+            ok = False
+    missing = [r for r in range(world) if r not in inner]
+    bf16 = optim_files[0][0] == N.BF16_PREFIX
+    for rank in missing:
+        result.add(CheckpointNotFoundError, os.path.join(tag_dir, N.optim_states_name(rank, bf16=bf16)), f"missing (world size {world} needs ranks 0-{world - 1})")
+        ok = False
+    for rank in sorted(set(inner) - set(range(world))):
+        result.add(LayoutError, optim_files[rank][1], f"rank {rank} does not belong to a checkpoint of world size {world}: files of different runs are mixed")
+        ok = False
+    prefixes = {prefix for prefix, _ in optim_files.values()}
+    if len(prefixes) > 1:
+        odd = next(p for r, (pre, p) in sorted(optim_files.items()) if pre != optim_files[0][0])
+        result.add(LayoutError, odd, "bf16_ and plain optimizer files are mixed: files of different runs")
+        ok = False
+    if ranks.zero3:
+        for rank in range(world):
+            if rank not in models:
+                result.add(CheckpointNotFoundError, os.path.join(tag_dir, N.model_states_name(3, rank)), f"missing (world size {world} needs ranks 0-{world - 1})")
+                ok = False
+        for rank in sorted(r for r in models if r >= world):
+            result.add(LayoutError, model_paths[rank], f"rank {rank} does not belong to a checkpoint of world size {world}")
+            ok = False
+    for rank, state in models.items():
+        dp = state.get(N.DP_WORLD_SIZE)
+        if dp is not None and dp != world:
+            result.add(LayoutError, model_paths[rank], f"says dp_world_size {dp}, optimizer files say {world}: files of different runs are mixed")
+            ok = False
+        mp = state.get(N.MP_WORLD_SIZE)
+        if mp not in (None, 1):
+            result.add(LayoutError, model_paths[rank], f"model-parallel world size {mp} is not supported")
+            ok = False
+    return ok
+
+
+def check_same_run(result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> None:
+    """Every file of one save carries the same ds_config, version and step counter."""
+    first_model = next(iter(models))
+    reference = models[first_model]
+    reference_path = model_paths[first_model]
+    for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version"), (N.GLOBAL_STEPS, "global step"), (N.PARAM_SHAPES, "param shapes")):
+        for rank, state in models.items():
+            if key in state and key in reference and state[key] != reference[key]:
+                result.add(LayoutError, model_paths[rank], f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed")
+    for rank, state in sorted(optims.items()):
+        for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version")):
+            if key in state and key in reference and state[key] != reference[key]:
+                result.add(LayoutError, optim_files[rank][1], f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed")
+
+
+def check_steps(result: Survey, reader: FileReader, inner: dict, optim_files: dict) -> None:
+    """Adam step counters must agree across ranks (cheap: a few scalars)."""
+    steps: dict[int, Any] = {}
+    for rank, state in sorted(inner.items()):
+        try:
+            step = _first_step(reader, state)
+            reader.verify_now()  # a damaged counter is damage, not a sign of mixed runs
+        except CorruptFileError as exc:
+            result.add(CorruptFileError, exc.path, exc.problem)
+            continue
+        if step is not None:
+            steps[rank] = step
+    if len(set(steps.values())) > 1:
+        rank0_step = steps.get(0)
+        for rank, step in steps.items():
+            if step != rank0_step:
+                result.add(LayoutError, optim_files[rank][1], f"optimizer is at step {step}, rank 0's at step {rank0_step}: files of different runs or saves are mixed")
+
+
+def check_padding(result: Survey, state: TrainingState) -> bool:
+    """Optimizer moments in each rank's padding must be zero, as DeepSpeed leaves them: data
+    there means the file holds another rank's partition (ZeRO-3 rank files swapped or copied
+    over each other have the same sizes, so nothing else tells). A few small reads, outside
+    the CRC checks (those would read the whole record); swap files keep no zeros there."""
+    dirty: dict[tuple[int, str], int] = {}
+    with FileReader(verify=False) as reader:
+        for run in state.state_padding:
+            path = run.source.segments[0].path
+            if run.state == "step" or not path.endswith(".pt"):
+                continue
+            count = int(np.count_nonzero(reader.read_source(run.source)))
+            if count:
+                dirty[(run.rank, path)] = dirty.get((run.rank, path), 0) + count
+    if dirty:
+        try:  # damaged bytes, rather than another rank's data? The CRC tells.
+            checker = RecordChecker()
+            for run in state.state_padding:
+                segment = run.source.segments[0]
+                if (run.rank, segment.path) in dirty:
+                    checker.touch(segment.path, segment.offset, run.source.nbytes)
+            checker.finish()
+        except CorruptFileError as exc:
+            result.problems.append(exc)
+            return False
+    for (rank, path), count in sorted(dirty.items()):
+        result.add(
+            LayoutError, path,
+            f"{count} optimizer-state elements in rank {rank}'s padding are not zero: the file holds another rank's partition (rank files swapped or copied)",
+        )
+    return not dirty
+
+
+def check_rank_identity(result: Survey, layout: ZeroLayout, inner: dict, optim_files: dict, round_robin: bool) -> bool:
+    """Each ZeRO-1/2 optimizer file's param_slice_mappings must name the params (and
+    offsets) of the rank its file name says: swapped or copied rank files are caught here,
+    where equal partition sizes hide them. The mappings follow the param group's order even
+    under round-robin gradients (sample_ckpts/FORMAT_OBSERVED.md)."""
+    described = slice_mapping_layout(layout, round_robin)
+    by_rank = described.by_rank()
+
+    def mapping_of(rank: int, flat: int) -> dict:
+        return {described.params[p.param].name: (p.length, p.flat_offset) for p in by_rank.get((rank, flat), [])}
+
+    for rank, state in sorted(inner.items()):
+        mappings = state.get(N.PARAM_SLICE_MAPPINGS)
+        if not isinstance(mappings, list) or len(mappings) != len(layout.flat_groups):
+            continue  # older files without them: nothing to tell by
+        for flat, mapping in enumerate(mappings):
+            expected = mapping_of(rank, flat)
+            found = {name: (getattr(a, "numel", None), getattr(a, "start", None)) for name, a in mapping.items()} if isinstance(mapping, dict) else None
+            if found != expected:
+                owner = next((r for r in range(layout.world_size) if found == mapping_of(r, flat)), None)
+                said = f"; they are rank {owner}'s: rank files swapped or copied" if owner is not None and owner != rank else ""
+                result.add(LayoutError, optim_files[rank][1], f"param group {flat}: its param_slice_mappings do not match rank {rank}'s partition{said}")
+                return False
+    return True
+
+
+def check_not_copies(result: Survey, paths: dict[int, str], partitions: dict[int, list[TensorRef]], what: str) -> bool:
+    """No ZeRO-3 rank file may repeat another rank's partitions (`what`) byte for byte: one
+    file was copied over another (told by the sizes and CRC-32s in the zip directories).
+    Only the partitions are judged, small ones too: buffers and counters are alike on every
+    honest rank. Where nothing tells (checksums.RepeatedRank), the survey says so."""
+    files = {
+        rank: (path, [(ref.offset, ref.dtype.itemsize) for ref in partitions.get(rank, []) if isinstance(ref, TensorRef) and ref.path == path and ref.numel])
+        for rank, path in paths.items()
+    }
+    ok = True
+    for repeat in repeated_ranks(files):
+        if repeat.telling:
+            result.add(LayoutError, repeat.path, f"its {what} are byte-identical to rank {repeat.other}'s: one rank's file was copied over another's")
+            ok = False
+        elif repeat.partitioned:
+            result.untold_copies.append(
+                f"{repeat.path}: its {what} are byte-identical to rank {repeat.other}'s, each one value repeated "
+                "(as honest ranks' slices of constant params are): cannot tell whether one rank's file was copied over another's"
+            )
+        else:
+            result.untold_copies.append(
+                f"{repeat.path} holds the same tensors as {os.path.basename(repeat.other_path)} and none of its own (no {what}, "
+                "only state alike on every rank, such as buffers): cannot tell whether one rank's file was copied over another's"
+            )
+    return ok
+
+
+def _first_step(reader: FileReader, inner: dict) -> Any:
+    """The Adam step of the first param (group) with state, or None."""
+    for key in (N.BASE_OPTIMIZER_STATE, N.OPTIMIZER_STATE_DICT):
+        state = inner.get(key)
+        if isinstance(state, dict) and isinstance(state.get("state"), dict):
+            for per_param in state["state"].values():
+                if isinstance(per_param, dict) and "step" in per_param:
+                    step = per_param["step"]
+                    if isinstance(step, TensorRef):
+                        if step.numel != 1:
+                            return None
+                        return read_scalar(reader, source_of(step))
+                    return step
+        if isinstance(state, list):  # ZeRO-1/2 elastic layout: one state dict per group
+            for group in state:
+                if isinstance(group, dict) and "step" in group:
+                    step = group["step"]
+                    return read_scalar(reader, source_of(step)) if isinstance(step, TensorRef) and step.numel == 1 else step
+    return None

@@ -1,0 +1,217 @@
+"""The inventory of a tag folder's rank files: which model-states and optimizer-states files are
+there, by rank, and what is wrong with the listing (:func:`scan_rank_files`). Then the files
+loaded, as one value the later steps share (:class:`LoadedRanks`) instead of five arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..core.errors import CheckpointNotFoundError, LayoutError, ZckptError
+from ..core.topology import RankCoords, Topology
+from ..torchfile import reader as torchfile
+from . import names as N
+from .locate import natural_key
+from .survey import Survey
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One rank file: where it is, its rank's coordinates, and what it holds: the model or
+    optimizer states of a data-parallel rank, or a file of another layout (a pipeline layer,
+    an expert, the experts' optimizer states), recorded so that the layout can be named."""
+
+    path: str
+    coords: RankCoords
+    kind: Literal["model", "optim", "layer", "expert", "expert_optim"]
+    per_rank: bool = True  # a model-states file named with its dp rank (ZeRO-3); ZeRO-1/2 keep one
+    prefix: str = ""  # an optimizer file's bf16_ prefix
+    layer: int | None = None  # the layer of a pipeline layer file or an expert file
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def data_parallel(self) -> bool:
+        """A file of a data-parallel-only layout, which zckpt reads."""
+        return self.kind in ("model", "optim") and self.coords.data_parallel_only
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """What a tag folder lists, keyed by rank coordinates. `problems` are reported and reading
+    goes on (so inspect can still describe the rest); a `fatal` problem stops the reading."""
+
+    tag_dir: str
+    files: tuple[RankFile, ...] = ()
+    problems: tuple[ZckptError, ...] = ()
+    fatal: ZckptError | None = None
+
+    @property
+    def model(self) -> dict[int | None, str]:
+        """The model-states paths by dp rank (None: ZeRO-1/2's one file), by rank."""
+        found = {f.coords.data if f.per_rank else None: f.path for f in self.files if f.kind == "model"}
+        return dict(sorted(found.items(), key=lambda kv: kv[0] or 0))
+
+    @property
+    def optim(self) -> dict[int, tuple[str, str]]:
+        """(bf16_ prefix or "", path) of the optimizer files, by dp rank."""
+        return dict(sorted((f.coords.data, (f.prefix, f.path)) for f in self.files if f.kind == "optim"))
+
+    @property
+    def topology(self) -> Topology:
+        """The degrees the files' coordinates span (a data-parallel run: (1, 1, 1, ranks))."""
+        coords = [f.coords for f in self.files] or [RankCoords()]
+        return Topology(*(max(getattr(c, axis) for c in coords) + 1 for axis in ("pipe", "tensor", "expert", "data")))
+
+    @property
+    def zero3(self) -> bool:
+        """ZeRO-3 keeps one model-states file per dp rank, named with it."""
+        return any(f.per_rank for f in self.files if f.kind == "model")
+
+    @property
+    def first(self) -> int | None:
+        """The key of rank 0's model-states file."""
+        return 0 if self.zero3 else None
+
+    @property
+    def paths(self) -> list[str]:
+        """Every rank file, model states first (the order a survey lists its files in)."""
+        return sorted(self.model.values()) + sorted(p for _, p in self.optim.values())
+
+
+def parse_rank_file(path: str) -> RankFile | None:
+    """The rank file a name in a tag folder is, with its coordinates; None: not a rank file.
+    ``mp_rank_NN`` is the tensor rank (stage * tp + tensor rank in a pipeline run: the names
+    alone do not tell), recorded as the tensor coordinate."""
+    name = os.path.basename(path)
+    if match := N.EXPERT_STATES_RE.match(name):
+        layer = int(match["layer"]) if match["layer"] is not None else None
+        return RankFile(path, RankCoords(0, int(match["mp"]), int(match["expert"]), 0), "expert", layer=layer)
+    if match := N.EXPERT_OPTIM_STATES_RE.match(name):
+        return RankFile(path, RankCoords(0, int(match["mp"]), int(match["ep"]), 0), "expert_optim")
+    if match := N.LAYER_STATES_RE.match(name):
+        return RankFile(path, RankCoords(0, int(match["tp"] or 0), 0, 0), "layer", layer=int(match["layer"]))
+    if match := N.MODEL_STATES_RE.match(name):
+        per_rank = match["dp"] is not None
+        return RankFile(path, RankCoords(0, int(match["mp"]), 0, int(match["dp"]) if per_rank else 0), "model", per_rank)
+    if match := N.OPTIM_STATES_RE.match(name):
+        return RankFile(path, RankCoords(0, int(match["mp"]), 0, int(match["dp"])), "optim", prefix=match["prefix"] or "")
+    return None
+
+
+def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
+    """The rank files of a folder by their coordinates. A folder holding files of a pipeline,
+    tensor or expert parallel layout is refused here, in one line naming the layout."""
+    try:
+        listing = sorted(os.listdir(tag_dir), key=natural_key)
+    except OSError as exc:
+        return RankFiles(tag_dir, fatal=CheckpointNotFoundError(tag_dir, f"cannot list {folder_kind} ({exc.strerror})"))
+    found = [f for f in (parse_rank_file(os.path.join(tag_dir, name)) for name in listing) if f is not None]
+    refusal = layout_refusal(tag_dir, found)
+    if refusal is not None:
+        return RankFiles(tag_dir, tuple(found), fatal=refusal)
+    files: dict[tuple[str, RankCoords, bool], RankFile] = {}
+    problems: list[ZckptError] = []
+    for file in found:
+        key = (file.kind, file.coords, file.per_rank)
+        if file.kind == "optim" and key in files:
+            other = files[key].name
+            problems.append(LayoutError(file.path, f"two optimizer files for rank {file.coords.data} (also {other}): files of a bf16 and a non-bf16 run are mixed"))
+            continue
+        files[key] = file
+    return RankFiles(tag_dir, tuple(files.values()), tuple(problems))
+
+
+def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
+    """The one refusal of a folder holding files of a layout other than data parallelism:
+    which layouts (pipeline, tensor, expert parallel) and a file of each; None if there are none."""
+    layers = [f for f in files if f.kind == "layer"]
+    model_parallel = [f for f in files if f.kind in ("model", "optim") and f.coords.tensor > 0]
+    experts = [f for f in files if f.kind in ("expert", "expert_optim")]
+    layouts, details = [], []
+    if layers:
+        tp = max(f.coords.tensor for f in layers) + 1  # layer files name the tensor rank, when there is one
+        stages = (max((f.coords.tensor for f in files if f.kind == "model"), default=0) + 1) // tp
+        layouts.append("pipeline-parallel" if tp == 1 else "pipeline- and tensor-parallel")
+        details.append(f"{stages} stage{'s' * (stages != 1)}{f' x {tp} tensor ranks' if tp > 1 else ''}; {_count(layers, 'layer file')}: {_some(layers)}")
+    elif model_parallel:
+        layouts.append("tensor/pipeline-parallel")
+        details.append(f"mp_rank > 0: {_some(model_parallel)}")
+    if experts:
+        layouts.append("mixture-of-experts (expert-parallel)")
+        details.append(f"{_count(experts, 'expert file')}: {_some(experts)}")
+    if not layouts:
+        return None
+    return LayoutError(
+        tag_dir,
+        f"a {' and '.join(layouts)} checkpoint ({'; '.join(details)}): zckpt reads data-parallel ZeRO checkpoints only "
+        "(pipeline, tensor and expert parallel layouts are not supported yet)",
+    )
+
+
+def _count(files: list[RankFile], what: str) -> str:
+    return f"{len(files)} {what}{'s' * (len(files) != 1)}"
+
+
+def _some(files: list[RankFile]) -> str:
+    """The first file's name, and '...' for the others."""
+    return files[0].name + (" ..." if len(files) > 1 else "")
+
+
+def zero_rank_files(tag_dir: str) -> RankFiles:
+    """The rank files of a ZeRO tag folder, with a fatal problem when they cannot make one
+    checkpoint (no model or optimizer files, or both ZeRO-1/2 and ZeRO-3 model files)."""
+    files = scan_rank_files(tag_dir, "tag folder")
+    if files.fatal is not None:
+        return files
+    fatal = None
+    if not files.model:
+        fatal = CheckpointNotFoundError(tag_dir, "no *_model_states.pt file in the tag folder")
+    elif not files.optim:
+        fatal = CheckpointNotFoundError(tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from")
+    elif None in files.model and len(files.model) > 1:
+        fatal = LayoutError(tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed")
+    return dataclasses.replace(files, fatal=fatal)
+
+
+def load(result: Survey, path: str) -> Any | None:
+    """A pickle's content (tensors as TensorRefs), or None with the problem listed."""
+    try:
+        return torchfile.load(path)
+    except ZckptError as exc:
+        result.problems.append(exc)
+        return None
+
+
+@dataclass(frozen=True)
+class LoadedRanks:
+    """The loaded rank files of a checkpoint whose file kinds were checked: the model states
+    and the optimizer files (outer and inner state dicts), with their paths, by rank."""
+
+    models: dict[int | None, dict]
+    optims: dict[int, dict]
+    inner: dict[int, dict]  # each optimizer file's optimizer_state_dict
+    model_paths: dict[int | None, str]
+    optim_files: dict[int, tuple[str, str]]  # (prefix, path)
+    zero3: bool
+
+    @property
+    def first(self) -> int | None:
+        return 0 if self.zero3 else None
+
+    @property
+    def model0(self) -> dict:
+        return self.models[self.first]
+
+    @property
+    def model0_path(self) -> str:
+        return self.model_paths[self.first]
+
+    @property
+    def optim_paths(self) -> dict[int, str]:
+        return {rank: path for rank, (_, path) in self.optim_files.items()}
