@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "zckpt"
 FORMAT_WORDS = ("optimizer_state_dict", "fp32_flat_groups", "single_partition_of_fp32_groups", "zero_pp_rank", "param_shapes", "frozen_param_fragments", "shared_params", "partition_count")
 
@@ -116,6 +118,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 def test_no_import_cycles() -> None:
     """A cycle hidden by a function-level import is still a cycle: the two modules are one."""
     cycle = find_cycle(import_graph())

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import typer.main
+from helpers import ROOT, SAMPLES
 
-from conftest import ROOT, SAMPLES
 from zckpt.cli.app import app
 
 README = (ROOT / "README.md").read_text()
@@ -121,6 +121,7 @@ def test_every_option_is_in_the_synopsis(name: str) -> None:
     assert written <= every | {"-h", "--help"}, f"{name}: README's synopsis lists {sorted(written - every)}, which the CLI lacks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["", *sorted(COMMANDS)])
 def test_help_fits_80_columns(name: str, tmp_path: Path) -> None:
     env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -1,0 +1,379 @@
+"""Helpers the test files share: the bundled samples and their DeepSpeed reference outputs, running
+the command line, comparing trees and files. Test files import from here, never from one another."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from zckpt.core.dtypes import FP16, from_torch
+from zckpt.core.index import Segment
+from zckpt.deepspeed.writer import carry
+from zckpt.io.reading import FileReader, read_ref
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
+from zckpt.torchfile.reader import PickledObject, TensorRef
+from zckpt.torchfile.save import Copy, Inline, OutTensor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_signals() -> None:
+    """preexec_fn for a child that is signalled: SIGINT, SIGTERM and SIGHUP at their default
+    dispositions, whatever this run inherited (a background or nohup test run has SIGINT or
+    SIGHUP ignored, which zckpt then keeps ignoring, as it should)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+SAMPLES = ROOT / "sample_ckpts"
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    folder: Path
+    meta: dict
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.folder / self.meta.get("checkpoint", "checkpoint")
+
+    @property
+    def reference_file(self) -> Path:
+        return self.folder / "reference" / "zero_to_fp32" / "pytorch_model.bin"
+
+    @property
+    def has_reference(self) -> bool:
+        """False where DeepSpeed's own tool failed on the checkpoint (meta.json says how)."""
+        return not self.meta.get("reference_error")
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        """DeepSpeed zero_to_fp32.py's output (plain tensors, safe to load weights_only)."""
+        if not self.has_reference:
+            pytest.skip(f"zero_to_fp32.py failed on this checkpoint: {self.meta['reference_error']}")
+        return torch.load(self.reference_file, weights_only=True)
+
+    def expected_fp32(self) -> dict[str, torch.Tensor]:
+        """What fp32 consolidation must give: zero_to_fp32.py's output where it has one, else
+        the live values with floating tensors widened to fp32 (exact)."""
+        if self.has_reference:
+            return self.reference()
+        return {n: t.float() if t.is_floating_point() else t for n, t in self.live().items()}
+
+    def live(self) -> dict[str, torch.Tensor]:
+        """fp32 masters, frozen params and buffers read from the live engine before saving."""
+        from safetensors.torch import load_file
+
+        return load_file(self.folder / "reference" / "live.safetensors")
+
+
+def load_samples() -> list[Sample]:
+    samples = []
+    for meta_file in sorted(SAMPLES.glob("*/meta.json")):
+        samples.append(Sample(meta_file.parent.name, meta_file.parent, json.loads(meta_file.read_text())))
+    return samples
+
+
+SAMPLE_LIST = load_samples()
+
+
+def sample(name: str) -> Sample:
+    return next(s for s in SAMPLE_LIST if s.name == name)
+
+
+
+
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and every bit (NaNs included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous(), b.contiguous()
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))) if a.numel() else True
+
+
+def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedProcess[str]":
+    """`torchrun --nproc-per-node <processes> -m zckpt <args>` on a free port; fails the test
+    with the processes' stderr when they fail."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(port), "-m", "zckpt", *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+# from test_bad_input.py
+def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m zckpt ARGS` in a child process, run from `cwd`: what a user's shell gets."""
+    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=300)
+
+
+# from test_reshard.py
+RESHARDABLE = [s for s in SAMPLE_LIST if s.meta["ds_config"]["zero_optimization"].get("offload_optimizer", {}).get("device") != "nvme"]
+
+
+# from test_reshard.py
+def _padding_free(ref: TensorRef, other: TensorRef, reader: FileReader) -> tuple[np.ndarray, np.ndarray]:
+    return read_ref(reader, ref).reshape(-1), read_ref(reader, other).reshape(-1)
+
+
+# from test_reshard.py
+def compare_trees(original, ours, reader: FileReader, path: str = "", padded: set[str] | None = None) -> list[str]:
+    """Differences between two unpickled object trees; tensors compared by bytes. Tensors whose
+    path is in `padded` hold DeepSpeed's uninitialised padding: there, elements that are zero in
+    ours may differ."""
+    problems: list[str] = []
+    if isinstance(original, TensorRef):
+        if not isinstance(ours, TensorRef):
+            return [f"{path}: tensor became {type(ours).__name__}"]
+        if (original.dtype, original.shape) != (ours.dtype, ours.shape):
+            return [f"{path}: {original.dtype}{list(original.shape)} became {ours.dtype}{list(ours.shape)}"]
+        if (original.attributes or {}) != (ours.attributes or {}):
+            problems.append(f"{path}: attributes {original.attributes} became {ours.attributes}")
+        a, b = _padding_free(original, ours, reader)
+        differ = a.view(np.uint8) != b.view(np.uint8)
+        if differ.any():
+            if padded is not None and any(path.startswith(p) for p in padded):
+                raw_b = b.view(np.dtype(f"u{b.itemsize}")) if b.dtype.kind != "u" else b
+                if not (raw_b[(a != b)] == 0).all():
+                    problems.append(f"{path}: differs outside zero padding")
+            else:
+                problems.append(f"{path}: {int(np.count_nonzero(a != b))} elements differ")
+        return problems
+    if type(original) is not type(ours) and not (isinstance(original, dict) and isinstance(ours, dict)):
+        return [f"{path}: {type(original).__name__} became {type(ours).__name__}"]
+    if isinstance(original, PickledObject):
+        return compare_trees(vars(original), vars(ours), reader, path + ".__dict__", padded) + (
+            [f"{path}: class {original.original_class} became {ours.original_class}"] if original.original_class != ours.original_class else []
+        )
+    if isinstance(original, dict):
+        if list(original) != list(ours):
+            return [f"{path}: keys {list(original)} became {list(ours)}"]
+        for key in original:
+            problems += compare_trees(original[key], ours[key], reader, f"{path}/{key}", padded)
+        return problems
+    if isinstance(original, (list, tuple)):
+        if len(original) != len(ours):
+            return [f"{path}: length {len(original)} became {len(ours)}"]
+        for i, (a, b) in enumerate(zip(original, ours)):
+            problems += compare_trees(a, b, reader, f"{path}[{i}]", padded)
+        return problems
+    return [] if original == ours else [f"{path}: {original!r:.80} became {ours!r:.80}"]
+
+
+# from test_reshard.py
+def tag_files(folder: Path) -> dict[str, Path]:
+    tag = (folder / "latest").read_text().strip()
+    return {p.name: p for p in sorted((folder / tag).glob("*.pt"))}
+
+
+# from test_reshard.py
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zckpt: error: ") and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+# from test_checksums.py
+def data_records(path: Path) -> list[zipfile.ZipInfo]:
+    """The tensor records of a torch archive, as Python's zipfile lists them."""
+    with zipfile.ZipFile(path) as archive:
+        return [i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 0]
+
+
+# from test_checksums.py
+def record_start(path: Path, info: zipfile.ZipInfo) -> int:
+    with open(path, "rb") as handle:
+        handle.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(handle.read(2), "little"), int.from_bytes(handle.read(2), "little")
+    return info.header_offset + 30 + name_len + extra_len
+
+
+# from test_checksums.py
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0x10]))
+
+
+# from test_torchsave.py
+class Source:
+    """A scratch file holding tensors' raw bytes; hands out Copy parts that point into it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.write_bytes(b"\x01" * 13)  # an odd prefix: segments do not start aligned
+
+    def out(self, tensor: torch.Tensor, **kwargs: Any) -> OutTensor:
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        offset = self.path.stat().st_size
+        with open(self.path, "ab") as handle:
+            handle.write(raw)
+        dtype = from_torch(tensor.dtype)
+        parts = (Copy(Segment(str(self.path), offset, tensor.numel()), dtype),) if tensor.numel() else ()
+        return OutTensor(dtype, tuple(tensor.shape), parts, **kwargs)
+
+
+# from test_torchsave.py
+def inline(tensor: torch.Tensor) -> OutTensor:
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return OutTensor(from_torch(tensor.dtype), tuple(tensor.shape), (Inline(raw),) if raw else ())
+
+
+# from test_torchsave.py
+def serialization_id(path: Path) -> tuple[bytes, int]:
+    with zipfile.ZipFile(path) as archive:
+        info = archive.infolist()[-1]
+        assert info.filename.endswith("/.data/serialization_id")
+        return archive.read(info), info.CRC
+
+
+# from test_torchsave.py
+def same_except_serialization_id(ours: Path, theirs: Path) -> None:
+    """Every byte equal once torch's random serialization id (content and CRC) is swapped in."""
+    (our_id, our_crc), (their_id, their_crc) = serialization_id(ours), serialization_id(theirs)
+    assert len(our_id) == len(their_id) == 40 and our_id.isdigit()
+    data = ours.read_bytes()
+    assert data.count(our_id) == 1 and data.count(struct.pack("<I", our_crc)) == 2  # descriptor + directory
+    data = data.replace(our_id, their_id).replace(struct.pack("<I", our_crc), struct.pack("<I", their_crc))
+    expected = theirs.read_bytes()
+    assert len(data) == len(expected)
+    first = next((i for i, (a, b) in enumerate(zip(data, expected)) if a != b), None)
+    assert first is None, f"first difference at byte {first}"
+
+
+# from test_torchsave.py
+def torch_and_ours(source: Source) -> tuple[dict, dict]:
+    """The same state as torch objects and as writer objects."""
+    shared = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    torch_state = OrderedDict(
+        f32=torch.linspace(-3, 3, 17),
+        bf16=torch.randn(5, 7).to(torch.bfloat16),
+        f16=torch.randn(3, 2, 2).to(torch.float16),
+        f64=torch.tensor([1.5, -2.25]),
+        i64=torch.tensor([[1, -2, 3], [2**40, 5, 6]]),
+        i32=torch.tensor([7, 8], dtype=torch.int32),
+        i8=torch.tensor([-1, 2], dtype=torch.int8),
+        u8=torch.tensor([250, 3], dtype=torch.uint8),
+        flags=torch.tensor([True, False, True]),
+        scalar=torch.tensor(3.5),
+        step=torch.tensor(12, dtype=torch.int64),
+        empty=torch.empty(0, dtype=torch.bfloat16),
+        empty2d=torch.empty(3, 0),
+        shared=shared,
+        again=shared,  # the same tensor object twice: one storage, a memo reference
+    )
+    ours = OrderedDict((k, source.out(v)) for k, v in torch_state.items() if k != "again")
+    ours["again"] = ours["shared"]
+    ours["step"] = inline(torch_state["step"])  # Inline parts beside Copy parts
+    extras = {
+        "lr": 1e-3, "betas": (0.9, 0.999), "nums": [1, -1, 255, 256, 65535, 65536, -2**31, 2**31, 2**70, -2**70],
+        "flags": [True, False, None], "names": ["x", "é", "", "cpu"], "blob": b"\x00\xffbytes",
+        "tuple4": (1, 2, 3, 4), "nested": OrderedDict(a={"b": [()]}), "empty": {}, "aset": {3, 1}, "none_set": set(),
+        "big_list": list(range(1200)), "big_dict": {i: float(i) for i in range(1100)},
+        "np": np.float64(0.125), "dtype": torch.float16,
+    }
+    our_extras = {**extras, "dtype": FP16}
+    return {"state": torch_state, **extras}, {"state": ours, **our_extras}
+
+
+# from test_untrusted.py
+def listing(root: Path, skip: Path | None = None) -> dict[str, str]:
+    """Every path under `root` (not following links) and what it is: a link's target, a file's
+    content hash, or 'folder'; `skip` and what lies under it left out."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        if skip is not None and (here == skip or skip in here.parents):
+            dirs[:] = []
+            continue
+        for name in dirs + files:
+            path = here / name
+            if skip is not None and path == skip:
+                continue
+            if path.is_symlink():
+                found[str(path)] = "link -> " + os.readlink(path)
+            elif path.is_dir():
+                found[str(path)] = "folder"
+            else:
+                found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+# from test_untrusted.py
+def renamed(obj: Any, old: str, new: str) -> Any:
+    """A tree read by zckpt's unpickler (made writable by `carry`) with every dict key `old`
+    renamed `new`, in place in its order."""
+    if isinstance(obj, dict):
+        out = type(obj)((new if k == old else k, renamed(v, old, new)) for k, v in obj.items())
+        if isinstance(obj, OrderedDict):
+            vars(out).update(vars(obj))  # a state_dict's _metadata
+        return out
+    if isinstance(obj, list):
+        return [renamed(v, old, new) for v in obj]
+    return obj
+
+
+# from test_untrusted.py
+def rename_everywhere(tag_dir: Path, old: str, new: str) -> None:
+    """Rename a param or optimizer-state key in every torch file of a tag folder (module, shapes,
+    param_slice_mappings, optimizer state), so the checkpoint stays consistent."""
+    for path in sorted(tag_dir.rglob("*.pt")):
+        tree = renamed(carry(torchfile.load(path)), old, new)
+        torchsave.save(tree, str(path) + ".new")
+        os.replace(str(path) + ".new", path)
+
+
+# from test_consolidate.py
+def load_output(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a consolidated folder, whatever its format and sharding."""
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    for file in sorted(folder.glob("pytorch_model*.bin")):
+        state.update(torch.load(file, weights_only=True))
+    return state
+
+
+# from test_trainer_cli.py
+SMALL = ["--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "31", "--seq-len", "8", "--micro-batch", "2"]
+
+
+# from test_defects.py
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+# the command line in-process (typer's test runner)
+try:  # click < 8.2 mixes stderr into output unless told not to; 8.2 always keeps it apart
+    runner = CliRunner(mix_stderr=False)
+except TypeError:
+    runner = CliRunner()

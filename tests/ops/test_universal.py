@@ -1,0 +1,315 @@
+"""zckpt to-universal and universal folders as input, against facts DeepSpeed wrote: the live
+engine values captured before each sample was saved (fp32 masters, Adam moments), the sample's
+own files (read with torch.load), and the files DeepSpeed wrote, rebuilt through a universal
+round trip. Real DeepSpeed loading the outputs is in test_interop_universal.py."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    RESHARDABLE,
+    SAMPLE_LIST,
+    Sample,
+    compare_trees,
+    one_line,
+    run_cli,
+    run_zckpt_torchrun,
+    same_bits,
+    sample,
+    tag_files,
+)
+from safetensors.torch import load_file
+
+from zckpt.deepspeed.reader import open_training_state
+from zckpt.io.reading import FileReader
+from zckpt.ops.consolidate import consolidate
+from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.torchfile import reader as torchfile
+
+WITH_LIVE_OPTIMIZER = [s for s in SAMPLE_LIST if (s.folder / "reference" / "live_optimizer.safetensors").exists()]
+
+
+class _StandIns(types.ModuleType):
+    """A pickle module for torch.load whose Unpickler turns DeepSpeed's classes (not installed in
+    this tier) into plain stand-ins, so files are read by torch itself, not by zckpt."""
+
+    classes: dict[tuple[str, str], type] = {}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if module.split(".")[0] == "deepspeed":
+                key = (module, name)
+                if key not in _StandIns.classes:
+                    _StandIns.classes[key] = type(name, (_StandIn,), {})
+                return _StandIns.classes[key]
+            return super().find_class(module, name)
+
+    load = staticmethod(pickle.load)
+
+
+class _StandIn:
+    def __init__(self, *args) -> None:  # an enum rebuilt by value: ZeroStageEnum(3)
+        self.args = args
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+
+def _load(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_StandIns("stand_ins"))
+
+
+def _universal_dir(out: Path) -> Path:
+    return out / (out / "latest_universal").read_text().strip()
+
+
+def _original_files(case: Sample) -> dict[str, object]:
+    return {n: _load(p) for n, p in tag_files(case.checkpoint).items()}
+
+
+def _saved_param_groups_and_steps(case: Sample) -> tuple[list[dict], list]:
+    """Hyperparameters and the step of each param group, from DeepSpeed's rank-0 optimizer file."""
+    rank0 = next(v for n, v in _original_files(case).items() if "zero_pp_rank_0_" in n and n.endswith("optim_states.pt"))
+    inner = rank0["optimizer_state_dict"]
+    torch_state = inner.get("base_optimizer_state") or inner["optimizer_state_dict"]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in torch_state["param_groups"]]
+    steps = []
+    for group in torch_state["param_groups"]:
+        first = torch_state["state"].get(group["params"][0], {})
+        steps.append(first.get("step"))
+    return groups, steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target_stage", [None, 1, 3], ids=["own-stage", "to-z1", "to-z3"])
+@pytest.mark.parametrize("case", WITH_LIVE_OPTIMIZER, ids=lambda s: s.name)
+def test_universal_files_hold_the_live_engine_state(case: Sample, target_stage: int | None, tmp_path: Path) -> None:
+    """Every trainable param's fp32 master and Adam moments, in the flavour of the target stage,
+    equal the engine's values before the save; optimizer_state.pt carries the saved groups."""
+    result = to_universal(case.checkpoint, tmp_path / "out", target_stage=target_stage)
+    stage = target_stage or case.meta["zero_stage"]
+    folder = _universal_dir(tmp_path / "out")
+    assert folder.name == (case.checkpoint / "latest").read_text().strip() + "_universal"
+    live = case.live()
+    live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
+    original_model = _load(next(p for n, p in tag_files(case.checkpoint).items() if "model_states" in n))
+    aliases = set(original_model.get("shared_params") or {})  # live dumps list tied names twice
+    trainable = {n.rsplit(".", 1)[0] for n in live_optim if n.endswith(".exp_avg")} - aliases
+    assert trainable and {p.name for p in result.source.params} == trainable
+    for name in trainable:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            value = _load(folder / "zero" / name / f"{state}.pt")
+            truth = live[name].float() if state == "fp32" else live_optim[f"{name}.{state}"]
+            if stage == 3:  # ZeRO-3's loader reads a flat tensor
+                assert isinstance(value, torch.Tensor) and value.dim() == 1, (name, state)
+            else:  # ZeRO-1/2's wants DeepSpeed's dict with the full shape
+                assert list(value) == ["cat_dim", "param"] and value["cat_dim"] == 0, (name, state)
+                value = value["param"]
+                assert value.shape == truth.shape, (name, state)
+            assert same_bits(value.reshape(truth.shape), truth), (name, state)
+    groups, steps = _saved_param_groups_and_steps(case)
+    global_state = _load(folder / "zero" / "optimizer_state.pt")
+    assert [{k: v for k, v in g.items() if k != "params"} for g in global_state["param_groups"]] == groups
+    by_group = {p.name: p.group for p in result.source.params}
+    if stage == 3:
+        saved = global_state["optimizer_state_dict"]["state"]
+        assert all(torch.equal(torch.as_tensor(saved[i]["step"]), torch.as_tensor(steps[0])) for i in saved)
+    else:
+        for name in trainable:
+            assert torch.equal(torch.as_tensor(_load(folder / "zero" / name / "step.pt")), torch.as_tensor(steps[by_group[name]])), name
+    # the model_states DeepSpeed's loader looks for in a run of that stage, with the saved counters
+    model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    ours = _load(folder / model_name)
+    for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "dp_world_size"):
+        assert ours[key] == original_model[key], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESHARDABLE, ids=lambda s: s.name)
+def test_round_trip_through_universal_gives_deepspeeds_files_back(case: Sample, tmp_path: Path) -> None:
+    """ZeRO -> universal (the other stage's flavour) -> ZeRO at the same world size and stage:
+    every file, key and tensor DeepSpeed wrote, optimizer tensors bit for bit."""
+    ws, stage = case.meta["world_size"], case.meta["zero_stage"]
+    to_universal(case.checkpoint, tmp_path / "u", target_stage=3 if stage < 3 else 2)
+    reshard(tmp_path / "u", tmp_path / "back", world_size=ws, stage=stage)
+    original, ours = tag_files(case.checkpoint), tag_files(tmp_path / "back")
+    assert list(original) == list(ours)
+    padded = {"/optimizer_state_dict/fp32_flat_groups", "/frozen_param_fragments"} if stage == 3 else set()
+    with FileReader() as reader:
+        rank0_module = torchfile.load(original["zero_pp_rank_0_mp_rank_00_model_states.pt"])["module"] if stage == 3 else None
+        for name in original:
+            a, b = torchfile.load(original[name]), torchfile.load(ours[name])
+            if "roundrobin" in case.name and "optimizer_state_dict" in a:  # DeepSpeed 0.19.8 saves them wrong
+                a["optimizer_state_dict"].pop("param_slice_mappings"), b["optimizer_state_dict"].pop("param_slice_mappings")
+            if stage == 3 and "module" in a:  # per-rank buffers cannot cross a ZeRO-1/2 layout (see README)
+                for buffer in a["buffer_names"]:
+                    a["module"][buffer] = rank0_module[buffer]
+            assert compare_trees(a, b, reader, padded=padded) == [], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESHARDABLE, ids=lambda s: s.name)
+def test_universal_then_reshard_then_consolidate_equals_the_original(case: Sample, tmp_path: Path) -> None:
+    ws = case.meta["world_size"]
+    to_universal(case.checkpoint, tmp_path / "u")
+    reshard(tmp_path / "u", tmp_path / "m", world_size=ws % 4 + 1)
+    consolidate(case.checkpoint, tmp_path / "c0")
+    consolidate(tmp_path / "m", tmp_path / "c1")
+    consolidate(tmp_path / "u", tmp_path / "c2")  # the universal folder itself, as input
+    before = load_file(tmp_path / "c0" / "model.safetensors")
+    for out in ("c1", "c2"):
+        after = load_file(tmp_path / out / "model.safetensors")
+        assert sorted(before) == sorted(after)
+        assert all(same_bits(before[n], after[n]) for n in before), out
+
+
+def test_same_input_gives_byte_identical_output(tmp_path: Path) -> None:
+    case = sample("z3_fp16_ws4_subgroups_frozen")
+    to_universal(case.checkpoint, tmp_path / "a", target_stage=2)
+    to_universal(case.checkpoint, tmp_path / "b", target_stage=2)
+    files = lambda root: {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}  # noqa: E731
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+
+
+@pytest.mark.slow
+def test_torchrun_processes_split_the_params_byte_identically(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m zckpt to-universal ...`: two processes write their share
+    of the param files into one folder; the result equals the single-process run byte for byte."""
+    case = sample("z3_bf16_ws3_subgroups_groups")
+    to_universal(case.checkpoint, tmp_path / "single")
+    result = run_zckpt_torchrun("to-universal", str(case.checkpoint), str(tmp_path / "multi"))
+    assert result.stdout.count("wrote global_step3_universal") == 1  # only the first process reports
+    files = lambda root: {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}  # noqa: E731
+    assert files(tmp_path / "single") == files(tmp_path / "multi")
+
+
+def test_inspect_tells_a_universal_folder_and_the_stage_that_loads_it(tmp_path: Path) -> None:
+    from zckpt.ops.inspect import inspect_path, render
+
+    to_universal(sample("z2_fp16_ws4_tied").checkpoint, tmp_path / "u", target_stage=3)
+    report = inspect_path(tmp_path / "u")
+    assert report["universal"] and report["complete"] and report["zero_stage"] == 3 and report["world_size"] == 4
+    assert report["training_state"]["optimizer_states"] == ["exp_avg", "exp_avg_sq"]
+    text = render(report)
+    assert text.startswith("DeepSpeed universal checkpoint") and "ZeRO-3 runs with load_universal" in text
+
+
+def test_a_folder_with_latest_and_latest_universal_reads_the_plain_checkpoint(copy_checkpoint, tmp_path: Path) -> None:
+    """ds_to_universal's habit: <ckpt>/<tag>_universal and latest_universal beside <ckpt>/latest."""
+    checkpoint = copy_checkpoint("z2_fp32_ws2_twotags")
+    to_universal(checkpoint, checkpoint)
+    assert (checkpoint / "latest_universal").read_text() == "global_step3_universal"
+    plain = open_training_state(checkpoint)
+    assert not plain.index.universal and plain.index.tag == "global_step3"
+    universal = open_training_state(checkpoint, "global_step3_universal")
+    assert universal.index.universal and universal.index.source_tag == "global_step3"
+    reshard(checkpoint / "global_step3_universal", tmp_path / "r", world_size=3)
+    assert (tmp_path / "r" / "latest").read_text() == "global_step3"
+
+
+def test_nvme_offloaded_checkpoint_converts_like_any_other(tmp_path: Path) -> None:
+    """Masters and Adam moments come from offloaded_tensors/ (DeepSpeed's own converter fails)."""
+    case = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
+    to_universal(case.checkpoint, tmp_path / "u")
+    folder = _universal_dir(tmp_path / "u")
+    live = case.live()
+    truth = {p.name for p in open_training_state(tmp_path / "u").params}
+    assert truth
+    for name in truth:
+        assert same_bits(_load(folder / "zero" / name / "fp32.pt").reshape(live[name].shape), live[name].float()), name
+
+
+# --- bad input ---------------------------------------------------------------------------------
+@pytest.fixture
+def universal_copy(tmp_path: Path) -> Path:
+    out = tmp_path / "u"
+    to_universal(sample("z3_bf16_ws3_subgroups_groups").checkpoint, out)
+    return out
+
+
+def _all_commands_refuse(universal: Path, tmp_path: Path, text: str) -> None:
+    for command in (["consolidate", universal, tmp_path / "c"], ["reshard", universal, tmp_path / "r", "-w", "2"], ["to-universal", universal, tmp_path / "v"]):
+        result = run_cli(*command, cwd=tmp_path)
+        assert result.returncode == 1, (command[0], result.stderr)
+        assert text in one_line(result), command[0]
+        assert not command[2].exists(), command[0]
+    result = run_cli("inspect", universal, cwd=tmp_path)
+    assert result.returncode == 3 and "complete       NO" in result.stdout and text in result.stdout
+
+
+@pytest.mark.slow
+def test_missing_state_file_is_named(universal_copy: Path, tmp_path: Path) -> None:
+    victim = _universal_dir(universal_copy) / "zero" / "fc1.weight" / "exp_avg_sq.pt"
+    victim.unlink()
+    _all_commands_refuse(universal_copy, tmp_path, f"{victim}: missing")
+
+
+@pytest.mark.slow
+def test_mis_shaped_state_file_is_named(universal_copy: Path, tmp_path: Path) -> None:
+    victim = _universal_dir(universal_copy) / "zero" / "fc2.weight" / "exp_avg.pt"
+    torch.save(torch.zeros(5), victim)
+    _all_commands_refuse(universal_copy, tmp_path, f"{victim}: holds a tensor of shape [5]")
+
+
+@pytest.mark.slow
+def test_missing_param_folder_and_optimizer_state_are_named(universal_copy: Path, tmp_path: Path) -> None:
+    folder = _universal_dir(universal_copy) / "zero" / "norm.weight"
+    shutil.rmtree(folder)
+    _all_commands_refuse(universal_copy, tmp_path, f"{folder}: missing")
+    optimizer_state = _universal_dir(universal_copy) / "zero" / "optimizer_state.pt"
+    optimizer_state.unlink()
+    _all_commands_refuse(universal_copy, tmp_path, f"{optimizer_state}: missing")
+
+
+@pytest.mark.slow
+def test_truncated_state_file_is_named(universal_copy: Path, tmp_path: Path) -> None:
+    victim = _universal_dir(universal_copy) / "zero" / "embed.weight" / "fp32.pt"
+    victim.write_bytes(victim.read_bytes()[:200])
+    _all_commands_refuse(universal_copy, tmp_path, str(victim))
+
+
+@pytest.mark.parametrize("args,code,text", [(["--target-stage", "4"], 2, "4")])
+def test_bad_options_are_refused(tmp_path: Path, args: list[str], code: int, text: str) -> None:
+    result = run_cli("to-universal", sample("z2_fp32_ws1").checkpoint, tmp_path / "out", *args, cwd=tmp_path)
+    assert result.returncode == code and text in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_existing_output_needs_overwrite_and_stays_intact(tmp_path: Path) -> None:
+    case = sample("z2_fp32_ws2_twotags")
+    out = tmp_path / "out"
+    to_universal(case.checkpoint, out)
+    snapshot = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = run_cli("to-universal", case.checkpoint, out, "--target-stage", "3", cwd=tmp_path)
+    assert result.returncode == 1 and "already exists" in one_line(result)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
+    result = run_cli("to-universal", case.checkpoint, out, "--target-stage", "3", "--overwrite", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert open_training_state(out).index.zero_stage == 3
+    assert sorted(p.name for p in out.iterdir()) == ["global_step3_universal", "latest_universal"]  # no staging left
+
+
+@pytest.mark.slow
+def test_converting_a_universal_folder_onto_itself_is_refused(universal_copy: Path, tmp_path: Path) -> None:
+    before = sorted(p.relative_to(universal_copy) for p in universal_copy.rglob("*"))
+    result = run_cli("to-universal", universal_copy, universal_copy, "--overwrite", cwd=tmp_path)
+    assert result.returncode == 2 and "would replace the input" in one_line(result)
+    assert sorted(p.relative_to(universal_copy) for p in universal_copy.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_damaged_zero_input_leaves_nothing(copy_checkpoint, tmp_path: Path) -> None:
+    checkpoint = copy_checkpoint("z3_fp32_ws2_tied_frozen")
+    victim = checkpoint / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    result = run_cli("to-universal", checkpoint, tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 1 and str(victim) in one_line(result)
+    assert not (tmp_path / "out").exists()
