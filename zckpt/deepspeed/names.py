@@ -124,7 +124,7 @@ def universal_param_dir(param: str, where: str | os.PathLike[str] | None) -> str
     """``zero/<param name>`` inside a universal folder. The name comes from the checkpoint
     (`where`: the input naming it, for the message) and must be one plain path component: torch
     lets a module name hold '/', and DeepSpeed's ds_to_universal then nests folders
-    (``zero/a/b.weight``, see tests/interop/test_interop_untrusted.py); zckpt refuses such a name."""
+    (``zero/a/b.weight``, see tests/test_interop/test_interop_untrusted.py); zckpt refuses such a name."""
     return f"{UNIVERSAL_ZERO_DIR}/{path_component(param, where, 'param name')}"
 
 

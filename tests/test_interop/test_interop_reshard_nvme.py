@@ -2,7 +2,7 @@
 outputs at a new world size with a plain ``engine.load_checkpoint`` and then holds the values
 the original engine held.
 
-Run: ``PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers tests/interop/test_interop_reshard_nvme.py``
+Run: ``PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers tests/test_interop/test_interop_reshard_nvme.py``
 (DS_ACCELERATOR=cpu; async_io must build: libaio-dev).
 
 The probe is scripts/ds_probe.py given a swap folder: this file, run under torchrun, is that

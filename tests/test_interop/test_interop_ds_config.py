@@ -6,7 +6,7 @@ Hugging Face Trainer and Accelerate fill a config's "auto" values exactly where 
 cannot know them. Where the layout depends on a value DeepSpeed reads in its own way, an engine
 built from that config loads what ``zckpt reshard`` wrote (two runs).
 
-Run: ``PYTHONPATH=tests DS_ACCELERATOR=cpu python -m pytest -m deepspeed -p interop_helpers tests/interop/test_interop_ds_config.py``
+Run: ``PYTHONPATH=tests DS_ACCELERATOR=cpu python -m pytest -m deepspeed -p interop_helpers tests/test_interop/test_interop_ds_config.py``
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ written for M ranks, checked against facts DeepSpeed wrote.
   being those DeepSpeed's rule picks (``_deepspeed_sub_groups`` below, an independent
   re-statement of ``stage3._create_fp16_sub_groups`` and ``OptimizerSwapper.is_swappable_tensor``,
   itself checked against the sample's own sub-groups here and against a live DeepSpeed engine
-  in tests/interop/test_interop_reshard_nvme.py).
+  in tests/test_interop/test_interop_reshard_nvme.py).
 """
 
 from __future__ import annotations

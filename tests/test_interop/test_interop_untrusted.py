@@ -1,6 +1,6 @@
 """A param name DeepSpeed allows but zckpt cannot put in a file name: what DeepSpeed's own
 universal tools do with it, and what zckpt does instead (README, "What an untrusted checkpoint
-cannot do"). Needs DeepSpeed: ``pytest -m deepspeed -p interop_helpers tests/interop/test_interop_untrusted.py``.
+cannot do"). Needs DeepSpeed: ``pytest -m deepspeed -p interop_helpers tests/test_interop/test_interop_untrusted.py``.
 
 torch refuses only '.' and '' in module and param names, so ``add_module("adapter/v2", ...)``
 gives params ``adapter/v2.0.weight``, and DeepSpeed trains and saves them. Its ``ds_to_universal``

@@ -1,5 +1,5 @@
 """The DeepSpeed reader: finding the tag, param ids, and where its segments lie. (DeepSpeed's
-layout rules against the files it wrote: tests/deepspeed/test_layout.py.)"""
+layout rules against the files it wrote: tests/test_deepspeed/test_layout.py.)"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ size and stage must give back, bit for bit, the live values the training run rea
 just before saving (``reference/live*.safetensors``), and the step counters / loss scale the
 generator recorded (``meta.json``). The reshard tests trust the probe because of this file.
 
-Run: ``python -m pytest -m deepspeed tests/interop/test_probe.py`` (DeepSpeed in this interpreter, or
+Run: ``python -m pytest -m deepspeed tests/test_interop/test_probe.py`` (DeepSpeed in this interpreter, or
 ``ZCKPT_DS_PYTHON`` naming one; ~10-25 s per DeepSpeed run on 2 cores).
 """
 

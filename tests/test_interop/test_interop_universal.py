@@ -4,7 +4,7 @@ DeepSpeed's own ``ds_to_universal`` output read by zckpt. Needs DeepSpeed instal
 interpreter; skipped otherwise.
 
 Run: ``DS_ACCELERATOR=cpu PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers
-tests/interop/test_interop_universal.py`` (4-6 minutes on 2 cores: 19 DeepSpeed runs of 8-20 s, one
+tests/test_interop/test_interop_universal.py`` (4-6 minutes on 2 cores: 19 DeepSpeed runs of 8-20 s, one
 fresh checkpoint, one ds_to_universal pass over every sample).
 
 What the expected values are (never zckpt's own layout code):

@@ -2,7 +2,7 @@
 DeepSpeed ZeRO-3 engine read the trainer's checkpoint as zckpt does (fp32, bf16, fp16), and the trainer resumes
 from what DeepSpeed saved for the same model.
 
-Run: ``PYTHONPATH=tests /work/venv-ds19/bin/python -m pytest -q -m deepspeed -p interop_helpers tests/interop/test_interop_trainer.py``
+Run: ``PYTHONPATH=tests /work/venv-ds19/bin/python -m pytest -q -m deepspeed -p interop_helpers tests/test_interop/test_interop_trainer.py``
 """
 
 from __future__ import annotations

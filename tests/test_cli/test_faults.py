@@ -595,7 +595,7 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
 
 @pytest.fixture
 def disk(tmp_path: Path):
-    """A 16 MiB tmpfs (as tests/cli/test_bad_input.py's tiny_disk: needs mount rights, else skipped)."""
+    """A 16 MiB tmpfs (as tests/test_cli/test_bad_input.py's tiny_disk: needs mount rights, else skipped)."""
     mountpoint = tmp_path / "disk"
     if not _mount_tmpfs(mountpoint, "16m"):
         pytest.skip("cannot mount a tmpfs here")

@@ -14,7 +14,7 @@ and ``offload_optimizer`` on NVMe, 2 ranks (``scripts/nvme_plan_run.py``):
   wrote has the size nvme-plan said.
 
 Run: ``DS_ACCELERATOR=cpu PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers
-tests/interop/test_interop_nvme_plan.py`` (about a minute on 2 cores: three 2-rank runs).
+tests/test_interop/test_interop_nvme_plan.py`` (about a minute on 2 cores: three 2-rank runs).
 """
 
 from __future__ import annotations

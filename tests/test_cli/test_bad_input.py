@@ -134,7 +134,7 @@ def test_missing_path(tmp_path: Path) -> None:
 def test_unknown_pickle_global(copy_checkpoint) -> None:
     """A call of a function that is not zckpt's own rebuild (here collections.Counter, harmless,
     but a call all the same) is refused by name; instances of unknown classes are data (see
-    tests/torchfile/test_pickle_safety.py)."""
+    tests/test_torchfile/test_pickle_safety.py)."""
     import collections
 
     ckpt = copy_checkpoint(ZERO3)

@@ -1,6 +1,6 @@
 """The rank-copy check against a ZeRO-3 checkpoint real DeepSpeed wrote whose per-rank records are
 all small frozen slices plus a buffer (issue 17, item 6). Needs DeepSpeed:
-``pytest -m deepspeed -p interop_helpers tests/interop/test_interop_copy_check.py``.
+``pytest -m deepspeed -p interop_helpers tests/test_interop/test_interop_copy_check.py``.
 
 The model has what the report's checkpoint (saved by PyTorch Lightning's ``DeepSpeedStrategy``)
 had: a frozen LayerNorm of 33 elements (17 bf16, 34 bytes, per rank at 2 ranks), a persistent buffer, and one

@@ -3,7 +3,7 @@ config, ``nvme-plan --config``, the trainer's own), without DeepSpeed.
 
 The expected readings and refusals are what DeepSpeed's own config models did with these values
 (``DeepSpeedConfig``/``DeepSpeedZeroConfig`` under pydantic 2.14, and its async I/O op for the
-``aio`` values); ``tests/interop/test_interop_ds_config.py`` checks each against DeepSpeed itself.
+``aio`` values); ``tests/test_interop/test_interop_ds_config.py`` checks each against DeepSpeed itself.
 """
 
 from __future__ import annotations
