@@ -34,6 +34,7 @@ the ``Accelerator`` made next reuses it. ``cpu=True`` is not passed (it would tu
 ``--bf16``: the DeepSpeed config enables bf16 and ``mixed_precision="bf16"`` is passed; CPU bf16
 trains at ZeRO-1/2/3. DeepSpeed's leaked ``/dev/shm`` buffers are removed by the caller.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,20 +118,38 @@ def run(args: argparse.Namespace) -> int:
     assert accelerator.num_processes == world_size, (accelerator.num_processes, world_size)
 
     set_seed(args.seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-                         tie_word_embeddings=not args.untied, attention_dropout=0.0, bos_token_id=0,
-                         eos_token_id=1, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=not args.untied,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
-    loader = torch.utils.data.DataLoader(make_dataset(args.batch_size * world_size * args.steps, args.seed),
-                                         batch_size=args.batch_size, shuffle=True,
-                                         generator=torch.Generator().manual_seed(args.seed))
+    loader = torch.utils.data.DataLoader(
+        make_dataset(args.batch_size * world_size * args.steps, args.seed),
+        batch_size=args.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     engine, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
-    record: dict[str, Any] = {"world_size": world_size, "stage": args.stage, "dtype": "bf16" if args.bf16 else "fp32",
-                              "tied": not args.untied, "steps": []}
+    record: dict[str, Any] = {
+        "world_size": world_size,
+        "stage": args.stage,
+        "dtype": "bf16" if args.bf16 else "fp32",
+        "tied": not args.untied,
+        "steps": [],
+    }
     engine.train()
     for step, batch in enumerate(loader, start=1):
         loss = engine(**batch).loss
@@ -147,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
     state_dir = args.out / "state"
     accelerator.save_state(str(state_dir))
     module = accelerator.unwrap_model(engine)
-    masters = {name: safe_get_full_fp32_param(p).detach().float().cpu().clone()
-               for name, p in module.named_parameters()}
+    masters = {
+        name: safe_get_full_fp32_param(p).detach().float().cpu().clone() for name, p in module.named_parameters()
+    }
     if accelerator.is_main_process:
         module.config.save_pretrained(str(state_dir))
         module.generation_config.save_pretrained(str(state_dir))

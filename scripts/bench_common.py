@@ -15,6 +15,7 @@ checkpoint maker and the first benchmark) keeps its own simpler single-process m
 Only the standard library: the drivers stay small, since a child's ``ru_maxrss`` can include
 the parent's resident size at the time of the fork.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -87,7 +88,7 @@ def tree_rss(root: int, pss: bool = False) -> tuple[int, int, int]:
                 stat = fh.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
         children.setdefault(ppid, []).append(int(name))
     total, total_pss, count, todo = 0, 0, 0, [root]
     while todo:
@@ -156,8 +157,17 @@ class Run:
     disturbed: bool = False  # a fixture-generation job was seen just before or after the run
 
 
-def run_measured(variant: str, cmd: list[str], out_dir: Path, log: Path, rnd: int,
-                 sample_s: float, keep: bool = False, pss_s: float | None = None, cls: type = Run) -> Any:
+def run_measured(
+    variant: str,
+    cmd: list[str],
+    out_dir: Path,
+    log: Path,
+    rnd: int,
+    sample_s: float,
+    keep: bool = False,
+    pss_s: float | None = None,
+    cls: type = Run,
+) -> Any:
     """Run `cmd`; wall time around it, RSS from wait4 and /proc sampling, then time os.sync().
 
     `out_dir` is removed before the run and, unless `keep`, after it. With `pss_s` the tree's
@@ -171,8 +181,9 @@ def run_measured(variant: str, cmd: list[str], out_dir: Path, log: Path, rnd: in
     with log.open("w") as fh:
         cpu0 = busy_cpu_s()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=child_env(), cwd=child_cwd(), stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd, env=child_env(), cwd=child_cwd(), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         sampler = TreeSampler(proc.pid, sample_s, pss_s)
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -183,8 +194,7 @@ def run_measured(variant: str, cmd: list[str], out_dir: Path, log: Path, rnd: in
     t1 = time.perf_counter()
     os.sync()
     sync_s = time.perf_counter() - t1
-    files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) \
-        if out_dir.exists() else []
+    files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) if out_dir.exists() else []
     out_bytes = bc.dir_size(out_dir) if out_dir.exists() else 0
     tail = ""
     if proc.returncode != 0:
@@ -196,9 +206,25 @@ def run_measured(variant: str, cmd: list[str], out_dir: Path, log: Path, rnd: in
     # another process took more than a quarter of the machine's CPUs on average
     busy = busy or bool(bc.busy_processes()) or other > 0.25 * wall * (os.cpu_count() or 1)
     extra = {"tree_pss_mib": sampler.peak_pss_bytes / 2**20} if pss_s is not None else {}
-    return cls(variant, rnd, wall, sync_s, usage.ru_utime, usage.ru_stime, usage.ru_maxrss / 1024.0,
-               sampler.peak_bytes / 2**20, sampler.peak_procs, sampler.samples, other, proc.returncode,
-               out_bytes, files, tail, busy, **extra)
+    return cls(
+        variant,
+        rnd,
+        wall,
+        sync_s,
+        usage.ru_utime,
+        usage.ru_stime,
+        usage.ru_maxrss / 1024.0,
+        sampler.peak_bytes / 2**20,
+        sampler.peak_procs,
+        sampler.samples,
+        other,
+        proc.returncode,
+        out_bytes,
+        files,
+        tail,
+        busy,
+        **extra,
+    )
 
 
 def wait_for_quiet(max_wait_s: float, max_busy_cpus: float = 0.3, window_s: float = 2.0) -> float:
@@ -217,8 +243,12 @@ def snapshot_zckpt(python: str, dest: Path, cwd: Path) -> dict[str, Any]:
     """Copy the zckpt package `python` imports to ``dest/zckpt`` and make every child import that
     copy: others may edit or commit the repository while this runs, and all runs must measure
     the same code. Returns where it came from (git commit, uncommitted changes)."""
-    proc = subprocess.run([python, "-c", "import zckpt, os; print(os.path.dirname(zckpt.__file__))"],
-                          capture_output=True, text=True, cwd=cwd)
+    proc = subprocess.run(
+        [python, "-c", "import zckpt, os; print(os.path.dirname(zckpt.__file__))"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+    )
     if proc.returncode != 0:
         sys.exit(f"{python} cannot import zckpt: {proc.stderr.strip()[-300:]}")
     package = Path(proc.stdout.strip())
@@ -241,8 +271,13 @@ def snapshot_zckpt(python: str, dest: Path, cwd: Path) -> dict[str, Any]:
     out["snapshot"] = str(dest / "zckpt")
     out["taken_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     _SNAPSHOT.update(pythonpath=dest, cwd=cwd)
-    check = subprocess.run([python, "-c", "import zckpt; print(zckpt.__file__)"], env=child_env(),
-                           cwd=child_cwd(), capture_output=True, text=True)
+    check = subprocess.run(
+        [python, "-c", "import zckpt; print(zckpt.__file__)"],
+        env=child_env(),
+        cwd=child_cwd(),
+        capture_output=True,
+        text=True,
+    )
     imported = check.stdout.strip()
     if not imported.startswith(str(dest)):
         sys.exit(f"children would import {imported or check.stderr.strip()[-300:]}, not the snapshot in {dest}")
@@ -251,10 +286,16 @@ def snapshot_zckpt(python: str, dest: Path, cwd: Path) -> dict[str, Any]:
 
 def describe_snapshot(src: dict[str, Any]) -> str:
     """One line: which zckpt code the children ran."""
-    return (f"snapshot of {src['zckpt_package']} taken {src['taken_at']} at {src['commit']} "
-            f"({src['commit_subject'][:60]})"
-            + (f" + uncommitted changes in {', '.join(d.split()[-1] for d in src['dirty_files'])} (diff sha256 "
-               f"{src.get('diff_sha256')})" if src.get("dirty_files") else ", no uncommitted changes"))
+    return (
+        f"snapshot of {src['zckpt_package']} taken {src['taken_at']} at {src['commit']} "
+        f"({src['commit_subject'][:60]})"
+        + (
+            f" + uncommitted changes in {', '.join(d.split()[-1] for d in src['dirty_files'])} (diff sha256 "
+            f"{src.get('diff_sha256')})"
+            if src.get("dirty_files")
+            else ", no uncommitted changes"
+        )
+    )
 
 
 def filesystem_of(path: Path) -> str:
@@ -280,8 +321,10 @@ def damon_reclaim() -> str | None:
                     if action not in ("pageout", "lru_deprio", "cold"):
                         continue
                     age = int((sch / "access_pattern/age/min").read_text())
-                    found.append(f"kdamond {kd.name}: {action} of memory idle >= {age * aggr_us / 1e6:.0f} s "
-                                 f"({(ctx / 'operations').read_text().strip()})")
+                    found.append(
+                        f"kdamond {kd.name}: {action} of memory idle >= {age * aggr_us / 1e6:.0f} s "
+                        f"({(ctx / 'operations').read_text().strip()})"
+                    )
         except (OSError, ValueError):
             continue
     return "; ".join(found) or None
@@ -298,10 +341,14 @@ def print_run_header(result: dict[str, Any]) -> None:
     print()
     print("=" * 100)
     print(f"command: {' '.join(result['argv'])}")
-    print(f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
-          f"{f['cpu_model']}, Linux {f['kernel']}; disk {result['filesystem']}")
-    print(f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
-          f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}")
+    print(
+        f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
+        f"{f['cpu_model']}, Linux {f['kernel']}; disk {result['filesystem']}"
+    )
+    print(
+        f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
+        f"zckpt {v.get('zckpt')}, numpy {v.get('numpy')}"
+    )
     if result.get("zckpt_source"):
         print(f"zckpt measured: {describe_snapshot(result['zckpt_source'])}")
 
@@ -335,8 +382,13 @@ def time_ratios(runs: list[Run], summary: dict[str, Any], num: str, den: str) ->
     a, b = summary.get(num), summary.get(den)
     if not a or not b:
         return None
-    pairs = [(r, c) for r in runs if r.variant == num and r.returncode == 0
-             for c in runs if c.variant == den and c.round == r.round and c.returncode == 0]
+    pairs = [
+        (r, c)
+        for r in runs
+        if r.variant == num and r.returncode == 0
+        for c in runs
+        if c.variant == den and c.round == r.round and c.returncode == 0
+    ]
     per_wall = [r.wall_s / c.wall_s for r, c in pairs]
     per_sync = [(r.wall_s + r.sync_s) / (c.wall_s + c.sync_s) for r, c in pairs]
     return {

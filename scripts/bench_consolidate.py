@@ -39,6 +39,7 @@ The driver itself needs only the standard library (the tools, the checkpoint mak
 verifier run under ``--python``); it stays small on purpose, because on Linux a child's
 ``ru_maxrss`` can include the parent's resident size at the time of the fork.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -137,8 +138,7 @@ def ds_config() -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1000,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": {"stage": 3},
         "wall_clock_breakdown": False,
     }
@@ -146,17 +146,16 @@ def ds_config() -> dict[str, Any]:
 
 def worker(ckpt_dir: Path, n_layers: int) -> None:
     """Per-rank entry point (under torchrun): build, one optimizer step, save_checkpoint."""
-    import torch
     import deepspeed
     import deepspeed.comm as dist
+    import torch
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     t0 = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=ds_config()):
         model = build_model(n_layers)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
     t1 = time.perf_counter()
     gen = torch.Generator().manual_seed(SEED + rank)
     tokens = torch.randint(0, VOCAB, (1, SEQ_LEN), generator=gen)
@@ -170,8 +169,10 @@ def worker(ckpt_dir: Path, n_layers: int) -> None:
     dist.barrier()
     t3 = time.perf_counter()
     if rank == 0:
-        print(f"[worker] init {t1 - t0:.1f} s, step {t2 - t1:.1f} s, save {t3 - t2:.1f} s, "
-              f"loss {loss.item():.4f}", flush=True)
+        print(
+            f"[worker] init {t1 - t0:.1f} s, step {t2 - t1:.1f} s, save {t3 - t2:.1f} s, loss {loss.item():.4f}",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -225,17 +226,29 @@ def make_checkpoint(python: str, ckpt_dir: Path, meta_path: Path, params: int) -
     meta_path.unlink(missing_ok=True)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     log = ckpt_dir.parent / "make_checkpoint.log"
-    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()),
-           "--worker", "--ckpt-dir", str(ckpt_dir), "--layers", str(n_layers)]
-    print(f"making checkpoint: {total_params(n_layers):,} params ({n_layers} blocks), "
-          f"log in {log}", flush=True)
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--layers",
+        str(n_layers),
+    ]
+    print(f"making checkpoint: {total_params(n_layers):,} params ({n_layers} blocks), log in {log}", flush=True)
     t0 = time.perf_counter()
     with log.open("w") as fh, removing_shm_leaks():
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
-        proc = subprocess.run(cmd, env=tool_env(ckpt_dir.parent / "torch_extensions"), stdout=fh,
-                              stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            cmd, env=tool_env(ckpt_dir.parent / "torch_extensions"), stdout=fh, stderr=subprocess.STDOUT
+        )
     seconds = time.perf_counter() - t0
     if proc.returncode != 0 or not (ckpt_dir / "latest").is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
@@ -244,7 +257,9 @@ def make_checkpoint(python: str, ckpt_dir: Path, meta_path: Path, params: int) -
         "requested_params": params,
         "params": total_params(n_layers),
         "layers": n_layers,
-        "dim": DIM, "hidden": HIDDEN, "vocab": VOCAB,
+        "dim": DIM,
+        "hidden": HIDDEN,
+        "vocab": VOCAB,
         "ds_config": ds_config(),
         "world_size": 2,
         "make_seconds": round(seconds, 1),
@@ -259,10 +274,14 @@ def make_checkpoint(python: str, ckpt_dir: Path, meta_path: Path, params: int) -
 def checkpoint_facts(ckpt_dir: Path) -> dict[str, Any]:
     """Tag, file sizes and total size of the checkpoint on disk."""
     tag = (ckpt_dir / "latest").read_text().strip()
-    files = {str(p.relative_to(ckpt_dir)): p.stat().st_size
-             for p in sorted(ckpt_dir.rglob("*")) if p.is_file()}
-    return {"path": str(ckpt_dir), "tag": tag, "total_bytes": sum(files.values()),
-            "tag_bytes": dir_size(ckpt_dir / tag), "files": files}
+    files = {str(p.relative_to(ckpt_dir)): p.stat().st_size for p in sorted(ckpt_dir.rglob("*")) if p.is_file()}
+    return {
+        "path": str(ckpt_dir),
+        "tag": tag,
+        "total_bytes": sum(files.values()),
+        "tag_bytes": dir_size(ckpt_dir / tag),
+        "files": files,
+    }
 
 
 def warm_page_cache(ckpt_dir: Path) -> float:
@@ -280,10 +299,17 @@ def tool_command(tool: str, python: str, ckpt_dir: Path, out_dir: Path) -> list[
     """The exact command line measured for `tool` ("zckpt", "zckpt:bf16", "deepspeed")."""
     if tool.startswith("zckpt"):
         dtype = tool.partition(":")[2]
-        return [python, "-m", "zckpt", "consolidate", str(ckpt_dir), str(out_dir), "--quiet",
-                *(["--dtype", dtype] if dtype else [])]
-    return [python, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt_dir), str(out_dir),
-            "--safe_serialization"]
+        return [
+            python,
+            "-m",
+            "zckpt",
+            "consolidate",
+            str(ckpt_dir),
+            str(out_dir),
+            "--quiet",
+            *(["--dtype", dtype] if dtype else []),
+        ]
+    return [python, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt_dir), str(out_dir), "--safe_serialization"]
 
 
 @dataclass
@@ -302,24 +328,21 @@ class Run:
     disturbed: bool = False  # a fixture-generation job was seen just before or after the run
 
 
-def run_measured(tool: str, cmd: list[str], out_dir: Path, log: Path, rnd: int,
-                 keep: bool = False) -> Run:
+def run_measured(tool: str, cmd: list[str], out_dir: Path, log: Path, rnd: int, keep: bool = False) -> Run:
     """Run `cmd` as a child; wall time around it, peak RSS from os.wait4, then time os.sync()."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
     busy = bool(busy_processes())
     with log.open("w") as fh:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=tool_env(), stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=tool_env(), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)  # tell Popen it has been reaped
     t1 = time.perf_counter()
     os.sync()
     sync_s = time.perf_counter() - t1
-    files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) \
-        if out_dir.exists() else []
+    files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) if out_dir.exists() else []
     out_bytes = dir_size(out_dir) if out_dir.exists() else 0
     tail = ""
     if proc.returncode != 0:
@@ -328,8 +351,7 @@ def run_measured(tool: str, cmd: list[str], out_dir: Path, log: Path, rnd: int,
         shutil.rmtree(out_dir)
         os.sync()
     busy = busy or bool(busy_processes())
-    return Run(tool, rnd, wall, sync_s, usage.ru_maxrss / 1024.0, proc.returncode, out_bytes,
-               files, tail, busy)
+    return Run(tool, rnd, wall, sync_s, usage.ru_maxrss / 1024.0, proc.returncode, out_bytes, files, tail, busy)
 
 
 VERIFY_CODE = r"""
@@ -412,8 +434,12 @@ print(json.dumps({"identical": all(r["same_names"] and not r["different"] and r[
 
 def verify_dtype_outputs(python: str, fp32_out: Path, others: list[Path]) -> dict[str, Any]:
     """Each 16-bit output must equal torch's ``.to()`` of the fp32 output (in a child)."""
-    proc = subprocess.run([python, "-c", VERIFY_DTYPE_CODE, str(fp32_out), *map(str, others)],
-                          env=tool_env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, "-c", VERIFY_DTYPE_CODE, str(fp32_out), *map(str, others)],
+        env=tool_env(),
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return {"identical": False, "error": proc.stderr.strip().splitlines()[-5:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -421,8 +447,9 @@ def verify_dtype_outputs(python: str, fp32_out: Path, others: list[Path]) -> dic
 
 def verify_outputs(python: str, zckpt_out: Path, ds_out: Path) -> dict[str, Any]:
     """Compare the two outputs tensor by tensor (in a child running `python`)."""
-    proc = subprocess.run([python, "-c", VERIFY_CODE, str(zckpt_out), str(ds_out)],
-                          env=tool_env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, "-c", VERIFY_CODE, str(zckpt_out), str(ds_out)], env=tool_env(), capture_output=True, text=True
+    )
     if proc.returncode != 0:
         return {"identical": False, "error": proc.stderr.strip().splitlines()[-5:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -444,13 +471,15 @@ def machine_facts(python: str) -> dict[str, Any]:
                     break
     except OSError:
         pass
-    code = ("import json, platform, importlib.metadata as m\n"
-            "v = {}\n"
-            "for p in ('torch', 'deepspeed', 'zckpt', 'safetensors', 'numpy'):\n"
-            "    try: v[p] = m.version(p)\n"
-            "    except Exception: v[p] = None\n"
-            "v['python'] = platform.python_version()\n"
-            "print(json.dumps(v))")
+    code = (
+        "import json, platform, importlib.metadata as m\n"
+        "v = {}\n"
+        "for p in ('torch', 'deepspeed', 'zckpt', 'safetensors', 'numpy'):\n"
+        "    try: v[p] = m.version(p)\n"
+        "    except Exception: v[p] = None\n"
+        "v['python'] = platform.python_version()\n"
+        "print(json.dumps(v))"
+    )
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
     versions = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-300:]}
     return {
@@ -467,7 +496,7 @@ def machine_facts(python: str) -> dict[str, Any]:
 def busy_processes() -> list[str]:
     """Other heavy jobs we know of that would disturb the timings (fixture generation)."""
     proc = subprocess.run(["pgrep", "-af", "make_sample_ckpts"], capture_output=True, text=True)
-    return [l for l in proc.stdout.splitlines() if l.strip()]
+    return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
 def wait_until_idle(max_wait_s: float, poll_s: float = 5.0) -> float:
@@ -493,8 +522,7 @@ def summarize(runs: list[Run], tools: tuple[str, ...] = TOOLS) -> dict[str, Any]
             "ok_runs": len(rs),
             "failed_runs": sum(1 for r in runs if r.tool == tool and r.returncode != 0),
             "wall_s": {"median": statistics.median(walls), "min": min(walls), "max": max(walls)},
-            "wall_plus_sync_s": {"median": statistics.median(durable), "min": min(durable),
-                                 "max": max(durable)},
+            "wall_plus_sync_s": {"median": statistics.median(durable), "min": min(durable), "max": max(durable)},
             "peak_rss_mib": {"median": statistics.median(rss), "min": min(rss), "max": max(rss)},
         }
     if tools != TOOLS:
@@ -523,8 +551,9 @@ def dtype_ratios(runs: list[Run], tools: tuple[str, ...], stats: dict[str, Any])
     for tool in tools[1:]:
         if not stats.get(tool) or not stats.get(base):
             continue
-        rounds = [(by_round[(tool, n)], by_round[(base, n)]) for (t, n) in by_round
-                  if t == tool and (base, n) in by_round]
+        rounds = [
+            (by_round[(tool, n)], by_round[(base, n)]) for (t, n) in by_round if t == tool and (base, n) in by_round
+        ]
         ratios[tool] = {
             "wall": stats[tool]["wall_s"]["median"] / stats[base]["wall_s"]["median"],
             "wall_per_round_median": statistics.median(a.wall_s / b.wall_s for a, b in rounds),
@@ -545,17 +574,24 @@ def print_report(result: dict[str, Any]) -> None:
     print()
     print("=" * 78)
     print(f"command: {' '.join(result['argv'])}")
-    print(f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
-          f"{f['cpu_model']}, Linux {f['kernel']}")
-    print(f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
-          f"zckpt {v.get('zckpt')}, safetensors {v.get('safetensors')}")
-    print(f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
-          f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk ({c['tag_bytes'] / 1e9:.2f} GB in tag)")
-    print(f"page cache: warmed by reading all files ({result['warm_read_s']:.1f} s) and one untimed "
-          f"run of each tool")
+    print(
+        f"machine: {f['nproc']} CPUs ({f['nproc_affinity']} usable), {f['mem_total_gib']} GiB RAM, "
+        f"{f['cpu_model']}, Linux {f['kernel']}"
+    )
+    print(
+        f"versions: python {v.get('python')}, torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, "
+        f"zckpt {v.get('zckpt')}, safetensors {v.get('safetensors')}"
+    )
+    print(
+        f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
+        f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk ({c['tag_bytes'] / 1e9:.2f} GB in tag)"
+    )
+    print(f"page cache: warmed by reading all files ({result['warm_read_s']:.1f} s) and one untimed run of each tool")
     tools = tuple(result.get("tools", TOOLS))
-    print(f"rounds: {result['repeats']} (alternating {' / '.join(tools)}); load average before/after: "
-          f"{result['loadavg_before']} / {result['loadavg_after']}")
+    print(
+        f"rounds: {result['repeats']} (alternating {' / '.join(tools)}); load average before/after: "
+        f"{result['loadavg_before']} / {result['loadavg_after']}"
+    )
     if result["busy_during_measurement"]:
         print("WARNING: other heavy jobs ran during the measurement:")
         for line in result["busy_during_measurement"]:
@@ -564,8 +600,10 @@ def print_report(result: dict[str, Any]) -> None:
     for tool in tools:
         print(f"  {tool:10s}: {' '.join(tool_command(tool, f['tool_python'], Path('CKPT'), Path('OUT'))[1:])}")
     print()
-    hdr = (f"{'tool':11s} {'runs':>4s} {'wall med':>9s} {'min':>7s} {'max':>7s} "
-           f"{'wall+sync med':>14s} {'peak RSS med':>14s} {'min':>7s} {'max':>7s}")
+    hdr = (
+        f"{'tool':11s} {'runs':>4s} {'wall med':>9s} {'min':>7s} {'max':>7s} "
+        f"{'wall+sync med':>14s} {'peak RSS med':>14s} {'min':>7s} {'max':>7s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for tool in tools:
@@ -574,30 +612,40 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"{tool:11s} all runs failed")
             continue
         w, ws, r = t["wall_s"], t["wall_plus_sync_s"], t["peak_rss_mib"]
-        print(f"{tool:11s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>6.2f}s {w['max']:>6.2f}s "
-              f"{ws['median']:>13.2f}s {r['median']:>10.0f} MiB {r['min']:>7.0f} {r['max']:>7.0f}")
+        print(
+            f"{tool:11s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>6.2f}s {w['max']:>6.2f}s "
+            f"{ws['median']:>13.2f}s {r['median']:>10.0f} MiB {r['min']:>7.0f} {r['max']:>7.0f}"
+        )
     for tool, q in s.get("ratio_over_first", {}).items():
         tm = q["target_met"]
-        print(f"{tool} / {tools[0]}: wall {q['wall']:.2f}x (per-round median {q['wall_per_round_median']:.2f}x; "
-              f"{'meets' if tm['wall_le_1x'] else 'MISSES'} <= 1x), wall+sync {q['wall_plus_sync']:.2f}x, "
-              f"peak RSS {q['peak_rss']:.2f}x ({'meets' if tm['rss_lt_200MB'] else 'MISSES'} < 200 MB)")
+        print(
+            f"{tool} / {tools[0]}: wall {q['wall']:.2f}x (per-round median {q['wall_per_round_median']:.2f}x; "
+            f"{'meets' if tm['wall_le_1x'] else 'MISSES'} <= 1x), wall+sync {q['wall_plus_sync']:.2f}x, "
+            f"peak RSS {q['peak_rss']:.2f}x ({'meets' if tm['rss_lt_200MB'] else 'MISSES'} < 200 MB)"
+        )
     ratio = s.get("ratio_zckpt_over_deepspeed")
     if ratio:
         tm = s["target_met"]
         print()
-        print(f"zckpt / deepspeed: wall {ratio['wall']:.2f}x "
-              f"({'meets' if tm['time_le_0.5x'] else 'MISSES'} <= 0.5x), "
-              f"wall+sync {ratio['wall_plus_sync']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x "
-              f"({'meets' if tm['rss_le_0.5x'] else 'MISSES'} <= 0.5x)")
+        print(
+            f"zckpt / deepspeed: wall {ratio['wall']:.2f}x "
+            f"({'meets' if tm['time_le_0.5x'] else 'MISSES'} <= 0.5x), "
+            f"wall+sync {ratio['wall_plus_sync']:.2f}x, peak RSS {ratio['peak_rss']:.2f}x "
+            f"({'meets' if tm['rss_le_0.5x'] else 'MISSES'} <= 0.5x)"
+        )
     ver = result["verification"]
     print()
     if ver.get("identical") and "outputs" in ver:
         for out, o in ver["outputs"].items():
-            print(f"verification: {Path(out).name} equals torch's .to() of the fp32 output - "
-                  f"{o['tensors']} tensors, same names, {o['bytes_compared'] / 1e9:.2f} GB compared")
+            print(
+                f"verification: {Path(out).name} equals torch's .to() of the fp32 output - "
+                f"{o['tensors']} tensors, same names, {o['bytes_compared'] / 1e9:.2f} GB compared"
+            )
     elif ver.get("identical"):
-        print(f"verification: identical - {ver['tensors_a']} tensors, same names, bit-identical "
-              f"({ver['bytes_compared'] / 1e9:.2f} GB compared, dtypes {ver['dtypes']})")
+        print(
+            f"verification: identical - {ver['tensors_a']} tensors, same names, bit-identical "
+            f"({ver['bytes_compared'] / 1e9:.2f} GB compared, dtypes {ver['dtypes']})"
+        )
     else:
         print(f"verification: NOT identical - {json.dumps(ver)}")
     for tool, files in result["output_files"].items():
@@ -605,8 +653,7 @@ def print_report(result: dict[str, Any]) -> None:
     for r in result["runs"]:
         if r["returncode"] != 0:
             print(f"\n{r['tool']} round {r['round']} failed (exit {r['returncode']}):\n{r['log_tail']}")
-    print(f"(driver's own peak RSS: {result['driver_peak_rss_mib']:.0f} MiB; a child's ru_maxrss "
-          f"can include it)")
+    print(f"(driver's own peak RSS: {result['driver_peak_rss_mib']:.0f} MiB; a child's ru_maxrss can include it)")
     print("=" * 78)
 
 
@@ -615,26 +662,45 @@ def print_report(result: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
-                   help=f"where the checkpoint and the run outputs live (default {DEFAULT_WORKDIR})")
-    p.add_argument("--params", type=int, default=DEFAULT_PARAMS,
-                   help="minimum model size in params (default %(default)s; rounded up to whole blocks)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=DEFAULT_WORKDIR,
+        help=f"where the checkpoint and the run outputs live (default {DEFAULT_WORKDIR})",
+    )
+    p.add_argument(
+        "--params",
+        type=int,
+        default=DEFAULT_PARAMS,
+        help="minimum model size in params (default %(default)s; rounded up to whole blocks)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of each tool (default 3)")
-    p.add_argument("--python", default=sys.executable,
-                   help="interpreter with torch, deepspeed and zckpt (default: this one)")
-    p.add_argument("--skip-make", action="store_true",
-                   help="never make the checkpoint; fail if no complete one is in --workdir")
+    p.add_argument(
+        "--python", default=sys.executable, help="interpreter with torch, deepspeed and zckpt (default: this one)"
+    )
+    p.add_argument(
+        "--skip-make", action="store_true", help="never make the checkpoint; fail if no complete one is in --workdir"
+    )
     p.add_argument("--remake", action="store_true", help="make the checkpoint even if one exists")
     p.add_argument("--make-only", action="store_true", help="make (or reuse) the checkpoint and stop")
     p.add_argument("--json", type=Path, help="also write the results here as JSON")
-    p.add_argument("--dtypes", metavar="LIST",
-                   help="measure zckpt's output dtypes against each other instead of against DeepSpeed, "
-                        "e.g. fp32,bf16,fp16 (the first is the baseline of the ratios)")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each run, wait up to this long while a make_sample_ckpts job runs "
-                        "(default 0: do not wait; runs next to one are flagged either way)")
+    p.add_argument(
+        "--dtypes",
+        metavar="LIST",
+        help="measure zckpt's output dtypes against each other instead of against DeepSpeed, "
+        "e.g. fp32,bf16,fp16 (the first is the baseline of the ratios)",
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each run, wait up to this long while a make_sample_ckpts job runs "
+        "(default 0: do not wait; runs next to one are flagged either way)",
+    )
     # worker mode (started by torchrun)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", type=Path, help=argparse.SUPPRESS)
@@ -662,8 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reusing checkpoint {ckpt_dir} (made in {meta['make_seconds']} s on {meta['made_at']})")
     ckpt = checkpoint_facts(ckpt_dir)
     if args.make_only:
-        print(json.dumps({"checkpoint": {k: v for k, v in ckpt.items() if k != "files"},
-                          "model": meta}, indent=2))
+        print(json.dumps({"checkpoint": {k: v for k, v in ckpt.items() if k != "files"}, "model": meta}, indent=2))
         return 0
 
     facts = machine_facts(args.python)
@@ -671,9 +736,12 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir.mkdir(parents=True, exist_ok=True)
     busy_before = busy_processes()
     if busy_before:
-        print("note: fixture generation is running"
-              f"{f'; waiting up to {args.wait_idle:.0f} s before each run' if args.wait_idle else '; timings will be disturbed'}:",
-              *busy_before, sep="\n  ")
+        print(
+            "note: fixture generation is running"
+            f"{f'; waiting up to {args.wait_idle:.0f} s before each run' if args.wait_idle else '; timings will be disturbed'}:",
+            *busy_before,
+            sep="\n  ",
+        )
 
     print("warming page cache ...", flush=True)
     wait_until_idle(args.wait_idle)
@@ -684,20 +752,26 @@ def main(argv: list[str] | None = None) -> int:
     for tool in tools:
         out = runs_dir / f"warm_{tool}"
         wait_until_idle(args.wait_idle)
-        warm_runs[tool] = run_measured(tool, tool_command(tool, args.python, ckpt_dir, out), out,
-                                       runs_dir / f"warm_{tool}.log", 0, keep=True)
-        print(f"  warm-up {tool}: {warm_runs[tool].wall_s:.2f} s, {warm_runs[tool].peak_rss_mib:.0f} MiB, "
-              f"exit {warm_runs[tool].returncode}", flush=True)
+        warm_runs[tool] = run_measured(
+            tool, tool_command(tool, args.python, ckpt_dir, out), out, runs_dir / f"warm_{tool}.log", 0, keep=True
+        )
+        print(
+            f"  warm-up {tool}: {warm_runs[tool].wall_s:.2f} s, {warm_runs[tool].peak_rss_mib:.0f} MiB, "
+            f"exit {warm_runs[tool].returncode}",
+            flush=True,
+        )
     if not all(r.returncode == 0 for r in warm_runs.values()):
-        verification = {"identical": False, "error": "a warm-up run failed",
-                        "tails": {t: r.log_tail for t, r in warm_runs.items() if r.returncode}}
+        verification = {
+            "identical": False,
+            "error": "a warm-up run failed",
+            "tails": {t: r.log_tail for t, r in warm_runs.items() if r.returncode},
+        }
     elif args.dtypes:
         outs = [runs_dir / f"warm_{t}" for t in tools]
         verification = verify_dtype_outputs(args.python, outs[0], outs[1:])
     else:
         verification = verify_outputs(args.python, runs_dir / "warm_zckpt", runs_dir / "warm_deepspeed")
-    print(f"  verification: {'identical' if verification.get('identical') else 'NOT identical'}",
-          flush=True)
+    print(f"  verification: {'identical' if verification.get('identical') else 'NOT identical'}", flush=True)
     for tool in tools:
         shutil.rmtree(runs_dir / f"warm_{tool}", ignore_errors=True)
     os.sync()
@@ -710,15 +784,22 @@ def main(argv: list[str] | None = None) -> int:
             waited = wait_until_idle(args.wait_idle)
             if waited > 1:
                 print(f"  (waited {waited:.0f} s for fixture generation to finish)", flush=True)
-            r = run_measured(tool, tool_command(tool, args.python, ckpt_dir, out), out,
-                             runs_dir / f"{tool}_{rnd}.log", rnd)
+            r = run_measured(
+                tool, tool_command(tool, args.python, ckpt_dir, out), out, runs_dir / f"{tool}_{rnd}.log", rnd
+            )
             runs.append(r)
-            print(f"  round {rnd} {tool:9s}: wall {r.wall_s:6.2f} s (+sync {r.sync_s:5.2f} s), "
-                  f"peak RSS {r.peak_rss_mib:6.0f} MiB, exit {r.returncode}"
-                  f"{'  (DISTURBED: fixture generation running)' if r.disturbed else ''}", flush=True)
+            print(
+                f"  round {rnd} {tool:9s}: wall {r.wall_s:6.2f} s (+sync {r.sync_s:5.2f} s), "
+                f"peak RSS {r.peak_rss_mib:6.0f} MiB, exit {r.returncode}"
+                f"{'  (DISTURBED: fixture generation running)' if r.disturbed else ''}",
+                flush=True,
+            )
     loadavg_after = [round(x, 2) for x in os.getloadavg()]
-    busy = [f"round {r.round} {r.tool}: a make_sample_ckpts job was running just before or after it"
-            for r in runs if r.disturbed]
+    busy = [
+        f"round {r.round} {r.tool}: a make_sample_ckpts job was running just before or after it"
+        for r in runs
+        if r.disturbed
+    ]
 
     result: dict[str, Any] = {
         "argv": [sys.executable, *sys.argv] if argv is None else ["bench_consolidate.py", *argv],

@@ -52,6 +52,7 @@ under ``--python``), so that it stays small: a child's ``ru_maxrss`` can include
 resident size at the time of the fork. The page cache cannot be dropped here
 (``/proc/sys/vm/drop_caches`` is read-only in this container), so all figures are warm-cache.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and the shared helpers)
-from bench_common import (Run, child_cwd, child_env, filesystem_of, print_run_header, time_ratios, variant_stats,  # noqa: E402
-                          run_measured, snapshot_zckpt, wait_for_quiet)
+from bench_common import (  # noqa: E402
+    Run,
+    child_cwd,
+    child_env,
+    filesystem_of,
+    print_run_header,
+    run_measured,
+    snapshot_zckpt,
+    time_ratios,
+    variant_stats,
+    wait_for_quiet,
+)
 
 TARGET_WORLD = 3
 # variant -> (extra reshard arguments or None for cp, ZeRO stage of the output)
@@ -87,8 +98,18 @@ def command(variant: str, python: str, ckpt_dir: Path, out_dir: Path) -> list[st
     extra, _ = VARIANTS[variant]
     if extra is None:
         return ["cp", "-r", str(ckpt_dir), str(out_dir)]
-    return [python, "-m", "zckpt", "reshard", str(ckpt_dir), str(out_dir),
-            "--world-size", str(TARGET_WORLD), *extra, "--quiet"]
+    return [
+        python,
+        "-m",
+        "zckpt",
+        "reshard",
+        str(ckpt_dir),
+        str(out_dir),
+        "--world-size",
+        str(TARGET_WORLD),
+        *extra,
+        "--quiet",
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -189,9 +210,13 @@ print(json.dumps({
 
 def verify_reshard(python: str, ckpt_dir: Path, out_dir: Path, stage: int, sample: int) -> dict[str, Any]:
     """Read a reshard output back with zckpt and compare a sample with the input (in a child)."""
-    proc = subprocess.run([python, "-c", VERIFY_CODE, str(ckpt_dir), str(out_dir), str(TARGET_WORLD),
-                           str(stage), str(sample)], env=child_env(), cwd=child_cwd(), capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [python, "-c", VERIFY_CODE, str(ckpt_dir), str(out_dir), str(TARGET_WORLD), str(stage), str(sample)],
+        env=child_env(),
+        cwd=child_cwd(),
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return {"ok": False, "error": proc.stderr.strip().splitlines()[-8:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -200,8 +225,13 @@ def verify_reshard(python: str, ckpt_dir: Path, out_dir: Path, stage: int, sampl
 def consolidate(python: str, ckpt_dir: Path, out_dir: Path) -> str | None:
     """``zckpt consolidate`` into `out_dir`; an error text or None."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    proc = subprocess.run([python, "-m", "zckpt", "consolidate", str(ckpt_dir), str(out_dir), "--quiet"],
-                          env=child_env(), cwd=child_cwd(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, "-m", "zckpt", "consolidate", str(ckpt_dir), str(out_dir), "--quiet"],
+        env=child_env(),
+        cwd=child_cwd(),
+        capture_output=True,
+        text=True,
+    )
     return None if proc.returncode == 0 else proc.stderr.strip()[-500:]
 
 
@@ -220,8 +250,10 @@ def verify_consolidated(python: str, ckpt_dir: Path, outputs: dict[str, Path], r
             result[variant] = {"identical": False, "error": f"consolidate of the output failed: {err}"}
         else:
             v = bc.verify_outputs(python, mine, ref)  # same tensor-by-tensor safe_open comparison
-            result[variant] = {("only_in_output" if k == "only_in_zckpt" else
-                                "only_in_input" if k == "only_in_deepspeed" else k): x for k, x in v.items()}
+            result[variant] = {
+                ("only_in_output" if k == "only_in_zckpt" else "only_in_input" if k == "only_in_deepspeed" else k): x
+                for k, x in v.items()
+            }
         shutil.rmtree(mine, ignore_errors=True)
     shutil.rmtree(ref, ignore_errors=True)
     return result
@@ -230,6 +262,7 @@ def verify_consolidated(python: str, ckpt_dir: Path, outputs: dict[str, Path], r
 # --------------------------------------------------------------------------------------
 # Summary and report
 # --------------------------------------------------------------------------------------
+
 
 def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
     """Per variant: medians/min/max; per reshard variant: ratios to cp and the targets."""
@@ -240,14 +273,16 @@ def summarize(runs: list[Run], variants: list[str]) -> dict[str, Any]:
         if v == "cp" or not out.get(v) or not cp:
             continue
         ratios[v] = time_ratios(runs, out, v, "cp")
+
         # met only if both the ratio of the medians and the median of the per-round ratios are
         def met(a: float, b: float | None) -> bool:
             return a <= TIME_TARGET and b is not None and b <= TIME_TARGET
 
         targets[v] = {
             f"wall_le_{TIME_TARGET}x_cp": met(ratios[v]["wall"], ratios[v]["wall_per_round_median"]),
-            f"wall_plus_sync_le_{TIME_TARGET}x_cp": met(ratios[v]["wall_plus_sync"],
-                                                        ratios[v]["wall_plus_sync_per_round_median"]),
+            f"wall_plus_sync_le_{TIME_TARGET}x_cp": met(
+                ratios[v]["wall_plus_sync"], ratios[v]["wall_plus_sync_per_round_median"]
+            ),
             "tree_rss_lt_1GiB": out[v]["tree_rss_mib"]["max"] < RSS_TARGET_MIB,
         }
     out["ratio_over_cp"] = ratios
@@ -260,12 +295,18 @@ def print_report(result: dict[str, Any]) -> None:
     s, c = result["summary"], result["checkpoint"]
     variants = result["variants"]
     print_run_header(result)
-    print(f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
-          f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files")
-    print(f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of "
-          f"each variant); cannot be dropped here")
-    print(f"rounds: {result['repeats']} (in turn: {' / '.join(variants)}); load average before/after: "
-          f"{result['loadavg_before']} / {result['loadavg_after']}")
+    print(
+        f"checkpoint: {c['path']} ({c['tag']}), {result['model']['params']:,} params, ZeRO-3 bf16, "
+        f"2 ranks; {c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files"
+    )
+    print(
+        f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of "
+        f"each variant); cannot be dropped here"
+    )
+    print(
+        f"rounds: {result['repeats']} (in turn: {' / '.join(variants)}); load average before/after: "
+        f"{result['loadavg_before']} / {result['loadavg_after']}"
+    )
     if result["busy_during_measurement"]:
         print("WARNING: other heavy jobs ran during the measurement:")
         for line in result["busy_during_measurement"]:
@@ -274,8 +315,10 @@ def print_report(result: dict[str, Any]) -> None:
     for var in variants:
         print(f"  {var:14s}: {' '.join(command(var, 'PY', Path('CKPT'), Path('OUT')))}")
     print()
-    hdr = (f"{'variant':14s} {'runs':>4s} {'wall med':>9s} {'min':>6s} {'max':>6s} {'+sync med':>10s} "
-           f"{'cpu med':>8s} {'1-proc RSS':>11s} {'tree RSS med':>13s} {'max':>6s} {'written':>8s}")
+    hdr = (
+        f"{'variant':14s} {'runs':>4s} {'wall med':>9s} {'min':>6s} {'max':>6s} {'+sync med':>10s} "
+        f"{'cpu med':>8s} {'1-proc RSS':>11s} {'tree RSS med':>13s} {'max':>6s} {'written':>8s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for var in variants:
@@ -284,34 +327,42 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"{var:14s} all runs failed")
             continue
         w, ws = t["wall_s"], t["wall_plus_sync_s"]
-        print(f"{var:14s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>5.2f}s {w['max']:>5.2f}s "
-              f"{ws['median']:>9.2f}s {t['cpu_s']['median']:>7.2f}s {t['max_proc_rss_mib']['median']:>7.0f} MiB "
-              f"{t['tree_rss_mib']['median']:>9.0f} MiB {t['tree_rss_mib']['max']:>6.0f} "
-              f"{t['output_bytes'] / 1e9:>6.2f}GB")
+        print(
+            f"{var:14s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>5.2f}s {w['max']:>5.2f}s "
+            f"{ws['median']:>9.2f}s {t['cpu_s']['median']:>7.2f}s {t['max_proc_rss_mib']['median']:>7.0f} MiB "
+            f"{t['tree_rss_mib']['median']:>9.0f} MiB {t['tree_rss_mib']['max']:>6.0f} "
+            f"{t['output_bytes'] / 1e9:>6.2f}GB"
+        )
     print()
     for var, r in s["ratio_over_cp"].items():
         tm = s["target_met"][var]
         per = ", ".join(f"{x:.2f}" for x in r["wall_per_round"])
-        print(f"{var} / cp: wall {r['wall']:.2f}x (median of per-round ratios {r['wall_per_round_median']:.2f}x: "
-              f"{per}) -> {'meets' if tm[f'wall_le_{TIME_TARGET}x_cp'] else 'MISSES'} <= {TIME_TARGET}x; "
-              f"wall+sync {r['wall_plus_sync']:.2f}x (per round {r['wall_plus_sync_per_round_median']:.2f}x) -> "
-              f"{'meets' if tm[f'wall_plus_sync_le_{TIME_TARGET}x_cp'] else 'MISSES'}; CPU {r['cpu']:.1f}x; "
-              f"tree RSS max {s[var]['tree_rss_mib']['max']:.0f} MiB -> "
-              f"{'meets' if tm['tree_rss_lt_1GiB'] else 'MISSES'} < 1 GiB")
+        print(
+            f"{var} / cp: wall {r['wall']:.2f}x (median of per-round ratios {r['wall_per_round_median']:.2f}x: "
+            f"{per}) -> {'meets' if tm[f'wall_le_{TIME_TARGET}x_cp'] else 'MISSES'} <= {TIME_TARGET}x; "
+            f"wall+sync {r['wall_plus_sync']:.2f}x (per round {r['wall_plus_sync_per_round_median']:.2f}x) -> "
+            f"{'meets' if tm[f'wall_plus_sync_le_{TIME_TARGET}x_cp'] else 'MISSES'}; CPU {r['cpu']:.1f}x; "
+            f"tree RSS max {s[var]['tree_rss_mib']['max']:.0f} MiB -> "
+            f"{'meets' if tm['tree_rss_lt_1GiB'] else 'MISSES'} < 1 GiB"
+        )
     print()
     for var, ver in result["verification"].items():
         cons = result["consolidate_check"].get(var, {})
         if ver.get("ok"):
-            print(f"verification {var}: ok - world size {ver['world_size']}, ZeRO-{ver['zero_stage']}, "
-                  f"{ver['params']} params; {ver['tensors_compared']} tensors of {ver['sample_params']} sampled "
-                  f"params bit-identical ({ver['bytes_compared'] / 1e6:.0f} MB); zip CRCs ok in "
-                  f"{ver['zip_crc_ok_files']}/{ver['pt_files']} files; torch.load ok for "
-                  f"{ver['torch_loaded_files']}; {ver['module_weights_checked']} bf16 module weights checked")
+            print(
+                f"verification {var}: ok - world size {ver['world_size']}, ZeRO-{ver['zero_stage']}, "
+                f"{ver['params']} params; {ver['tensors_compared']} tensors of {ver['sample_params']} sampled "
+                f"params bit-identical ({ver['bytes_compared'] / 1e6:.0f} MB); zip CRCs ok in "
+                f"{ver['zip_crc_ok_files']}/{ver['pt_files']} files; torch.load ok for "
+                f"{ver['torch_loaded_files']}; {ver['module_weights_checked']} bf16 module weights checked"
+            )
         else:
             print(f"verification {var}: FAILED - {json.dumps(ver)}")
         if cons.get("identical"):
-            print(f"  consolidate(output) == consolidate(input): {cons['tensors_a']} tensors bit-identical "
-                  f"({cons['bytes_compared'] / 1e9:.2f} GB)")
+            print(
+                f"  consolidate(output) == consolidate(input): {cons['tensors_a']} tensors bit-identical "
+                f"({cons['bytes_compared'] / 1e9:.2f} GB)"
+            )
         else:
             print(f"  consolidate check FAILED: {json.dumps(cons)}")
     for var, files in result["output_files"].items():
@@ -328,26 +379,43 @@ def print_report(result: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=Path, default=bc.DEFAULT_WORKDIR,
-                   help=f"where the checkpoint and the run outputs live (default {bc.DEFAULT_WORKDIR})")
-    p.add_argument("--params", type=int, default=bc.DEFAULT_PARAMS,
-                   help="minimum model size in params (default %(default)s)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=bc.DEFAULT_WORKDIR,
+        help=f"where the checkpoint and the run outputs live (default {bc.DEFAULT_WORKDIR})",
+    )
+    p.add_argument(
+        "--params", type=int, default=bc.DEFAULT_PARAMS, help="minimum model size in params (default %(default)s)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of each variant (default 3)")
-    p.add_argument("--python", default=sys.executable,
-                   help="interpreter with torch and zckpt (and deepspeed, to make the checkpoint "
-                        "and for the torch.load check; default: this one)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter with torch and zckpt (and deepspeed, to make the checkpoint "
+        "and for the torch.load check; default: this one)",
+    )
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)"
+    )
     p.add_argument("--sample", type=int, default=20, help="params whose tensors are compared (default 20)")
-    p.add_argument("--sample-ms", type=float, default=50.0,
-                   help="RSS sampling interval of the process tree (default 50 ms)")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each timed run, wait up to this long until other processes use under "
-                        "0.3 CPUs (default 0: do not wait; disturbed runs are flagged either way)")
-    p.add_argument("--skip-make", action="store_true",
-                   help="never make the checkpoint; fail if no complete one is in --workdir")
+    p.add_argument(
+        "--sample-ms", type=float, default=50.0, help="RSS sampling interval of the process tree (default 50 ms)"
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each timed run, wait up to this long until other processes use under "
+        "0.3 CPUs (default 0: do not wait; disturbed runs are flagged either way)",
+    )
+    p.add_argument(
+        "--skip-make", action="store_true", help="never make the checkpoint; fail if no complete one is in --workdir"
+    )
     p.add_argument("--skip-verify", action="store_true", help="no warm-up outputs check")
     p.add_argument("--json", type=Path, help="also write the results here as JSON")
     return p.parse_args(argv)
@@ -378,12 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir.mkdir(parents=True, exist_ok=True)
     sample_s = args.sample_ms / 1000.0
     source = snapshot_zckpt(args.python, workdir / "zckpt_snapshot", runs_dir)
-    print(f"measuring a snapshot of {source['zckpt_package']} at {source['commit']}"
-          f"{' + uncommitted changes' if source['dirty_files'] else ''} (copied to {source['snapshot']})",
-          flush=True)
+    print(
+        f"measuring a snapshot of {source['zckpt_package']} at {source['commit']}"
+        f"{' + uncommitted changes' if source['dirty_files'] else ''} (copied to {source['snapshot']})",
+        flush=True,
+    )
     if bc.busy_processes():
-        print("note: fixture generation is running; timings will be disturbed:", *bc.busy_processes(),
-              sep="\n  ")
+        print("note: fixture generation is running; timings will be disturbed:", *bc.busy_processes(), sep="\n  ")
 
     print("warming page cache ...", flush=True)
     warm_s = bc.warm_page_cache(ckpt_dir)
@@ -392,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     for var in variants:
         out = runs_dir / f"warm_{var}"
         keep = var != "cp" and not args.skip_verify
-        warm[var] = run_measured(var, command(var, args.python, ckpt_dir, out), out,
-                                 runs_dir / f"warm_{var}.log", 0, sample_s, keep=keep)
+        warm[var] = run_measured(
+            var, command(var, args.python, ckpt_dir, out), out, runs_dir / f"warm_{var}.log", 0, sample_s, keep=keep
+        )
         print(f"  warm-up {var}: {warm[var].wall_s:.2f} s, exit {warm[var].returncode}", flush=True)
 
     verification: dict[str, Any] = {}
@@ -427,17 +497,25 @@ def main(argv: list[str] | None = None) -> int:
             waited = wait_for_quiet(args.wait_idle) if args.wait_idle else 0.0
             if waited > window_note:
                 print(f"  (waited {waited:.0f} s for the machine to quieten)", flush=True)
-            r = run_measured(var, command(var, args.python, ckpt_dir, out), out,
-                             runs_dir / f"{var}_{rnd}.log", rnd, sample_s)
+            r = run_measured(
+                var, command(var, args.python, ckpt_dir, out), out, runs_dir / f"{var}_{rnd}.log", rnd, sample_s
+            )
             runs.append(r)
-            print(f"  round {rnd} {var:14s}: wall {r.wall_s:6.2f} s (+sync {r.sync_s:5.2f} s), cpu "
-                  f"{r.cpu_user_s:5.2f}u+{r.cpu_sys_s:5.2f}s, tree RSS {r.tree_rss_mib:5.0f} MiB "
-                  f"({r.tree_procs} procs), 1-proc {r.max_proc_rss_mib:5.0f} MiB, others {r.other_cpu_s:4.1f} "
-                  f"CPU-s, exit {r.returncode}"
-                  f"{'  (DISTURBED)' if r.disturbed else ''}", flush=True)
+            print(
+                f"  round {rnd} {var:14s}: wall {r.wall_s:6.2f} s (+sync {r.sync_s:5.2f} s), cpu "
+                f"{r.cpu_user_s:5.2f}u+{r.cpu_sys_s:5.2f}s, tree RSS {r.tree_rss_mib:5.0f} MiB "
+                f"({r.tree_procs} procs), 1-proc {r.max_proc_rss_mib:5.0f} MiB, others {r.other_cpu_s:4.1f} "
+                f"CPU-s, exit {r.returncode}"
+                f"{'  (DISTURBED)' if r.disturbed else ''}",
+                flush=True,
+            )
     loadavg_after = [round(x, 2) for x in os.getloadavg()]
-    busy = [f"round {r.round} {r.variant}: other processes used {r.other_cpu_s:.1f} CPU-s during its "
-            f"{r.wall_s:.1f} s (or a make_sample_ckpts job ran)" for r in runs if r.disturbed]
+    busy = [
+        f"round {r.round} {r.variant}: other processes used {r.other_cpu_s:.1f} CPU-s during its "
+        f"{r.wall_s:.1f} s (or a make_sample_ckpts job ran)"
+        for r in runs
+        if r.disturbed
+    ]
 
     result: dict[str, Any] = {
         "argv": [sys.executable, *sys.argv] if argv is None else ["bench_reshard.py", *argv],
@@ -466,9 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"results written to {args.json}")
-    ok = (all(r.returncode == 0 for r in runs)
-          and all(v.get("ok") for v in verification.values())
-          and all(v.get("identical") for v in consolidate_check.values()))
+    ok = (
+        all(r.returncode == 0 for r in runs)
+        and all(v.get("ok") for v in verification.values())
+        and all(v.get("identical") for v in consolidate_check.values())
+    )
     return 0 if ok else 1
 
 

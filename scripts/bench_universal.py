@@ -51,6 +51,7 @@ The children import a copy of the ``zckpt`` package taken at the start (as in
 ``bench_reshard.py``). The driver needs only the standard library. The page cache cannot be
 dropped here, so all figures are warm-cache.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_consolidate as bc  # noqa: E402  (the checkpoint maker and machine facts)
-from bench_common import (Run, child_cwd, child_env, damon_reclaim, print_run_header, time_ratios, variant_stats,  # noqa: E402
-                          filesystem_of, run_measured, snapshot_zckpt, wait_for_quiet)
+from bench_common import (  # noqa: E402
+    Run,
+    child_cwd,
+    child_env,
+    damon_reclaim,
+    filesystem_of,
+    print_run_header,
+    run_measured,
+    snapshot_zckpt,
+    time_ratios,
+    variant_stats,
+    wait_for_quiet,
+)
 
 VARIANTS = ("cp", "zckpt", "zckpt-w1", "ds")
 ZCKPT_VARIANTS = ("zckpt", "zckpt-w1")
@@ -84,17 +96,41 @@ class URun(Run):
     reread_s: float | None = None  # untimed re-read of the input just before the run
 
 
-def command(variant: str, python: str, ckpt_dir: Path, tag: str, out_dir: Path,
-            tag_given: bool = False, ds_args: list[str] | None = None) -> list[str]:
+def command(
+    variant: str,
+    python: str,
+    ckpt_dir: Path,
+    tag: str,
+    out_dir: Path,
+    tag_given: bool = False,
+    ds_args: list[str] | None = None,
+) -> list[str]:
     """The exact command line measured for `variant`."""
     if variant == "cp":
         return ["cp", "-r", str(ckpt_dir), str(out_dir)]
     if variant in ZCKPT_VARIANTS:
-        return [python, "-m", "zckpt", "to-universal", str(ckpt_dir), str(out_dir),
-                *(["--tag", tag] if tag_given else []),
-                *(["--workers", "1"] if variant == "zckpt-w1" else []), "--quiet"]
-    return [python, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag),
-            "--output_folder", str(out_dir / f"{tag}_universal"), "--inject_missing_state", *(ds_args or [])]
+        return [
+            python,
+            "-m",
+            "zckpt",
+            "to-universal",
+            str(ckpt_dir),
+            str(out_dir),
+            *(["--tag", tag] if tag_given else []),
+            *(["--workers", "1"] if variant == "zckpt-w1" else []),
+            "--quiet",
+        ]
+    return [
+        python,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(ckpt_dir / tag),
+        "--output_folder",
+        str(out_dir / f"{tag}_universal"),
+        "--inject_missing_state",
+        *(ds_args or []),
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -200,8 +236,13 @@ print(json.dumps({
 
 def verify(python: str, zckpt_out: Path, ds_out: Path, tag: str, sample: int) -> dict[str, Any]:
     """Compare zckpt's output with ds_to_universal's, tensor by tensor (in a child)."""
-    proc = subprocess.run([python, "-c", VERIFY_CODE, str(zckpt_out), str(ds_out), tag, str(sample)],
-                          env=child_env(), cwd=child_cwd(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, "-c", VERIFY_CODE, str(zckpt_out), str(ds_out), tag, str(sample)],
+        env=child_env(),
+        cwd=child_cwd(),
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return {"ok": False, "error": proc.stderr.strip().splitlines()[-8:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -250,31 +291,41 @@ def print_report(result: dict[str, Any]) -> None:
     variants = result["variants"]
     print_run_header(result)
     params = result["model"].get("params")
-    print(f"checkpoint: {c['path']} ({result['tag']}), "
-          f"{f'{params:,} params' if params else 'params: see the checkpoint'}; "
-          f"{c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files")
+    print(
+        f"checkpoint: {c['path']} ({result['tag']}), "
+        f"{f'{params:,} params' if params else 'params: see the checkpoint'}; "
+        f"{c['total_bytes'] / 1e9:.2f} GB on disk in {len(c['files'])} files"
+    )
     rr = [r["reread_s"] for r in result["runs"] if r.get("reread_s") is not None]
-    print(f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of each "
-          f"variant" + (f"; input re-read before every run, {min(rr):.1f}-{max(rr):.1f} s" if rr else "")
-          + "); cannot be dropped here")
+    print(
+        f"page cache: warm (all files read once: {result['warm_read_s']:.1f} s; one untimed run of each "
+        f"variant"
+        + (f"; input re-read before every run, {min(rr):.1f}-{max(rr):.1f} s" if rr else "")
+        + "); cannot be dropped here"
+    )
     if result.get("damon_reclaim"):
         print(f"note: proactive reclaim is on ({result['damon_reclaim']}): idle page cache is evicted")
-    print(f"rounds: {result['repeats']} of cp/zckpt, {result['ds_repeats']} of ds (in turn: "
-          f"{' / '.join(variants)}); load average before/after: {result['loadavg_before']} / "
-          f"{result['loadavg_after']}")
+    print(
+        f"rounds: {result['repeats']} of cp/zckpt, {result['ds_repeats']} of ds (in turn: "
+        f"{' / '.join(variants)}); load average before/after: {result['loadavg_before']} / "
+        f"{result['loadavg_after']}"
+    )
     if result["busy_during_measurement"]:
         print("WARNING: other processes were busy during some runs:")
         for line in result["busy_during_measurement"]:
             print(f"  {line}")
     print()
     for var in variants:
-        shown = command(var, "PY", Path("CKPT"), "TAG", Path("OUT"), "--tag" in result["commands"].get(var, []),
-                        result["ds_args"])
+        shown = command(
+            var, "PY", Path("CKPT"), "TAG", Path("OUT"), "--tag" in result["commands"].get(var, []), result["ds_args"]
+        )
         print(f"  {var:9s}: {' '.join(shown)}")
     print()
     pss = any(s.get(var) and s[var].get("tree_pss_mib") for var in variants)
-    hdr = (f"{'variant':9s} {'runs':>4s} {'wall med':>9s} {'min':>7s} {'max':>7s} {'+sync med':>10s} "
-           f"{'cpu med':>8s} {'1-proc RSS':>11s} {'tree RSS':>10s}{' tree PSS' if pss else ''} {'written':>8s}")
+    hdr = (
+        f"{'variant':9s} {'runs':>4s} {'wall med':>9s} {'min':>7s} {'max':>7s} {'+sync med':>10s} "
+        f"{'cpu med':>8s} {'1-proc RSS':>11s} {'tree RSS':>10s}{' tree PSS' if pss else ''} {'written':>8s}"
+    )
     print(hdr + "   (RSS/PSS: medians of the per-run peaks, MiB)")
     print("-" * len(hdr))
     for var in variants:
@@ -284,44 +335,58 @@ def print_report(result: dict[str, Any]) -> None:
             continue
         w, ws = t["wall_s"], t["wall_plus_sync_s"]
         pss_col = f" {t['tree_pss_mib']['median']:>8.0f}" if pss and t.get("tree_pss_mib") else ""
-        print(f"{var:9s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>6.2f}s {w['max']:>6.2f}s "
-              f"{ws['median']:>9.2f}s {t['cpu_s']['median']:>7.2f}s {t['max_proc_rss_mib']['median']:>11.0f} "
-              f"{t['tree_rss_mib']['median']:>10.0f}{pss_col} {t['output_bytes'] / 1e9:>6.2f}GB")
+        print(
+            f"{var:9s} {t['ok_runs']:>4d} {w['median']:>8.2f}s {w['min']:>6.2f}s {w['max']:>6.2f}s "
+            f"{ws['median']:>9.2f}s {t['cpu_s']['median']:>7.2f}s {t['max_proc_rss_mib']['median']:>11.0f} "
+            f"{t['tree_rss_mib']['median']:>10.0f}{pss_col} {t['output_bytes'] / 1e9:>6.2f}GB"
+        )
     print()
     for var, r in s["ratio_over_ds"].items():
         tm = s["target_met"][var]
         per = ", ".join(f"{x:.3f}" for x in r["wall_per_round"])
         wkey = f"wall_le_{TIME_TARGET}x_ds"
         rkey = f"{s['rss_measure_for_target']}_le_ds"
-        print(f"{var} / ds: wall {r['wall']:.3f}x (per-round median {r['wall_per_round_median']:.3f}x: {per}) -> "
-              f"{'meets' if tm[wkey] else 'MISSES'} <= {TIME_TARGET}x; wall+sync {r['wall_plus_sync']:.3f}x; "
-              f"CPU {r['cpu']:.3f}x")
-        print(f"{'':{len(var)}s}        peak RSS: 1-proc {r.get('max_proc_rss', float('nan')):.3f}x "
-              f"({'meets' if tm['max_proc_rss_le_ds'] else 'MISSES'}), tree {r.get('tree_rss', float('nan')):.3f}x"
-              + (f", tree PSS {r['tree_pss']:.3f}x" if r.get("tree_pss") else "")
-              + f" ({s['rss_measure_for_target'].replace('_mib', '')}: {'meets' if tm[rkey] else 'MISSES'} "
-                f"<= DeepSpeed's)")
+        print(
+            f"{var} / ds: wall {r['wall']:.3f}x (per-round median {r['wall_per_round_median']:.3f}x: {per}) -> "
+            f"{'meets' if tm[wkey] else 'MISSES'} <= {TIME_TARGET}x; wall+sync {r['wall_plus_sync']:.3f}x; "
+            f"CPU {r['cpu']:.3f}x"
+        )
+        print(
+            f"{'':{len(var)}s}        peak RSS: 1-proc {r.get('max_proc_rss', float('nan')):.3f}x "
+            f"({'meets' if tm['max_proc_rss_le_ds'] else 'MISSES'}), tree {r.get('tree_rss', float('nan')):.3f}x"
+            + (f", tree PSS {r['tree_pss']:.3f}x" if r.get("tree_pss") else "")
+            + f" ({s['rss_measure_for_target'].replace('_mib', '')}: {'meets' if tm[rkey] else 'MISSES'} "
+            f"<= DeepSpeed's)"
+        )
     for var, r in s["ratio_over_cp"].items():
-        print(f"{var} / cp: wall {r['wall']:.2f}x (per-round median {r['wall_per_round_median']:.2f}x), "
-              f"wall+sync {r['wall_plus_sync']:.2f}x (per round {r['wall_plus_sync_per_round_median']:.2f}x), "
-              f"CPU {r['cpu']:.2f}x")
+        print(
+            f"{var} / cp: wall {r['wall']:.2f}x (per-round median {r['wall_per_round_median']:.2f}x), "
+            f"wall+sync {r['wall_plus_sync']:.2f}x (per round {r['wall_plus_sync_per_round_median']:.2f}x), "
+            f"CPU {r['cpu']:.2f}x"
+        )
     print()
     ver = result["verification"]
     if not ver:
         print("verification: not done")
     elif ver.get("ok"):
-        print(f"verification: ok - {ver['params_compared']} of {ver['params_deepspeed']} params, "
-              f"{ver['tensors_compared']} tensors ({', '.join(STATES)}) bit-identical to ds_to_universal's "
-              f"({ver['bytes_compared'] / 1e9:.2f} GB, {ver['dtypes']}); same param set; latest_universal "
-              f"{ver['latest_universal'][0]!r}")
+        print(
+            f"verification: ok - {ver['params_compared']} of {ver['params_deepspeed']} params, "
+            f"{ver['tensors_compared']} tensors ({', '.join(STATES)}) bit-identical to ds_to_universal's "
+            f"({ver['bytes_compared'] / 1e9:.2f} GB, {ver['dtypes']}); same param set; latest_universal "
+            f"{ver['latest_universal'][0]!r}"
+        )
     else:
         print(f"verification: FAILED - {json.dumps(ver)}")
     if ver and "shape_differs" in ver:
-        print(f"  (not checked) shapes differ for {ver['shape_differs']} tensors (values compared flattened); "
-              f"dict keys differ for {ver['n_dict_key_differences']}{': ' + ver['dict_key_differences'][0] if ver['dict_key_differences'] else ''}")
-        print(f"  other files: identical {ver['other_files_identical']}; differing {ver['other_files_differing']}; "
-              f"only zckpt {ver['other_files_only_in_zckpt']}; only deepspeed {ver['other_files_only_in_deepspeed']}; "
-              f"optimizer param_groups equal: {ver['param_groups_equal']}")
+        print(
+            f"  (not checked) shapes differ for {ver['shape_differs']} tensors (values compared flattened); "
+            f"dict keys differ for {ver['n_dict_key_differences']}{': ' + ver['dict_key_differences'][0] if ver['dict_key_differences'] else ''}"
+        )
+        print(
+            f"  other files: identical {ver['other_files_identical']}; differing {ver['other_files_differing']}; "
+            f"only zckpt {ver['other_files_only_in_zckpt']}; only deepspeed {ver['other_files_only_in_deepspeed']}; "
+            f"optimizer param_groups equal: {ver['param_groups_equal']}"
+        )
     for var, files in result["output_file_counts"].items():
         print(f"  {var} wrote {files} files")
     for r in result["runs"] + result["warmup_runs"]:
@@ -336,45 +401,86 @@ def print_report(result: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", type=Path, default=bc.DEFAULT_WORKDIR,
-                   help=f"where the checkpoint and the run outputs live (default {bc.DEFAULT_WORKDIR})")
-    p.add_argument("--ckpt", type=Path,
-                   help="measure this existing checkpoint folder (the one holding 'latest') instead of "
-                        "making/reusing the benchmark checkpoint in --workdir; it is only read")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=bc.DEFAULT_WORKDIR,
+        help=f"where the checkpoint and the run outputs live (default {bc.DEFAULT_WORKDIR})",
+    )
+    p.add_argument(
+        "--ckpt",
+        type=Path,
+        help="measure this existing checkpoint folder (the one holding 'latest') instead of "
+        "making/reusing the benchmark checkpoint in --workdir; it is only read",
+    )
     p.add_argument("--tag", help="checkpoint tag (default: the one 'latest' names; passed to zckpt only if given)")
-    p.add_argument("--params", type=int, default=bc.DEFAULT_PARAMS,
-                   help="minimum model size in params of the made checkpoint (default %(default)s)")
+    p.add_argument(
+        "--params",
+        type=int,
+        default=bc.DEFAULT_PARAMS,
+        help="minimum model size in params of the made checkpoint (default %(default)s)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of cp and zckpt (default 3)")
-    p.add_argument("--ds-repeats", type=int,
-                   help="timed rounds of ds_to_universal (default: --repeats; ~1 min each on the 400M checkpoint)")
-    p.add_argument("--python", default=sys.executable,
-                   help="interpreter with torch, deepspeed and zckpt (default: this one)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
-    p.add_argument("--ds-args", default="",
-                   help="extra arguments for ds_to_universal, e.g. '--num_extract_workers 2' "
-                        "(default none: its defaults, 4 extract and 2 merge workers)")
-    p.add_argument("--sample", type=int, default=0,
-                   help="params whose tensors are compared, spread over the model (default 0: all)")
-    p.add_argument("--sample-ms", type=float, default=50.0,
-                   help="RSS/PSS sampling interval of the process tree (default 50 ms)")
-    p.add_argument("--pss-ms", type=float, default=250.0,
-                   help="PSS sampling interval of the process tree (/proc/PID/smaps_rollup, costlier than "
-                        "RSS; default 250 ms); 0: no PSS, and the RSS target then uses the summed RSS")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each timed run, wait up to this long until other processes use under "
-                        "0.3 CPUs (default 0: do not wait; disturbed runs are flagged either way)")
-    p.add_argument("--skip-make", action="store_true",
-                   help="never make the checkpoint; fail if no complete one is in --workdir")
-    p.add_argument("--no-reread", action="store_true",
-                   help="do not re-read the input (untimed) right before each run; by default it is, since "
-                        "this machine's DAMON pageout evicts page cache idle for ~30 s, which would leave "
-                        "the run after a 1-minute ds_to_universal reading a cold input")
+    p.add_argument(
+        "--ds-repeats",
+        type=int,
+        help="timed rounds of ds_to_universal (default: --repeats; ~1 min each on the 400M checkpoint)",
+    )
+    p.add_argument(
+        "--python", default=sys.executable, help="interpreter with torch, deepspeed and zckpt (default: this one)"
+    )
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)"
+    )
+    p.add_argument(
+        "--ds-args",
+        default="",
+        help="extra arguments for ds_to_universal, e.g. '--num_extract_workers 2' "
+        "(default none: its defaults, 4 extract and 2 merge workers)",
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=0,
+        help="params whose tensors are compared, spread over the model (default 0: all)",
+    )
+    p.add_argument(
+        "--sample-ms", type=float, default=50.0, help="RSS/PSS sampling interval of the process tree (default 50 ms)"
+    )
+    p.add_argument(
+        "--pss-ms",
+        type=float,
+        default=250.0,
+        help="PSS sampling interval of the process tree (/proc/PID/smaps_rollup, costlier than "
+        "RSS; default 250 ms); 0: no PSS, and the RSS target then uses the summed RSS",
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each timed run, wait up to this long until other processes use under "
+        "0.3 CPUs (default 0: do not wait; disturbed runs are flagged either way)",
+    )
+    p.add_argument(
+        "--skip-make", action="store_true", help="never make the checkpoint; fail if no complete one is in --workdir"
+    )
+    p.add_argument(
+        "--no-reread",
+        action="store_true",
+        help="do not re-read the input (untimed) right before each run; by default it is, since "
+        "this machine's DAMON pageout evicts page cache idle for ~30 s, which would leave "
+        "the run after a 1-minute ds_to_universal reading a cold input",
+    )
     p.add_argument("--skip-verify", action="store_true", help="do not compare the warm-up outputs")
-    p.add_argument("--keep-warm", action="store_true",
-                   help="keep the warm-up outputs (in WORKDIR/universal_runs/warm_*) for inspection")
+    p.add_argument(
+        "--keep-warm",
+        action="store_true",
+        help="keep the warm-up outputs (in WORKDIR/universal_runs/warm_*) for inspection",
+    )
     p.add_argument("--json", type=Path, help="also write the results here as JSON")
     return p.parse_args(argv)
 
@@ -413,29 +519,51 @@ def main(argv: list[str] | None = None) -> int:
     tag = args.tag or (ckpt_dir / "latest").read_text().strip()
     if not (ckpt_dir / tag).is_dir():
         sys.exit(f"no tag folder {ckpt_dir / tag}")
-    ckpt = bc.checkpoint_facts(ckpt_dir) if (ckpt_dir / "latest").is_file() else \
-        {"path": str(ckpt_dir), "tag": tag, "total_bytes": bc.dir_size(ckpt_dir), "tag_bytes": bc.dir_size(ckpt_dir / tag),
-         "files": {str(p.relative_to(ckpt_dir)): p.stat().st_size for p in sorted(ckpt_dir.rglob("*")) if p.is_file()}}
+    ckpt = (
+        bc.checkpoint_facts(ckpt_dir)
+        if (ckpt_dir / "latest").is_file()
+        else {
+            "path": str(ckpt_dir),
+            "tag": tag,
+            "total_bytes": bc.dir_size(ckpt_dir),
+            "tag_bytes": bc.dir_size(ckpt_dir / tag),
+            "files": {
+                str(p.relative_to(ckpt_dir)): p.stat().st_size for p in sorted(ckpt_dir.rglob("*")) if p.is_file()
+            },
+        }
+    )
     facts = bc.machine_facts(args.python)
     runs_dir = workdir / "universal_runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(runs_dir).free
     need = 3 * ckpt["tag_bytes"]
     if free < need:
-        print(f"WARNING: {free / 1e9:.1f} GB free under {runs_dir}; the warm-up outputs and "
-              f"ds_to_universal's temporary files need about {need / 1e9:.1f} GB", flush=True)
+        print(
+            f"WARNING: {free / 1e9:.1f} GB free under {runs_dir}; the warm-up outputs and "
+            f"ds_to_universal's temporary files need about {need / 1e9:.1f} GB",
+            flush=True,
+        )
     sample_s = args.sample_ms / 1000.0
     source = snapshot_zckpt(args.python, workdir / "zckpt_snapshot_universal", runs_dir)
-    print(f"measuring a snapshot of {source['zckpt_package']} at {source['commit']}"
-          f"{' + uncommitted changes' if source['dirty_files'] else ''} (copied to {source['snapshot']})",
-          flush=True)
+    print(
+        f"measuring a snapshot of {source['zckpt_package']} at {source['commit']}"
+        f"{' + uncommitted changes' if source['dirty_files'] else ''} (copied to {source['snapshot']})",
+        flush=True,
+    )
     if any(v in ZCKPT_VARIANTS for v in variants):
-        probe = subprocess.run([args.python, "-m", "zckpt", "to-universal", "--help"], env=child_env(),
-                               cwd=child_cwd(), capture_output=True, text=True)
+        probe = subprocess.run(
+            [args.python, "-m", "zckpt", "to-universal", "--help"],
+            env=child_env(),
+            cwd=child_cwd(),
+            capture_output=True,
+            text=True,
+        )
         if probe.returncode != 0:
-            sys.exit("this zckpt has no working 'to-universal' command "
-                     f"({(probe.stderr or probe.stdout).strip().splitlines()[-1:]}); "
-                     "measure the others with --variants cp,ds")
+            sys.exit(
+                "this zckpt has no working 'to-universal' command "
+                f"({(probe.stderr or probe.stdout).strip().splitlines()[-1:]}); "
+                "measure the others with --variants cp,ds"
+            )
 
     def cmd(var: str, out: Path) -> list[str]:
         return command(var, args.python, ckpt_dir, tag, out, bool(args.tag), ds_args)
@@ -448,18 +576,25 @@ def main(argv: list[str] | None = None) -> int:
         out = runs_dir / f"warm_{var}"
         keep = args.keep_warm or (var in ("zckpt", "ds") and not args.skip_verify)
         reread = None if args.no_reread else bc.warm_page_cache(ckpt_dir)
-        warm[var] = run_measured(var, cmd(var, out), out, runs_dir / f"warm_{var}.log", 0, sample_s,
-                                 keep=keep, pss_s=pss_s, cls=URun)
+        warm[var] = run_measured(
+            var, cmd(var, out), out, runs_dir / f"warm_{var}.log", 0, sample_s, keep=keep, pss_s=pss_s, cls=URun
+        )
         warm[var].reread_s = reread
-        print(f"  warm-up {var}: {warm[var].wall_s:.2f} s, tree RSS {warm[var].tree_rss_mib:.0f} MiB, "
-              f"exit {warm[var].returncode}", flush=True)
+        print(
+            f"  warm-up {var}: {warm[var].wall_s:.2f} s, tree RSS {warm[var].tree_rss_mib:.0f} MiB, "
+            f"exit {warm[var].returncode}",
+            flush=True,
+        )
 
     verification: dict[str, Any] = {}
     if not args.skip_verify and "zckpt" in variants and "ds" in variants:
         print("comparing zckpt's output with ds_to_universal's ...", flush=True)
         if warm["zckpt"].returncode or warm["ds"].returncode:
-            verification = {"ok": False, "error": "a warm-up run failed",
-                            "tails": {v: warm[v].log_tail for v in ("zckpt", "ds") if warm[v].returncode}}
+            verification = {
+                "ok": False,
+                "error": "a warm-up run failed",
+                "tails": {v: warm[v].log_tail for v in ("zckpt", "ds") if warm[v].returncode},
+            }
         else:
             verification = verify(args.python, runs_dir / "warm_zckpt", runs_dir / "warm_ds", tag, args.sample)
         print(f"  {'ok' if verification.get('ok') else 'FAILED'}", flush=True)
@@ -479,19 +614,28 @@ def main(argv: list[str] | None = None) -> int:
             if waited > 2.5:
                 print(f"  (waited {waited:.0f} s for the machine to quieten)", flush=True)
             reread = None if args.no_reread else bc.warm_page_cache(ckpt_dir)
-            r = run_measured(var, cmd(var, out), out, runs_dir / f"{var}_{rnd}.log", rnd, sample_s,
-                             pss_s=pss_s, cls=URun)
+            r = run_measured(
+                var, cmd(var, out), out, runs_dir / f"{var}_{rnd}.log", rnd, sample_s, pss_s=pss_s, cls=URun
+            )
             r.reread_s = reread
             runs.append(r)
-            print(f"  round {rnd} {var:9s}: wall {r.wall_s:7.2f} s (+sync {r.sync_s:5.2f} s), cpu "
-                  f"{r.cpu_user_s:6.2f}u+{r.cpu_sys_s:5.2f}s, 1-proc {r.max_proc_rss_mib:5.0f} MiB, tree RSS "
-                  f"{r.tree_rss_mib:5.0f} MiB" + (f" PSS {r.tree_pss_mib:5.0f} MiB" if pss else "")
-                  + f" ({r.tree_procs} procs), others {r.other_cpu_s:4.1f} CPU-s, exit {r.returncode}"
-                  + (f", input re-read {reread:.1f} s before" if reread is not None else "")
-                  + ("  (DISTURBED)" if r.disturbed else ""), flush=True)
+            print(
+                f"  round {rnd} {var:9s}: wall {r.wall_s:7.2f} s (+sync {r.sync_s:5.2f} s), cpu "
+                f"{r.cpu_user_s:6.2f}u+{r.cpu_sys_s:5.2f}s, 1-proc {r.max_proc_rss_mib:5.0f} MiB, tree RSS "
+                f"{r.tree_rss_mib:5.0f} MiB"
+                + (f" PSS {r.tree_pss_mib:5.0f} MiB" if pss else "")
+                + f" ({r.tree_procs} procs), others {r.other_cpu_s:4.1f} CPU-s, exit {r.returncode}"
+                + (f", input re-read {reread:.1f} s before" if reread is not None else "")
+                + ("  (DISTURBED)" if r.disturbed else ""),
+                flush=True,
+            )
     loadavg_after = [round(x, 2) for x in os.getloadavg()]
-    busy = [f"round {r.round} {r.variant}: other processes used {r.other_cpu_s:.1f} CPU-s during its "
-            f"{r.wall_s:.1f} s (or a make_sample_ckpts job ran)" for r in runs if r.disturbed]
+    busy = [
+        f"round {r.round} {r.variant}: other processes used {r.other_cpu_s:.1f} CPU-s during its "
+        f"{r.wall_s:.1f} s (or a make_sample_ckpts job ran)"
+        for r in runs
+        if r.disturbed
+    ]
 
     result: dict[str, Any] = {
         "argv": [sys.executable, *sys.argv] if argv is None else ["bench_universal.py", *argv],
@@ -525,8 +669,11 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"results written to {args.json}")
-    ok = (all(r.returncode == 0 for r in runs) and all(r.returncode == 0 for r in warm.values())
-          and (not verification or bool(verification.get("ok"))))
+    ok = (
+        all(r.returncode == 0 for r in runs)
+        and all(r.returncode == 0 for r in warm.values())
+        and (not verification or bool(verification.get("ok")))
+    )
     return 0 if ok else 1
 
 

@@ -65,6 +65,7 @@ How the tensors are obtained (``state.json`` ``methods`` names them per tensor):
   ``_hp_mapping.optim_fragment`` links (after ``load_checkpoint`` 0.19.8 leaves them unset until
   the next optimizer step, so normally the flat method gives them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -130,8 +131,9 @@ def probe_case(gen: Any, case: Any, stage: int | None) -> Any:
     if stage is None or stage == case.stage:
         return case
     drop = STAGE3_ONLY_ZERO_KEYS if stage < 3 else STAGE12_ONLY_ZERO_KEYS
-    zero_extra = tuple((k, v) for k, v in case.zero_extra
-                       if k not in drop and not (stage < 3 and k.startswith("stage3_")))
+    zero_extra = tuple(
+        (k, v) for k, v in case.zero_extra if k not in drop and not (stage < 3 and k.startswith("stage3_"))
+    )
     return dataclasses.replace(case, stage=stage, zero_extra=zero_extra)
 
 
@@ -160,8 +162,10 @@ def jsonable(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, float):
         return obj if obj == obj and obj not in (float("inf"), float("-inf")) else repr(obj)
     if isinstance(obj, enum.Enum):
-        return {"enum": f"{type(obj).__module__}.{type(obj).__qualname__}.{obj.name}",
-                "value": jsonable(obj.value, depth + 1)}
+        return {
+            "enum": f"{type(obj).__module__}.{type(obj).__qualname__}.{obj.name}",
+            "value": jsonable(obj.value, depth + 1),
+        }
     if isinstance(obj, torch.Size):
         return list(obj)
     if isinstance(obj, torch.dtype):
@@ -175,11 +179,15 @@ def jsonable(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, (list, tuple, set)):
         return [jsonable(v, depth + 1) for v in obj]
     if dataclasses.is_dataclass(obj):
-        return {"type": type(obj).__qualname__,
-                **{f.name: jsonable(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)}}
+        return {
+            "type": type(obj).__qualname__,
+            **{f.name: jsonable(getattr(obj, f.name), depth + 1) for f in dataclasses.fields(obj)},
+        }
     if hasattr(obj, "__dict__"):  # e.g. DeepSpeed loss scalers (their __repr__ raises on dtype)
-        return {"type": f"{type(obj).__module__}.{type(obj).__qualname__}",
-                **{k: jsonable(v, depth + 1) for k, v in vars(obj).items() if not k.startswith("_")}}
+        return {
+            "type": f"{type(obj).__module__}.{type(obj).__qualname__}",
+            **{k: jsonable(v, depth + 1) for k, v in vars(obj).items() if not k.startswith("_")},
+        }
     return {"type": type(obj).__qualname__, "str": str(obj)}
 
 
@@ -187,8 +195,8 @@ def jsonable(obj: Any, depth: int = 0) -> Any:
 # Reading the engine
 # --------------------------------------------------------------------------------------
 def all_ranks_ok(ok: bool, group: Any = None) -> bool:
-    import torch
     import deepspeed.comm as dist
+    import torch
 
     t = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
@@ -196,8 +204,8 @@ def all_ranks_ok(ok: bool, group: Any = None) -> bool:
 
 
 def same_on_all_ranks(value: int, group: Any = None) -> bool:
-    import torch
     import deepspeed.comm as dist
+    import torch
 
     lo = torch.tensor([value], dtype=torch.int64)
     hi = lo.clone()
@@ -208,8 +216,8 @@ def same_on_all_ranks(value: int, group: Any = None) -> bool:
 
 def allgather_flat(t: Any, group: Any) -> Any:
     """Concatenation, in rank order, of every rank's tensor ``t`` (same numel everywhere)."""
-    import torch
     import deepspeed.comm as dist
+    import torch
 
     t = t.detach().reshape(-1).float().cpu().contiguous()
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group=group))]
@@ -220,22 +228,32 @@ def allgather_flat(t: Any, group: Any) -> Any:
 def zero12_layout(opt: Any) -> dict[str, Any]:
     """The flat-buffer bookkeeping of a ZeRO-1/2 optimizer or BF16_Optimizer, as the engine holds it."""
     if hasattr(opt, "single_partition_of_fp32_groups"):
-        return {"kind": type(opt).__name__, "params": opt.bit16_groups, "flat16": opt.bit16_groups_flat,
-                "fp32": opt.single_partition_of_fp32_groups,
-                "rr_params": getattr(opt, "round_robin_bit16_groups", None),
-                "rr_offsets": getattr(opt, "round_robin_bit16_offsets", None),
-                "groups": opt.real_dp_process_group}
+        return {
+            "kind": type(opt).__name__,
+            "params": opt.bit16_groups,
+            "flat16": opt.bit16_groups_flat,
+            "fp32": opt.single_partition_of_fp32_groups,
+            "rr_params": getattr(opt, "round_robin_bit16_groups", None),
+            "rr_offsets": getattr(opt, "round_robin_bit16_offsets", None),
+            "groups": opt.real_dp_process_group,
+        }
     if hasattr(opt, "fp32_groups_flat_partition"):
-        return {"kind": type(opt).__name__, "params": opt.bf16_groups, "flat16": opt.bf16_groups_flat,
-                "fp32": opt.fp32_groups_flat_partition, "rr_params": None, "rr_offsets": None,
-                "groups": opt.real_dp_process_group}
+        return {
+            "kind": type(opt).__name__,
+            "params": opt.bf16_groups,
+            "flat16": opt.bf16_groups_flat,
+            "fp32": opt.fp32_groups_flat_partition,
+            "rr_params": None,
+            "rr_offsets": None,
+            "groups": opt.real_dp_process_group,
+        }
     raise RuntimeError(f"unknown ZeRO-1/2 optimizer {type(opt).__name__}")
 
 
 def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dict[int, Any]) -> dict:
     """Read masters, optimizer states, frozen values, module values and buffers (collective)."""
-    import torch
     import deepspeed
+    import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     opt = engine.optimizer
@@ -244,8 +262,13 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
     module_vals: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     methods: dict[str, dict[str, str]] = {"live": {}, "optimizer": {}, "module": {}}
-    cross: dict[str, Any] = {"fp32_master_disagreements": [], "optimizer_disagreements": [],
-                             "offset_disagreements": [], "checked_fp32": 0, "checked_optimizer": 0}
+    cross: dict[str, Any] = {
+        "fp32_master_disagreements": [],
+        "optimizer_disagreements": [],
+        "offset_disagreements": [],
+        "checked_fp32": 0,
+        "checked_optimizer": 0,
+    }
 
     def put(target: dict, kind: str, pid: int, value: Any, method: str, suffix: str = "") -> None:
         for n in names_of[pid]:
@@ -280,8 +303,14 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
             for k in optim_keys:
                 v = safe_get_full_optimizer_state(p, k)
                 put(optim, "optimizer", pid, v.float(), "safe_get_full_optimizer_state", "." + k)
-        return {"live": live, "optim": optim, "module": module_vals, "methods": methods,
-                "cross_checks": cross, "optim_keys": optim_keys}
+        return {
+            "live": live,
+            "optim": optim,
+            "module": module_vals,
+            "methods": methods,
+            "cross_checks": cross,
+            "optim_keys": optim_keys,
+        }
 
     lay = zero12_layout(opt)
     flat_value: dict[tuple[int, str], Any] = {}  # (pid, key or "fp32") -> full tensor
@@ -310,7 +339,12 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
             assert 0 <= off and off + p.numel() <= flat16.numel(), (off, p.numel(), flat16.numel())
             if id(p) in offsets_rr and offsets_rr[id(p)] != off:
                 cross["offset_disagreements"].append(
-                    {"param": names_of[id(p)][0], "data_ptr_offset": off, "round_robin_bit16_offsets": offsets_rr[id(p)]})
+                    {
+                        "param": names_of[id(p)][0],
+                        "data_ptr_offset": off,
+                        "round_robin_bit16_offsets": offsets_rr[id(p)],
+                    }
+                )
             for k, t in full.items():
                 flat_value[(id(p), k)] = t.narrow(0, off, p.numel()).view(p.shape).clone()
 
@@ -322,8 +356,11 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
         ds_v = None if ds_v is None else ds_v.detach().cpu().float()
         mine = flat_value[(pid, "fp32")]
         cross["checked_fp32"] += 1
-        if ds_v is not None and ds_v.shape == mine.shape and torch.equal(ds_v.view(-1).view(torch.int32),
-                                                                          mine.view(-1).view(torch.int32)):
+        if (
+            ds_v is not None
+            and ds_v.shape == mine.shape
+            and torch.equal(ds_v.view(-1).view(torch.int32), mine.view(-1).view(torch.int32))
+        ):
             put(live, "live", pid, ds_v, "safe_get_full_fp32_param (== flat_partition_allgather)")
         else:
             cross["fp32_master_disagreements"].append(names_of[pid][0])
@@ -348,12 +385,25 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
                 ds_v = safe_get_full_optimizer_state(p, k).detach().cpu().float()
                 cross["checked_optimizer"] += 1
                 if torch.equal(ds_v.view(-1).view(torch.int32), mine.view(-1).view(torch.int32)):
-                    put(optim, "optimizer", pid, ds_v, "safe_get_full_optimizer_state (== flat_partition_allgather)", "." + k)
+                    put(
+                        optim,
+                        "optimizer",
+                        pid,
+                        ds_v,
+                        "safe_get_full_optimizer_state (== flat_partition_allgather)",
+                        "." + k,
+                    )
                     continue
                 cross["optimizer_disagreements"].append(f"{names_of[pid][0]}.{k}")
             put(optim, "optimizer", pid, mine, "flat_partition_allgather", "." + k)
-    return {"live": live, "optim": optim, "module": module_vals, "methods": methods,
-            "cross_checks": cross, "optim_keys": optim_keys}
+    return {
+        "live": live,
+        "optim": optim,
+        "module": module_vals,
+        "methods": methods,
+        "cross_checks": cross,
+        "optim_keys": optim_keys,
+    }
 
 
 def group_state(engine: Any, stage: int) -> list[dict]:
@@ -367,10 +417,10 @@ def group_state(engine: Any, stage: int) -> list[dict]:
         hyper = {k: jsonable(v) for k, v in group.items() if k != "params"}
         steps = []
         if stage == 3:
-            flats = [f for si, f in enumerate(opt.fp32_partitioned_groups_flat)
-                     if opt.sub_group_to_group_id[si] == gi]
-            sub_groups = [si for si in range(len(opt.fp32_partitioned_groups_flat))
-                          if opt.sub_group_to_group_id[si] == gi]
+            flats = [f for si, f in enumerate(opt.fp32_partitioned_groups_flat) if opt.sub_group_to_group_id[si] == gi]
+            sub_groups = [
+                si for si in range(len(opt.fp32_partitioned_groups_flat)) if opt.sub_group_to_group_id[si] == gi
+            ]
         else:
             flats = list(group["params"])
             sub_groups = None
@@ -378,8 +428,7 @@ def group_state(engine: Any, stage: int) -> list[dict]:
             st = base.state.get(f, {})
             s = st.get("step")
             steps.append(None if s is None else (s.item() if torch.is_tensor(s) else s))
-        entry = {"hyperparameters": hyper, "step": steps,
-                 "flat_numel": [int(f.numel()) for f in flats]}
+        entry = {"hyperparameters": hyper, "step": steps, "flat_numel": [int(f.numel()) for f in flats]}
         if sub_groups is not None:
             entry["sub_groups"] = sub_groups
         out.append(entry)
@@ -397,18 +446,20 @@ def scaler_state(engine: Any) -> dict:
             cur = getattr(opt, "loss_scale", None)
         except Exception:  # noqa: BLE001 - some optimizers raise on it
             cur = None
-    return {"cur_scale": jsonable(cur),
-            "loss_scaler": jsonable(scaler) if scaler is not None else None,
-            "dynamic_loss_scale": jsonable(getattr(opt, "dynamic_loss_scale", None)),
-            "overflow": jsonable(getattr(opt, "overflow", None)),
-            "clip_grad": jsonable(getattr(opt, "clip_grad", None))}
+    return {
+        "cur_scale": jsonable(cur),
+        "loss_scaler": jsonable(scaler) if scaler is not None else None,
+        "dynamic_loss_scale": jsonable(getattr(opt, "dynamic_loss_scale", None)),
+        "overflow": jsonable(getattr(opt, "overflow", None)),
+        "clip_grad": jsonable(getattr(opt, "clip_grad", None)),
+    }
 
 
 # --------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import deepspeed
     import deepspeed.comm as dist
+    import torch
     from safetensors.torch import save_file
 
     gen = load_generator()
@@ -428,8 +479,7 @@ def worker(args: argparse.Namespace) -> None:
         out.mkdir(parents=True, exist_ok=True)
     try:
         model = gen.build_model(case)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=gen.param_groups(model, case),
-                                               config=cfg)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=gen.param_groups(model, case), config=cfg)
         load_path, client_state = engine.load_checkpoint(str(args.checkpoint), tag=args.tag)
         if load_path is None:
             raise RuntimeError(f"engine.load_checkpoint({args.checkpoint!r}) returned (None, None): nothing loaded")
@@ -493,8 +543,9 @@ def worker(args: argparse.Namespace) -> None:
             state["train"]["cross_checks"] = after["cross_checks"]
             if rank == 0:
                 save_file(after["live"], str(out / "live_after_train.safetensors"), metadata={"format": "pt"})
-                save_file(after["optim"], str(out / "live_optimizer_after_train.safetensors"),
-                          metadata={"format": "pt"})
+                save_file(
+                    after["optim"], str(out / "live_optimizer_after_train.safetensors"), metadata={"format": "pt"}
+                )
         if rank == 0:
             tmp = out / "state.json.tmp"
             tmp.write_text(json.dumps(state, indent=2, sort_keys=False) + "\n")
@@ -508,8 +559,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def train(engine: Any, case: Any, rank: int, steps: int) -> dict:
     """K more steps on make_sample_ckpts' data stream (steps global_steps+1 .. +K of this rank)."""
-    import torch
     import deepspeed.comm as dist
+    import torch
 
     mb, seq = load_generator().MICRO_BATCH, load_generator().SEQ_LEN
     gen = torch.Generator().manual_seed(case.seed + 1000 * rank)
@@ -528,13 +579,15 @@ def train(engine: Any, case: Any, rank: int, steps: int) -> dict:
         per_rank = [torch.zeros(1) for _ in range(dist.get_world_size())]
         dist.all_gather(per_rank, loss.detach().float().reshape(1).cpu())
         rows.append({"step": step, "losses_per_rank": [t.item() for t in per_rank]})
-    return {"steps": [r["step"] for r in rows],
-            "losses_rank0": [r["losses_per_rank"][0] for r in rows],
-            "losses_mean": [sum(r["losses_per_rank"]) / len(r["losses_per_rank"]) for r in rows],
-            "losses_per_rank": [r["losses_per_rank"] for r in rows],
-            "global_steps_after": engine.global_steps,
-            "skipped_steps_after": engine.skipped_steps,
-            **{k + "_after": v for k, v in scaler_state(engine).items() if k == "cur_scale"}}
+    return {
+        "steps": [r["step"] for r in rows],
+        "losses_rank0": [r["losses_per_rank"][0] for r in rows],
+        "losses_mean": [sum(r["losses_per_rank"]) / len(r["losses_per_rank"]) for r in rows],
+        "losses_per_rank": [r["losses_per_rank"] for r in rows],
+        "global_steps_after": engine.global_steps,
+        "skipped_steps_after": engine.skipped_steps,
+        **{k + "_after": v for k, v in scaler_state(engine).items() if k == "cur_scale"},
+    }
 
 
 def train_global(engine: Any, case: Any, rank: int, steps: int) -> dict:
@@ -543,8 +596,8 @@ def train_global(engine: Any, case: Any, rank: int, steps: int) -> dict:
     Step ``s`` draws a global batch of ``world * gas`` micro-batches (after the draws of steps
     1..s-1, so the data depend on the step number and the global batch size only); micro-batch
     ``j`` is trained by rank ``j % world`` at micro-step ``j // world``."""
-    import torch
     import deepspeed.comm as dist
+    import torch
 
     gen_mod = load_generator()
     mb, seq = gen_mod.MICRO_BATCH, gen_mod.SEQ_LEN
@@ -567,7 +620,7 @@ def train_global(engine: Any, case: Any, rank: int, steps: int) -> dict:
         by_micro: dict[int, float] = {}
         for k in range(gas):
             j = k * world + rank
-            t, y = tokens[j * mb:(j + 1) * mb], target[j * mb:(j + 1) * mb]
+            t, y = tokens[j * mb : (j + 1) * mb], target[j * mb : (j + 1) * mb]
             logits = engine(t)
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, case.vocab), y.reshape(-1))
             engine.backward(loss)
@@ -579,13 +632,17 @@ def train_global(engine: Any, case: Any, rank: int, steps: int) -> dict:
         if engine.global_steps != step:
             raise RuntimeError(f"after {gas} micro-steps global_steps is {engine.global_steps}, expected {step}")
         rows.append([by_micro[j] for j in range(n_micro)])
-    return {"data": "global", "gradient_accumulation_steps": gas, "micro_batches_per_step": n_micro,
-            "steps": list(range(start + 1, start + steps + 1)),
-            "losses_per_microbatch": rows,
-            "losses_mean": [sum(r) / len(r) for r in rows],
-            "global_steps_after": engine.global_steps,
-            "skipped_steps_after": engine.skipped_steps,
-            **{k + "_after": v for k, v in scaler_state(engine).items() if k == "cur_scale"}}
+    return {
+        "data": "global",
+        "gradient_accumulation_steps": gas,
+        "micro_batches_per_step": n_micro,
+        "steps": list(range(start + 1, start + steps + 1)),
+        "losses_per_microbatch": rows,
+        "losses_mean": [sum(r) / len(r) for r in rows],
+        "global_steps_after": engine.global_steps,
+        "skipped_steps_after": engine.skipped_steps,
+        **{k + "_after": v for k, v in scaler_state(engine).items() if k == "cur_scale"},
+    }
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -598,8 +655,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     ap.add_argument("--load-universal", action="store_true")
     ap.add_argument("--tag", default=None, help="tag passed to load_checkpoint (default: the 'latest' file)")
     ap.add_argument("--train-steps", type=int, default=0)
-    ap.add_argument("--data", choices=("per-rank", "global"), default="per-rank",
-                    help="training data after the load: per-rank streams (default) or one global stream")
+    ap.add_argument(
+        "--data",
+        choices=("per-rank", "global"),
+        default="per-rank",
+        help="training data after the load: per-rank streams (default) or one global stream",
+    )
     args, _unknown = ap.parse_known_args(argv)  # the deepspeed launcher appends --local_rank
     worker(args)
     # every rank has passed the last barrier, state.json is written; torch 2.13's gloo threads

@@ -44,8 +44,8 @@ def main() -> None:
     parser.add_argument("--masters-only", action="store_true")
     args, _ = parser.parse_known_args()
 
-    import torch
     import deepspeed
+    import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -68,7 +68,11 @@ def main() -> None:
             continue
         (decay if param.dim() >= 2 else no_decay).append(param)
     weight_decay = config["optimizer"]["params"]["weight_decay"]
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     if args.load:
         engine.load_checkpoint(args.load)
@@ -106,9 +110,16 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         if not args.no_live:
             torch.save(live, os.path.join(args.out, "live.pt"))
-        state = {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps, "lr": engine.get_lr()[0], "losses": losses, "lrs": lrs,
-                 "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)), "step_times": step_times,
-                 "peak_rss_kib": [int(p) for p in peaks]}
+        state = {
+            "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "lr": engine.get_lr()[0],
+            "losses": losses,
+            "lrs": lrs,
+            "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0)),
+            "step_times": step_times,
+            "peak_rss_kib": [int(p) for p in peaks],
+        }
         with open(os.path.join(args.out, "state.json"), "w", encoding="utf-8") as handle:
             json.dump(state, handle)
     torch.distributed.barrier()

@@ -35,6 +35,7 @@ Models (no download; vocabulary 64, 2 layers, tied embeddings, no dropout):
 
 The data and the CPU workarounds are those of ``scripts/hf_trainer_run.py`` (imported from it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,11 +52,23 @@ from hf_trainer_run import SEQ_LEN, VOCAB, ds_config, make_dataset, setup_distri
 from shm_leaks import removing_shm_leaks  # noqa: E402
 
 LORA = {
-    "llama": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
-                  rank_pattern={"layers.1.self_attn.q_proj": 8}, alpha_pattern={"v_proj": 32},
-                  modules_to_save=["model.norm"]),
-    "gpt2": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, use_rslora=True,
-                 lora_bias=True, bias="all"),
+    "llama": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "o_proj"],
+        rank_pattern={"layers.1.self_attn.q_proj": 8},
+        alpha_pattern={"v_proj": 32},
+        modules_to_save=["model.norm"],
+    ),
+    "gpt2": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["c_attn", "c_fc"],
+        fan_in_fan_out=True,
+        use_rslora=True,
+        lora_bias=True,
+        bias="all",
+    ),
 }
 
 
@@ -75,8 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-shard-size", help="save the base sharded at this size, e.g. 40KB")
     p.add_argument("--embedding", action="store_true", help="llama: LoRA on embed_tokens too (an Embedding LoRA)")
     p.add_argument("--master-port", type=int, default=29533)
-    p.add_argument("--role", choices=("launch", "train", "merge"), default="launch",
-                   help="launch (default): torchrun the training, then the merge; train/merge: one step")
+    p.add_argument(
+        "--role",
+        choices=("launch", "train", "merge"),
+        default="launch",
+        help="launch (default): torchrun the training, then the merge; train/merge: one step",
+    )
     args = p.parse_args(argv)
     args.save_steps = args.save_steps or args.max_steps
     return args
@@ -86,13 +103,34 @@ def build_base(model: str) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     if model == "llama":
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-                             tie_word_embeddings=True, attention_dropout=0.0, bos_token_id=0, eos_token_id=1,
-                             pad_token_id=None)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ_LEN,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=None,
+        )
         return LlamaForCausalLM(config)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ_LEN,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -100,8 +138,19 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """torchrun the training, then the merge in a plain process (no DeepSpeed config active)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(args.processes)}
     script = str(Path(__file__).resolve())
-    train = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.processes),
-             "--master-port", str(args.master_port), script, *argv, "--role", "train"]
+    train = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.processes),
+        "--master-port",
+        str(args.master_port),
+        script,
+        *argv,
+        "--role",
+        "train",
+    ]
     with removing_shm_leaks():
         if subprocess.run(train, env=env).returncode != 0:
             return 1
@@ -121,12 +170,27 @@ def train(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
     targs = TrainingArguments(
-        output_dir=str(args.out), max_steps=args.max_steps, save_steps=args.save_steps, save_strategy="steps",
-        logging_steps=1, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
-        learning_rate=args.lr, lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
-        bf16=args.bf16, seed=args.seed, data_seed=args.seed, deepspeed=ds_config(args.stage),
-        accelerator_config={"use_configured_state": True}, report_to="none", dataloader_num_workers=0,
-        disable_tqdm=True, save_only_model=False,
+        output_dir=str(args.out),
+        max_steps=args.max_steps,
+        save_steps=args.save_steps,
+        save_strategy="steps",
+        logging_steps=1,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=args.lr,
+        lr_scheduler_type="linear",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=args.bf16,
+        seed=args.seed,
+        data_seed=args.seed,
+        deepspeed=ds_config(args.stage),
+        accelerator_config={"use_configured_state": True},
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        save_only_model=False,
     )
     base_dir = args.out / "base"
     if dist.get_rank() == 0:
@@ -145,11 +209,21 @@ def train(args: argparse.Namespace) -> None:
     lora = dict(LORA[args.model])
     if args.embedding:
         lora["target_modules"] = [*lora["target_modules"], "embed_tokens"]
-    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **lora), autocast_adapter_dtype=not args.bf16)
-    record: dict[str, Any] = {"model": args.model, "stage": args.stage, "dtype": "bf16" if args.bf16 else "fp32",
-                              "world_size": dist.get_world_size(), "lora": lora, "losses": [], "saves": {},
-                              "versions": {m: version(m) for m in ("deepspeed", "torch", "transformers", "accelerate", "peft")},
-                              "command": "DS_ACCELERATOR=cpu python scripts/hf_peft_run.py " + " ".join(sys.argv[1:]).replace(" --role train", "")}
+    model = get_peft_model(
+        base, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **lora), autocast_adapter_dtype=not args.bf16
+    )
+    record: dict[str, Any] = {
+        "model": args.model,
+        "stage": args.stage,
+        "dtype": "bf16" if args.bf16 else "fp32",
+        "world_size": dist.get_world_size(),
+        "lora": lora,
+        "losses": [],
+        "saves": {},
+        "versions": {m: version(m) for m in ("deepspeed", "torch", "transformers", "accelerate", "peft")},
+        "command": "DS_ACCELERATOR=cpu python scripts/hf_peft_run.py "
+        + " ".join(sys.argv[1:]).replace(" --role train", ""),
+    }
     trainer: Any = None
 
     def dump() -> None:
@@ -159,13 +233,19 @@ def train(args: argparse.Namespace) -> None:
     class Recorder(TrainerCallback):
         def on_save(self, a, st, control, **kw):
             module = trainer.model_wrapped.module
-            live = {n: safe_get_full_fp32_param(p).detach().float().cpu().clone().contiguous()
-                    for n, p in module.named_parameters() if p.requires_grad}
+            live = {
+                n: safe_get_full_fp32_param(p).detach().float().cpu().clone().contiguous()
+                for n, p in module.named_parameters()
+                if p.requires_grad
+            }
             if dist.get_rank() == 0:
                 name = f"live_step{st.global_step}.safetensors"
                 save_file(live, str(args.out / name))
-                record["saves"][str(st.global_step)] = {"checkpoint": f"checkpoint-{st.global_step}", "live": name,
-                                                        "trainable": {n: list(t.shape) for n, t in live.items()}}
+                record["saves"][str(st.global_step)] = {
+                    "checkpoint": f"checkpoint-{st.global_step}",
+                    "live": name,
+                    "trainable": {n: list(t.shape) for n, t in live.items()},
+                }
                 dump()
             dist.barrier()
 
@@ -173,7 +253,9 @@ def train(args: argparse.Namespace) -> None:
             if logs and "loss" in logs:
                 record["losses"].append([st.global_step, logs["loss"]])
 
-    trainer = Trainer(model=model, args=targs, train_dataset=make_dataset(args.samples, args.seed), callbacks=[Recorder()])
+    trainer = Trainer(
+        model=model, args=targs, train_dataset=make_dataset(args.samples, args.seed), callbacks=[Recorder()]
+    )
     trainer.train()
     dump()
     dist.barrier()

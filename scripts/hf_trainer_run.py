@@ -63,6 +63,7 @@ CPU workarounds (transformers 5.23, accelerate 1.15, DeepSpeed 0.19.8, no GPU; s
 * DeepSpeed's CPU runs leak ``/dev/shm/deepspeed_allreduce_buffer_*``; the caller removes them
   (``scripts/shm_leaks.py``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 VOCAB = 64
 SEQ_LEN = 16
-PROBED_PARAMS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.1.mlp.down_proj.weight", "model.norm.weight")
+PROBED_PARAMS = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.norm.weight",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,10 +104,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="per process")
     p.add_argument("--samples", type=int, default=192, help="data set size")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--probe-at", type=int, nargs="*", help="global steps to probe at (default: multiples of --save-steps)")
+    p.add_argument(
+        "--probe-at", type=int, nargs="*", help="global steps to probe at (default: multiples of --save-steps)"
+    )
     p.add_argument("--untied", action="store_true", help="tie_word_embeddings=False (default tied)")
-    p.add_argument("--dump-masters", action="store_true",
-                   help="at every save, rank 0 writes OUT/masters_step<N>.safetensors: every param's full fp32 master")
+    p.add_argument(
+        "--dump-masters",
+        action="store_true",
+        help="at every save, rank 0 writes OUT/masters_step<N>.safetensors: every param's full fp32 master",
+    )
     return p.parse_args(argv)
 
 
@@ -198,8 +208,12 @@ def optimizer_probe(trainer: Any, names: tuple[str, ...]) -> tuple[dict, dict]:
     summary = {
         "adam_steps": sorted({s for r in gathered for s in r}),
         "adam_steps_per_rank": gathered,
-        "exp_avg_nonzero": {n: bool(t["exp_avg"].abs().sum() > 0) if "exp_avg" in t else False for n, t in tensors.items()},
-        "exp_avg_sq_nonzero": {n: bool(t["exp_avg_sq"].abs().sum() > 0) if "exp_avg_sq" in t else False for n, t in tensors.items()},
+        "exp_avg_nonzero": {
+            n: bool(t["exp_avg"].abs().sum() > 0) if "exp_avg" in t else False for n, t in tensors.items()
+        },
+        "exp_avg_sq_nonzero": {
+            n: bool(t["exp_avg_sq"].abs().sum() > 0) if "exp_avg_sq" in t else False for n, t in tensors.items()
+        },
         "fp32_finite": {n: bool(torch.isfinite(t["fp32"]).all()) for n, t in tensors.items()},
     }
     return summary, tensors
@@ -223,7 +237,11 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
-    probe_at = set(args.probe_at) if args.probe_at is not None else set(range(args.save_steps, args.max_steps, args.save_steps))
+    probe_at = (
+        set(args.probe_at)
+        if args.probe_at is not None
+        else set(range(args.save_steps, args.max_steps, args.save_steps))
+    )
     targs = TrainingArguments(
         output_dir=str(args.out),
         max_steps=args.max_steps,
@@ -250,16 +268,31 @@ def run(args: argparse.Namespace) -> int:
     assert targs.world_size == state.num_processes == dist.get_world_size(), (targs.world_size, state.num_processes)
 
     set_seed(args.seed)  # model init (overwritten by the checkpoint when resuming)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-                         tie_word_embeddings=not args.untied, attention_dropout=0.0, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=not args.untied,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config)
     dataset = make_dataset(args.samples, args.seed)
-    record: dict[str, Any] = {"world_size": dist.get_world_size(), "stage": args.stage,
-                              "dtype": "bf16" if args.bf16 else "fp32",
-                              "resumed_from": str(args.resume_from) if args.resume_from else None,
-                              "steps": [], "resume": None, "probes": {}}
+    record: dict[str, Any] = {
+        "world_size": dist.get_world_size(),
+        "stage": args.stage,
+        "dtype": "bf16" if args.bf16 else "fp32",
+        "resumed_from": str(args.resume_from) if args.resume_from else None,
+        "steps": [],
+        "resume": None,
+        "probes": {},
+    }
 
     def dump() -> None:
         if dist.get_rank() == 0:
@@ -290,14 +323,16 @@ def run(args: argparse.Namespace) -> int:
             if probe_now:
                 summary, tensors = optimizer_probe(trainer, PROBED_PARAMS)
                 engine = trainer.model_wrapped
-                summary.update({
-                    "trainer_global_step": st.global_step,
-                    "engine_global_steps": int(engine.global_steps),
-                    "engine_global_samples": int(engine.global_samples),
-                    "lr": self.pending_lr,
-                    "optimizer_lrs": [float(g["lr"]) for g in trainer.optimizer.param_groups],
-                    "num_processes": dist.get_world_size(),
-                })
+                summary.update(
+                    {
+                        "trainer_global_step": st.global_step,
+                        "engine_global_steps": int(engine.global_steps),
+                        "engine_global_samples": int(engine.global_samples),
+                        "lr": self.pending_lr,
+                        "optimizer_lrs": [float(g["lr"]) for g in trainer.optimizer.param_groups],
+                        "num_processes": dist.get_world_size(),
+                    }
+                )
                 if self.first and args.resume_from is not None:
                     ws = dist.get_world_size()
                     rng = "rng_state.pth" if ws == 1 else f"rng_state_{dist.get_rank()}.pth"
@@ -316,8 +351,9 @@ def run(args: argparse.Namespace) -> int:
             mean = torch.tensor([sum(micro_losses) / max(len(micro_losses), 1)], dtype=torch.float64)
             dist.all_reduce(mean)
             micro_losses.clear()
-            record["steps"].append({"step": st.global_step, "loss": float(mean.item()) / dist.get_world_size(),
-                                    "lr": self.pending_lr})
+            record["steps"].append(
+                {"step": st.global_step, "loss": float(mean.item()) / dist.get_world_size(), "lr": self.pending_lr}
+            )
             dump()
 
         def on_save(self, a, st, control, **kw):
@@ -325,8 +361,10 @@ def run(args: argparse.Namespace) -> int:
                 from deepspeed.utils import safe_get_full_fp32_param
                 from safetensors.torch import save_file
 
-                masters = {name: safe_get_full_fp32_param(p).detach().float().cpu().clone()
-                           for name, p in trainer.model_wrapped.module.named_parameters()}
+                masters = {
+                    name: safe_get_full_fp32_param(p).detach().float().cpu().clone()
+                    for name, p in trainer.model_wrapped.module.named_parameters()
+                }
                 if dist.get_rank() == 0:
                     save_file(masters, str(args.out / f"masters_step{st.global_step}.safetensors"))
                 dist.barrier()

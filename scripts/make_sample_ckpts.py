@@ -20,6 +20,7 @@ Usage::
 
 The ``--describe`` mode needs torch and deepspeed, so run it with a venv's python.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,95 +105,187 @@ class Case:
 
 CASES: list[Case] = [
     # ---- DeepSpeed 0.19.8 ----
-    Case("z1_fp32_ws2_frozen_tied", "ds19", 1, "fp32", 2, tied=True, frozen=True,
-         notes="ZeRO-1 writes frozen_param_shapes/frozen_param_fragments as None: the frozen "
-               "values are only in the model_states 'module' dict, and DeepSpeed's zero_to_fp32 "
-               "output lacks them (live.safetensors has them)"),
+    Case(
+        "z1_fp32_ws2_frozen_tied",
+        "ds19",
+        1,
+        "fp32",
+        2,
+        tied=True,
+        frozen=True,
+        notes="ZeRO-1 writes frozen_param_shapes/frozen_param_fragments as None: the frozen "
+        "values are only in the model_states 'module' dict, and DeepSpeed's zero_to_fp32 "
+        "output lacks them (live.safetensors has them)",
+    ),
     Case("z1_bf16_ws3_groups", "ds19", 1, "bf16", 3, groups=True),
     Case("z2_fp32_ws1", "ds19", 2, "fp32", 1),
     Case("z2_bf16_ws3_frozen_groups", "ds19", 2, "bf16", 3, frozen=True, groups=True),
     Case("z2_fp16_ws4_tied", "ds19", 2, "fp16", 4, tied=True),
-    Case("z2_bf16_ws3_paramalign", "ds19", 2, "bf16", 3,
-         zero_extra=(("parameter_alignment", True),),
-         notes="zero_optimization.parameter_alignment=true: each param starts 16-byte aligned "
-               "in the flat buffer, so optim_states' param_alignment_paddings are non-zero"),
-    Case("z1_fp32_ws2_roundrobin", "ds19", 1, "fp32", 2,
-         zero_extra=(("round_robin_gradients", True),),
-         live_from_module=(
-             "DeepSpeed 0.19.8 bug: with round_robin_gradients the flat buffers and param_shapes "
-             "follow the round-robin param order, but the fp32<->param links (used by "
-             "safe_get_full_fp32_param / safe_get_full_optimizer_state and written as "
-             "param_slice_mappings) assume the original order, so they point at the wrong "
-             "elements. live.safetensors therefore holds the module's own fp32 params (equal to "
-             "the fp32 masters in an fp32 run, and to zero_to_fp32's output); no "
-             "live_optimizer.safetensors. The checkpoint's param_slice_mappings are WRONG here."),
-         notes="zero_optimization.round_robin_gradients=true: params are laid out in the flat "
-               "buffer in round-robin order across ranks (param_shapes lists them in that order)"),
-    Case("z2_fp32_ws2_twotags", "ds19", 2, "fp32", 2, save_steps=(2, 3),
-         notes="checkpoint holds two tags (global_step2, global_step3); latest -> global_step3; "
-               "reference/ is for the latest tag"),
-    Case("z3_fp32_ws2_tied_frozen", "ds19", 3, "fp32", 2, tied=True, frozen=True,
-         persistence_threshold=None,
-         notes="stage3_param_persistence_threshold left at DeepSpeed's default (1e5), so every "
-               "param of this tiny model is persistent; the model_states 'module' tensors are "
-               "still empty placeholders"),
+    Case(
+        "z2_bf16_ws3_paramalign",
+        "ds19",
+        2,
+        "bf16",
+        3,
+        zero_extra=(("parameter_alignment", True),),
+        notes="zero_optimization.parameter_alignment=true: each param starts 16-byte aligned "
+        "in the flat buffer, so optim_states' param_alignment_paddings are non-zero",
+    ),
+    Case(
+        "z1_fp32_ws2_roundrobin",
+        "ds19",
+        1,
+        "fp32",
+        2,
+        zero_extra=(("round_robin_gradients", True),),
+        live_from_module=(
+            "DeepSpeed 0.19.8 bug: with round_robin_gradients the flat buffers and param_shapes "
+            "follow the round-robin param order, but the fp32<->param links (used by "
+            "safe_get_full_fp32_param / safe_get_full_optimizer_state and written as "
+            "param_slice_mappings) assume the original order, so they point at the wrong "
+            "elements. live.safetensors therefore holds the module's own fp32 params (equal to "
+            "the fp32 masters in an fp32 run, and to zero_to_fp32's output); no "
+            "live_optimizer.safetensors. The checkpoint's param_slice_mappings are WRONG here."
+        ),
+        notes="zero_optimization.round_robin_gradients=true: params are laid out in the flat "
+        "buffer in round-robin order across ranks (param_shapes lists them in that order)",
+    ),
+    Case(
+        "z2_fp32_ws2_twotags",
+        "ds19",
+        2,
+        "fp32",
+        2,
+        save_steps=(2, 3),
+        notes="checkpoint holds two tags (global_step2, global_step3); latest -> global_step3; "
+        "reference/ is for the latest tag",
+    ),
+    Case(
+        "z3_fp32_ws2_tied_frozen",
+        "ds19",
+        3,
+        "fp32",
+        2,
+        tied=True,
+        frozen=True,
+        persistence_threshold=None,
+        notes="stage3_param_persistence_threshold left at DeepSpeed's default (1e5), so every "
+        "param of this tiny model is persistent; the model_states 'module' tensors are "
+        "still empty placeholders",
+    ),
     Case("z3_bf16_ws3_subgroups_groups", "ds19", 3, "bf16", 3, groups=True, sub_group_size=500),
     Case("z3_fp16_ws4_subgroups_frozen", "ds19", 3, "fp16", 4, frozen=True, sub_group_size=500),
     Case("z3_bf16_ws1", "ds19", 3, "bf16", 1),
-    Case("z3_fp32_ws2_cpuoffload_tied", "ds19", 3, "fp32", 2, tied=True,
-         zero_extra=(("offload_optimizer", {"device": "cpu"}), ("offload_param", {"device": "cpu"})),
-         config_extra=(("zero_force_ds_cpu_optimizer", False),),
-         notes="ZeRO-3 with optimizer and params offloaded to CPU (torch AdamW, not DeepSpeedCPUAdam)"),
+    Case(
+        "z3_fp32_ws2_cpuoffload_tied",
+        "ds19",
+        3,
+        "fp32",
+        2,
+        tied=True,
+        zero_extra=(("offload_optimizer", {"device": "cpu"}), ("offload_param", {"device": "cpu"})),
+        config_extra=(("zero_force_ds_cpu_optimizer", False),),
+        notes="ZeRO-3 with optimizer and params offloaded to CPU (torch AdamW, not DeepSpeedCPUAdam)",
+    ),
     # ZeRO-3, optimizer offloaded to NVMe. DeepSpeed swaps a sub-group only when its fp32
     # partition is >= 1 MiB (262144 elements per rank), so this model is bigger: with
     # sub_group_size 200000 the decay group splits into [embed, fc1.weight, fc2.weight]
     # (262176 per rank: swapped, "0_7") and [pos.weight] (158: in memory, "13_13"); the
     # no-decay group (6318 per rank) is one in-memory sub-group ("1_8").
-    Case("z3_bf16_ws2_nvmeoffload_frozen_tied_groups", "ds19", 3, "bf16", 2, frozen=True,
-         tied=True, groups=True, sub_group_size=200_000, vocab=29, dim=63, hidden=4147,
-         zero_extra=(("offload_optimizer", {"device": "nvme", "nvme_path": NVME_PATH}),),
-         config_extra=(("zero_force_ds_cpu_optimizer", False),),
-         notes="ZeRO-3 with the optimizer offloaded to NVMe (torch AdamW): sub-groups whose fp32 "
-               "partition is >= 1 MiB are swapped and saved as raw files under "
-               "<tag>/offloaded_tensors/rankRR/ (their fp32_flat_groups entries and Adam states "
-               "in the optim files are empty); smaller sub-groups stay in the optim files. "
-               "nvme_path in ds_config was a temp dir, gone. DeepSpeed's zero_to_fp32 fails on "
-               "it (reference_error). Bigger model: vocab 29, dim 63, hidden 4147"),
+    Case(
+        "z3_bf16_ws2_nvmeoffload_frozen_tied_groups",
+        "ds19",
+        3,
+        "bf16",
+        2,
+        frozen=True,
+        tied=True,
+        groups=True,
+        sub_group_size=200_000,
+        vocab=29,
+        dim=63,
+        hidden=4147,
+        zero_extra=(("offload_optimizer", {"device": "nvme", "nvme_path": NVME_PATH}),),
+        config_extra=(("zero_force_ds_cpu_optimizer", False),),
+        notes="ZeRO-3 with the optimizer offloaded to NVMe (torch AdamW): sub-groups whose fp32 "
+        "partition is >= 1 MiB are swapped and saved as raw files under "
+        "<tag>/offloaded_tensors/rankRR/ (their fp32_flat_groups entries and Adam states "
+        "in the optim files are empty); smaller sub-groups stay in the optim files. "
+        "nvme_path in ds_config was a temp dir, gone. DeepSpeed's zero_to_fp32 fails on "
+        "it (reference_error). Bigger model: vocab 29, dim 63, hidden 4147",
+    ),
     # ZeRO-Infinity (optimizer and params on NVMe), the live swap folder copied 2 steps after the
     # checkpoint. The swap threshold is lowered to 64 KiB (see min_aio_bytes) to keep the sample
     # small: with sub_group_size 30000 the decay group splits into [embed, fc1.weight] (35564 per
     # rank) and [fc2.weight] (34650), both swapped, and [pos.weight] (158, in memory); the no-decay
     # group (1746 per rank) stays in memory. fc1.weight and fc2.weight (69300 elements: 34650,
     # 69300 bf16 bytes, per rank) also get 16-bit param swap files.
-    Case("z3_bf16_ws2_nvme_live_swap", "ds19", 3, "bf16", 2, frozen=True, tied=True, groups=True,
-         sub_group_size=30_000, vocab=29, dim=63, hidden=1100, live_swap_steps=2,
-         min_aio_bytes=65536,
-         zero_extra=(("offload_optimizer", {"device": "nvme", "nvme_path": NVME_PATH}),
-                     ("offload_param", {"device": "nvme", "nvme_path": NVME_PATH,
-                                        "buffer_size": 100_000, "buffer_count": 5})),
-         config_extra=(("zero_force_ds_cpu_optimizer", False),),
-         notes="ZeRO-3 with optimizer and params offloaded to NVMe (torch AdamW), DeepSpeed's "
-               "swap threshold lowered from 1 MiB to 64 KiB (swap_tensor MIN_AIO_BYTES and aio "
-               "block_size) to keep the files small. checkpoint/ is saved after step 3; after "
-               "2 more steps the live swap folder <nvme_path>/zero_stage_3 was copied into "
-               "live_swap/ and the engine's fp32 masters, Adam moments and 16-bit params dumped "
-               "into live_swap_reference/ at the same moment"),
-    Case("z2_bf16_ws2_cpuoffload_frozen", "ds19", 2, "bf16", 2, frozen=True,
-         zero_extra=(("offload_optimizer", {"device": "cpu"}),),
-         config_extra=(("zero_force_ds_cpu_optimizer", False),),
-         notes="ZeRO-2 with the optimizer offloaded to CPU (torch AdamW, not DeepSpeedCPUAdam)"),
-    Case("z1_bf16_ws3_bf16optimizer_frozen", "ds19", 1, "bf16", 3, frozen=True, grad_accum_fp32=True,
-         notes="data_types.grad_accum_dtype=fp32: DeepSpeed uses BF16_Optimizer, whose optimizer files "
-               "have no zero_stage key and keep the group padding; zero_to_fp32.py refuses them"),
-    Case("hf_trainer", "ds19", 3, "bf16", 2, tied=True, checkpoint="checkpoint-3",
-         hf_trainer=True, scheduler=True,
-         notes="laid out like a Hugging Face Trainer output folder (checkpoint-3/ with "
-               "config/tokenizer/trainer_state JSON files beside latest and global_step3/)"),
+    Case(
+        "z3_bf16_ws2_nvme_live_swap",
+        "ds19",
+        3,
+        "bf16",
+        2,
+        frozen=True,
+        tied=True,
+        groups=True,
+        sub_group_size=30_000,
+        vocab=29,
+        dim=63,
+        hidden=1100,
+        live_swap_steps=2,
+        min_aio_bytes=65536,
+        zero_extra=(
+            ("offload_optimizer", {"device": "nvme", "nvme_path": NVME_PATH}),
+            ("offload_param", {"device": "nvme", "nvme_path": NVME_PATH, "buffer_size": 100_000, "buffer_count": 5}),
+        ),
+        config_extra=(("zero_force_ds_cpu_optimizer", False),),
+        notes="ZeRO-3 with optimizer and params offloaded to NVMe (torch AdamW), DeepSpeed's "
+        "swap threshold lowered from 1 MiB to 64 KiB (swap_tensor MIN_AIO_BYTES and aio "
+        "block_size) to keep the files small. checkpoint/ is saved after step 3; after "
+        "2 more steps the live swap folder <nvme_path>/zero_stage_3 was copied into "
+        "live_swap/ and the engine's fp32 masters, Adam moments and 16-bit params dumped "
+        "into live_swap_reference/ at the same moment",
+    ),
+    Case(
+        "z2_bf16_ws2_cpuoffload_frozen",
+        "ds19",
+        2,
+        "bf16",
+        2,
+        frozen=True,
+        zero_extra=(("offload_optimizer", {"device": "cpu"}),),
+        config_extra=(("zero_force_ds_cpu_optimizer", False),),
+        notes="ZeRO-2 with the optimizer offloaded to CPU (torch AdamW, not DeepSpeedCPUAdam)",
+    ),
+    Case(
+        "z1_bf16_ws3_bf16optimizer_frozen",
+        "ds19",
+        1,
+        "bf16",
+        3,
+        frozen=True,
+        grad_accum_fp32=True,
+        notes="data_types.grad_accum_dtype=fp32: DeepSpeed uses BF16_Optimizer, whose optimizer files "
+        "have no zero_stage key and keep the group padding; zero_to_fp32.py refuses them",
+    ),
+    Case(
+        "hf_trainer",
+        "ds19",
+        3,
+        "bf16",
+        2,
+        tied=True,
+        checkpoint="checkpoint-3",
+        hf_trainer=True,
+        scheduler=True,
+        notes="laid out like a Hugging Face Trainer output folder (checkpoint-3/ with "
+        "config/tokenizer/trainer_state JSON files beside latest and global_step3/)",
+    ),
     # ---- DeepSpeed 0.14.4 ----
     Case("ds14_z1_fp16_ws2", "ds14", 1, "fp16", 2),
     Case("ds14_z2_bf16_ws3_frozen_tied", "ds14", 2, "bf16", 3, frozen=True, tied=True),
-    Case("ds14_z3_fp32_ws2_subgroups_groups", "ds14", 3, "fp32", 2, groups=True,
-         sub_group_size=500),
+    Case("ds14_z3_fp32_ws2_subgroups_groups", "ds14", 3, "fp32", 2, groups=True, sub_group_size=500),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -215,7 +308,9 @@ def build_model(case: Case) -> Any:
             self.fc1 = nn.Linear(case.dim, case.hidden)
             self.bn = nn.BatchNorm1d(case.hidden)
             self.fc2 = nn.Linear(case.hidden, case.dim)
-            self.add_module(case.adapter_name, nn.Sequential(nn.Linear(case.dim, 11), nn.Tanh(), nn.Linear(11, case.dim)))
+            self.add_module(
+                case.adapter_name, nn.Sequential(nn.Linear(case.dim, 11), nn.Tanh(), nn.Linear(11, case.dim))
+            )
             self.lm_head = nn.Linear(case.dim, case.vocab, bias=False)
             self.register_buffer("scale", torch.linspace(0.5, 1.5, case.dim))
             self.register_buffer("position_ids", torch.arange(SEQ_LEN, dtype=torch.int64)[None])
@@ -238,8 +333,9 @@ def build_model(case: Case) -> Any:
             # clones: batch_norm updates them in place and autograd saves them
             mean = bn.running_mean.detach().float().clone()
             var = bn.running_var.detach().float().clone()
-            out = nn.functional.batch_norm(x.float(), mean, var, bn.weight.float(),
-                                           bn.bias.float(), self.training, bn.momentum, bn.eps)
+            out = nn.functional.batch_norm(
+                x.float(), mean, var, bn.weight.float(), bn.bias.float(), self.training, bn.momentum, bn.eps
+            )
             if self.training:
                 with torch.no_grad():
                     bn.running_mean.copy_(mean)
@@ -277,8 +373,7 @@ def ds_config(case: Case) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1000,
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": zero,
         "wall_clock_breakdown": False,
     }
@@ -292,9 +387,10 @@ def ds_config(case: Case) -> dict[str, Any]:
     if case.min_aio_bytes:
         cfg["aio"] = {"block_size": case.min_aio_bytes}
     if case.scheduler:
-        cfg["scheduler"] = {"type": "WarmupLR",
-                            "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
-                                       "warmup_num_steps": 2}}
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 2},
+        }
     return cfg
 
 
@@ -305,8 +401,7 @@ def param_groups(model: Any, case: Case) -> list[Any]:
         return [p for _, p in named]
     decay = [p for n, p in named if p.ndim >= 2]
     no_decay = [p for n, p in named if p.ndim < 2]
-    return [{"params": decay, "weight_decay": 0.01, "lr": 1e-2},
-            {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}]
+    return [{"params": decay, "weight_decay": 0.01, "lr": 1e-2}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}]
 
 
 def allow_fp16_on_cpu() -> None:
@@ -321,8 +416,8 @@ def allow_fp16_on_cpu() -> None:
 
 def all_ranks_ok(ok: bool) -> bool:
     """True when `ok` holds on every rank (a MIN all-reduce)."""
-    import torch
     import deepspeed.comm as dist
+    import torch
 
     t = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -350,10 +445,12 @@ def optimizer_state_readable(model: Any, stage: int, key: str) -> tuple[bool, st
             frag = getattr(hp, "optim_fragment", None)
             if frag is None or key not in frag:
                 ok = False
-                reason = (f"param {n}: _hp_mapping.optim_fragment is {type(frag).__name__}"
-                          f"{'' if frag is None else ' without ' + key} (DeepSpeed links the "
-                          "fragments once, after the first param group's first step, before "
-                          "later groups have optimizer state)")
+                reason = (
+                    f"param {n}: _hp_mapping.optim_fragment is {type(frag).__name__}"
+                    f"{'' if frag is None else ' without ' + key} (DeepSpeed links the "
+                    "fragments once, after the first param group's first step, before "
+                    "later groups have optimizer state)"
+                )
                 break
     return all_ranks_ok(ok), reason
 
@@ -430,8 +527,7 @@ def copy_live_swap_folder(engine: Any, case: Case, casedir: Path) -> dict[str, A
     listing: dict[str, int] = {}
     if rank == 0:
         shutil.copytree(root, casedir / "live_swap")
-        listing = {str(f.relative_to(root)): f.stat().st_size
-                   for f in sorted(root.rglob("*")) if f.is_file()}
+        listing = {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()}
     dist.barrier()
     live, optim, note = capture_live(engine, case)
     names_of, params = params_by_identity(engine.module)
@@ -458,46 +554,84 @@ def copy_live_swap_folder(engine: Any, case: Case, casedir: Path) -> dict[str, A
     save_file(params16, str(ref / "params16.safetensors"), metadata={"format": "pt"})
     for f in ref.glob("*.safetensors"):
         f.chmod(0o644)
-    return {"global_steps": engine.global_steps, "steps_after_checkpoint": case.live_swap_steps,
-            "adam_step_per_sub_group": steps, "files": listing, "live_optimizer": note,
-            "min_aio_bytes": case.min_aio_bytes,
-            "copied": "shutil.copytree(<nvme_path>, live_swap/) on rank 0 between two "
-                      "dist.barrier() calls after the last engine.step(); then the engine's "
-                      "values read with safe_get_full_fp32_param / safe_get_full_optimizer_state "
-                      "and GatheredParameters"}
+    return {
+        "global_steps": engine.global_steps,
+        "steps_after_checkpoint": case.live_swap_steps,
+        "adam_step_per_sub_group": steps,
+        "files": listing,
+        "live_optimizer": note,
+        "min_aio_bytes": case.min_aio_bytes,
+        "copied": "shutil.copytree(<nvme_path>, live_swap/) on rank 0 between two "
+        "dist.barrier() calls after the last engine.step(); then the engine's "
+        "values read with safe_get_full_fp32_param / safe_get_full_optimizer_state "
+        "and GatheredParameters",
+    }
 
 
 def write_hf_extras(ckpt_dir: Path, case: Case, steps: int) -> None:
     """Small plausible Hugging Face Trainer side files (transformers is not needed)."""
     files: dict[str, Any] = {
         "config.json": {
-            "architectures": ["TinyLM"], "model_type": "tiny_lm", "vocab_size": case.vocab,
-            "hidden_size": case.dim, "intermediate_size": case.hidden, "max_position_embeddings": SEQ_LEN,
-            "tie_word_embeddings": case.tied, "torch_dtype": "bfloat16",
-            "transformers_version": "4.46.0"},
-        "generation_config.json": {"_from_model_config": True, "bos_token_id": 1,
-                                   "eos_token_id": 2, "transformers_version": "4.46.0"},
+            "architectures": ["TinyLM"],
+            "model_type": "tiny_lm",
+            "vocab_size": case.vocab,
+            "hidden_size": case.dim,
+            "intermediate_size": case.hidden,
+            "max_position_embeddings": SEQ_LEN,
+            "tie_word_embeddings": case.tied,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.46.0",
+        },
+        "generation_config.json": {
+            "_from_model_config": True,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "transformers_version": "4.46.0",
+        },
         "tokenizer.json": {
-            "version": "1.0", "truncation": None, "padding": None,
-            "added_tokens": [{"id": 0, "content": "<pad>", "special": True},
-                             {"id": 1, "content": "<s>", "special": True},
-                             {"id": 2, "content": "</s>", "special": True}],
-            "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
-            "model": {"type": "WordLevel", "unk_token": "<pad>",
-                      "vocab": {**{"<pad>": 0, "<s>": 1, "</s>": 2},
-                                **{f"w{i}": i for i in range(3, case.vocab)}}}},
-        "tokenizer_config.json": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-                                  "model_max_length": SEQ_LEN,
-                                  "tokenizer_class": "PreTrainedTokenizerFast"},
-        "special_tokens_map.json": {"bos_token": "<s>", "eos_token": "</s>",
-                                    "pad_token": "<pad>"},
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [
+                {"id": 0, "content": "<pad>", "special": True},
+                {"id": 1, "content": "<s>", "special": True},
+                {"id": 2, "content": "</s>", "special": True},
+            ],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "Whitespace"},
+            "model": {
+                "type": "WordLevel",
+                "unk_token": "<pad>",
+                "vocab": {**{"<pad>": 0, "<s>": 1, "</s>": 2}, **{f"w{i}": i for i in range(3, case.vocab)}},
+            },
+        },
+        "tokenizer_config.json": {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "model_max_length": SEQ_LEN,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+        "special_tokens_map.json": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
         "trainer_state.json": {
-            "best_metric": None, "best_model_checkpoint": None, "epoch": 0.3,
-            "eval_steps": 500, "global_step": steps, "is_hyper_param_search": False,
-            "is_local_process_zero": True, "is_world_process_zero": True,
-            "log_history": [], "logging_steps": 500, "max_steps": 10,
-            "num_train_epochs": 1, "save_steps": steps, "total_flos": 0.0,
-            "train_batch_size": MICRO_BATCH, "trial_name": None, "trial_params": None},
+            "best_metric": None,
+            "best_model_checkpoint": None,
+            "epoch": 0.3,
+            "eval_steps": 500,
+            "global_step": steps,
+            "is_hyper_param_search": False,
+            "is_local_process_zero": True,
+            "is_world_process_zero": True,
+            "log_history": [],
+            "logging_steps": 500,
+            "max_steps": 10,
+            "num_train_epochs": 1,
+            "save_steps": steps,
+            "total_flos": 0.0,
+            "train_batch_size": MICRO_BATCH,
+            "trial_name": None,
+            "trial_params": None,
+        },
     }
     for fname, content in files.items():
         (ckpt_dir / fname).write_text(json.dumps(content, indent=2) + "\n")
@@ -505,9 +639,9 @@ def write_hf_extras(ckpt_dir: Path, case: Case, steps: int) -> None:
 
 def worker(case: Case, casedir: Path) -> None:
     """Per-rank entry point: train, capture live values, save checkpoint(s)."""
-    import torch
     import deepspeed
     import deepspeed.comm as dist
+    import torch
     from safetensors.torch import save_file
 
     if case.dtype == "fp16":
@@ -518,11 +652,13 @@ def worker(case: Case, casedir: Path) -> None:
 
     if case.min_aio_bytes:  # the swappers read the threshold from their module globals
         from deepspeed.runtime.swap_tensor import optimizer_utils, partitioned_param_swapper
+
         optimizer_utils.MIN_AIO_BYTES = case.min_aio_bytes
         partitioned_param_swapper.MIN_AIO_BYTES = case.min_aio_bytes
     model = build_model(case)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case),
-                                           config=ds_config(case))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+    )
     ckpt_dir = casedir / case.checkpoint
     gen = torch.Generator().manual_seed(case.seed + 1000 * rank)
     tags: list[str] = []
@@ -532,8 +668,7 @@ def worker(case: Case, casedir: Path) -> None:
         tokens = torch.randint(0, case.vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
         target = torch.randint(0, case.vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
         logits = engine(tokens)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, case.vocab),
-                                                 target.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, case.vocab), target.reshape(-1))
         engine.backward(loss)
         engine.step()
         if step in case.save_steps:
@@ -544,8 +679,7 @@ def worker(case: Case, casedir: Path) -> None:
                     ref.mkdir(parents=True, exist_ok=True)
                     save_file(live, str(ref / "live.safetensors"), metadata={"format": "pt"})
                     if optim is not None:
-                        save_file(optim, str(ref / "live_optimizer.safetensors"),
-                                  metadata={"format": "pt"})
+                        save_file(optim, str(ref / "live_optimizer.safetensors"), metadata={"format": "pt"})
             engine.save_checkpoint(str(ckpt_dir))
             dist.barrier()
             tags.append((ckpt_dir / "latest").read_text().strip())
@@ -553,8 +687,9 @@ def worker(case: Case, casedir: Path) -> None:
                 # the live swap folder (all ranks) right after the save, for comparison with
                 # what save_checkpoint copied; DeepSpeed empties it when the run ends
                 root = Path(os.environ["ZCKPT_NVME_PATH"])
-                nvme_listing = {str(f.relative_to(root)): f.stat().st_size
-                                for f in sorted(root.rglob("*")) if f.is_file()}
+                nvme_listing = {
+                    str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()
+                }
         if case.live_swap_steps and step == case.steps + case.live_swap_steps:
             live_swap = copy_live_swap_folder(engine, case, casedir)
 
@@ -569,11 +704,15 @@ def worker(case: Case, casedir: Path) -> None:
             ds_ids = {n: p.ds_id for n, p in model.named_parameters(remove_duplicate=False)}
             name_of = {id(p): n for n, p in model.named_parameters()}
             swapped = getattr(opt, "_swappable_optimizer_subgroup", lambda i: False)
-            sub_groups = [{"ds_id": opt.fp32_partitioned_groups_flat[i].ds_id,
-                           "params": [name_of[id(p)] for p in opt.fp16_groups[i]],
-                           "partition_numel": opt.fp16_partitioned_groups_flat_numel[i],
-                           "swapped_to_nvme": bool(swapped(i))}
-                          for i in range(n_sub_groups)]
+            sub_groups = [
+                {
+                    "ds_id": opt.fp32_partitioned_groups_flat[i].ds_id,
+                    "params": [name_of[id(p)] for p in opt.fp16_groups[i]],
+                    "partition_numel": opt.fp16_partitioned_groups_flat_numel[i],
+                    "swapped_to_nvme": bool(swapped(i)),
+                }
+                for i in range(n_sub_groups)
+            ]
         tied = {}
         seen: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -625,8 +764,7 @@ def run(cmd: list[str], cwd: Path, log: Path, env: dict[str, str]) -> None:
     with log.open("a") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
-        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                              timeout=900)
+        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=900)
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-40:])
         raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
@@ -637,8 +775,7 @@ def offloaded_tensors(tag_dir: Path) -> dict[str, dict[str, int]] | None:
     root = tag_dir / "offloaded_tensors"
     if not root.is_dir():
         return None
-    return {d.name: {f.name: f.stat().st_size for f in sorted(d.iterdir())}
-            for d in sorted(root.iterdir())}
+    return {d.name: {f.name: f.stat().st_size for f in sorted(d.iterdir())} for d in sorted(root.iterdir())}
 
 
 def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> float:
@@ -655,9 +792,14 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
     # TORCH_EXTENSIONS_DIR: DeepSpeed JIT-builds ops (deepspeed_shm_comm, async_io) into torch's
     # extension cache, which two releases on the same torch would share; a build by the other
     # release can then be loaded ("module 'deepspeed_shm_comm' has no attribute ...").
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONHASHSEED": "0", "LOCAL_SIZE": str(case.world_size),
-           "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / f"torch_extensions_{case.release}")}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+        "LOCAL_SIZE": str(case.world_size),
+        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / f"torch_extensions_{case.release}"),
+    }
 
     # a fixed name (not mkdtemp's random one): it is written into ds_config in every .pt file
     nvme_dir = Path(tempfile.gettempdir()) / f"zckpt_nvme_{case.name}" if uses_nvme(case) else None
@@ -667,11 +809,26 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
             nvme_dir.mkdir(parents=True)
             env["ZCKPT_NVME_PATH"] = str(nvme_dir)
         with removing_shm_leaks():
-            run([pythons[case.release], "-m", "torch.distributed.run", "--nproc_per_node",
-                 str(case.world_size), "--master_port", str(free_port()),
-                 str(Path(__file__).resolve()), "--worker", "--case-json", json.dumps(asdict(case)),
-                 "--outdir", str(casedir.resolve())],
-                cwd=REPO, log=log, env=env)
+            run(
+                [
+                    pythons[case.release],
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    str(case.world_size),
+                    "--master_port",
+                    str(free_port()),
+                    str(Path(__file__).resolve()),
+                    "--worker",
+                    "--case-json",
+                    json.dumps(asdict(case)),
+                    "--outdir",
+                    str(casedir.resolve()),
+                ],
+                cwd=REPO,
+                log=log,
+                env=env,
+            )
     finally:
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)
@@ -694,9 +851,12 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
 
     info = json.loads((casedir / "_worker_info.json").read_text())
     (casedir / "_worker_info.json").unlink()
-    ref_ver = subprocess.run([pythons["ds19"], "-c", "import importlib.metadata as m; "
-                              "print(m.version('deepspeed'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    ref_ver = subprocess.run(
+        [pythons["ds19"], "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     notes = [case.notes] if case.notes else []
     if info["skipped_steps"]:
         notes.append(f"{info['skipped_steps']} step(s) skipped by the fp16 loss scaler")
@@ -722,13 +882,17 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
         "ds_ids": info["ds_ids"],
         "nvme_swap_folder_at_save": info["nvme_swap_folder"],
         "stage3_param_persistence_threshold": (
-            (case.persistence_threshold if case.persistence_threshold is not None
-             else "default") if case.stage == 3 else None),
+            (case.persistence_threshold if case.persistence_threshold is not None else "default")
+            if case.stage == 3
+            else None
+        ),
         "buffers": info["buffers"],
         "final_loss_scale": info["final_loss_scale"],
-        "live_source": ("module parameters (see live_optimizer)" if case.live_from_module
-                        else "deepspeed.utils.safe_get_full_fp32_param (trainable), full "
-                             "16-bit/fp32 value (frozen), module buffers"),
+        "live_source": (
+            "module parameters (see live_optimizer)"
+            if case.live_from_module
+            else "deepspeed.utils.safe_get_full_fp32_param (trainable), full 16-bit/fp32 value (frozen), module buffers"
+        ),
         "live_optimizer": info["live_optimizer"],
         "live_optimizer_file": (casedir / "reference/live_optimizer.safetensors").exists(),
         "notes": "; ".join(notes),
@@ -736,8 +900,14 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
         "reference_error": reference_error,
         "reference_cwd": "the case directory (sample_ckpts/%s)" % case.name,
         "reference_deepspeed_version": ref_ver,
-        "model": {"vocab": case.vocab, "dim": case.dim, "hidden": case.hidden, "seq_len": SEQ_LEN,
-                  "micro_batch": MICRO_BATCH, "seed": case.seed},
+        "model": {
+            "vocab": case.vocab,
+            "dim": case.dim,
+            "hidden": case.hidden,
+            "seq_len": SEQ_LEN,
+            "micro_batch": MICRO_BATCH,
+            "seed": case.seed,
+        },
         "ds_config": info["ds_config"],
     }
     if info.get("live_swap"):
@@ -799,8 +969,7 @@ def describe_obj(obj: Any, indent: int = 0, depth: int = 3) -> list[str]:
         label = repr(k) if isinstance(obj, dict) else f"[{k}]"
         if isinstance(v, torch.Tensor):
             lines.append(f"{pad}{label}: {type(v).__name__}{tuple(v.shape)} {v.dtype}")
-        elif (isinstance(v, (dict, list, tuple)) and not isinstance(v, torch.Size)
-              and depth > 0 and k != "ds_config"):
+        elif isinstance(v, (dict, list, tuple)) and not isinstance(v, torch.Size) and depth > 0 and k != "ds_config":
             lines.append(f"{pad}{label}: {type(v).__name__}[{len(v)}]")
             lines.extend(describe_obj(v, indent + 1, depth - 1))
         else:
@@ -823,8 +992,7 @@ def describe(path: Path) -> None:
 # --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (driver, worker or describe mode)."""
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "sample_ckpts")
     ap.add_argument("--only", nargs="+", metavar="CASE", choices=sorted(CASES_BY_NAME))
     ap.add_argument("--python-ds19", default=DEFAULT_PY["ds19"])
@@ -860,16 +1028,17 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     t_all = time.time()
     for case in selected:
-        print(f"[{case.name}] {case.release} zero{case.stage} {case.dtype} ws{case.world_size} ...",
-              flush=True)
+        print(f"[{case.name}] {case.release} zero{case.stage} {case.dtype} ws{case.world_size} ...", flush=True)
         try:
             dt = generate(case, args.out, pythons, args.logdir)
             print(f"[{case.name}] done in {dt:.0f}s", flush=True)
         except Exception as exc:  # keep going, report at the end
             failures.append(case.name)
             print(f"[{case.name}] FAILED: {exc}", flush=True)
-    print(f"total {time.time() - t_all:.0f}s; {len(selected) - len(failures)} ok, "
-          f"{len(failures)} failed {failures if failures else ''}")
+    print(
+        f"total {time.time() - t_all:.0f}s; {len(selected) - len(failures)} ok, "
+        f"{len(failures)} failed {failures if failures else ''}"
+    )
     return 1 if failures else 0
 
 

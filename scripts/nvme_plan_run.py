@@ -92,18 +92,23 @@ def swap_facts(model: Any) -> dict[str, Any]:
     params = {}
     swapper = None
     for name, p in model.named_parameters():
-        params[name] = {"numel": p.ds_numel, "partition_numel": p.ds_tensor.ds_numel,
-                        "swapped": p.ds_tensor.final_location == OffloadDeviceEnum.nvme}
+        params[name] = {
+            "numel": p.ds_numel,
+            "partition_numel": p.ds_tensor.ds_numel,
+            "swapped": p.ds_tensor.final_location == OffloadDeviceEnum.nvme,
+        }
         swapper = swapper or getattr(p, "nvme_swapper", None)
     facts: dict[str, Any] = {"params": params}
     if swapper is not None:
-        facts["param_swapper"] = {"elements_per_buffer": swapper.elements_per_buffer,
-                                  "aligned_elements_per_buffer": swapper.aligned_elements_per_buffer,
-                                  "buffer_count": swapper.param_buffer_count,
-                                  "pinned_elements": swapper.buffers.numel(),
-                                  "element_size": swapper.swap_element_size,
-                                  "min_aio_bytes": swapper.min_aio_bytes,
-                                  "numel_alignment": swapper.numel_alignment}
+        facts["param_swapper"] = {
+            "elements_per_buffer": swapper.elements_per_buffer,
+            "aligned_elements_per_buffer": swapper.aligned_elements_per_buffer,
+            "buffer_count": swapper.param_buffer_count,
+            "pinned_elements": swapper.buffers.numel(),
+            "element_size": swapper.swap_element_size,
+            "min_aio_bytes": swapper.min_aio_bytes,
+            "numel_alignment": swapper.numel_alignment,
+        }
     return facts
 
 
@@ -116,9 +121,9 @@ def worker(args: argparse.Namespace) -> int:
     out = Path(args.out)
     result: dict[str, Any] = {"rank": rank, "stage": "init"}
     try:
-        import torch
         import deepspeed
         import deepspeed.comm as dist
+        import torch
 
         deepspeed.init_distributed(dist_backend="gloo")
         config = resolve_config(json.loads(Path(args.config).read_text()), args.nvme)
@@ -131,17 +136,24 @@ def worker(args: argparse.Namespace) -> int:
             with deepspeed.zero.GatheredParameters(list(model.parameters())):
                 result["gathered_numel"] = sum(p.numel() for p in model.parameters())
         result["stage"] = "initialize"
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters()], config=config
+        )
         opt = engine.optimizer
         result["optimizer_swapper"] = None
         swapper = getattr(opt, "optimizer_swapper", None)
         if swapper is not None:
             manager = swapper.swap_buffer_manager
-            result["optimizer_swapper"] = {"buffer_count": manager.count, "buffer_numel": manager.num_elems,
-                                           "largest_numel": swapper.largest_numel,
-                                           "sub_group_partition_numels": list(opt.fp16_partitioned_groups_flat_numel),
-                                           "sub_groups_swapped": [bool(opt._swappable_optimizer_subgroup(i))
-                                                                  for i in range(len(opt.fp16_partitioned_groups_flat_numel))]}
+            result["optimizer_swapper"] = {
+                "buffer_count": manager.count,
+                "buffer_numel": manager.num_elems,
+                "largest_numel": swapper.largest_numel,
+                "sub_group_partition_numels": list(opt.fp16_partitioned_groups_flat_numel),
+                "sub_groups_swapped": [
+                    bool(opt._swappable_optimizer_subgroup(i))
+                    for i in range(len(opt.fp16_partitioned_groups_flat_numel))
+                ],
+            }
         result["stage"] = "train"
         gen = torch.Generator().manual_seed(SEED + rank)
         losses = []
@@ -176,8 +188,23 @@ def free_port() -> int:
 
 def launch_command(python: str, config: Path, out: Path, nvme: Path, world_size: int, gather: bool) -> list[str]:
     """The torchrun command line of a run (the tests launch it with their own log and timeout)."""
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-port", str(free_port()),
-           str(Path(__file__).resolve()), "--worker", "--config", str(config), "--out", str(out), "--nvme", str(nvme)]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--config",
+        str(config),
+        "--out",
+        str(out),
+        "--nvme",
+        str(nvme),
+    ]
     return cmd + (["--gather"] if gather else [])
 
 
@@ -204,7 +231,9 @@ def main() -> int:
     nvme.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     with removing_shm_leaks():
-        return subprocess.run(launch_command(args.python, args.config, args.out, nvme, args.world_size, args.gather), env=env).returncode
+        return subprocess.run(
+            launch_command(args.python, args.config, args.out, nvme, args.world_size, args.gather), env=env
+        ).returncode
 
 
 if __name__ == "__main__":

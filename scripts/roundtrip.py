@@ -29,9 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--sub-group-size", type=int, default=2000)
     parser.add_argument("--tie-embeddings", action="store_true")
-    parser.add_argument("--nvme", action="store_true", help="every run offloads its optimizer state to a swap folder in the work folder "
-                        "(sub-groups of at least 1 MiB fp32 per rank are swapped: pick --dim and --sub-group-size so some are)")
-    parser.add_argument("--nvme-params", action="store_true", help="with --nvme, the param shares too (those of at least 1 MiB per rank)")
+    parser.add_argument(
+        "--nvme",
+        action="store_true",
+        help="every run offloads its optimizer state to a swap folder in the work folder "
+        "(sub-groups of at least 1 MiB fp32 per rank are swapped: pick --dim and --sub-group-size so some are)",
+    )
+    parser.add_argument(
+        "--nvme-params",
+        action="store_true",
+        help="with --nvme, the param shares too (those of at least 1 MiB per rank)",
+    )
     parser.add_argument("--work-dir", help="keep the checkpoints here (default: a temporary folder)")
     args = parser.parse_args(argv)
 
@@ -40,10 +48,30 @@ def main(argv: list[str] | None = None) -> int:
     from zckpt.trainer.roundtrip import render, roundtrip
 
     try:
-        config = TrainConfig(steps=args.steps, dtype=args.dtype, micro_batch=args.micro_batch, grad_accum=args.grad_accum, layers=args.layers, dim=args.dim,
-                             heads=args.heads, vocab=args.vocab, seq_len=args.seq_len, sub_group_size=args.sub_group_size, tie_embeddings=args.tie_embeddings,
-                             lr=3e-3, warmup=2)
-        report = roundtrip(config, args.from_world, args.to_world, args.save_at, args.work_dir, nvme=args.nvme or args.nvme_params, nvme_params=args.nvme_params)
+        config = TrainConfig(
+            steps=args.steps,
+            dtype=args.dtype,
+            micro_batch=args.micro_batch,
+            grad_accum=args.grad_accum,
+            layers=args.layers,
+            dim=args.dim,
+            heads=args.heads,
+            vocab=args.vocab,
+            seq_len=args.seq_len,
+            sub_group_size=args.sub_group_size,
+            tie_embeddings=args.tie_embeddings,
+            lr=3e-3,
+            warmup=2,
+        )
+        report = roundtrip(
+            config,
+            args.from_world,
+            args.to_world,
+            args.save_at,
+            args.work_dir,
+            nvme=args.nvme or args.nvme_params,
+            nvme_params=args.nvme_params,
+        )
     except ZckptError as exc:
         print(f"roundtrip: error: {exc}", file=sys.stderr)
         return 2

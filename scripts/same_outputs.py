@@ -75,8 +75,13 @@ RUN_NAME = re.compile(r"[A-Za-z0-9_.+=-]+")
 # Representative samples for --quick: each stage, a 16-bit ZeRO-1 BF16_Optimizer, two tags,
 # a live swap folder, a Trainer folder and a PEFT run.
 QUICK_SAMPLES = (
-    "z2_fp32_ws1", "z1_bf16_ws3_bf16optimizer_frozen", "z3_bf16_ws3_subgroups_groups", "z2_fp32_ws2_twotags",
-    "z3_bf16_ws2_nvme_live_swap", "hf_trainer", "peft_lora.llama_z3_bf16_ws2",
+    "z2_fp32_ws1",
+    "z1_bf16_ws3_bf16optimizer_frozen",
+    "z3_bf16_ws3_subgroups_groups",
+    "z2_fp32_ws2_twotags",
+    "z3_bf16_ws2_nvme_live_swap",
+    "hf_trainer",
+    "peft_lora.llama_z3_bf16_ws2",
 )
 COMMANDS = ("consolidate", "inspect", "verify", "reshard", "to-universal", "diff", "nvme-plan", "train")
 
@@ -199,19 +204,37 @@ def find_samples(samples_dir: Path) -> list[Sample]:
     for case in sorted(path for path in samples_dir.iterdir() if path.is_dir()):
         runs = sorted(path for path in case.iterdir() if path.is_dir()) if case.name == "peft_lora" else [case]
         for folder in runs:
-            checkpoints = sorted(path for path in folder.iterdir() if path.is_dir() and (path.name == "checkpoint" or path.name.startswith("checkpoint-")))
+            checkpoints = sorted(
+                path
+                for path in folder.iterdir()
+                if path.is_dir() and (path.name == "checkpoint" or path.name.startswith("checkpoint-"))
+            )
             for checkpoint in checkpoints:
                 name = folder.name if folder == case else f"{case.name}.{folder.name}"
                 name += f".{checkpoint.name}" if len(checkpoints) > 1 else ""
                 relative = f"{SAMPLES}/{checkpoint.relative_to(samples_dir).as_posix()}"
                 latest = (checkpoint / "latest").read_text().strip() if (checkpoint / "latest").is_file() else ""
-                tags = tuple(sorted(path.name for path in checkpoint.iterdir() if path.is_dir() and path.name.startswith("global_step") and path.name != latest))
-                found.append(Sample(
-                    name=name, checkpoint=relative, other_tags=tags,
-                    swap_folder=f"{SAMPLES}/{case.name}/live_swap" if (folder / "live_swap").is_dir() else None,
-                    peft_base=f"{relative.rsplit('/', 1)[0]}/base" if (folder / "base").is_dir() and (checkpoint / "adapter_config.json").is_file() else None,
-                    trainer_output=relative.rsplit("/", 1)[0] if checkpoint.name.startswith("checkpoint-") and folder == case else None,
-                ))
+                tags = tuple(
+                    sorted(
+                        path.name
+                        for path in checkpoint.iterdir()
+                        if path.is_dir() and path.name.startswith("global_step") and path.name != latest
+                    )
+                )
+                found.append(
+                    Sample(
+                        name=name,
+                        checkpoint=relative,
+                        other_tags=tags,
+                        swap_folder=f"{SAMPLES}/{case.name}/live_swap" if (folder / "live_swap").is_dir() else None,
+                        peft_base=f"{relative.rsplit('/', 1)[0]}/base"
+                        if (folder / "base").is_dir() and (checkpoint / "adapter_config.json").is_file()
+                        else None,
+                        trainer_output=relative.rsplit("/", 1)[0]
+                        if checkpoint.name.startswith("checkpoint-") and folder == case
+                        else None,
+                    )
+                )
     return found
 
 
@@ -221,54 +244,157 @@ def sample_runs(sample: Sample) -> list[Run]:
     runs = [
         Run(f"consolidate.{s}.fp32", "consolidate", (zckpt("consolidate", ck, "out"),), quick=quick),
         Run(f"consolidate.{s}.bf16", "consolidate", (zckpt("consolidate", ck, "out", "--dtype", "bf16"),), quick=quick),
-        Run(f"consolidate.{s}.fp16-exclude-frozen", "consolidate", (zckpt("consolidate", ck, "out", "--dtype", "fp16", "--exclude-frozen"),), quick=quick),
-        Run(f"consolidate.{s}.torch", "consolidate", (zckpt("consolidate", ck, "out", "--format", "torch"),), quick=quick),
-        Run(f"consolidate.{s}.shards", "consolidate", (zckpt("consolidate", ck, "out", "--max-shard-size", "6KB"),), quick=quick),
+        Run(
+            f"consolidate.{s}.fp16-exclude-frozen",
+            "consolidate",
+            (zckpt("consolidate", ck, "out", "--dtype", "fp16", "--exclude-frozen"),),
+            quick=quick,
+        ),
+        Run(
+            f"consolidate.{s}.torch",
+            "consolidate",
+            (zckpt("consolidate", ck, "out", "--format", "torch"),),
+            quick=quick,
+        ),
+        Run(
+            f"consolidate.{s}.shards",
+            "consolidate",
+            (zckpt("consolidate", ck, "out", "--max-shard-size", "6KB"),),
+            quick=quick,
+        ),
     ]
     for world in (1, 2, 3, 4):
         for stage in (1, 2, 3):
             in_quick = quick and world in (1, 3) and stage in (1, 3)
-            runs.append(Run(f"reshard.{s}.w{world}.s{stage}", "reshard", (zckpt("reshard", ck, "out", "-w", str(world), "--stage", str(stage)),), quick=in_quick))
+            runs.append(
+                Run(
+                    f"reshard.{s}.w{world}.s{stage}",
+                    "reshard",
+                    (zckpt("reshard", ck, "out", "-w", str(world), "--stage", str(stage)),),
+                    quick=in_quick,
+                )
+            )
     runs += [
         Run(f"to-universal.{s}.default", "to-universal", (zckpt("to-universal", ck, "out"),), quick=quick),
         Run(f"to-universal.{s}.t1", "to-universal", (zckpt("to-universal", ck, "out", "--target-stage", "1"),)),
         Run(f"to-universal.{s}.t3", "to-universal", (zckpt("to-universal", ck, "out", "--target-stage", "3"),)),
-        Run(f"inspect.{s}", "inspect/verify", (zckpt("inspect", ck), zckpt("inspect", ck, "--json"), zckpt("verify", ck, "--scan"), zckpt("verify", ck, "--json")), quick=quick),
-        Run(f"chain.{s}.universal", "chain", (
-            zckpt("to-universal", ck, "uc"), zckpt("inspect", "uc"), zckpt("verify", "uc"),
-            zckpt("reshard", "uc", "resharded", "-w", "2"), zckpt("consolidate", "uc", "consolidated", "--format", "torch"),
-            zckpt("diff", ck, "uc", "--states"), zckpt("diff", ck, "consolidated", "--json"),
-        ), quick=quick),
+        Run(
+            f"inspect.{s}",
+            "inspect/verify",
+            (
+                zckpt("inspect", ck),
+                zckpt("inspect", ck, "--json"),
+                zckpt("verify", ck, "--scan"),
+                zckpt("verify", ck, "--json"),
+            ),
+            quick=quick,
+        ),
+        Run(
+            f"chain.{s}.universal",
+            "chain",
+            (
+                zckpt("to-universal", ck, "uc"),
+                zckpt("inspect", "uc"),
+                zckpt("verify", "uc"),
+                zckpt("reshard", "uc", "resharded", "-w", "2"),
+                zckpt("consolidate", "uc", "consolidated", "--format", "torch"),
+                zckpt("diff", ck, "uc", "--states"),
+                zckpt("diff", ck, "consolidated", "--json"),
+            ),
+            quick=quick,
+        ),
     ]
     for tag in sample.other_tags:
         runs += [
-            Run(f"consolidate.{s}.tag-{tag}", "consolidate", (zckpt("consolidate", ck, "out", "--tag", tag),), quick=quick),
-            Run(f"reshard.{s}.tag-{tag}", "reshard", (zckpt("reshard", ck, "out", "-w", "3", "--tag", tag),), quick=quick),
-            Run(f"to-universal.{s}.tag-{tag}", "to-universal", (zckpt("to-universal", ck, "out", "--tag", tag),), quick=quick),
+            Run(
+                f"consolidate.{s}.tag-{tag}",
+                "consolidate",
+                (zckpt("consolidate", ck, "out", "--tag", tag),),
+                quick=quick,
+            ),
+            Run(
+                f"reshard.{s}.tag-{tag}",
+                "reshard",
+                (zckpt("reshard", ck, "out", "-w", "3", "--tag", tag),),
+                quick=quick,
+            ),
+            Run(
+                f"to-universal.{s}.tag-{tag}",
+                "to-universal",
+                (zckpt("to-universal", ck, "out", "--tag", tag),),
+                quick=quick,
+            ),
         ]
     if sample.swap_folder:
         swap = sample.swap_folder
         runs += [
-            Run(f"consolidate.{s}.swap-folder", "consolidate", (zckpt("consolidate", ck, "out", "--swap-folder", swap), zckpt("consolidate", ck, "bf16", "--swap-folder", swap, "--dtype", "bf16")), quick=quick),
-            Run(f"reshard.{s}.swap-folder", "reshard", (zckpt("reshard", ck, "out", "-w", "3", "--swap-folder", swap), zckpt("reshard", ck, "z1", "-w", "1", "--stage", "1", "--swap-folder", swap)), quick=quick),
-            Run(f"to-universal.{s}.swap-folder", "to-universal", (zckpt("to-universal", ck, "out", "--swap-folder", swap),), quick=quick),
-            Run(f"inspect.{s}.swap-folder", "inspect/verify", (
-                zckpt("inspect", swap), zckpt("inspect", swap, "--checkpoint", ck), zckpt("inspect", swap, "--checkpoint", ck, "--json"),
-                zckpt("verify", swap, "--checkpoint", ck, "--scan"), zckpt("verify", ck, "--swap-folder", swap),
-            ), quick=quick),
+            Run(
+                f"consolidate.{s}.swap-folder",
+                "consolidate",
+                (
+                    zckpt("consolidate", ck, "out", "--swap-folder", swap),
+                    zckpt("consolidate", ck, "bf16", "--swap-folder", swap, "--dtype", "bf16"),
+                ),
+                quick=quick,
+            ),
+            Run(
+                f"reshard.{s}.swap-folder",
+                "reshard",
+                (
+                    zckpt("reshard", ck, "out", "-w", "3", "--swap-folder", swap),
+                    zckpt("reshard", ck, "z1", "-w", "1", "--stage", "1", "--swap-folder", swap),
+                ),
+                quick=quick,
+            ),
+            Run(
+                f"to-universal.{s}.swap-folder",
+                "to-universal",
+                (zckpt("to-universal", ck, "out", "--swap-folder", swap),),
+                quick=quick,
+            ),
+            Run(
+                f"inspect.{s}.swap-folder",
+                "inspect/verify",
+                (
+                    zckpt("inspect", swap),
+                    zckpt("inspect", swap, "--checkpoint", ck),
+                    zckpt("inspect", swap, "--checkpoint", ck, "--json"),
+                    zckpt("verify", swap, "--checkpoint", ck, "--scan"),
+                    zckpt("verify", ck, "--swap-folder", swap),
+                ),
+                quick=quick,
+            ),
         ]
     if sample.peft_base:
         base = sample.peft_base
         runs += [
             Run(f"peft.{s}.no-peft", "peft", (zckpt("consolidate", ck, "out", "--no-peft"),), quick=quick),
             Run(f"peft.{s}.merge", "peft", (zckpt("consolidate", ck, "out", "--merge-into", base),), quick=quick),
-            Run(f"peft.{s}.merge-fp32-shards", "peft", (zckpt("consolidate", ck, "out", "--merge-into", base, "--dtype", "fp32", "--max-shard-size", "20KB"),), quick=quick),
-            Run(f"peft.{s}.merge-bf16", "peft", (
-                zckpt("consolidate", ck, "out", "--merge-into", base, "--dtype", "bf16"), zckpt("consolidate", ck, "refused", "--merge-into", base, "--format", "torch"),
-            ), quick=quick),
+            Run(
+                f"peft.{s}.merge-fp32-shards",
+                "peft",
+                (zckpt("consolidate", ck, "out", "--merge-into", base, "--dtype", "fp32", "--max-shard-size", "20KB"),),
+                quick=quick,
+            ),
+            Run(
+                f"peft.{s}.merge-bf16",
+                "peft",
+                (
+                    zckpt("consolidate", ck, "out", "--merge-into", base, "--dtype", "bf16"),
+                    zckpt("consolidate", ck, "refused", "--merge-into", base, "--format", "torch"),
+                ),
+                quick=quick,
+            ),
         ]
     if sample.trainer_output:
-        runs.append(Run(f"consolidate.{s}.trainer-output", "consolidate", (zckpt("consolidate", sample.trainer_output, "out"), zckpt("inspect", sample.trainer_output)), quick=quick))
+        runs.append(
+            Run(
+                f"consolidate.{s}.trainer-output",
+                "consolidate",
+                (zckpt("consolidate", sample.trainer_output, "out"), zckpt("inspect", sample.trainer_output)),
+                quick=quick,
+            )
+        )
     return runs
 
 
@@ -278,36 +404,170 @@ TRAIN_SMALL = ("--layers", "2", "--dim", "64", "--vocab", "97", "--seq-len", "16
 def train_runs() -> list[Run]:
     """``zckpt train`` and ``--resume``: in memory, on NVMe, one process and several; resumed at other world sizes."""
     return [
-        Run("train.fp32-ws2", "train", (
-            torchrun(2, "train", "--out", "out", "--steps", "2", "--seed", "1", *TRAIN_SMALL),
-            torchrun(2, "train", "--out", "resumed2", "--resume", "out", "--steps", "3", "--seed", "1"),
-            torchrun(3, "train", "--out", "resumed3", "--resume", "out", "--steps", "3", "--seed", "1"),
-            zckpt("train", "--out", "refused", "--resume", "out", "--dtype", "bf16"),
-            zckpt("consolidate", "out", "consolidated"),
-        ), heavy=True),
-        Run("train.bf16-nvme-ws2", "train", (
-            torchrun(2, "train", "--out", "out", "--steps", "3", "--save-every", "2", "--layers", "1", "--dim", "256", "--vocab", "97", "--seq-len", "16",
-                     "--micro-batch", "2", "--dtype", "bf16", "--tie-embeddings", "--warmup", "1", "--sub-group-size", "300000", "--nvme-path", "nvme"),
-            zckpt("train", "--out", "resumed1", "--resume", "out", "--steps", "4", "--nvme-path", "nvme1"),
-            zckpt("consolidate", "out", "consolidated", "--swap-folder", "nvme"),
-        ), heavy=True),
-        Run("train.fp16-ws1-resharded", "train", (
-            zckpt("train", "--out", "out", "--steps", "3", "--dtype", "fp16", "--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "61", "--seq-len", "8",
-                  "--grad-accum", "2", "--clip", "0.5", "--sub-group-size", "0", "--freeze", r"\.bias$"),
-            zckpt("reshard", "out", "resharded", "-w", "2"),
-            torchrun(2, "train", "--out", "resumed", "--resume", "resharded", "--steps", "4"),
-            zckpt("to-universal", "out", "uc"),
-            zckpt("train", "--out", "from-universal", "--resume", "uc", "--steps", "4", "--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "61", "--seq-len", "8"),
-        ), heavy=True),
-        Run("train.data-file-no-save", "train", (
-            zckpt("train", "--steps", "2", "--layers", "1", "--dim", "32", "--seq-len", "8", "--data", "data.txt"),
-            zckpt("train", "--out", "out", "--steps", "2", "--layers", "1", "--dim", "32", "--seq-len", "8", "--data", "data.txt", "--vocab", "300"),
-            zckpt("train", "--steps", "2", "--data", "data.txt", "--vocab", "100"),
-        ), setup=(Write("data.txt", "The quick brown fox jumps over the lazy dog. " * 40),), quick=False, heavy=True),
-        Run("train.nvme-params-ws2", "train", (
-            torchrun(2, "train", "--out", "out", "--steps", "2", "--layers", "1", "--dim", "512", "--vocab", "97", "--seq-len", "16", "--micro-batch", "1",
-                     "--nvme-path", "nvme", "--nvme-params", "--bounded-memory"),
-        ), quick=False, heavy=True),
+        Run(
+            "train.fp32-ws2",
+            "train",
+            (
+                torchrun(2, "train", "--out", "out", "--steps", "2", "--seed", "1", *TRAIN_SMALL),
+                torchrun(2, "train", "--out", "resumed2", "--resume", "out", "--steps", "3", "--seed", "1"),
+                torchrun(3, "train", "--out", "resumed3", "--resume", "out", "--steps", "3", "--seed", "1"),
+                zckpt("train", "--out", "refused", "--resume", "out", "--dtype", "bf16"),
+                zckpt("consolidate", "out", "consolidated"),
+            ),
+            heavy=True,
+        ),
+        Run(
+            "train.bf16-nvme-ws2",
+            "train",
+            (
+                torchrun(
+                    2,
+                    "train",
+                    "--out",
+                    "out",
+                    "--steps",
+                    "3",
+                    "--save-every",
+                    "2",
+                    "--layers",
+                    "1",
+                    "--dim",
+                    "256",
+                    "--vocab",
+                    "97",
+                    "--seq-len",
+                    "16",
+                    "--micro-batch",
+                    "2",
+                    "--dtype",
+                    "bf16",
+                    "--tie-embeddings",
+                    "--warmup",
+                    "1",
+                    "--sub-group-size",
+                    "300000",
+                    "--nvme-path",
+                    "nvme",
+                ),
+                zckpt("train", "--out", "resumed1", "--resume", "out", "--steps", "4", "--nvme-path", "nvme1"),
+                zckpt("consolidate", "out", "consolidated", "--swap-folder", "nvme"),
+            ),
+            heavy=True,
+        ),
+        Run(
+            "train.fp16-ws1-resharded",
+            "train",
+            (
+                zckpt(
+                    "train",
+                    "--out",
+                    "out",
+                    "--steps",
+                    "3",
+                    "--dtype",
+                    "fp16",
+                    "--layers",
+                    "1",
+                    "--dim",
+                    "32",
+                    "--heads",
+                    "2",
+                    "--vocab",
+                    "61",
+                    "--seq-len",
+                    "8",
+                    "--grad-accum",
+                    "2",
+                    "--clip",
+                    "0.5",
+                    "--sub-group-size",
+                    "0",
+                    "--freeze",
+                    r"\.bias$",
+                ),
+                zckpt("reshard", "out", "resharded", "-w", "2"),
+                torchrun(2, "train", "--out", "resumed", "--resume", "resharded", "--steps", "4"),
+                zckpt("to-universal", "out", "uc"),
+                zckpt(
+                    "train",
+                    "--out",
+                    "from-universal",
+                    "--resume",
+                    "uc",
+                    "--steps",
+                    "4",
+                    "--layers",
+                    "1",
+                    "--dim",
+                    "32",
+                    "--heads",
+                    "2",
+                    "--vocab",
+                    "61",
+                    "--seq-len",
+                    "8",
+                ),
+            ),
+            heavy=True,
+        ),
+        Run(
+            "train.data-file-no-save",
+            "train",
+            (
+                zckpt("train", "--steps", "2", "--layers", "1", "--dim", "32", "--seq-len", "8", "--data", "data.txt"),
+                zckpt(
+                    "train",
+                    "--out",
+                    "out",
+                    "--steps",
+                    "2",
+                    "--layers",
+                    "1",
+                    "--dim",
+                    "32",
+                    "--seq-len",
+                    "8",
+                    "--data",
+                    "data.txt",
+                    "--vocab",
+                    "300",
+                ),
+                zckpt("train", "--steps", "2", "--data", "data.txt", "--vocab", "100"),
+            ),
+            setup=(Write("data.txt", "The quick brown fox jumps over the lazy dog. " * 40),),
+            quick=False,
+            heavy=True,
+        ),
+        Run(
+            "train.nvme-params-ws2",
+            "train",
+            (
+                torchrun(
+                    2,
+                    "train",
+                    "--out",
+                    "out",
+                    "--steps",
+                    "2",
+                    "--layers",
+                    "1",
+                    "--dim",
+                    "512",
+                    "--vocab",
+                    "97",
+                    "--seq-len",
+                    "16",
+                    "--micro-batch",
+                    "1",
+                    "--nvme-path",
+                    "nvme",
+                    "--nvme-params",
+                    "--bounded-memory",
+                ),
+            ),
+            quick=False,
+            heavy=True,
+        ),
     ]
 
 
@@ -321,91 +581,262 @@ def other_runs() -> list[Run]:
     llama = f"{SAMPLES}/peft_lora/llama_z3_bf16_ws2"
     gpt2 = f"{SAMPLES}/peft_lora/gpt2_z2_fp32_ws2"
     runs = [
-        Run("help", "help", (
-            zckpt(), zckpt("--help"), zckpt("--version"), zckpt("no-such-command"),
-            *(zckpt(command, "--help") for command in COMMANDS), *(zckpt(command) for command in COMMANDS if command != "train"),
-        )),
-        Run("torchrun.reshard", "torchrun", (torchrun(2, "reshard", z3, "out", "-w", "4", "--stage", "2"),), heavy=True),
+        Run(
+            "help",
+            "help",
+            (
+                zckpt(),
+                zckpt("--help"),
+                zckpt("--version"),
+                zckpt("no-such-command"),
+                *(zckpt(command, "--help") for command in COMMANDS),
+                *(zckpt(command) for command in COMMANDS if command != "train"),
+            ),
+        ),
+        Run(
+            "torchrun.reshard", "torchrun", (torchrun(2, "reshard", z3, "out", "-w", "4", "--stage", "2"),), heavy=True
+        ),
         Run("torchrun.to-universal", "torchrun", (torchrun(2, "to-universal", z3, "out"),), heavy=True),
-        Run("diff.samples", "diff", (
-            zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws1/reference/live.safetensors"),
-            zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws1/reference/zero_to_fp32/pytorch_model.bin", "--json"),
-            zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws2_twotags/checkpoint"),
-            zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws2_twotags/checkpoint", "--json", "--states"),
-            zckpt("diff", z3, f"{SAMPLES}/z3_bf16_ws3_subgroups_groups/reference/live.safetensors", "--rtol", "1e-3", "--atol", "1e-6"),
-            zckpt("diff", z2, "no-such-file"),
-            zckpt("diff", z2, z2, "--rtol", "-1"),
-        )),
-        Run("diff.dtypes", "diff", (
-            zckpt("consolidate", z3, "fp32"), zckpt("consolidate", z3, "bf16", "--dtype", "bf16"),
-            zckpt("diff", "fp32", "bf16"), zckpt("diff", "fp32", "bf16", "--rtol", "4e-3"), zckpt("diff", "fp32/model.safetensors", "bf16", "--json"),
-        )),
-        Run("nvme-plan", "nvme-plan", (
-            zckpt("nvme-plan", f"{llama}/base/config.json"),
-            zckpt("nvme-plan", f"{gpt2}/base/config.json", "--frozen", "--world-size", "2", "--dtype", "fp32"),
-            zckpt("nvme-plan", f"{SAMPLES}/z3_bf16_ws2_nvmeoffload_frozen_tied_groups/checkpoint", "--world-size", "8", "--json"),
-            zckpt("nvme-plan", z3, "--memory-budget", "1KB"),
-            zckpt("nvme-plan", f"{llama}/base", "--config", "ds_small_buffer.json", "--memory-budget", "8GB"),
-            zckpt("nvme-plan", f"{llama}/merged_step3.safetensors"),
-            zckpt("nvme-plan", f"{llama}/base/config.json", "--config", "no-such.json"),
-            zckpt("nvme-plan", f"{llama}/base/config.json", "--config", "ds_bad.json"),
-        ), setup=(
-            Write("ds_small_buffer.json", json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 1024, "buffer_count": 5}}})),
-            Write("ds_bad.json", json.dumps({"zero_optimization": "oops"})),
-        )),
-        Run("error.missing-rank-file", "errors", (
-            zckpt("consolidate", "ck", "out"), zckpt("reshard", "ck", "out", "-w", "2"), zckpt("to-universal", "ck", "out"),
-            zckpt("inspect", "ck"), zckpt("verify", "ck"), zckpt("diff", "ck", z2ws3),
-        ), setup=(Copy(z2ws3, "ck"), Remove("ck/global_step3/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"))),
-        Run("error.rank-file-copied-z1", "errors", (
-            zckpt("consolidate", "ck", "out"), zckpt("reshard", "ck", "out", "-w", "3"), zckpt("verify", "ck"),
-        ), setup=(Copy(z1ws2, "ck"), Copy("ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "ck/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"))),
-        Run("error.rank-file-copied-z3", "errors", (
-            zckpt("consolidate", "ck", "out"), zckpt("to-universal", "ck", "out"), zckpt("verify", "ck"), zckpt("verify", "ck", "--json"),
-        ), setup=(Copy(z3ws2, "ck"), Copy("ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "ck/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"))),
+        Run(
+            "diff.samples",
+            "diff",
+            (
+                zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws1/reference/live.safetensors"),
+                zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws1/reference/zero_to_fp32/pytorch_model.bin", "--json"),
+                zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws2_twotags/checkpoint"),
+                zckpt("diff", z2, f"{SAMPLES}/z2_fp32_ws2_twotags/checkpoint", "--json", "--states"),
+                zckpt(
+                    "diff",
+                    z3,
+                    f"{SAMPLES}/z3_bf16_ws3_subgroups_groups/reference/live.safetensors",
+                    "--rtol",
+                    "1e-3",
+                    "--atol",
+                    "1e-6",
+                ),
+                zckpt("diff", z2, "no-such-file"),
+                zckpt("diff", z2, z2, "--rtol", "-1"),
+            ),
+        ),
+        Run(
+            "diff.dtypes",
+            "diff",
+            (
+                zckpt("consolidate", z3, "fp32"),
+                zckpt("consolidate", z3, "bf16", "--dtype", "bf16"),
+                zckpt("diff", "fp32", "bf16"),
+                zckpt("diff", "fp32", "bf16", "--rtol", "4e-3"),
+                zckpt("diff", "fp32/model.safetensors", "bf16", "--json"),
+            ),
+        ),
+        Run(
+            "nvme-plan",
+            "nvme-plan",
+            (
+                zckpt("nvme-plan", f"{llama}/base/config.json"),
+                zckpt("nvme-plan", f"{gpt2}/base/config.json", "--frozen", "--world-size", "2", "--dtype", "fp32"),
+                zckpt(
+                    "nvme-plan",
+                    f"{SAMPLES}/z3_bf16_ws2_nvmeoffload_frozen_tied_groups/checkpoint",
+                    "--world-size",
+                    "8",
+                    "--json",
+                ),
+                zckpt("nvme-plan", z3, "--memory-budget", "1KB"),
+                zckpt("nvme-plan", f"{llama}/base", "--config", "ds_small_buffer.json", "--memory-budget", "8GB"),
+                zckpt("nvme-plan", f"{llama}/merged_step3.safetensors"),
+                zckpt("nvme-plan", f"{llama}/base/config.json", "--config", "no-such.json"),
+                zckpt("nvme-plan", f"{llama}/base/config.json", "--config", "ds_bad.json"),
+            ),
+            setup=(
+                Write(
+                    "ds_small_buffer.json",
+                    json.dumps(
+                        {
+                            "zero_optimization": {
+                                "stage": 3,
+                                "offload_param": {
+                                    "device": "nvme",
+                                    "nvme_path": "/nvme",
+                                    "buffer_size": 1024,
+                                    "buffer_count": 5,
+                                },
+                            }
+                        }
+                    ),
+                ),
+                Write("ds_bad.json", json.dumps({"zero_optimization": "oops"})),
+            ),
+        ),
+        Run(
+            "error.missing-rank-file",
+            "errors",
+            (
+                zckpt("consolidate", "ck", "out"),
+                zckpt("reshard", "ck", "out", "-w", "2"),
+                zckpt("to-universal", "ck", "out"),
+                zckpt("inspect", "ck"),
+                zckpt("verify", "ck"),
+                zckpt("diff", "ck", z2ws3),
+            ),
+            setup=(Copy(z2ws3, "ck"), Remove("ck/global_step3/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")),
+        ),
+        Run(
+            "error.rank-file-copied-z1",
+            "errors",
+            (
+                zckpt("consolidate", "ck", "out"),
+                zckpt("reshard", "ck", "out", "-w", "3"),
+                zckpt("verify", "ck"),
+            ),
+            setup=(
+                Copy(z1ws2, "ck"),
+                Copy(
+                    "ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                    "ck/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                ),
+            ),
+        ),
+        Run(
+            "error.rank-file-copied-z3",
+            "errors",
+            (
+                zckpt("consolidate", "ck", "out"),
+                zckpt("to-universal", "ck", "out"),
+                zckpt("verify", "ck"),
+                zckpt("verify", "ck", "--json"),
+            ),
+            setup=(
+                Copy(z3ws2, "ck"),
+                Copy(
+                    "ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                    "ck/global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                ),
+            ),
+        ),
         # z2_fp32_ws1's optimizer file: data/3 holds the fp32 masters (every command reads it), data/1 a moment (reshard reads it, consolidate not)
-        Run("error.flipped-bit-master", "errors", (
-            zckpt("consolidate", "ck", "out"), zckpt("reshard", "ck", "out", "-w", "2"), zckpt("verify", "ck"),
-            zckpt("consolidate", "ck", "unchecked", "--no-verify"), zckpt("diff", "ck", z2), zckpt("diff", "ck", z2, "--no-verify", "--json"),
-        ), setup=(Copy(z2, "ck"), FlipByte("ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "data/3"))),
-        Run("error.flipped-bit-moment", "errors", (
-            zckpt("consolidate", "ck", "out"), zckpt("reshard", "ck", "resharded", "-w", "2"), zckpt("to-universal", "ck", "uc"), zckpt("verify", "ck", "--json"),
-        ), setup=(Copy(z2, "ck"), FlipByte("ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "data/1"))),
-        Run("error.truncated", "errors", (
-            zckpt("consolidate", "ck", "out"), zckpt("inspect", "ck"), zckpt("verify", "ck"), zckpt("reshard", "ck", "out", "-w", "2"),
-        ), setup=(Copy(z3, "ck"), Truncate("ck/global_step3/zero_pp_rank_1_mp_rank_00_model_states.pt"))),
-        Run("error.output-inside-input", "errors", (
-            zckpt("consolidate", "ck", "ck/out"), zckpt("reshard", "ck", "ck/global_step3/x", "-w", "2"), zckpt("to-universal", "ck", "ck/global_step3"),
-        ), setup=(Copy(z2ws3, "ck"),)),
-        Run("error.output-exists", "errors", (
-            zckpt("consolidate", z2, "out"), zckpt("consolidate", z2, "out"), zckpt("consolidate", z2, "out", "--overwrite", "--dtype", "bf16"),
-            zckpt("reshard", z2, "r", "-w", "2"), zckpt("reshard", z2, "r", "-w", "2"), zckpt("reshard", z2, "r", "-w", "3", "--overwrite"),
-            zckpt("to-universal", z2, "u"), zckpt("to-universal", z2, "u"), zckpt("to-universal", z2, "u", "--overwrite"),
-        )),
-        Run("error.usage", "errors", (
-            zckpt("reshard", z2, "out", "-w", "0"), zckpt("reshard", z2, "out"), zckpt("reshard", z2, "out", "-w", "2", "--stage", "4"),
-            zckpt("consolidate", z2, "out", "--dtype", "int8"), zckpt("consolidate", z2, "out", "--format", "onnx"), zckpt("consolidate", z2, "out", "--max-shard-size", "lots"),
-            zckpt("consolidate", "no-such-checkpoint", "out"), zckpt("consolidate", z2, "out", "--tag", "global_step99"), zckpt("consolidate", z2, "out", "--tag", "../x"),
-            zckpt("to-universal", z2, "out", "--target-stage", "0"), zckpt("inspect", "."), zckpt("train", "--steps", "0"),
-            zckpt("train", "--dim", "30", "--heads", "4", "--steps", "1"), zckpt("consolidate", z2, "out", "--merge-into", f"{llama}/base"),
-        )),
-        Run("error.config", "errors", (
-            zckpt("reshard", z2, "out", "-w", "2", "--config", "sub_group_negative.json"), zckpt("reshard", z2, "out", "-w", "2", "--config", "not_a_dict.json"),
-            zckpt("reshard", z2, "out", "-w", "2", "--config", "no-such.json"), zckpt("reshard", z2, "out", "-w", "2", "--config", "broken.json"),
-            zckpt("reshard", z2, "ok", "-w", "2", "--stage", "3", "--config", "sub_group_string.json"),
-        ), setup=(
-            Write("sub_group_negative.json", json.dumps({"zero_optimization": {"sub_group_size": -5}})),
-            Write("not_a_dict.json", json.dumps({"zero_optimization": "oops"})),
-            Write("broken.json", '{"zero_optimization": {'),
-            Write("sub_group_string.json", json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": "500"}})),
-        )),
+        Run(
+            "error.flipped-bit-master",
+            "errors",
+            (
+                zckpt("consolidate", "ck", "out"),
+                zckpt("reshard", "ck", "out", "-w", "2"),
+                zckpt("verify", "ck"),
+                zckpt("consolidate", "ck", "unchecked", "--no-verify"),
+                zckpt("diff", "ck", z2),
+                zckpt("diff", "ck", z2, "--no-verify", "--json"),
+            ),
+            setup=(Copy(z2, "ck"), FlipByte("ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "data/3")),
+        ),
+        Run(
+            "error.flipped-bit-moment",
+            "errors",
+            (
+                zckpt("consolidate", "ck", "out"),
+                zckpt("reshard", "ck", "resharded", "-w", "2"),
+                zckpt("to-universal", "ck", "uc"),
+                zckpt("verify", "ck", "--json"),
+            ),
+            setup=(Copy(z2, "ck"), FlipByte("ck/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "data/1")),
+        ),
+        Run(
+            "error.truncated",
+            "errors",
+            (
+                zckpt("consolidate", "ck", "out"),
+                zckpt("inspect", "ck"),
+                zckpt("verify", "ck"),
+                zckpt("reshard", "ck", "out", "-w", "2"),
+            ),
+            setup=(Copy(z3, "ck"), Truncate("ck/global_step3/zero_pp_rank_1_mp_rank_00_model_states.pt")),
+        ),
+        Run(
+            "error.output-inside-input",
+            "errors",
+            (
+                zckpt("consolidate", "ck", "ck/out"),
+                zckpt("reshard", "ck", "ck/global_step3/x", "-w", "2"),
+                zckpt("to-universal", "ck", "ck/global_step3"),
+            ),
+            setup=(Copy(z2ws3, "ck"),),
+        ),
+        Run(
+            "error.output-exists",
+            "errors",
+            (
+                zckpt("consolidate", z2, "out"),
+                zckpt("consolidate", z2, "out"),
+                zckpt("consolidate", z2, "out", "--overwrite", "--dtype", "bf16"),
+                zckpt("reshard", z2, "r", "-w", "2"),
+                zckpt("reshard", z2, "r", "-w", "2"),
+                zckpt("reshard", z2, "r", "-w", "3", "--overwrite"),
+                zckpt("to-universal", z2, "u"),
+                zckpt("to-universal", z2, "u"),
+                zckpt("to-universal", z2, "u", "--overwrite"),
+            ),
+        ),
+        Run(
+            "error.usage",
+            "errors",
+            (
+                zckpt("reshard", z2, "out", "-w", "0"),
+                zckpt("reshard", z2, "out"),
+                zckpt("reshard", z2, "out", "-w", "2", "--stage", "4"),
+                zckpt("consolidate", z2, "out", "--dtype", "int8"),
+                zckpt("consolidate", z2, "out", "--format", "onnx"),
+                zckpt("consolidate", z2, "out", "--max-shard-size", "lots"),
+                zckpt("consolidate", "no-such-checkpoint", "out"),
+                zckpt("consolidate", z2, "out", "--tag", "global_step99"),
+                zckpt("consolidate", z2, "out", "--tag", "../x"),
+                zckpt("to-universal", z2, "out", "--target-stage", "0"),
+                zckpt("inspect", "."),
+                zckpt("train", "--steps", "0"),
+                zckpt("train", "--dim", "30", "--heads", "4", "--steps", "1"),
+                zckpt("consolidate", z2, "out", "--merge-into", f"{llama}/base"),
+            ),
+        ),
+        Run(
+            "error.config",
+            "errors",
+            (
+                zckpt("reshard", z2, "out", "-w", "2", "--config", "sub_group_negative.json"),
+                zckpt("reshard", z2, "out", "-w", "2", "--config", "not_a_dict.json"),
+                zckpt("reshard", z2, "out", "-w", "2", "--config", "no-such.json"),
+                zckpt("reshard", z2, "out", "-w", "2", "--config", "broken.json"),
+                zckpt("reshard", z2, "ok", "-w", "2", "--stage", "3", "--config", "sub_group_string.json"),
+            ),
+            setup=(
+                Write("sub_group_negative.json", json.dumps({"zero_optimization": {"sub_group_size": -5}})),
+                Write("not_a_dict.json", json.dumps({"zero_optimization": "oops"})),
+                Write("broken.json", '{"zero_optimization": {'),
+                Write(
+                    "sub_group_string.json", json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": "500"}})
+                ),
+            ),
+        ),
         # the two outputs allowed inside their input: weights beside a checkpoint-N folder's config, a universal folder beside the tags
-        Run("in-place.hf-trainer", "in-place", (
-            zckpt("consolidate", "checkpoint-3", "checkpoint-3"), zckpt("consolidate", "checkpoint-3", "checkpoint-3", "--dtype", "bf16"),
-            zckpt("consolidate", "checkpoint-3", "checkpoint-3", "--dtype", "bf16", "--overwrite"), zckpt("consolidate", "checkpoint-3", "checkpoint-3/sub"),
-            zckpt("reshard", "checkpoint-3", "r", "-w", "3"),
-        ), setup=(Copy(f"{SAMPLES}/hf_trainer/checkpoint-3", "checkpoint-3"),)),
-        Run("in-place.to-universal", "in-place", (zckpt("to-universal", "ck", "ck"), zckpt("inspect", "ck"), zckpt("inspect", "ck", "--tag", "global_step3_universal")), setup=(Copy(z2ws3, "ck"),)),
+        Run(
+            "in-place.hf-trainer",
+            "in-place",
+            (
+                zckpt("consolidate", "checkpoint-3", "checkpoint-3"),
+                zckpt("consolidate", "checkpoint-3", "checkpoint-3", "--dtype", "bf16"),
+                zckpt("consolidate", "checkpoint-3", "checkpoint-3", "--dtype", "bf16", "--overwrite"),
+                zckpt("consolidate", "checkpoint-3", "checkpoint-3/sub"),
+                zckpt("reshard", "checkpoint-3", "r", "-w", "3"),
+            ),
+            setup=(Copy(f"{SAMPLES}/hf_trainer/checkpoint-3", "checkpoint-3"),),
+        ),
+        Run(
+            "in-place.to-universal",
+            "in-place",
+            (
+                zckpt("to-universal", "ck", "ck"),
+                zckpt("inspect", "ck"),
+                zckpt("inspect", "ck", "--tag", "global_step3_universal"),
+            ),
+            setup=(Copy(z2ws3, "ck"),),
+        ),
     ]
     return runs
 
@@ -475,13 +906,17 @@ def export_revision(repo: Path, revision: str, tree: Path) -> str:
     return f"rev {revision} = {commit[:10]} ({subject[:60]})"
 
 
-IGNORED_OUTSIDE_GIT = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache", "build", "dist")
+IGNORED_OUTSIDE_GIT = shutil.ignore_patterns(
+    ".git", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache", "build", "dist"
+)
 
 
 def copy_folder(folder: Path, tree: Path) -> str:
     """A working tree as it is: git's tracked and untracked files that are not ignored (else all but caches and venvs)."""
     top = subprocess.run(["git", "-C", str(folder), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
-    listing = subprocess.run(["git", "-C", str(folder), "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True)
+    listing = subprocess.run(
+        ["git", "-C", str(folder), "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True
+    )
     if top.returncode != 0 or Path(top.stdout.strip()).resolve() != folder or listing.returncode != 0:
         shutil.copytree(folder, tree, symlinks=True, ignore=IGNORED_OUTSIDE_GIT)
         return f"folder {folder} (not a git work tree's top: all but caches and venvs)"
@@ -511,10 +946,36 @@ def normalise_modes(tree: Path) -> None:
 
 def side_environment(tree: Path, tmp: Path) -> dict[str, str]:
     """The side's code first on the path; everything that could make two runs differ pinned or removed."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("ZCKPT_", "TORCHELASTIC_", "PYTHON", "OMP_", "MKL_")) and key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK"}}
-    env.update(PYTHONPATH=str(tree), PYTHONHASHSEED="0", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", COLUMNS="100", LINES="40",
-               TERM="dumb", NO_COLOR="1", LC_ALL="C.UTF-8", TZ="UTC", TMPDIR=str(tmp))
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("ZCKPT_", "TORCHELASTIC_", "PYTHON", "OMP_", "MKL_"))
+        and key
+        not in {
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+            "ROLE_RANK",
+        }
+    }
+    env.update(
+        PYTHONPATH=str(tree),
+        PYTHONHASHSEED="0",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        COLUMNS="100",
+        LINES="40",
+        TERM="dumb",
+        NO_COLOR="1",
+        LC_ALL="C.UTF-8",
+        TZ="UTC",
+        TMPDIR=str(tmp),
+    )
     return env
 
 
@@ -525,13 +986,23 @@ def prepare_side(label: str, spec: str, repo: Path, work: Path) -> Side:
     (root / "runs").mkdir()
     (root / "tmp").mkdir()
     folder = Path(spec).expanduser()
-    description = copy_folder(folder.resolve(), root / "tree") if folder.is_dir() else export_revision(repo, spec, root / "tree")
+    description = (
+        copy_folder(folder.resolve(), root / "tree") if folder.is_dir() else export_revision(repo, spec, root / "tree")
+    )
     normalise_modes(root / "tree")
     side = Side(label, description, root, side_environment(root / "tree", root / "tmp"))
-    probe = subprocess.run([sys.executable, "-c", "import zckpt, torch; print(zckpt.__file__)"], cwd=side.runs, env=side.env, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import zckpt, torch; print(zckpt.__file__)"],
+        cwd=side.runs,
+        env=side.env,
+        capture_output=True,
+        text=True,
+    )
     loaded = Path(probe.stdout.strip() or "?").resolve()
     if probe.returncode != 0 or side.tree.resolve() not in loaded.parents:
-        raise SetupError(f"{label}: python -m zckpt does not run the exported tree's code (loaded {loaded}): {probe.stderr.strip()[-300:]}")
+        raise SetupError(
+            f"{label}: python -m zckpt does not run the exported tree's code (loaded {loaded}): {probe.stderr.strip()[-300:]}"
+        )
     if not (side.tree / "sample_ckpts").is_dir():
         raise SetupError(f"{label}: {description} has no sample_ckpts/")
     return side
@@ -567,8 +1038,12 @@ class RunResult:
 
     def entries(self) -> dict[str, str]:
         """Everything compared for this run: its files, and each command's exit code and console text."""
-        consoles = {f"<command {index}: exit, stdout, stderr>": hashlib.sha256(command.console().encode("utf-8", "surrogateescape")).hexdigest()
-                    for index, command in enumerate(self.commands, 1)}
+        consoles = {
+            f"<command {index}: exit, stdout, stderr>": hashlib.sha256(
+                command.console().encode("utf-8", "surrogateescape")
+            ).hexdigest()
+            for index, command in enumerate(self.commands, 1)
+        }
         return {**self.files, **consoles}
 
 
@@ -611,8 +1086,15 @@ def shown(argv: tuple[str, ...]) -> list[str]:
 def run_command(argv: tuple[str, ...], run_dir: Path, side: Side, timeout: float) -> CommandResult:
     """One command in its own session, so that a timeout kills torchrun's workers too."""
     started = time.monotonic()
-    process = subprocess.Popen([sys.executable, *argv], cwd=run_dir, env=side.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=run_dir,
+        env=side.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
         exit_code: int | str = process.returncode
@@ -632,8 +1114,14 @@ def execute(run: Run, side: Side, timeout: float) -> RunResult:
     try:
         for step in run.setup:
             step.apply(run_dir)
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:  # an input the tree lacks: a result to compare, not a crash of the whole proof
-        failed = CommandResult(["<setup>", type(step).__name__], "setup failed", "", normalise(f"{exc}\n", side.replacements(run_dir)), 0.0)
+    except (
+        OSError,
+        ValueError,
+        zipfile.BadZipFile,
+    ) as exc:  # an input the tree lacks: a result to compare, not a crash of the whole proof
+        failed = CommandResult(
+            ["<setup>", type(step).__name__], "setup failed", "", normalise(f"{exc}\n", side.replacements(run_dir)), 0.0
+        )
         return RunResult(run.name, run.group, [failed], tree_manifest(run_dir), time.monotonic() - started)
     commands = [run_command(argv, run_dir, side, timeout) for argv in run.commands]
     return RunResult(run.name, run.group, commands, tree_manifest(run_dir), time.monotonic() - started)
@@ -652,17 +1140,35 @@ def execute_side(side: Side, runs: list[Run], workers: int, timeout: float) -> t
             result = future.result()
             results[result.name] = result
             if done % step == 0 or done == len(runs):
-                print(f"  {side.label}: {done}/{len(runs)} runs, {format_seconds(time.monotonic() - started)}", flush=True)
+                print(
+                    f"  {side.label}: {done}/{len(runs)} runs, {format_seconds(time.monotonic() - started)}", flush=True
+                )
     return results, time.monotonic() - started
 
 
 def save_manifest(side: Side, results: dict[str, RunResult]) -> None:
     """Everything recorded for a side, for a later look with --keep."""
-    data = {name: {"group": result.group, "seconds": round(result.seconds, 2), "files": result.files,
-                   "commands": [{"argv": command.argv, "exit": command.exit, "stdout": command.stdout, "stderr": command.stderr,
-                                 "seconds": round(command.seconds, 2)} for command in result.commands]}
-            for name, result in sorted(results.items())}
-    (side.root / "manifest.json").write_text(json.dumps({"side": side.label, "tree": side.description, "runs": data}, indent=1))
+    data = {
+        name: {
+            "group": result.group,
+            "seconds": round(result.seconds, 2),
+            "files": result.files,
+            "commands": [
+                {
+                    "argv": command.argv,
+                    "exit": command.exit,
+                    "stdout": command.stdout,
+                    "stderr": command.stderr,
+                    "seconds": round(command.seconds, 2),
+                }
+                for command in result.commands
+            ],
+        }
+        for name, result in sorted(results.items())
+    }
+    (side.root / "manifest.json").write_text(
+        json.dumps({"side": side.label, "tree": side.description, "runs": data}, indent=1)
+    )
 
 
 # --------------------------------------------------------------------------- comparing and reporting
@@ -677,7 +1183,9 @@ class Difference:
     detail: list[str]
 
 
-def compare(before: dict[str, RunResult], after: dict[str, RunResult]) -> tuple[list[Difference], dict[str, collections.Counter[str]]]:
+def compare(
+    before: dict[str, RunResult], after: dict[str, RunResult]
+) -> tuple[list[Difference], dict[str, collections.Counter[str]]]:
     """Every entry of every run, before against after; counts per group."""
     differences: list[Difference] = []
     counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -700,7 +1208,9 @@ def compare(before: dict[str, RunResult], after: dict[str, RunResult]) -> tuple[
     return differences, counts
 
 
-def describe(entry: str, old: RunResult, new: RunResult, old_entries: dict[str, str], new_entries: dict[str, str]) -> list[str]:
+def describe(
+    entry: str, old: RunResult, new: RunResult, old_entries: dict[str, str], new_entries: dict[str, str]
+) -> list[str]:
     """A difference in a few lines: a diff of the console text, or the two hashes of a file."""
     if entry.startswith("<command"):
         index = int(entry.split()[1].rstrip(":")) - 1
@@ -721,8 +1231,14 @@ def exit_code_summary(results: dict[str, RunResult]) -> str:
     return ", ".join(f"exit {code}: {count}" for code, count in sorted(codes.items()))
 
 
-def report(sides: list[Side], results: list[dict[str, RunResult]], seconds: list[float], differences: list[Difference],
-           counts: dict[str, collections.Counter[str]], show: int) -> None:
+def report(
+    sides: list[Side],
+    results: list[dict[str, RunResult]],
+    seconds: list[float],
+    differences: list[Difference],
+    counts: dict[str, collections.Counter[str]],
+    show: int,
+) -> None:
     print()
     print(f"{'side':7} {'runs':>5} {'commands':>9} {'wall':>7}  tree")
     for side, result, wall in zip(sides, results, seconds):
@@ -730,18 +1246,33 @@ def report(sides: list[Side], results: list[dict[str, RunResult]], seconds: list
         print(f"{side.label:7} {len(result) - 1:5} {commands:9} {format_seconds(wall):>7}  {side.description}")
     for side, result in zip(sides, results):
         print(f"{side.label}: {exit_code_summary(result)}")
-        crashed = sorted({name for name, run in result.items() for command in run.commands if "Traceback (most recent call last)" in command.stderr or command.exit == "timeout"})
+        crashed = sorted(
+            {
+                name
+                for name, run in result.items()
+                for command in run.commands
+                if "Traceback (most recent call last)" in command.stderr or command.exit == "timeout"
+            }
+        )
         if crashed:
-            print(f"{side.label}: a traceback or timeout in {len(crashed)} run(s): {', '.join(crashed[:10])}{' ...' if len(crashed) > 10 else ''}")
+            print(
+                f"{side.label}: a traceback or timeout in {len(crashed)} run(s): {', '.join(crashed[:10])}{' ...' if len(crashed) > 10 else ''}"
+            )
     print()
     print(f"{'group':15} {'runs':>5} {'files':>6} {'consoles':>8} {'identical':>9} {'differing':>9}")
     total: collections.Counter[str] = collections.Counter()
     for group in sorted(counts):
         row = counts[group]
         total.update(row)
-        print(f"{group:15} {row['runs']:5} {row['files']:6} {row['consoles']:8} {row['identical']:9} {row['differing']:9}")
-    print(f"{'total':15} {total['runs']:5} {total['files']:6} {total['consoles']:8} {total['identical']:9} {total['differing']:9}")
-    print("(files: paths under the run folders, outputs and input copies, empty folders included; consoles: a command's exit code, stdout and stderr)")
+        print(
+            f"{group:15} {row['runs']:5} {row['files']:6} {row['consoles']:8} {row['identical']:9} {row['differing']:9}"
+        )
+    print(
+        f"{'total':15} {total['runs']:5} {total['files']:6} {total['consoles']:8} {total['identical']:9} {total['differing']:9}"
+    )
+    print(
+        "(files: paths under the run folders, outputs and input copies, empty folders included; consoles: a command's exit code, stdout and stderr)"
+    )
     if not differences:
         print("\nIDENTICAL: every file, exit code and message is the same before and after.")
         return
@@ -752,7 +1283,10 @@ def report(sides: list[Side], results: list[dict[str, RunResult]], seconds: list
     for run, entries in sorted(by_run.items()):
         print(f"  {run}: {', '.join(entries[:3])}{f' (+{len(entries) - 3} more)' if len(entries) > 3 else ''}")
     # details: messages first (they say what changed), then files
-    ordered = sorted(differences, key=lambda difference: (not difference.entry.startswith("<command"), difference.run, difference.entry))
+    ordered = sorted(
+        differences,
+        key=lambda difference: (not difference.entry.startswith("<command"), difference.run, difference.entry),
+    )
     print(f"\ndetails ({min(show, len(ordered))} of {len(ordered)}; exit codes and messages first):")
     for difference in ordered[:show]:
         print(f"  {difference.run}  {difference.entry}")
@@ -774,16 +1308,31 @@ def default_before(repo: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[1:]))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
     parser.add_argument("--before", help="git revision or folder (default: merge-base of main and HEAD)")
-    parser.add_argument("--after", default="HEAD", help="git revision or folder, e.g. . for the working tree (default: HEAD)")
-    parser.add_argument("--repo", type=Path, default=ROOT, help="the git repository revisions are read from (default: this script's)")
-    parser.add_argument("--work", type=Path, help="folder for the trees and run folders (default: a new temporary folder)")
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (trees, run folders, manifest.json per side)")
+    parser.add_argument(
+        "--after", default="HEAD", help="git revision or folder, e.g. . for the working tree (default: HEAD)"
+    )
+    parser.add_argument(
+        "--repo", type=Path, default=ROOT, help="the git repository revisions are read from (default: this script's)"
+    )
+    parser.add_argument(
+        "--work", type=Path, help="folder for the trees and run folders (default: a new temporary folder)"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work folder (trees, run folders, manifest.json per side)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="runs at once per side (default 2)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one command may take (default 600)")
-    parser.add_argument("--quick", action="store_true", help="a subset: 7 representative samples, fewer reshard targets, the main train chains")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a subset: 7 representative samples, fewer reshard targets, the main train chains",
+    )
     parser.add_argument("--only", type=re.compile, help="only runs whose name matches this regular expression")
     parser.add_argument("--list", action="store_true", help="print the run list and exit")
     parser.add_argument("--show", type=int, default=30, help="differences printed in detail (default 30)")
@@ -801,7 +1350,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise SetupError(f"{', '.join(map(str, clash))} exist: remove them or pick another --work")
         made.append(work / "before")
         sides = [prepare_side("before", args.before or default_before(args.repo), args.repo, work)]
-        runs = build_runs(find_samples(sides[0].tree / "sample_ckpts"), args.quick, args.only)  # the before tree's samples
+        runs = build_runs(
+            find_samples(sides[0].tree / "sample_ckpts"), args.quick, args.only
+        )  # the before tree's samples
         if args.list:
             for run in runs:
                 print(f"{run.name}  [{run.group}]")
@@ -812,7 +1363,10 @@ def main(argv: list[str] | None = None) -> int:
         made.append(work / "after")
         sides.append(prepare_side("after", args.after, args.repo, work))
         if args.after == "HEAD" and git(args.repo, "status", "--porcelain", "--untracked-files=no"):
-            print("note: the working tree has uncommitted changes, which --after HEAD leaves out (--after . compares them)", file=sys.stderr)
+            print(
+                "note: the working tree has uncommitted changes, which --after HEAD leaves out (--after . compares them)",
+                file=sys.stderr,
+            )
         print(f"same_outputs: {len(runs)} runs per side, {args.workers} at a time; work folder {work}")
         for side in sides:
             print(f"  {side.label}: {side.description}")

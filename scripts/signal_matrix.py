@@ -56,7 +56,24 @@ COMMANDS = (
     Command("reshard", ("reshard", "{ck}", "{out}", "--world-size", "3")),
     Command("to-universal", ("to-universal", "{ck}", "{out}")),
     Command("peft-merge", ("consolidate", str(PEFT / "checkpoint-3"), "{out}", "--merge-into", str(PEFT / "base"))),
-    Command("train-save", ("train", "--out", "{out}", "--steps", "2", "--save-every", "1", "--layers", "2", "--dim", "128", "--vocab", "2048")),
+    Command(
+        "train-save",
+        (
+            "train",
+            "--out",
+            "{out}",
+            "--steps",
+            "2",
+            "--save-every",
+            "1",
+            "--layers",
+            "2",
+            "--dim",
+            "128",
+            "--vocab",
+            "2048",
+        ),
+    ),
 )
 
 
@@ -79,15 +96,52 @@ def zckpt() -> list[str]:
 
 
 def leftovers(folder: Path) -> list[str]:
-    return sorted(str(Path(root, n).relative_to(folder)) for root, dirs, files in os.walk(folder) for n in dirs + files if ".zckpt-" in n)
+    return sorted(
+        str(Path(root, n).relative_to(folder))
+        for root, dirs, files in os.walk(folder)
+        for n in dirs + files
+        if ".zckpt-" in n
+    )
 
 
 def make_checkpoint(work: Path, layers: int, dim: int) -> Path:
     """A 2-rank ZeRO-3 bf16 checkpoint written by `zckpt train` (a few hundred MB)."""
     out = work / "input"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(29500 + os.getpid() % 1000),
-                    "-m", "zckpt", "train", "--out", str(out), "--steps", "1", "--layers", str(layers), "--dim", str(dim), "--heads", "8",
-                    "--vocab", "8192", "--seq-len", "32", "--micro-batch", "1", "--dtype", "bf16", "-q"], check=True, cwd=work)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(29500 + os.getpid() % 1000),
+            "-m",
+            "zckpt",
+            "train",
+            "--out",
+            str(out),
+            "--steps",
+            "1",
+            "--layers",
+            str(layers),
+            "--dim",
+            str(dim),
+            "--heads",
+            "8",
+            "--vocab",
+            "8192",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "1",
+            "--dtype",
+            "bf16",
+            "-q",
+        ],
+        check=True,
+        cwd=work,
+    )
     return out
 
 
@@ -119,8 +173,14 @@ def native_state(process: subprocess.Popen) -> str:
     gdb = shutil.which("gdb")
     if gdb:
         try:
-            lines.append(subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"], capture_output=True,
-                                        text=True, timeout=60).stdout[-20000:])
+            lines.append(
+                subprocess.run(
+                    [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                ).stdout[-20000:]
+            )
         except subprocess.TimeoutExpired:
             lines.append("gdb took over 60 s")
     return "native state:\n" + "\n".join(lines)
@@ -133,8 +193,15 @@ def run_once(command: Command, ck: Path, work: Path, signum: int | None, delay: 
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     env.pop("ZCKPT_DEBUG", None)
     start = time.monotonic()
-    process = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in SIGNALS])
+    process = subprocess.Popen(
+        argv,
+        cwd=work,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in SIGNALS],
+    )
     problems: list[str] = []
     landed, sent_at = False, None
     if signum is not None:
@@ -153,8 +220,19 @@ def run_once(command: Command, ck: Path, work: Path, signum: int | None, delay: 
         except subprocess.TimeoutExpired:
             process.kill()
             _, stderr = process.communicate()
-        problems.append(f"HANG: still running {deadline:.0f} s after the signal; stderr and stacks:\n{stderr}\n{native}")
-        return Outcome(command.name, signal.Signals(signum).name if signum else "-", delay, landed, -9, None, problems, time.monotonic() - start)
+        problems.append(
+            f"HANG: still running {deadline:.0f} s after the signal; stderr and stacks:\n{stderr}\n{native}"
+        )
+        return Outcome(
+            command.name,
+            signal.Signals(signum).name if signum else "-",
+            delay,
+            landed,
+            -9,
+            None,
+            problems,
+            time.monotonic() - start,
+        )
     ended = time.monotonic()
     code = process.returncode
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -168,24 +246,40 @@ def run_once(command: Command, ck: Path, work: Path, signum: int | None, delay: 
     elif code == 128 + (signum or 0):
         if lines != [lines[0]] or not lines[0].startswith(f"zckpt: error: interrupted by {name}"):
             problems.append(f"stderr is not the one line: {stderr!r}")
-        if out.exists() and command.verify:  # past its commit a run finishes before it takes the signal: whole, or nothing
+        if (
+            out.exists() and command.verify
+        ):  # past its commit a run finishes before it takes the signal: whole, or nothing
             check = subprocess.run([*zckpt(), "verify", str(out)], capture_output=True, text=True, cwd=work)
             if check.returncode != 0:
-                problems.append(f"an interrupted run left {out} ({sorted(os.listdir(out)) if out.is_dir() else 'a file'}), "
-                                f"which verify refuses: {check.stdout[-300:]}{check.stderr[-300:]}")
+                problems.append(
+                    f"an interrupted run left {out} ({sorted(os.listdir(out)) if out.is_dir() else 'a file'}), "
+                    f"which verify refuses: {check.stdout[-300:]}{check.stderr[-300:]}"
+                )
     elif code == 0:
         if any(not line.startswith(("note:", "step ", "wrote ", "NVMe")) for line in lines):
             problems.append(f"exit 0 with stderr {stderr!r}")
         if command.verify:
             check = subprocess.run([*zckpt(), "verify", str(out)], capture_output=True, text=True, cwd=work)
             if check.returncode != 0:
-                problems.append(f"exit 0 but verify says {check.returncode}: {check.stdout[-400:]}{check.stderr[-400:]}")
+                problems.append(
+                    f"exit 0 but verify says {check.returncode}: {check.stdout[-400:]}{check.stderr[-400:]}"
+                )
     else:
         problems.append(f"exit code {code} (expected 0 or {128 + (signum or 0)}); stderr {stderr!r}")
     left = leftovers(work)
     if left:
         problems.append(f"left behind: {left}")
-    return Outcome(command.name, name, delay, landed, code, ended - sent_at if sent_at else None, problems, ended - start, before_start)
+    return Outcome(
+        command.name,
+        name,
+        delay,
+        landed,
+        code,
+        ended - sent_at if sent_at else None,
+        problems,
+        ended - start,
+        before_start,
+    )
 
 
 def main() -> int:
@@ -237,21 +331,32 @@ def main() -> int:
     timed = sorted((o for o in outcomes if o.exit_after_signal is not None), key=lambda o: -o.exit_after_signal)
     slowest = timed[0].exit_after_signal if timed else 0.0
     if timed:
-        print("slowest exits after the signal: " + ", ".join(
-            f"{o.command} {o.signal} {o.exit_after_signal:.2f} s (sent {o.delay:.2f} s after start)" for o in timed[:5]))
+        print(
+            "slowest exits after the signal: "
+            + ", ".join(
+                f"{o.command} {o.signal} {o.exit_after_signal:.2f} s (sent {o.delay:.2f} s after start)"
+                for o in timed[:5]
+            )
+        )
         within = [o.exit_after_signal for o in timed]
-        print(f"exit after the signal: median {within[len(within) // 2]:.2f} s, {sum(t <= 1 for t in within)} of {len(within)} within 1 s, "
-              f"{sum(t <= 3 for t in within)} within 3 s")
+        print(
+            f"exit after the signal: median {within[len(within) // 2]:.2f} s, {sum(t <= 1 for t in within)} of {len(within)} within 1 s, "
+            f"{sum(t <= 3 for t in within)} within 3 s"
+        )
     print(f"\n{'command':22} {'signal':8} {'runs':>5} {'landed':>7} {'start-up':>9} {'hangs':>6} {'problems':>9}")
     for (name, sig), row in sorted(table.items()):
-        print(f"{name:22} {sig:8} {row['runs']:5} {row['landed']:7} {row['before start']:9} {row['hangs']:6} {row['problems']:9}")
+        print(
+            f"{name:22} {sig:8} {row['runs']:5} {row['landed']:7} {row['before start']:9} {row['hangs']:6} {row['problems']:9}"
+        )
     total = sum(r["runs"] for r in table.values())
     landed = sum(r["landed"] for r in table.values())
     hangs = sum(r["hangs"] for r in table.values())
     bad = sum(r["problems"] for r in table.values())
     early = sum(r["before start"] for r in table.values())
-    print(f"{total} runs, {landed} signalled while running ({early} before zckpt's first line ran), {hangs} hangs, {bad} with problems (stray lines, leftovers, "
-          f"bad outputs); slowest exit after a signal {slowest:.2f} s; busy processes: {args.busy}")
+    print(
+        f"{total} runs, {landed} signalled while running ({early} before zckpt's first line ran), {hangs} hangs, {bad} with problems (stray lines, leftovers, "
+        f"bad outputs); slowest exit after a signal {slowest:.2f} s; busy processes: {args.busy}"
+    )
     return 1 if bad else 0
 
 

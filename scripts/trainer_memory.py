@@ -28,13 +28,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_trainer import end_worker, free_port  # noqa: E402  (the same torchrun plumbing)
-MODES = {"memory": {}, "nvme": {"nvme": True}, "nvme+params": {"nvme": True, "nvme_params": True},
-         "nvme+params+bounded": {"nvme": True, "nvme_params": True, "bounded_memory": True}}
+
+MODES = {
+    "memory": {},
+    "nvme": {"nvme": True},
+    "nvme+params": {"nvme": True, "nvme_params": True},
+    "nvme+params+bounded": {"nvme": True, "nvme_params": True, "bounded_memory": True},
+}
 
 
 def _options(args: argparse.Namespace, layers: int) -> dict:
-    return dict(layers=layers, dim=args.dim, heads=args.heads, vocab=args.vocab, seq_len=args.seq_len, micro_batch=1, steps=args.steps,
-                sub_group_size=args.sub_group_size, dtype=args.dtype, lr=1e-4, seed=1)
+    return dict(
+        layers=layers,
+        dim=args.dim,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        micro_batch=1,
+        steps=args.steps,
+        sub_group_size=args.sub_group_size,
+        dtype=args.dtype,
+        lr=1e-4,
+        seed=1,
+    )
 
 
 def _resident() -> int:
@@ -52,8 +68,14 @@ def worker(args: argparse.Namespace) -> None:
     mode = MODES[args.mode]
     nvme = str(args.work_dir / "nvme") if mode.get("nvme") else None
     before = _resident()
-    trainer = Trainer(TrainConfig(**_options(args, args.layers), nvme_path=nvme, nvme_params=bool(mode.get("nvme_params")),
-                                  bounded_memory=bool(mode.get("bounded_memory"))))
+    trainer = Trainer(
+        TrainConfig(
+            **_options(args, args.layers),
+            nvme_path=nvme,
+            nvme_params=bool(mode.get("nvme_params")),
+            bounded_memory=bool(mode.get("bounded_memory")),
+        )
+    )
     for _ in range(args.steps):
         trainer.train_step()
     swapper = trainer.optimizer.swapper
@@ -66,7 +88,8 @@ def worker(args: argparse.Namespace) -> None:
         "rss_before_trainer": before,
         "pool_bytes": swapper.pool_bytes if swapper else 0,
         # what a rank would hold for the model in memory: shares + fp32 master, 2 moments, gradient
-        "model_state_bytes": sum(s.share for s in plan.params) * itemsize + sum(g.partition for g in plan.layout.flat_groups) * 16,
+        "model_state_bytes": sum(s.share for s in plan.params) * itemsize
+        + sum(g.partition for g in plan.layout.flat_groups) * 16,
         "largest_param_bytes": max(s.numel for s in plan.params) * 4,
         "params": sum(s.numel for s in plan.params),
         "swapped_sub_groups": len(trainer.optimizer.swapped),
@@ -87,10 +110,37 @@ def _run(args: argparse.Namespace, layers: int, mode: str) -> list[dict]:
     work = args.work_dir / f"{mode.replace('+', '_')}_{layers}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), __file__, "--worker",
-           "--work-dir", str(work), "--layers", str(layers), "--mode", mode, "--dim", str(args.dim), "--heads", str(args.heads),
-           "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--sub-group-size", str(args.sub_group_size),
-           "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        __file__,
+        "--worker",
+        "--work-dir",
+        str(work),
+        "--layers",
+        str(layers),
+        "--mode",
+        mode,
+        "--dim",
+        str(args.dim),
+        "--heads",
+        str(args.heads),
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+        "--sub-group-size",
+        str(args.sub_group_size),
+        "--dtype",
+        args.dtype,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     with removing_shm_leaks(), (work / "log.txt").open("w") as log:
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -123,9 +173,13 @@ def main() -> None:
         return
     results = {mode: {layers: _run(args, layers, mode) for layers in args.layers} for mode in args.modes}
     mib = 1 << 20
-    print(f"GPT dim {args.dim}, {args.dtype}, 2 ranks, sub_group_size {args.sub_group_size:,}, {args.steps} steps; per rank, MiB (rank 0 / rank 1)")
+    print(
+        f"GPT dim {args.dim}, {args.dtype}, 2 ranks, sub_group_size {args.sub_group_size:,}, {args.steps} steps; per rank, MiB (rank 0 / rank 1)"
+    )
     print()
-    print("| layers | params | model state per rank | mode | peak RSS | RSS after the steps | swap pool | largest param | swapped |")
+    print(
+        "| layers | params | model state per rank | mode | peak RSS | RSS after the steps | swap pool | largest param | swapped |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for layers in args.layers:
         for mode in args.modes:
@@ -136,17 +190,23 @@ def main() -> None:
                 swapped += f", {first['swapped_params']} params"
             peak = " / ".join(f"{r['peak_rss'] / mib:.0f}" for r in ranks)
             after = " / ".join(f"{r['rss_after'] / mib:.0f}" for r in ranks)
-            print(f"| {layers} | {first['params'] / 1e6:.1f}M | {first['model_state_bytes'] / mib:.0f} | {mode} | {peak} | {after} | "
-                  f"{first['pool_bytes'] / mib:.0f} | {first['largest_param_bytes'] / mib:.0f} | {swapped} |")
+            print(
+                f"| {layers} | {first['params'] / 1e6:.1f}M | {first['model_state_bytes'] / mib:.0f} | {mode} | {peak} | {after} | "
+                f"{first['pool_bytes'] / mib:.0f} | {first['largest_param_bytes'] / mib:.0f} | {swapped} |"
+            )
     if len(args.layers) > 1:
         low, high = min(args.layers), max(args.layers)
         print()
         for mode in args.modes:
-            growth = max(r['peak_rss'] for r in results[mode][high]) - max(r['peak_rss'] for r in results[mode][low])
+            growth = max(r["peak_rss"] for r in results[mode][high]) - max(r["peak_rss"] for r in results[mode][low])
             state = results[mode][high][0]["model_state_bytes"] - results[mode][low][0]["model_state_bytes"]
-            print(f"- {mode}: {low} -> {high} layers, model state per rank +{state / mib:.0f} MiB, peak RSS +{growth / mib:.0f} MiB ({growth / state:.2f}x)")
+            print(
+                f"- {mode}: {low} -> {high} layers, model state per rank +{state / mib:.0f} MiB, peak RSS +{growth / mib:.0f} MiB ({growth / state:.2f}x)"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from helpers import SAMPLE_LIST, Sample, sample
 
 

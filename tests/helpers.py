@@ -40,6 +40,8 @@ def default_signals() -> None:
     SIGHUP ignored, which zckpt then keeps ignoring, as it should)."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
+
+
 SAMPLES = ROOT / "sample_ckpts"
 
 
@@ -96,10 +98,6 @@ def sample(name: str) -> Sample:
     return next(s for s in SAMPLE_LIST if s.name == name)
 
 
-
-
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and every bit (NaNs included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -119,8 +117,22 @@ def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedP
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(port), "-m", "zckpt", *args],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(processes),
+            "--master-port",
+            str(port),
+            "-m",
+            "zckpt",
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -129,11 +141,22 @@ def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedP
 # from test_bad_input.py
 def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m zckpt ARGS` in a child process, run from `cwd`: what a user's shell gets."""
-    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "zckpt", *map(str, args)],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # from test_reshard.py
-RESHARDABLE = [s for s in SAMPLE_LIST if s.meta["ds_config"]["zero_optimization"].get("offload_optimizer", {}).get("device") != "nvme"]
+RESHARDABLE = [
+    s
+    for s in SAMPLE_LIST
+    if s.meta["ds_config"]["zero_optimization"].get("offload_optimizer", {}).get("device") != "nvme"
+]
 
 
 # from test_reshard.py
@@ -168,7 +191,9 @@ def compare_trees(original, ours, reader: FileReader, path: str = "", padded: se
         return [f"{path}: {type(original).__name__} became {type(ours).__name__}"]
     if isinstance(original, PickledObject):
         return compare_trees(vars(original), vars(ours), reader, path + ".__dict__", padded) + (
-            [f"{path}: class {original.original_class} became {ours.original_class}"] if original.original_class != ours.original_class else []
+            [f"{path}: class {original.original_class} became {ours.original_class}"]
+            if original.original_class != ours.original_class
+            else []
         )
     if isinstance(original, dict):
         if list(original) != list(ours):
@@ -293,11 +318,21 @@ def torch_and_ours(source: Source) -> tuple[dict, dict]:
     ours["again"] = ours["shared"]
     ours["step"] = inline(torch_state["step"])  # Inline parts beside Copy parts
     extras = {
-        "lr": 1e-3, "betas": (0.9, 0.999), "nums": [1, -1, 255, 256, 65535, 65536, -2**31, 2**31, 2**70, -2**70],
-        "flags": [True, False, None], "names": ["x", "é", "", "cpu"], "blob": b"\x00\xffbytes",
-        "tuple4": (1, 2, 3, 4), "nested": OrderedDict(a={"b": [()]}), "empty": {}, "aset": {3, 1}, "none_set": set(),
-        "big_list": list(range(1200)), "big_dict": {i: float(i) for i in range(1100)},
-        "np": np.float64(0.125), "dtype": torch.float16,
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "nums": [1, -1, 255, 256, 65535, 65536, -(2**31), 2**31, 2**70, -(2**70)],
+        "flags": [True, False, None],
+        "names": ["x", "é", "", "cpu"],
+        "blob": b"\x00\xffbytes",
+        "tuple4": (1, 2, 3, 4),
+        "nested": OrderedDict(a={"b": [()]}),
+        "empty": {},
+        "aset": {3, 1},
+        "none_set": set(),
+        "big_list": list(range(1200)),
+        "big_dict": {i: float(i) for i in range(1100)},
+        "np": np.float64(0.125),
+        "dtype": torch.float16,
     }
     our_extras = {**extras, "dtype": FP16}
     return {"state": torch_state, **extras}, {"state": ours, **our_extras}

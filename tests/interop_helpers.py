@@ -35,8 +35,8 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from helpers import Sample, same_bits
 
+from helpers import Sample, same_bits
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
@@ -115,8 +115,12 @@ def ds_release(python: str) -> str:
 
         ver = version("deepspeed")
     else:
-        ver = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+        ver = subprocess.run(
+            [python, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     major, minor = ver.split(".")[:2]
     return f"ds{major if major != '0' else ''}{minor}"
 
@@ -135,8 +139,14 @@ def torch_extensions_dir(python: str) -> Path:
 
 def ds_env(world_size: int, python: str) -> dict[str, str]:
     """Environment for a CPU DeepSpeed run of ``world_size`` ranks (as make_sample_ckpts sets it)."""
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
-            "LOCAL_SIZE": str(world_size), "TORCH_EXTENSIONS_DIR": str(torch_extensions_dir(python))}
+    return {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+        "LOCAL_SIZE": str(world_size),
+        "TORCH_EXTENSIONS_DIR": str(torch_extensions_dir(python)),
+    }
 
 
 def free_port() -> int:
@@ -159,11 +169,19 @@ def case_arg(case_or_name: Any) -> str:
     raise TypeError(f"case: expected a name, a Case or a dict, got {type(case_or_name).__name__}")
 
 
-def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, out_dir: str | Path,
-              stage: int | None = None, load_universal: bool = False, train_steps: int = 0,
-              timeout: float = 600, config_override: dict | None = None, tag: str | None = None,
-              data: str | None = None,
-              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def run_probe(
+    case_or_name: Any,
+    checkpoint_dir: str | Path,
+    world_size: int,
+    out_dir: str | Path,
+    stage: int | None = None,
+    load_universal: bool = False,
+    train_steps: int = 0,
+    timeout: float = 600,
+    config_override: dict | None = None,
+    tag: str | None = None,
+    data: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Load ``checkpoint_dir`` with real DeepSpeed at ``world_size`` ranks (``scripts/ds_probe.py``
     under torchrun) and return ``(live_tensors, live_optimizer_tensors, state)``.
 
@@ -184,9 +202,22 @@ def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, ou
         shutil.rmtree(out)
     out.mkdir(parents=True)
     log = out / "probe.log"
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-           "--master-port", str(free_port()), str(PROBE), "--case-json", case_arg(case_or_name),
-           "--checkpoint", str(Path(checkpoint_dir).resolve()), "--out", str(out.resolve())]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--master-port",
+        str(free_port()),
+        str(PROBE),
+        "--case-json",
+        case_arg(case_or_name),
+        "--checkpoint",
+        str(Path(checkpoint_dir).resolve()),
+        "--out",
+        str(out.resolve()),
+    ]
     if stage is not None:
         cmd += ["--stage", str(stage)]
     if load_universal:
@@ -205,12 +236,15 @@ def run_probe(case_or_name: Any, checkpoint_dir: str | Path, world_size: int, ou
     if returncode != 0 or not state_file.exists():
         lines = log.read_text(errors="replace").splitlines()
         tail = "\n".join(lines[-60:])
-        errors = {int(p.stem.removeprefix("error_rank")): p.read_text()
-                  for p in sorted(out.glob("error_rank*.txt"))}
+        errors = {int(p.stem.removeprefix("error_rank")): p.read_text() for p in sorted(out.glob("error_rank*.txt"))}
         what = f"timed out after {timeout:.0f}s" if returncode is None else f"exit status {returncode}"
         first = next(iter(errors.values()), "").strip().splitlines()
-        raise ProbeError(f"ds_probe {what} (world size {world_size}, {checkpoint_dir}): "
-                         f"{first[-1] if first else ''}\n{tail}", returncode, tail, errors)
+        raise ProbeError(
+            f"ds_probe {what} (world size {world_size}, {checkpoint_dir}): {first[-1] if first else ''}\n{tail}",
+            returncode,
+            tail,
+            errors,
+        )
     state = json.loads(state_file.read_text())
     return load_file(out / "live.safetensors"), load_file(out / "live_optimizer.safetensors"), state
 
@@ -234,8 +268,17 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -
         cleanup_shm_leaks(before)
 
 
-def run_hf_job(what: str, cmd: list[str], out: Path, processes: int, python: str, *, log_name: str = "run.log",
-               outputs: tuple[str, ...] = (), timeout: float = 300) -> dict:
+def run_hf_job(
+    what: str,
+    cmd: list[str],
+    out: Path,
+    processes: int,
+    python: str,
+    *,
+    log_name: str = "run.log",
+    outputs: tuple[str, ...] = (),
+    timeout: float = 300,
+) -> dict:
     """Run a Hugging Face job script of scripts/ (offline, `processes` DeepSpeed ranks) with its
     output in ``out/<log_name>``; fail the test with the ranks' error files and the log's tail
     unless it exits 0 leaving ``run.json`` and `outputs` in `out`. Returns ``run.json``."""
@@ -272,7 +315,10 @@ def _check_loaded(case: Sample, live: dict, optim: dict, state: dict, world_size
     meta = case.meta
     for name, expected in case.live().items():
         if name in meta["buffers"] and meta["deepspeed_version"].startswith("0.14"):
-            expected, got = expected.float() if expected.is_floating_point() else expected, live[name].float() if live[name].is_floating_point() else live[name]
+            expected, got = (
+                expected.float() if expected.is_floating_point() else expected,
+                live[name].float() if live[name].is_floating_point() else live[name],
+            )
             assert same_bits(got, expected), name
         else:
             assert same_bits(live[name], expected), name
@@ -281,7 +327,11 @@ def _check_loaded(case: Sample, live: dict, optim: dict, state: dict, world_size
         for name, expected in load_file(optim_file).items():
             assert same_bits(optim[name], expected), name
     original = open_training_state(case.checkpoint)
-    assert (state["global_steps"], state["skipped_steps"], state["global_samples"]) == (original.global_steps, original.skipped_steps, original.global_samples)
+    assert (state["global_steps"], state["skipped_steps"], state["global_samples"]) == (
+        original.global_steps,
+        original.skipped_steps,
+        original.global_samples,
+    )
     with FileReader() as reader:
         steps = [read_tensor(reader, g.scalars["step"].tensor).item() for g in original.groups]
     assert [set(g["step"]) for g in state["param_groups"]] == [{s} for s in steps]
@@ -318,10 +368,19 @@ def _saved(checkpoint: Path, tag: str | None = None) -> dict[str, Any]:
     included): counters, lr scheduler, loss scaler, per-group hyperparameters, Adam steps."""
     tag = tag or (checkpoint / "latest").read_text().strip()
     folder = checkpoint / tag
-    model_file = next(f for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                                  folder / "mp_rank_00_model_states.pt") if f.exists())
-    optim_file = next(f for f in (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                                  folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt") if f.exists())
+    model_file = next(
+        f
+        for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt", folder / "mp_rank_00_model_states.pt")
+        if f.exists()
+    )
+    optim_file = next(
+        f
+        for f in (
+            folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        )
+        if f.exists()
+    )
     model = torch.load(model_file, map_location="cpu", weights_only=False)
     optim = torch.load(optim_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     base = optim["base_optimizer_state"] if "base_optimizer_state" in optim else optim["optimizer_state_dict"]
@@ -344,8 +403,18 @@ def _fresh_buffers(case: Any) -> dict[str, torch.Tensor]:
 
 
 # from test_interop_universal.py
-def _check_resumed(case: Sample, spec: Any, live: dict, optim: dict, state: dict, *, world_size: int, stage: int,
-                   universal: bool, expected_optim: dict | None = None) -> None:
+def _check_resumed(
+    case: Sample,
+    spec: Any,
+    live: dict,
+    optim: dict,
+    state: dict,
+    *,
+    world_size: int,
+    stage: int,
+    universal: bool,
+    expected_optim: dict | None = None,
+) -> None:
     """What DeepSpeed holds after the load equals what the original engine held when it saved.
 
     ``universal``: the load went through ``load_universal`` (module state dict not loaded: frozen
@@ -380,10 +449,16 @@ def _check_resumed(case: Sample, spec: Any, live: dict, optim: dict, state: dict
         assert same_bits(optim[name], expected), name
 
     saved = _saved(case.checkpoint, meta["tag"])
-    assert (state["global_steps"], state["skipped_steps"], state["global_samples"]) == (saved["global_steps"], saved["skipped_steps"], saved["global_samples"])
+    assert (state["global_steps"], state["skipped_steps"], state["global_samples"]) == (
+        saved["global_steps"],
+        saved["skipped_steps"],
+        saved["global_samples"],
+    )
     assert saved["global_steps"] == meta["steps"]
     assert len(saved["steps"]) == 1  # every group stepped as often (no group skipped a step)
-    assert all(s in saved["steps"] for g in state["param_groups"] for s in g["step"]), [g["step"] for g in state["param_groups"]]
+    assert all(s in saved["steps"] for g in state["param_groups"] for s in g["step"]), [
+        g["step"] for g in state["param_groups"]
+    ]
     assert len(state["param_groups"]) == len(saved["hyperparameters"])
     for i, group in enumerate(state["param_groups"]):
         expected_hyper = saved["hyperparameters"][0 if (universal and stage == 3) else i]
@@ -401,8 +476,22 @@ def _check_resumed(case: Sample, spec: Any, live: dict, optim: dict, state: dict
 
 
 # from test_interop_universal.py
-FRESH = GEN.Case("fresh_uc_z3_bf16_ws3_subgroups_groups_tied_frozen_sched", "ds19", 3, "bf16", 3, tied=True, frozen=True,
-                 groups=True, sub_group_size=300, scheduler=True, vocab=31, dim=41, hidden=13, seed=11)
+FRESH = GEN.Case(
+    "fresh_uc_z3_bf16_ws3_subgroups_groups_tied_frozen_sched",
+    "ds19",
+    3,
+    "bf16",
+    3,
+    tied=True,
+    frozen=True,
+    groups=True,
+    sub_group_size=300,
+    scheduler=True,
+    vocab=31,
+    dim=41,
+    hidden=13,
+    seed=11,
+)
 
 
 # from test_interop_universal.py

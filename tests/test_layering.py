@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "zckpt"
-FORMAT_WORDS = ("optimizer_state_dict", "fp32_flat_groups", "single_partition_of_fp32_groups", "zero_pp_rank", "param_shapes", "frozen_param_fragments", "shared_params", "partition_count")
+FORMAT_WORDS = (
+    "optimizer_state_dict",
+    "fp32_flat_groups",
+    "single_partition_of_fp32_groups",
+    "zero_pp_rank",
+    "param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "partition_count",
+)
 
 
 def modules() -> list[Path]:
@@ -82,7 +91,9 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_every_part_is_in_the_table() -> None:
     parts = {part_of(module_name(path)) for path in modules()}
-    assert parts <= set(MAY_IMPORT), f"place {sorted(parts - set(MAY_IMPORT))} in MAY_IMPORT (a module at the top level belongs in a layer's folder)"
+    assert parts <= set(MAY_IMPORT), (
+        f"place {sorted(parts - set(MAY_IMPORT))} in MAY_IMPORT (a module at the top level belongs in a layer's folder)"
+    )
 
 
 def test_layers_import_downwards_only() -> None:
@@ -91,7 +102,9 @@ def test_layers_import_downwards_only() -> None:
         part = part_of(module_name(path))
         for line, target in imports_of(path):
             if part_of(target) not in MAY_IMPORT[part] | {part}:
-                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target} ({part} may import {', '.join(sorted(MAY_IMPORT[part])) or 'nothing else'})")
+                wrong.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line} imports {target} ({part} may import {', '.join(sorted(MAY_IMPORT[part])) or 'nothing else'})"
+                )
     assert not wrong, "\n".join(wrong)
 
 
@@ -105,7 +118,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(module)
         for target in sorted(graph.get(module, ())):
             if state.get(target) == "open":
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         path.pop()
@@ -152,7 +165,9 @@ def test_nothing_imports_the_cli() -> None:
     for path in modules():
         if path.parent.name == "cli" or path.name == "__main__.py":
             continue
-        imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module}
+        imported = {
+            n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.module
+        }
         assert not any("cli" in module.split(".") for module in imported), path
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import typer.main
-from helpers import ROOT, SAMPLES
 
+from helpers import ROOT, SAMPLES
 from zckpt.cli.app import app
 
 README = (ROOT / "README.md").read_text()
@@ -26,7 +26,7 @@ COMMANDS = typer.main.get_command(app).commands
 def section(title: str) -> str:
     start = README.index(f"\n## {title}")
     end = README.find("\n## ", start + 1)
-    return README[start:end if end != -1 else None]
+    return README[start : end if end != -1 else None]
 
 
 # --- the exit-code table -------------------------------------------------------------------------
@@ -43,7 +43,9 @@ ROWS = exit_code_rows()
 def test_the_table_covers_every_code_and_command() -> None:
     assert {code for code, _ in ROWS} == {0, 1, 2, 3}
     assert len(ROWS) >= 30
-    assert {"consolidate", "reshard", "to-universal", "inspect", "verify", "diff", "nvme-plan"} <= {c.split()[1] for _, c in ROWS}
+    assert {"consolidate", "reshard", "to-universal", "inspect", "verify", "diff", "nvme-plan"} <= {
+        c.split()[1] for _, c in ROWS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,9 @@ def test_exit_code_as_the_readme_says(workdir: Path, tmp_path: Path, code: int, 
     env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     argv = shlex.split(command)
-    done = subprocess.run([sys.executable, "-m", "zckpt", *argv[1:]], cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", *argv[1:]], cwd=here, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == code, f"{command}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     if code in (1, 2):  # one line, the CLI's own
         assert done.stderr.count("\n") == 1 and done.stderr.startswith("zckpt: error: "), done.stderr
@@ -118,15 +122,23 @@ def test_every_option_is_in_the_synopsis(name: str) -> None:
         spellings = [o for o in param.opts + param.secondary_opts if o.startswith("--")]
         assert set(spellings) & written, f"{name}: README's synopsis lacks {spellings[0]}"
     every = {o for p in COMMANDS[name].params for o in p.opts + p.secondary_opts}
-    assert written <= every | {"-h", "--help"}, f"{name}: README's synopsis lists {sorted(written - every)}, which the CLI lacks"
+    assert written <= every | {"-h", "--help"}, (
+        f"{name}: README's synopsis lists {sorted(written - every)}, which the CLI lacks"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["", *sorted(COMMANDS)])
 def test_help_fits_80_columns(name: str, tmp_path: Path) -> None:
     env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "zckpt", *([name] if name else []), "--help"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", *([name] if name else []), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     wide = [line for line in done.stdout.splitlines() if len(line) > 80]
     assert not wide, f"zckpt {name} --help: {len(wide)} lines over 80 columns, e.g. {wide[0]!r}"
@@ -162,7 +174,9 @@ def package_map() -> tuple[list[str], list[str]]:
         del parents[level:]
         here = "/".join(parents)
         for name in names:
-            assert re.fullmatch(r"[\w.]+\.py|\w+/", name), f"the map's line {line.strip()!r}: {name!r} is no module or folder"
+            assert re.fullmatch(r"[\w.]+\.py|\w+/", name), (
+                f"the map's line {line.strip()!r}: {name!r} is no module or folder"
+            )
             (folders if name.endswith("/") else files).append(f"{here}/{name}".lstrip("/").rstrip("/"))
         if names[0].endswith("/"):
             parents.append(names[0].rstrip("/"))
@@ -174,9 +188,15 @@ def test_the_package_map_is_the_tree() -> None:
     (a folder's line stands for its __init__.py; the package's own __init__.py is listed)."""
     files, folders = package_map()
     package = ROOT / "zckpt"
-    modules = sorted(str(p.relative_to(ROOT)) for p in package.rglob("*.py") if p.name != "__init__.py" or p.parent == package)
+    modules = sorted(
+        str(p.relative_to(ROOT)) for p in package.rglob("*.py") if p.name != "__init__.py" or p.parent == package
+    )
     packages = sorted(str(p.parent.relative_to(ROOT)) for p in package.rglob("__init__.py"))
-    assert sorted(set(files)) == sorted(files), f"the map lists {sorted({f for f in files if files.count(f) > 1})} twice"
-    assert sorted(folders) == packages, f"the map's folders {sorted(set(folders) ^ set(packages))} differ from the package's"
+    assert sorted(set(files)) == sorted(files), (
+        f"the map lists {sorted({f for f in files if files.count(f) > 1})} twice"
+    )
+    assert sorted(folders) == packages, (
+        f"the map's folders {sorted(set(folders) ^ set(packages))} differ from the package's"
+    )
     missing, absent = sorted(set(modules) - set(files)), sorted(set(files) - set(modules))
     assert not missing and not absent, f"the map lacks {missing} and names {absent}, which do not exist"

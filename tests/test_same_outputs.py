@@ -41,13 +41,19 @@ def test_normalise_masks_side_folders_and_the_measured_rate_only(script, tmp_pat
     run_dir = side.runs / "r"
     text = f"wrote {run_dir}/out from {side.tree}/sample_ckpts in {side.root}/tmp\nstep 2  loss 4.5604  lr 1.000e-03  tokens/s 1,141  saved global_step2\n"
     assert script.normalise(text, side.replacements(run_dir)) == (
-        "wrote <RUN>/out from <TREE>/sample_ckpts in <SIDE>/tmp\nstep 2  loss 4.5604  lr 1.000e-03  tokens/s <rate>  saved global_step2\n")
+        "wrote <RUN>/out from <TREE>/sample_ckpts in <SIDE>/tmp\nstep 2  loss 4.5604  lr 1.000e-03  tokens/s <rate>  saved global_step2\n"
+    )
 
 
 def test_compare_counts_and_names_each_difference(script) -> None:
     def result(stderr: str, digest: str) -> object:
-        return script.RunResult("consolidate.x", "consolidate", [script.CommandResult(["zckpt", "consolidate"], 1, "", stderr, 0.1)],
-                                {"out/": "dir 755", "out/model.safetensors": f"file 644 {digest}"}, 0.1)
+        return script.RunResult(
+            "consolidate.x",
+            "consolidate",
+            [script.CommandResult(["zckpt", "consolidate"], 1, "", stderr, 0.1)],
+            {"out/": "dir 755", "out/model.safetensors": f"file 644 {digest}"},
+            0.1,
+        )
 
     same, counts = script.compare({"consolidate.x": result("e\n", "aa")}, {"consolidate.x": result("e\n", "aa")})
     assert same == [] and counts["consolidate"] == {"runs": 1, "files": 2, "consoles": 1, "identical": 3}
@@ -58,7 +64,14 @@ def test_compare_counts_and_names_each_difference(script) -> None:
 
 
 def test_flip_byte_changes_one_byte_inside_the_record(script, tmp_path: Path) -> None:
-    source = ROOT / "sample_ckpts" / "z2_fp32_ws1" / "checkpoint" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    source = (
+        ROOT
+        / "sample_ckpts"
+        / "z2_fp32_ws1"
+        / "checkpoint"
+        / "global_step3"
+        / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )
     shutil.copyfile(source, tmp_path / "f.pt")
     script.FlipByte("f.pt", "data/3").apply(tmp_path)
     old, new = source.read_bytes(), (tmp_path / "f.pt").read_bytes()
@@ -73,8 +86,16 @@ def test_run_list_covers_every_sample_with_unique_names(script) -> None:
     names = {run.name for run in runs}
     assert len(names) == len(runs)
     for sample in samples:
-        assert {f"consolidate.{sample.name}.fp32", f"reshard.{sample.name}.w4.s3", f"to-universal.{sample.name}.default"} <= names
-    assert {"peft.peft_lora.llama_z3_bf16_ws2.merge", "consolidate.z3_bf16_ws2_nvme_live_swap.swap-folder", "train.fp32-ws2"} <= names
+        assert {
+            f"consolidate.{sample.name}.fp32",
+            f"reshard.{sample.name}.w4.s3",
+            f"to-universal.{sample.name}.default",
+        } <= names
+    assert {
+        "peft.peft_lora.llama_z3_bf16_ws2.merge",
+        "consolidate.z3_bf16_ws2_nvme_live_swap.swap-folder",
+        "train.fp32-ws2",
+    } <= names
     assert runs[0].heavy and len(script.build_runs(samples, quick=True, only=None)) < len(runs) / 2
 
 
@@ -88,8 +109,23 @@ def test_a_one_byte_message_change_is_reported(script, tmp_path: Path, capsys) -
     text = cli.read_text()
     assert text.count("Show the Python traceback of an error") == 1
     cli.write_text(text.replace("Show the Python traceback of an error", "Show the Python traceback of an Error"))
-    code = script.main(["--before", str(tmp_path / "before"), "--after", str(tmp_path / "after"), "--work", str(tmp_path / "work"), "--only", "^help$"])
+    code = script.main(
+        [
+            "--before",
+            str(tmp_path / "before"),
+            "--after",
+            str(tmp_path / "after"),
+            "--work",
+            str(tmp_path / "work"),
+            "--only",
+            "^help$",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1, out
-    assert "DIFFERENT: 1 entries in 1 run(s)" in out and "help: <command 5: exit, stdout, stderr>" in out and "traceback of an Error" in out
+    assert (
+        "DIFFERENT: 1 entries in 1 run(s)" in out
+        and "help: <command 5: exit, stdout, stderr>" in out
+        and "traceback of an Error" in out
+    )
     assert not (tmp_path / "work" / "before").exists()  # removed without --keep

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import sys
 
-_module = sys.orig_argv[sys.orig_argv.index("-m") + 1:][:1] if "-m" in sys.orig_argv else []  # `python [options] -m MODULE`
+_module = (
+    sys.orig_argv[sys.orig_argv.index("-m") + 1 :][:1] if "-m" in sys.orig_argv else []
+)  # `python [options] -m MODULE`
 if _module == ["zckpt"] or sys.argv[0].endswith(("/zckpt", "\\zckpt", "zckpt.exe")):
     # the `zckpt` command (or `python -m zckpt`) is starting: from this first line of zckpt on,
     # SIGINT, SIGTERM and SIGHUP end it with the CLI's one line (not a KeyboardInterrupt
@@ -58,13 +60,21 @@ if TYPE_CHECKING:
 # The API is imported when first used, not with the package: `zckpt` (the command) starts with
 # only its own imports, and so can answer Ctrl-C at start-up with its one line at once.
 _API = {
-    "iter_tensors": ".ops.api", "load_into_module": ".ops.api", "load_state_dict": ".ops.api",
-    "consolidate": ".ops.consolidate", "plan_consolidation": ".ops.weights_folder",
-    "open_checkpoint": ".deepspeed.reader", "open_training_state": ".deepspeed.reader", "survey": ".deepspeed.reader",
-    "DiffReport": ".ops.diff", "diff": ".ops.diff",
+    "iter_tensors": ".ops.api",
+    "load_into_module": ".ops.api",
+    "load_state_dict": ".ops.api",
+    "consolidate": ".ops.consolidate",
+    "plan_consolidation": ".ops.weights_folder",
+    "open_checkpoint": ".deepspeed.reader",
+    "open_training_state": ".deepspeed.reader",
+    "survey": ".deepspeed.reader",
+    "DiffReport": ".ops.diff",
+    "diff": ".ops.diff",
     "inspect_path": ".ops.inspect",
-    "plan_reshard": ".ops.reshard", "reshard": ".ops.reshard",
-    "plan_to_universal": ".ops.universal", "to_universal": ".ops.universal",
+    "plan_reshard": ".ops.reshard",
+    "reshard": ".ops.reshard",
+    "plan_to_universal": ".ops.universal",
+    "to_universal": ".ops.universal",
 }
 
 

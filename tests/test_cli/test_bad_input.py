@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, run_cli, sample
 
+from helpers import ROOT, run_cli, sample
 from zckpt import OutputError, consolidate
 
 ZERO3 = "z3_fp32_ws2_tied_frozen"  # 2 ranks, one model-states file per rank
@@ -100,10 +100,16 @@ def test_truncated_nvme_swap_file(copy_checkpoint) -> None:
 @pytest.mark.slow
 def test_unsupported_layouts_are_named(copy_checkpoint) -> None:
     ckpt = copy_checkpoint(ZERO3)
-    shutil.copy(tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_model_states.pt", tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt")
+    shutil.copy(
+        tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt",
+    )
     assert_refused(ckpt, "layer_0_expert_0_mp_rank_00_model_states.pt", "mixture-of-experts")
     (tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt").unlink()
-    shutil.copy(tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_optim_states.pt", tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    shutil.copy(
+        tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    )
     assert_refused(ckpt, "zero_pp_rank_0_mp_rank_01_optim_states.pt", "tensor/pipeline-parallel")
 
 
@@ -225,7 +231,12 @@ def test_disk_full_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.Mon
         return real_write(fd, data)
 
     monkeypatch.setattr(materialize.os, "write", full_disk)
-    monkeypatch.setattr(materialize.os, "copy_file_range", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")), raising=False)
+    monkeypatch.setattr(
+        materialize.os,
+        "copy_file_range",
+        lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")),
+        raising=False,
+    )
     out = tmp_path / "out"
     with pytest.raises(OutputError, match="no space left"):
         consolidate(sample(ZERO3).checkpoint, out, max_shard_size="4KB")
@@ -252,7 +263,12 @@ def test_not_enough_free_space_is_refused_up_front(tmp_path: Path, monkeypatch: 
 
 def test_debug_env_shows_the_traceback(tmp_path: Path) -> None:
     env = dict(os.environ, ZCKPT_DEBUG="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", str(tmp_path / "nope"), str(tmp_path / "o")], env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "zckpt", "consolidate", str(tmp_path / "nope"), str(tmp_path / "o")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 1 and "Traceback" in result.stderr
 
 
@@ -262,7 +278,9 @@ def tiny_disk(tmp_path: Path):
     while many small shards are written (each takes whole pages). Needs mount rights."""
     mountpoint = tmp_path / "tiny"
     mountpoint.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=28k", "tmpfs", str(mountpoint)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=28k", "tmpfs", str(mountpoint)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield mountpoint
@@ -273,7 +291,16 @@ def tiny_disk(tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_real_full_disk(tiny_disk: Path, fmt: str) -> None:
-    result = run_cli("consolidate", sample(ZERO3).checkpoint, tiny_disk / "out", "--format", fmt, "--max-shard-size", "2KB", cwd=tiny_disk.parent)
+    result = run_cli(
+        "consolidate",
+        sample(ZERO3).checkpoint,
+        tiny_disk / "out",
+        "--format",
+        fmt,
+        "--max-shard-size",
+        "2KB",
+        cwd=tiny_disk.parent,
+    )
     assert result.returncode == 1, result
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no space left on device" in lines[0] and str(tiny_disk / "out") in lines[0]

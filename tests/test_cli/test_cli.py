@@ -6,15 +6,24 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import Sample, run_cli, runner, sample
 
+from helpers import Sample, run_cli, runner, sample
 from zckpt.cli.app import app
 
 
 def test_help_explains_options_with_examples() -> None:
     result = runner.invoke(app, ["consolidate", "--help"])
     assert result.exit_code == 0
-    for option in ("--tag", "--dtype", "--format", "--max-shard-size", "--exclude-frozen", "--overwrite", "--quiet", "Examples"):
+    for option in (
+        "--tag",
+        "--dtype",
+        "--format",
+        "--max-shard-size",
+        "--exclude-frozen",
+        "--overwrite",
+        "--quiet",
+        "Examples",
+    ):
         assert option in result.output
     assert "Examples" in runner.invoke(app, ["inspect", "--help"]).output
     assert "Exit codes" in (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -32,7 +41,9 @@ def test_consolidate_prints_one_summary_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bad_option_value_is_a_usage_error(tmp_path: Path) -> None:
     case = sample("z3_fp32_ws2_tied_frozen")
-    assert runner.invoke(app, ["consolidate", str(case.checkpoint), str(tmp_path / "o"), "--dtype", "fp8"]).exit_code == 2
+    assert (
+        runner.invoke(app, ["consolidate", str(case.checkpoint), str(tmp_path / "o"), "--dtype", "fp8"]).exit_code == 2
+    )
     result = run_cli("consolidate", case.checkpoint, tmp_path / "o", "--max-shard-size", "lots", cwd=tmp_path)
     assert result.returncode == 2 and "lots" in result.stderr and not (tmp_path / "o").exists()
 
@@ -55,7 +66,9 @@ def test_inspect_json_describes_the_checkpoint(any_sample: Sample) -> None:
     assert report["tied"] == meta["tied"]
     assert report["complete"] is True and report["problems"] == []
     live = any_sample.live()
-    trainable = {n: t for n, t in live.items() if n not in meta["frozen"] and n not in meta["buffers"] and n not in meta["tied"]}
+    trainable = {
+        n: t for n, t in live.items() if n not in meta["frozen"] and n not in meta["buffers"] and n not in meta["tied"]
+    }
     assert report["trainable_numel"] == sum(t.numel() for t in trainable.values())
     assert report["params"] == len(trainable) + len(meta["frozen"])
     listed = {p["name"]: p for p in report["parameters"]}
@@ -66,8 +79,18 @@ def test_inspect_json_describes_the_checkpoint(any_sample: Sample) -> None:
 def test_inspect_weights_files(tmp_path: Path) -> None:
     case = sample("z3_fp32_ws2_tied_frozen")
     assert runner.invoke(app, ["consolidate", str(case.checkpoint), str(tmp_path / "one"), "-q"]).exit_code == 0
-    assert runner.invoke(app, ["consolidate", str(case.checkpoint), str(tmp_path / "many"), "-q", "--max-shard-size", "3KB"]).exit_code == 0
-    assert runner.invoke(app, ["consolidate", str(case.checkpoint), str(tmp_path / "pt"), "-q", "--format", "torch"]).exit_code == 0
+    assert (
+        runner.invoke(
+            app, ["consolidate", str(case.checkpoint), str(tmp_path / "many"), "-q", "--max-shard-size", "3KB"]
+        ).exit_code
+        == 0
+    )
+    assert (
+        runner.invoke(
+            app, ["consolidate", str(case.checkpoint), str(tmp_path / "pt"), "-q", "--format", "torch"]
+        ).exit_code
+        == 0
+    )
     names = set(case.reference())
     for path, kind in (
         (tmp_path / "one" / "model.safetensors", "safetensors"),
@@ -79,7 +102,12 @@ def test_inspect_weights_files(tmp_path: Path) -> None:
         report = json.loads(result.output)
         assert report["kind"] == kind and report["complete"]
         assert {p["name"] for p in report["parameters"]} == names
-    assert json.loads(runner.invoke(app, ["inspect", str(tmp_path / "one" / "model.safetensors"), "--json"]).output)["tied"] == case.meta["tied"]
+    assert (
+        json.loads(runner.invoke(app, ["inspect", str(tmp_path / "one" / "model.safetensors"), "--json"]).output)[
+            "tied"
+        ]
+        == case.meta["tied"]
+    )
     shard = sorted((tmp_path / "many").glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-10])
     broken = runner.invoke(app, ["inspect", str(tmp_path / "many"), "--json"])
@@ -108,7 +136,9 @@ def _run_in_terminal(*args: str) -> str:
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = dict(os.environ, PYTHONPATH=str(ROOT), TQDM_MININTERVAL="0")
-    process = subprocess.Popen([sys.executable, "-m", "zckpt", *args], stdin=follower, stdout=follower, stderr=follower, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "zckpt", *args], stdin=follower, stdout=follower, stderr=follower, env=env
+    )
     os.close(follower)
     shown = b""
     while True:
@@ -146,18 +176,45 @@ def _floating_dtypes(weights: Path) -> set[str]:
     """The safetensors dtype codes of the floating tensors in a weights file."""
     data = weights.read_bytes()
     header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    return {v["dtype"] for k, v in header.items() if k != "__metadata__" and v["dtype"] in ("F32", "BF16", "F16", "F64")}
+    return {
+        v["dtype"] for k, v in header.items() if k != "__metadata__" and v["dtype"] in ("F32", "BF16", "F16", "F64")
+    }
 
 
 def test_zero_to_fp32_spellings_are_the_same_options(tmp_path: Path) -> None:
     case = sample(FROZEN)
     assert case.meta["frozen"], "the sample must have frozen params for --exclude_frozen_parameters to matter"
     tag = case.meta["tag"]
-    ours = runner.invoke(app, ["consolidate", str(case.checkpoint), str(tmp_path / "ours"), "-q", "--max-shard-size", "3KB", "--exclude-frozen", "--tag", tag])
+    ours = runner.invoke(
+        app,
+        [
+            "consolidate",
+            str(case.checkpoint),
+            str(tmp_path / "ours"),
+            "-q",
+            "--max-shard-size",
+            "3KB",
+            "--exclude-frozen",
+            "--tag",
+            tag,
+        ],
+    )
     assert ours.exit_code == 0, ours.output
     theirs = runner.invoke(
         app,
-        ["consolidate", str(case.checkpoint), str(tmp_path / "theirs"), "-q", "--max_shard_size", "3KB", "--exclude_frozen_parameters", "--safe_serialization", "-t", tag, "-d"],
+        [
+            "consolidate",
+            str(case.checkpoint),
+            str(tmp_path / "theirs"),
+            "-q",
+            "--max_shard_size",
+            "3KB",
+            "--exclude_frozen_parameters",
+            "--safe_serialization",
+            "-t",
+            tag,
+            "-d",
+        ],
     )
     assert theirs.exit_code == 0, theirs.output
     assert _files(tmp_path / "ours") == _files(tmp_path / "theirs")
@@ -167,7 +224,17 @@ def test_zero_to_fp32_spellings_are_the_same_options(tmp_path: Path) -> None:
 
 
 def test_safe_serialization_contradicting_format_torch_is_a_usage_error(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["consolidate", str(sample(FROZEN).checkpoint), str(tmp_path / "o"), "--safe_serialization", "--format", "torch"])
+    result = runner.invoke(
+        app,
+        [
+            "consolidate",
+            str(sample(FROZEN).checkpoint),
+            str(tmp_path / "o"),
+            "--safe_serialization",
+            "--format",
+            "torch",
+        ],
+    )
     assert result.exit_code == 2 and "--safe_serialization" in result.stderr
     assert not (tmp_path / "o").exists()
 
@@ -182,7 +249,16 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name,expected", [("fp32", "F32"), ("float32", "F32"), ("bf16", "BF16"), ("bfloat16", "BF16"), ("fp16", "F16"), ("float16", "F16"), ("BF16", "BF16")]
+    "name,expected",
+    [
+        ("fp32", "F32"),
+        ("float32", "F32"),
+        ("bf16", "BF16"),
+        ("bfloat16", "BF16"),
+        ("fp16", "F16"),
+        ("float16", "F16"),
+        ("BF16", "BF16"),
+    ],
 )
 def test_dtype_takes_short_and_torch_names(tmp_path: Path, name: str, expected: str) -> None:
     result = runner.invoke(app, ["consolidate", str(sample(FROZEN).checkpoint), str(tmp_path / "o"), "--dtype", name])
@@ -204,7 +280,14 @@ def test_api_takes_dtype_names_and_torch_dtypes(tmp_path: Path) -> None:
     import zckpt
 
     checkpoint = sample(FROZEN).checkpoint
-    for given, wanted in (("bfloat16", torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), ("float16", torch.float16), (torch.float32, torch.float32), ("float32", torch.float32)):
+    for given, wanted in (
+        ("bfloat16", torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        ("float16", torch.float16),
+        (torch.float32, torch.float32),
+        ("float32", torch.float32),
+    ):
         streamed = dict(zckpt.iter_tensors(checkpoint, dtype=given))
         whole = zckpt.load_state_dict(checkpoint, dtype=given)
         for state in (streamed, whole):
@@ -242,7 +325,9 @@ def test_help_is_plain_readable_and_80_columns_wide(tmp_path: Path, columns: str
         env["COLUMNS"] = columns
     for command in ("", *COMMANDS):
         argv = [sys.executable, "-m", "zckpt", *([command] if command else []), "--help"]
-        shown = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # stdout is a pipe
+        shown = subprocess.run(
+            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )  # stdout is a pipe
         assert shown.returncode == 0, shown.stderr
         text = shown.stdout
         lines = text.splitlines()
@@ -262,12 +347,35 @@ def test_help_is_plain_readable_and_80_columns_wide(tmp_path: Path, columns: str
             assert "Examples:" in text
         options = lines[lines.index("Options:") + 1 :]
         options = options[: options.index("")] if "" in options else options
-        for flag in ("--overwrite", "--quiet", "--exclude-frozen", "--json", "--verify", "--safe_serialization", "--debug", "--version"):
+        for flag in (
+            "--overwrite",
+            "--quiet",
+            "--exclude-frozen",
+            "--json",
+            "--verify",
+            "--safe_serialization",
+            "--debug",
+            "--version",
+        ):
             for line in options:
                 if re.match(rf"\s+(-\w, )?{flag}\b", line):  # a flag's line: its name, then its help, no value
                     assert re.match(rf"\s+(-\w, )?{flag}(, --[\w-]+)?(\s{{2,}}\S|$)", line), line
-    consolidate = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", "-h"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60).stdout
-    for alias in ("--max_shard_size", "--exclude_frozen_parameters", "--safe_serialization", "-t, --tag", "-d, --debug", "bfloat16"):
+    consolidate = subprocess.run(
+        [sys.executable, "-m", "zckpt", "consolidate", "-h"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    for alias in (
+        "--max_shard_size",
+        "--exclude_frozen_parameters",
+        "--safe_serialization",
+        "-t, --tag",
+        "-d, --debug",
+        "bfloat16",
+    ):
         assert alias in consolidate
 
 
@@ -331,12 +439,19 @@ EXIT_CASES = {
 
 
 @pytest.mark.parametrize(
-    "case,command", [(case, command) for case in EXIT_CASES for command in COMMANDS if (case, command) != ("a file", "inspect")]
+    "case,command",
+    [(case, command) for case in EXIT_CASES for command in COMMANDS if (case, command) != ("a file", "inspect")],
 )  # inspect reads single files: a file is its input
 def test_same_problem_same_exit_code_in_every_command(tmp_path: Path, command: str, case: str) -> None:
     args, text = _setup(case, tmp_path)
     out = tmp_path / "out"
-    argv = [command, args[0], *([] if command == "inspect" else [str(out)]), *(["-w", "1"] if command == "reshard" else []), *args[1:]]
+    argv = [
+        command,
+        args[0],
+        *([] if command == "inspect" else [str(out)]),
+        *(["-w", "1"] if command == "reshard" else []),
+        *args[1:],
+    ]
     result = runner.invoke(app, argv)
     assert result.exit_code == EXIT_CASES[case], (result.exit_code, result.output)
     assert result.stdout == "" and "Traceback" not in result.stderr

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from helpers import cli_env, default_signals, run_cli, same_bits, sample
 
+from helpers import cli_env, default_signals, run_cli, same_bits, sample
 from zckpt import load_into_module, load_state_dict
 from zckpt.core.index import Segment, TensorSource
 from zckpt.deepspeed import names as N
@@ -46,7 +46,9 @@ def tag_dir(checkpoint: Path) -> Path:
 
 
 def optim_file(checkpoint: Path, rank: int) -> Path:
-    return next(p for p in tag_dir(checkpoint).iterdir() if p.name.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    return next(
+        p for p in tag_dir(checkpoint).iterdir() if p.name.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    )
 
 
 def rewrite(path: Path, change: Callable[[Any, Any], None]) -> None:
@@ -91,8 +93,13 @@ def assert_inspect_lists(checkpoint: Path, *expected: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, short", [(ZERO2, 2), ("z2_fp16_ws4_tied", 1), ("z1_bf16_ws3_bf16optimizer_frozen", 3), ("z1_fp32_ws2_frozen_tied", 1)])
-def test_short_last_rank_partition_is_one_line_and_listed(copy_checkpoint, tmp_path: Path, name: str, short: int) -> None:
+@pytest.mark.parametrize(
+    "name, short",
+    [(ZERO2, 2), ("z2_fp16_ws4_tied", 1), ("z1_bf16_ws3_bf16optimizer_frozen", 3), ("z1_fp32_ws2_frozen_tied", 1)],
+)
+def test_short_last_rank_partition_is_one_line_and_listed(
+    copy_checkpoint, tmp_path: Path, name: str, short: int
+) -> None:
     ckpt = copy_checkpoint(name)
     world = sample(name).meta["world_size"]
     victim = optim_file(ckpt, world - 1)
@@ -124,7 +131,10 @@ def test_non_flat_fp32_partition_is_described(copy_checkpoint, tmp_path: Path, n
 
     rewrite(victim, reshape)
     report = assert_inspect_lists(ckpt, victim.name, "not a flat contiguous tensor")
-    assert report["zero_stage"] == sample(name).meta["zero_stage"] and report["world_size"] == sample(name).meta["world_size"]
+    assert (
+        report["zero_stage"] == sample(name).meta["zero_stage"]
+        and report["world_size"] == sample(name).meta["world_size"]
+    )
     assert_one_line_error(run_cli("consolidate", ckpt, tmp_path / "out", cwd=tmp_path), victim.name)
     report = inspect_path(ckpt)  # the library too
     assert not report["complete"]
@@ -153,7 +163,9 @@ STRUCTURE_DAMAGE = {  # each of these ended in a TypeError/AttributeError, or ne
 def test_damaged_structure_is_described(copy_checkpoint, tmp_path: Path, case: str) -> None:
     name, which, change = STRUCTURE_DAMAGE[case]
     ckpt = copy_checkpoint(name)
-    victim = optim_file(ckpt, int(which[-1])) if which.startswith("optim") else min(tag_dir(ckpt).glob("*model_states.pt"))
+    victim = (
+        optim_file(ckpt, int(which[-1])) if which.startswith("optim") else min(tag_dir(ckpt).glob("*model_states.pt"))
+    )
     rewrite(victim, change)
     shown = run_cli("inspect", ckpt, "--json", cwd=tmp_path)
     assert shown.returncode in (0, 3) and "internal error" not in shown.stderr, (shown.returncode, shown.stderr)
@@ -186,7 +198,12 @@ def test_corrupt_optimizer_file_keeps_what_intact_files_say(copy_checkpoint, ran
     victim.write_bytes(victim.read_bytes()[:1000])
     report = inspect_path(ckpt)
     assert not report["complete"]
-    assert (report["zero_stage"], report["world_size"], report["dtype"], report["ds_version"]) == (2, 3, "bf16", "0.19.8")
+    assert (report["zero_stage"], report["world_size"], report["dtype"], report["ds_version"]) == (
+        2,
+        3,
+        "bf16",
+        "0.19.8",
+    )
     assert report["offload"] == "none" and report["frozen"] == sample(ZERO2).meta["frozen"]
     assert any(victim.name in p for p in report["problems"])
     assert "?" not in {p["dtype"] for p in report["parameters"]}
@@ -231,7 +248,9 @@ def test_tag_line_when_latest_names_a_missing_tag(copy_checkpoint, tmp_path: Pat
 def test_unknown_tag_is_one_line_naming_the_tags(tmp_path: Path) -> None:
     ckpt = sample("z2_fp32_ws2_twotags").checkpoint
     for command in (["inspect", ckpt], ["consolidate", ckpt, tmp_path / "out"]):
-        line = assert_one_line_error(run_cli(*command, "--tag", "global_step9", cwd=tmp_path), "global_step9", "global_step2, global_step3")
+        line = assert_one_line_error(
+            run_cli(*command, "--tag", "global_step9", cwd=tmp_path), "global_step9", "global_step2, global_step3"
+        )
         assert "None" not in line
 
 
@@ -341,10 +360,27 @@ def killed_mid_write(tmp_path: Path, out: Path, signum: int, *extra: str) -> sub
     `out`, send `signum` at a random moment of the write, and return the finished process."""
     script = tmp_path / "slow_cli.py"
     script.write_text(SLOW_CLI)
-    args = [sys.executable, str(script), "consolidate", str(sample(LARGEST).checkpoint), str(out), "--max-shard-size", "200KB", *extra]
+    args = [
+        sys.executable,
+        str(script),
+        "consolidate",
+        str(sample(LARGEST).checkpoint),
+        str(out),
+        "--max-shard-size",
+        "200KB",
+        *extra,
+    ]
     # a test run started in the background (CI under nohup, `cmd &`) inherits SIGINT ignored, and
     # zckpt rightly keeps ignored signals ignored: the child gets the default dispositions
-    process = subprocess.Popen(args, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    process = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,
+    )
     deadline = time.monotonic() + 60
     while not zckpt_leftovers(out):
         assert process.poll() is None, process.communicate()

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from helpers import ROOT, default_signals, sample
 
 BIG = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups").checkpoint  # 537k params, the largest sample
@@ -54,7 +55,9 @@ SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signa
 CAUGHT_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}
 FULL = bool(os.environ.get("ZCKPT_FAULTS_FULL"))
 TIMED_SEEDS = 10 if FULL else 2
-OP_SIGNALS = SIGNALS if FULL else {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}  # SIGINT: the same handler as SIGTERM
+OP_SIGNALS = (
+    SIGNALS if FULL else {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
+)  # SIGINT: the same handler as SIGTERM
 COUNTS: collections.Counter = collections.Counter()
 SIGNALLED_DEADLINE = 30  # seconds a signalled process may take to leave (generous: the machine may be loaded)
 TIMES: collections.Counter = collections.Counter()  # seconds in zckpt processes, by (verb, kind)
@@ -200,7 +203,13 @@ class Zygote:
         env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE], cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=default_signals
+            [sys.executable, "-c", ZYGOTE],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=default_signals,
         )
         self.count = 0
 
@@ -218,17 +227,32 @@ class Zygote:
                 return message
         return None
 
-    def run(self, *argv: str | Path, cwd: Path | None = None, kill_after: float | None = None, signum: int | None = None,
-            at: int | None = None, count_ops: bool = False, scope: Path | None = None, fill: tuple[str, int] | None = None,
-            timeout: float = 60) -> Run:
+    def run(
+        self,
+        *argv: str | Path,
+        cwd: Path | None = None,
+        kill_after: float | None = None,
+        signum: int | None = None,
+        at: int | None = None,
+        count_ops: bool = False,
+        scope: Path | None = None,
+        fill: tuple[str, int] | None = None,
+        timeout: float = 60,
+    ) -> Run:
         """Run `zckpt *argv`; `kill_after` seconds: send `signum`; `at`: the process sends
         `signum` to itself at that op point (see hook_ops); `fill`: (mount, bytes kept free)."""
         self.count += 1
         stem = self.workdir / f"run{self.count}"
         request = {
-            "argv": [str(a) for a in argv], "cwd": str(cwd or self.workdir), "stdout": f"{stem}.out", "stderr": f"{stem}.err",
-            "kill_after": kill_after, "signal": int(signum) if signum is not None else None, "at": at,
-            "ops_log": f"{stem}.ops" if (count_ops or at is not None) else None, "scope": str(scope) if scope else None,
+            "argv": [str(a) for a in argv],
+            "cwd": str(cwd or self.workdir),
+            "stdout": f"{stem}.out",
+            "stderr": f"{stem}.err",
+            "kill_after": kill_after,
+            "signal": int(signum) if signum is not None else None,
+            "at": at,
+            "ops_log": f"{stem}.ops" if (count_ops or at is not None) else None,
+            "scope": str(scope) if scope else None,
             "fill": list(fill) if fill else None,
         }
         assert self.process.poll() is None, "the zygote died"
@@ -244,11 +268,15 @@ class Zygote:
             os.kill(pid, signal.SIGKILL)
             self._reply(60, pid)
             stacks = Path(f"{stem}.err").read_text() if Path(f"{stem}.err").exists() else ""
-            pytest.fail(f"zckpt {' '.join(request['argv'])} still ran {timeout:.0f} s after it started"
-                        f"{f' ({SIGNALLED_DEADLINE} s after the signal)' if kill_after is not None else ''}; its stderr and stacks:\n{stacks}")
+            pytest.fail(
+                f"zckpt {' '.join(request['argv'])} still ran {timeout:.0f} s after it started"
+                f"{f' ({SIGNALLED_DEADLINE} s after the signal)' if kill_after is not None else ''}; its stderr and stacks:\n{stacks}"
+            )
         ops_log = Path(f"{stem}.ops")
         ops = int(ops_log.read_text()) if ops_log.exists() and ops_log.read_text() else None
-        text = {n: Path(f"{stem}.{n}").read_text() if Path(f"{stem}.{n}").exists() else "" for n in ("out", "err")}  # none: killed at once
+        text = {
+            n: Path(f"{stem}.{n}").read_text() if Path(f"{stem}.{n}").exists() else "" for n in ("out", "err")
+        }  # none: killed at once
         for n in ("out", "err", "ops"):
             Path(f"{stem}.{n}").unlink(missing_ok=True)
         kind = "timed kill" if kill_after is not None else "kill at op" if at is not None else "run"
@@ -311,20 +339,52 @@ class Command:
         return [verb, str(source.checkpoint), str(out), *options, "--quiet", *(["--overwrite"] if overwrite else [])]
 
     def previous_argv(self, source: Input, out: Path) -> list[str]:
-        fill = {"{in}": str(source.checkpoint), "{other}": str(source.other), "{out}": str(out), "{shard}": source.shard}
+        fill = {
+            "{in}": str(source.checkpoint),
+            "{other}": str(source.other),
+            "{out}": str(out),
+            "{shard}": source.shard,
+        }
         return [fill.get(a, a) for a in self.previous] + ["--quiet"]
 
 
 COMMANDS = [
-    Command("consolidate-safetensors", "weights", ("consolidate",), ("consolidate", "{in}", "{out}", "--dtype", "bf16")),
-    Command("consolidate-safetensors-sharded", "weights", ("consolidate", "--max-shard-size", "{shard}"),
-            ("consolidate", "{in}", "{out}", "--dtype", "bf16", "--max-shard-size", "{shard}")),
-    Command("consolidate-torch", "weights", ("consolidate", "--format", "torch"), ("consolidate", "{in}", "{out}", "--format", "torch", "--dtype", "bf16")),
-    Command("consolidate-torch-sharded", "weights", ("consolidate", "--format", "torch", "--max-shard-size", "{shard}"),
-            ("consolidate", "{in}", "{out}", "--format", "torch", "--dtype", "bf16", "--max-shard-size", "{shard}")),
+    Command(
+        "consolidate-safetensors", "weights", ("consolidate",), ("consolidate", "{in}", "{out}", "--dtype", "bf16")
+    ),
+    Command(
+        "consolidate-safetensors-sharded",
+        "weights",
+        ("consolidate", "--max-shard-size", "{shard}"),
+        ("consolidate", "{in}", "{out}", "--dtype", "bf16", "--max-shard-size", "{shard}"),
+    ),
+    Command(
+        "consolidate-torch",
+        "weights",
+        ("consolidate", "--format", "torch"),
+        ("consolidate", "{in}", "{out}", "--format", "torch", "--dtype", "bf16"),
+    ),
+    Command(
+        "consolidate-torch-sharded",
+        "weights",
+        ("consolidate", "--format", "torch", "--max-shard-size", "{shard}"),
+        ("consolidate", "{in}", "{out}", "--format", "torch", "--dtype", "bf16", "--max-shard-size", "{shard}"),
+    ),
     # the largest sample offloads to NVMe; the target run's config asks for CPU offload instead
-    Command("reshard", "checkpoint", ("reshard", "--world-size", "3", "--config", "{cfg}"), ("reshard", "{other}", "{out}", "--world-size", "2")),
-    Command("to-universal", "checkpoint", ("to-universal",), ("to-universal", "{other}", "{out}"), folder=f"{TAG}_universal", latest="latest_universal"),
+    Command(
+        "reshard",
+        "checkpoint",
+        ("reshard", "--world-size", "3", "--config", "{cfg}"),
+        ("reshard", "{other}", "{out}", "--world-size", "2"),
+    ),
+    Command(
+        "to-universal",
+        "checkpoint",
+        ("to-universal",),
+        ("to-universal", "{other}", "{out}"),
+        folder=f"{TAG}_universal",
+        latest="latest_universal",
+    ),
 ]
 BY_NAME = {c.name: c for c in COMMANDS}
 MODES = {"fresh": False, "overwrite": True}
@@ -368,7 +428,9 @@ class Reference:
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("cfg") / "ds_config.json"
-    path.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}}}))
+    path.write_text(
+        json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}}})
+    )
     return path
 
 
@@ -390,7 +452,9 @@ def references(zygote: Zygote, cfg: Path, tmp_path_factory: pytest.TempPathFacto
             for overwrite, out in ((False, base / "new"), (True, base / "again")):
                 if overwrite:
                     shutil.copytree(old, out)
-                done = zygote.run(*command.argv(source, out, cfg, overwrite), count_ops=True, scope=None if FULL else out)
+                done = zygote.run(
+                    *command.argv(source, out, cfg, overwrite), count_ops=True, scope=None if FULL else out
+                )
                 assert done.code == 0 and not done.stderr, done.stderr
                 durations[overwrite], ops[overwrite] = done.elapsed, done.ops
                 if source.name == "big":  # the time of a warm run (the first one reads the input from disk)
@@ -490,7 +554,17 @@ def assert_listed(zygote: Zygote, out: Path, leftovers: list[str]) -> None:
 FOLLOWED: dict[tuple, str] = {}
 
 
-def after_kill(zygote: Zygote, command: Command, source: Input, ref: Reference, cfg: Path, tmp: Path, overwrite: bool, run: Run, signum: int) -> str:
+def after_kill(
+    zygote: Zygote,
+    command: Command,
+    source: Input,
+    ref: Reference,
+    cfg: Path,
+    tmp: Path,
+    overwrite: bool,
+    run: Run,
+    signum: int,
+) -> str:
     """(a), (b) and (c) for one killed run; the state it left."""
     out = tmp / "out"
     if signum == signal.SIGKILL:
@@ -506,7 +580,9 @@ def after_kill(zygote: Zygote, command: Command, source: Input, ref: Reference, 
     if signum != signal.SIGKILL or run.code == 0:
         assert not left, (state, left)  # (b): a caught signal leaves nothing of its own
     if not left:
-        assert state != "between", f"a state between the old and the new output that nothing flags: {describe(out, ref, overwrite)}"
+        assert state != "between", (
+            f"a state between the old and the new output that nothing flags: {describe(out, ref, overwrite)}"
+        )
     key = (command.name, source.name, overwrite, signature(tmp, ref, overwrite))
     if key in FOLLOWED:
         return state
@@ -540,7 +616,9 @@ CASES = [(c.name, mode, signame) for c in COMMANDS for mode in MODES for signame
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode, signame", CASES, ids=["-".join(c) for c in CASES])
-def test_killed_at_random_times(zygote: Zygote, references: dict[str, Reference], cfg: Path, tmp_path: Path, name: str, mode: str, signame: str) -> None:
+def test_killed_at_random_times(
+    zygote: Zygote, references: dict[str, Reference], cfg: Path, tmp_path: Path, name: str, mode: str, signame: str
+) -> None:
     command, ref, signum, overwrite = BY_NAME[name], references[name, "big"], SIGNALS[signame], MODES[mode]
     rng = random.Random(f"{name}-{mode}-{signame}")
     for seed in range(TIMED_SEEDS):
@@ -561,20 +639,29 @@ def test_killed_at_random_times(zygote: Zygote, references: dict[str, Reference]
 # The torch writer commits through the same StagedOutput steps as safetensors' (the same ops in the
 # same order): its kills at each op add nothing but time, except in the full run.
 # SIGTERM into a fresh reshard or to-universal takes the steps of an overwriting one, less two.
-OP_CASES = [c for c in CASES if c[2] in OP_SIGNALS and (FULL or ("torch" not in c[0] and (c[1] == "overwrite" or c[2] == "SIGKILL" or "consolidate" in c[0])))]
+OP_CASES = [
+    c
+    for c in CASES
+    if c[2] in OP_SIGNALS
+    and (FULL or ("torch" not in c[0] and (c[1] == "overwrite" or c[2] == "SIGKILL" or "consolidate" in c[0])))
+]
 AT_OP = {c[0] for c in OP_CASES}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode, signame", OP_CASES, ids=["-".join(c) for c in OP_CASES])
-def test_killed_at_each_commit_step(zygote: Zygote, references: dict[str, Reference], cfg: Path, tmp_path: Path, name: str, mode: str, signame: str) -> None:
+def test_killed_at_each_commit_step(
+    zygote: Zygote, references: dict[str, Reference], cfg: Path, tmp_path: Path, name: str, mode: str, signame: str
+) -> None:
     command, ref, signum, overwrite = BY_NAME[name], references[name, "small"], SIGNALS[signame], MODES[mode]
     points = 2 * ref.ops[overwrite]
     assert points > 0
     for at in range(points):
         tmp = tmp_path / f"at{at}"
         out = prepare(tmp, ref, overwrite)
-        run = zygote.run(*command.argv(INPUTS["small"], out, cfg, overwrite), at=at, signum=signum, scope=None if FULL else out)
+        run = zygote.run(
+            *command.argv(INPUTS["small"], out, cfg, overwrite), at=at, signum=signum, scope=None if FULL else out
+        )
         state = after_kill(zygote, command, INPUTS["small"], ref, cfg, tmp, overwrite, run, signum)
         COUNTS[("at op", name, signame)] += 1
         COUNTS[("state", state)] += 1
@@ -588,7 +675,12 @@ def test_killed_at_each_commit_step(zygote: Zygote, references: dict[str, Refere
 def _mount_tmpfs(where: Path, size: str) -> bool:
     where.mkdir(exist_ok=True)
     try:
-        return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+            ).returncode
+            == 0
+        )
     except OSError:  # no mount command
         return False
 
@@ -610,7 +702,9 @@ DISK_CASES = [(c.name, mode, keep) for c in COMMANDS for mode in MODES for keep 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode, keep", DISK_CASES, ids=["-".join(c) for c in DISK_CASES])
-def test_full_disk(zygote: Zygote, references: dict[tuple[str, str], Reference], cfg: Path, disk: Path, name: str, mode: str, keep: str) -> None:
+def test_full_disk(
+    zygote: Zygote, references: dict[tuple[str, str], Reference], cfg: Path, disk: Path, name: str, mode: str, keep: str
+) -> None:
     """The up-front free-space check passes, then the disk fills up (another process took the
     space): with nothing left, or half the output's size, the writes meet a real ENOSPC."""
     command, source, overwrite = BY_NAME[name], INPUTS["big"], MODES[mode]
@@ -666,7 +760,9 @@ RO_CASES = [(c.name, layout) for c in COMMANDS for layout in ("missing", "empty"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", RO_CASES, ids=["-".join(c) for c in RO_CASES])
-def test_read_only_output_folder(zygote: Zygote, references: dict[tuple[str, str], Reference], cfg: Path, read_only, name: str, layout: str) -> None:
+def test_read_only_output_folder(
+    zygote: Zygote, references: dict[tuple[str, str], Reference], cfg: Path, read_only, name: str, layout: str
+) -> None:
     """OUTPUT_DIR in a read-only folder ("missing"), read-only and empty, or read-only holding
     a previous output (--overwrite): one line naming the path, exit 1, nothing changed."""
     command, source = BY_NAME[name], INPUTS["big"]
@@ -690,7 +786,9 @@ def test_read_only_output_folder(zygote: Zygote, references: dict[tuple[str, str
 def test_zz_counts(references: dict[tuple[str, str], Reference]) -> None:
     """How many cases ran (printed with `pytest -s`); runs last in this file."""
     for (name, source), ref in sorted(references.items()):
-        print(f"{name:34} {source:6} run {ref.duration[False]:.2f} s ({ref.duration[True]:.2f} s overwriting), op points {2 * ref.ops[False]} ({2 * ref.ops[True]})")
+        print(
+            f"{name:34} {source:6} run {ref.duration[False]:.2f} s ({ref.duration[True]:.2f} s overwriting), op points {2 * ref.ops[False]} ({2 * ref.ops[True]})"
+        )
     for key, count in sorted(COUNTS.items()):
         print(" ".join(key), count)
     for key, seconds in sorted(TIMES.items()):

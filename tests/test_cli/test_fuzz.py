@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from helpers import ROOT
 
 SAMPLES = [
@@ -513,7 +514,9 @@ class Worker:
         env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")])
         env["OMP_NUM_THREADS"] = "1"
-        self.process = subprocess.Popen([sys.executable, "-c", WORKER], env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER], env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert self._read(120) == {"ready": True, "limited": True}, "the worker's address-space limit does not hold"
 
     def _read(self, timeout: float) -> dict | None:
@@ -625,7 +628,9 @@ def test_fuzz(pool: Pool, tmp_path: Path, kind: str) -> None:
     with ThreadPoolExecutor(WORKERS) as threads:
         results = list(threads.map(pool.run, cases))
     RESULTS[kind] = results
-    failed = [(r["sample"], r["seed"], r.get("victim"), r.get("what"), failures_of(r)) for r in results if failures_of(r)]
+    failed = [
+        (r["sample"], r["seed"], r.get("victim"), r.get("what"), failures_of(r)) for r in results if failures_of(r)
+    ]
     assert not failed, "\n".join(map(str, failed))
 
 
@@ -635,6 +640,9 @@ def test_zz_fuzz_counts() -> None:
     for kind, results in RESULTS.items():
         outcomes = collections.Counter(outcome_of(r) for r in results)
         seconds = max((sum(r.get("seconds", {}).values()) for r in results), default=0)
-        print(f"{kind:20} {len(results):4} cases, slowest {seconds:.2f} s: " + "; ".join(f"{o} {n}" for o, n in sorted(outcomes.items())))
+        print(
+            f"{kind:20} {len(results):4} cases, slowest {seconds:.2f} s: "
+            + "; ".join(f"{o} {n}" for o, n in sorted(outcomes.items()))
+        )
         total += len(results)
     print("fuzz cases:", total)

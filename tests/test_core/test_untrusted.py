@@ -19,9 +19,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import SAMPLES, listing, rename_everywhere, run_cli, same_bits, sample
 from safetensors.torch import load_file
 
+from helpers import SAMPLES, listing, rename_everywhere, run_cli, same_bits, sample
 from zckpt import OutputError, UnsafePathError, to_universal
 from zckpt.core.untrusted import input_roots, name_problem, path_component, regular_file_inside
 from zckpt.deepspeed.save import write_checkpoint
@@ -66,13 +66,17 @@ class World:
         before = listing(self.root, skip=self.out)
         result = run_cli(*args, cwd=self.root)
         assert result.returncode == code, (args, result.returncode, result.stdout[-2000:], result.stderr[-2000:])
-        assert listing(self.root, skip=self.out) == before, f"{args}: something appeared or changed outside the output folder"
+        assert listing(self.root, skip=self.out) == before, (
+            f"{args}: something appeared or changed outside the output folder"
+        )
         assert MARKER.decode() not in result.stdout + result.stderr, f"{args}: the secret was printed"
         if self.out.exists():
             assert not holds_secret(self.out), f"{args}: the secret reached the output"
         lines = result.stderr.strip().splitlines()
         if code == 1:
-            assert len(lines) == 1 and lines[0].startswith("zckpt: error: ") and "Traceback" not in result.stderr, result.stderr
+            assert len(lines) == 1 and lines[0].startswith("zckpt: error: ") and "Traceback" not in result.stderr, (
+                result.stderr
+            )
             for name in names:
                 assert name in lines[0], (name, lines[0])
             assert not self.out.exists(), f"{args}: a refused run left {self.out}"
@@ -94,7 +98,9 @@ def tag_of(checkpoint: Path) -> Path:
 # --- 1. the rule and the fence, as functions ------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["global_step3", "exp_avg", "base_model.model.layers.0.lora_A.weight", "a\\b", "ü" * 127, "-x", ".hidden"])
+@pytest.mark.parametrize(
+    "name", ["global_step3", "exp_avg", "base_model.model.layers.0.lora_A.weight", "a\\b", "ü" * 127, "-x", ".hidden"]
+)
 def test_plain_names_pass(name: str) -> None:
     assert path_component(name, "f", "name") == name
 
@@ -102,9 +108,21 @@ def test_plain_names_pass(name: str) -> None:
 @pytest.mark.parametrize(
     "name,problem",
     [
-        ("../escape_tag", "holds '/'"), ("/tmp/abs_target", "holds '/'"), ("a/b.weight", "holds '/'"), ("..", "'..'"), (".", "'.'"),
-        ("", "empty"), ("x\x00y", "control"), ("global_step3\n", "control"), ("a\x7fb", "control"), ("a\x85b", "control"),
-        ("x" * 256, "256 bytes"), ("ü" * 128, "256 bytes"), ("\udc80x", "not valid text"), (7, "int"), (None, "NoneType"),
+        ("../escape_tag", "holds '/'"),
+        ("/tmp/abs_target", "holds '/'"),
+        ("a/b.weight", "holds '/'"),
+        ("..", "'..'"),
+        (".", "'.'"),
+        ("", "empty"),
+        ("x\x00y", "control"),
+        ("global_step3\n", "control"),
+        ("a\x7fb", "control"),
+        ("a\x85b", "control"),
+        ("x" * 256, "256 bytes"),
+        ("ü" * 128, "256 bytes"),
+        ("\udc80x", "not valid text"),
+        (7, "int"),
+        (None, "NoneType"),
     ],
 )
 def test_crafted_names_are_refused_naming_file_and_name(name: object, problem: str) -> None:
@@ -153,7 +171,9 @@ def test_links_are_followed_only_inside_the_input(tmp_path: Path) -> None:
     os.mkfifo(folder / "fifo")
     assert regular_file_inside(folder / "inside.json", folder)
     assert not regular_file_inside(folder / "sub", folder) and not regular_file_inside(folder / "fifo", folder)
-    assert not regular_file_inside(folder / "dangling_in.json", folder) and not regular_file_inside(folder / "absent", folder)
+    assert not regular_file_inside(folder / "dangling_in.json", folder) and not regular_file_inside(
+        folder / "absent", folder
+    )
     for name in ("out.json", "abs.json", "dangling_out.json"):
         with pytest.raises(UnsafePathError, match="outside"):
             regular_file_inside(folder / name, folder)
@@ -290,7 +310,13 @@ def test_param_name_with_a_path_never_becomes_a_folder(world: World) -> None:
 def test_optimizer_state_name_with_a_path_never_becomes_a_file(world: World) -> None:
     ck = world.copy(sample(ZERO2).checkpoint)
     rename_everywhere(tag_of(ck), "exp_avg", "../../../../pwned_state")
-    world.run("to-universal", ck, world.out, code=1, names=(str(tag_of(ck)), "optimizer state name", "'../../../../pwned_state'"))
+    world.run(
+        "to-universal",
+        ck,
+        world.out,
+        code=1,
+        names=(str(tag_of(ck)), "optimizer state name", "'../../../../pwned_state'"),
+    )
     world.run("reshard", ck, world.out, "--world-size", "2", "--stage", "3", code=0)
 
 
@@ -300,7 +326,9 @@ def test_state_name_of_a_swapped_sub_group_is_refused_on_read(world: World) -> N
     as a path it would open a file outside offloaded_tensors/."""
     ck = world.copy(sample(NVME).checkpoint)
     rename_everywhere(tag_of(ck), "exp_avg", "../../../exp_avg")
-    world.run("consolidate", ck, world.out, code=1, names=("optim_states.pt", "optimizer state name", "'../../../exp_avg'"))
+    world.run(
+        "consolidate", ck, world.out, code=1, names=("optim_states.pt", "optimizer state name", "'../../../exp_avg'")
+    )
     world.run("inspect", ck, code=3)
 
 
@@ -337,7 +365,15 @@ def test_carried_file_linked_to_a_secret_is_refused(world: World, name: str, rel
     refuse there."""
     ck = world.copy(sample(TRAINER).checkpoint, "checkpoint-3")
     link(ck / name, os.path.relpath(world.secret, ck) if relative else world.secret)
-    world.run("reshard", ck, world.out, "--world-size", "1", code=1, names=(str(ck / name), f"leads to {world.secret}", "outside"))
+    world.run(
+        "reshard",
+        ck,
+        world.out,
+        "--world-size",
+        "1",
+        code=1,
+        names=(str(ck / name), f"leads to {world.secret}", "outside"),
+    )
     world.run("consolidate", ck, world.out, code=1 if name == "tokenizer.json" else 0, names=(str(ck / name),))
 
 
@@ -379,7 +415,15 @@ def test_peft_adapter_files_linked_out_are_refused(world: World, name: str) -> N
     world.run("consolidate", ck, world.out, code=1, names=(str(ck / name),))
     # a merge copies the base's files, not the adapter's card, but reads the adapter's config
     merge_reads = name == "adapter_config.json"
-    world.run("consolidate", ck, world.out, "--merge-into", PEFT_RUN / "base", code=1 if merge_reads else 0, names=(str(ck / name),))
+    world.run(
+        "consolidate",
+        ck,
+        world.out,
+        "--merge-into",
+        PEFT_RUN / "base",
+        code=1 if merge_reads else 0,
+        names=(str(ck / name),),
+    )
 
 
 @pytest.mark.slow
@@ -393,8 +437,12 @@ def test_merge_base_with_a_linked_file_or_a_shard_outside_is_refused(world: Worl
     base = world.copy(llama / "base", "llama_base")
     shutil.move(base / "model-00002-of-00002.safetensors", world.root / "model-00002-of-00002.safetensors")
     index = base / "model.safetensors.index.json"
-    index.write_text(index.read_text().replace('"model-00002-of-00002.safetensors"', '"../model-00002-of-00002.safetensors"'))
-    world.run("consolidate", llama / "checkpoint-3", world.out, "--merge-into", base, code=1, names=(str(index), "shard name"))
+    index.write_text(
+        index.read_text().replace('"model-00002-of-00002.safetensors"', '"../model-00002-of-00002.safetensors"')
+    )
+    world.run(
+        "consolidate", llama / "checkpoint-3", world.out, "--merge-into", base, code=1, names=(str(index), "shard name")
+    )
     world.run("diff", index, index, code=1, names=(str(index), "shard name"))
     world.run("inspect", index, code=3)
 
@@ -434,7 +482,9 @@ def test_rank_files_may_link_to_another_folder(world: World) -> None:
     shutil.move(tag_of(ck), world.root / "shared" / "global_step3")
     link(ck / "global_step3", "../shared/global_step3")
     world.run("reshard", ck, world.out, "-w", "2", code=0)
-    assert sorted(p.name for p in (world.out / "global_step3").iterdir()) == sorted(p.name for p in (sample(ZERO2).checkpoint / "global_step3").iterdir()) + ["zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert sorted(p.name for p in (world.out / "global_step3").iterdir()) == sorted(
+        p.name for p in (sample(ZERO2).checkpoint / "global_step3").iterdir()
+    ) + ["zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
 def hub_snapshot(world: World, source: Path, repo: str) -> Path:
@@ -462,7 +512,9 @@ def test_hub_cache_snapshots_are_read_and_copied(world: World) -> None:
     tokenizer = (sample(TRAINER).checkpoint / "tokenizer.json").read_bytes()
     for command in (("consolidate", ck, world.out), ("reshard", ck, world.out, "-w", "1")):
         world.run(*command, code=0)
-        assert not (world.out / "tokenizer.json").is_symlink() and (world.out / "tokenizer.json").read_bytes() == tokenizer
+        assert (
+            not (world.out / "tokenizer.json").is_symlink() and (world.out / "tokenizer.json").read_bytes() == tokenizer
+        )
         shutil.rmtree(world.out)
     base = hub_snapshot(world, PEFT_RUN / "base", "models--org--base")
     world.run("consolidate", PEFT_RUN / "checkpoint-3", world.out, "--merge-into", base, code=0)
@@ -486,7 +538,9 @@ def test_train_resume_then_save_writes_only_its_output(world: World) -> None:
     shutil.rmtree(world.out)
     for how in ("relative", "absolute", "symlink"):
         ck = escape_latest(world, world.root / "run", how)
-        world.run("train", "--resume", ck, "--out", world.out, "--steps", "3", *SMALL, code=1, names=(str(ck / "latest"),))
+        world.run(
+            "train", "--resume", ck, "--out", world.out, "--steps", "3", *SMALL, code=1, names=(str(ck / "latest"),)
+        )
         shutil.rmtree(ck)
         for moved in ("escape_tag", "abs_target"):
             shutil.rmtree(world.root / moved, ignore_errors=True)

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAMPLE_LIST, Sample, same_bits
 from safetensors.torch import load_file
 
+from helpers import SAMPLE_LIST, Sample, same_bits
 from zckpt.deepspeed.layout import (
     LayoutParam,
     ZeroLayout,
@@ -56,12 +56,14 @@ def _stand_in(module: str, name: str, base: type = object) -> type:
 
 # The classes DeepSpeed pickles into its files (sample_ckpts/FORMAT_OBSERVED.md: GLOBALs), as
 # plain holders of their state, so that torch's weights_only unpickler reads the files unaided.
-torch.serialization.add_safe_globals([
-    _stand_in("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    _stand_in("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    _stand_in("deepspeed.runtime.zero.config", "ZeroStageEnum", int),
-    _stand_in("deepspeed.utils.tensor_fragment", "fragment_address"),
-])
+torch.serialization.add_safe_globals(
+    [
+        _stand_in("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        _stand_in("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        _stand_in("deepspeed.runtime.zero.config", "ZeroStageEnum", int),
+        _stand_in("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ]
+)
 
 
 @lru_cache(maxsize=None)
@@ -104,8 +106,16 @@ def _zero12_layout(case: Sample, bf16_optimizer: bool = False) -> tuple[ZeroLayo
     world = _optim(case, 0)["partition_count"][0]
     first = next(iter(model["param_shapes"][0]))
     element_size = model["module"][first].element_size()  # the 16-bit (or fp32) flat buffer's, not a buffer's
-    groups = [[LayoutParam(name, math.prod(shape), g) for name, shape in shapes.items()] for g, shapes in enumerate(model["param_shapes"])]
-    paddings = [parameter_alignment_paddings([p.numel for p in group], element_size) if zero.get("parameter_alignment") else [0] * len(group) for group in groups]
+    groups = [
+        [LayoutParam(name, math.prod(shape), g) for name, shape in shapes.items()]
+        for g, shapes in enumerate(model["param_shapes"])
+    ]
+    paddings = [
+        parameter_alignment_paddings([p.numel for p in group], element_size)
+        if zero.get("parameter_alignment")
+        else [0] * len(group)
+        for group in groups
+    ]
     return zero12_layout(groups, world, alignment_paddings=paddings, keep_group_padding=bf16_optimizer), zero, paddings
 
 
@@ -131,15 +141,22 @@ def test_zero12_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
             assert inner["group_paddings"][g] == group.partition - padded.flat_groups[g].saved[rank], (rank, g)
             if "param_alignment_paddings" in inner:
                 assert list(inner["param_alignment_paddings"][g]) == paddings[g]
-            mapping = {described.params[p.param].name: (p.length, p.flat_offset) for p in described_pieces.get((rank, g), [])}
+            mapping = {
+                described.params[p.param].name: (p.length, p.flat_offset) for p in described_pieces.get((rank, g), [])
+            }
             assert {n: (a.numel, a.start) for n, a in inner["param_slice_mappings"][g].items()} == mapping, (rank, g)
             masters[rank, g] = saved
     live, live_optim = case.live(), _live_optimizer(case)
     for index, param in enumerate(layout.params):
-        assert same_bits(_gather(layout, masters, index).reshape(live[param.name].shape), live[param.name].float()), param.name
+        assert same_bits(_gather(layout, masters, index).reshape(live[param.name].shape), live[param.name].float()), (
+            param.name
+        )
         for key, flats in states.items():
             if live_optim is not None:
-                assert same_bits(_gather(layout, flats, index), live_optim[f"{param.name}.{key}"].reshape(-1)), (param.name, key)
+                assert same_bits(_gather(layout, flats, index), live_optim[f"{param.name}.{key}"].reshape(-1)), (
+                    param.name,
+                    key,
+                )
 
 
 # --- ZeRO-3 ------------------------------------------------------------------------------------
@@ -153,7 +170,9 @@ def test_zero3_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
     zero = model["ds_config"]["zero_optimization"]
     world = _optim(case, 0)["partition_count"]
     sub_groups = model["param_shapes"]  # one per optimizer sub-group, in order
-    owner = {i: g for g, group in enumerate(_optim(case, 0)["optimizer_state_dict"]["param_groups"]) for i in group["params"]}
+    owner = {
+        i: g for g, group in enumerate(_optim(case, 0)["optimizer_state_dict"]["param_groups"]) for i in group["params"]
+    }
     groups: list[list[LayoutParam]] = [[] for _ in range(max(owner.values()) + 1)]
     for i, shapes in enumerate(sub_groups):
         groups[owner[i]] += [LayoutParam(name, math.prod(shape), owner[i]) for name, shape in shapes.items()]
@@ -179,10 +198,15 @@ def test_zero3_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
     for index, param in enumerate(layout.params):
         if any(p.flat in swapped for p in layout.pieces_of(index)):
             continue  # in offloaded_tensors/ (raw swap files), read by test_reader and the consolidation tests
-        assert same_bits(_gather(layout, masters, index).reshape(live[param.name].shape), live[param.name].float()), param.name
+        assert same_bits(_gather(layout, masters, index).reshape(live[param.name].shape), live[param.name].float()), (
+            param.name
+        )
         for key, flats in states.items():
             if live_optim is not None:
-                assert same_bits(_gather(layout, flats, index), live_optim[f"{param.name}.{key}"].reshape(-1)), (param.name, key)
+                assert same_bits(_gather(layout, flats, index), live_optim[f"{param.name}.{key}"].reshape(-1)), (
+                    param.name,
+                    key,
+                )
 
 
 def test_every_layout_feature_is_in_the_samples() -> None:
@@ -199,7 +223,9 @@ def test_every_layout_feature_is_in_the_samples() -> None:
 # --- DeepSpeed's rules, transcribed from its source, against the layout on random shapes -------
 
 
-def deepspeed_zero12(numels: list[int], world: int, element_size: int, parameter_alignment: bool) -> tuple[list[int], list[list[int]], list[int]]:
+def deepspeed_zero12(
+    numels: list[int], world: int, element_size: int, parameter_alignment: bool
+) -> tuple[list[int], list[list[int]], list[int]]:
     """stage_1_and_2.py (0.19.8): per-param paddings (lines 444, 490-500: 16-byte starts, none
     after the last param), the flat buffer aligned to 2 * world (lines 387, 441,
     flatten_dense_tensors_aligned), equal partitions (get_data_parallel_partitions), and each
@@ -255,13 +281,17 @@ def deepspeed_sub_groups(group_numels: list[list[int]], world: int, sub_group_si
 def test_layout_follows_deepspeeds_rules_on_random_shapes(seed: int) -> None:
     rng = random.Random(seed)
     world = rng.randint(1, 9)
-    numels = [rng.choice([1, 2, 3, 7, 16, 33, rng.randint(1, 300), rng.randint(1, 5000)]) for _ in range(rng.randint(1, 12))]
+    numels = [
+        rng.choice([1, 2, 3, 7, 16, 33, rng.randint(1, 300), rng.randint(1, 5000)]) for _ in range(rng.randint(1, 12))
+    ]
     element_size = rng.choice([2, 4])
     aligned = rng.random() < 0.5
     paddings, partitions, rank_paddings = deepspeed_zero12(numels, world, element_size, aligned)
     ours = parameter_alignment_paddings(numels, element_size) if aligned else [0] * len(numels)
     assert ours == paddings
-    layout = zero12_layout([[LayoutParam(f"p{i}", n, 0) for i, n in enumerate(numels)]], world, alignment_paddings=[ours])
+    layout = zero12_layout(
+        [[LayoutParam(f"p{i}", n, 0) for i, n in enumerate(numels)]], world, alignment_paddings=[ours]
+    )
     group = layout.flat_groups[0]
     assert group.partition == len(partitions[0])
     assert [group.partition - s for s in group.saved] == rank_paddings
@@ -276,7 +306,11 @@ def test_layout_follows_deepspeeds_rules_on_random_shapes(seed: int) -> None:
     # ZeRO-3: each param cut on its own, ceil(numel / world) per rank (the last ranks padded)
     groups = [numels[: len(numels) // 2], numels[len(numels) // 2 :]]
     sub_group_size = rng.choice([1, 10, 50, 10**9])
-    layout3 = zero3_layout([[LayoutParam(f"p{i}", n, g) for i, n in enumerate(group)] for g, group in enumerate(groups)], world, sub_group_size)
+    layout3 = zero3_layout(
+        [[LayoutParam(f"p{i}", n, g) for i, n in enumerate(group)] for g, group in enumerate(groups)],
+        world,
+        sub_group_size,
+    )
     expected = deepspeed_sub_groups(groups, world, sub_group_size)
     assert [list(g.params) for g in layout3.flat_groups] == expected
     for flat, members in enumerate(expected):
@@ -284,7 +318,11 @@ def test_layout_follows_deepspeeds_rules_on_random_shapes(seed: int) -> None:
         assert layout3.flat_groups[flat].partition == sum(shares)
         for k, index in enumerate(members):
             for piece in layout3.pieces_of(index):
-                assert (piece.flat, piece.flat_offset, piece.param_offset) == (flat, sum(shares[:k]), piece.rank * shares[k])
+                assert (piece.flat, piece.flat_offset, piece.param_offset) == (
+                    flat,
+                    sum(shares[:k]),
+                    piece.rank * shares[k],
+                )
 
 
 def test_round_robin_matches_deepspeeds_reorder() -> None:
@@ -308,11 +346,22 @@ def test_worked_examples() -> None:
     # only padding (stage_1_and_2.py 541-550 give paddings 0, 0, 2, 4)
     layout = zero12_layout([[LayoutParam("a", 6, 0), LayoutParam("b", 4, 0)]], 4)
     assert layout.flat_groups[0].saved == (4, 4, 2, 0)
-    assert [(p.param, p.rank, p.flat_offset, p.param_offset, p.length) for p in layout.pieces] == [(0, 0, 0, 0, 4), (0, 1, 0, 4, 2), (1, 1, 2, 0, 2), (1, 2, 0, 2, 2)]
+    assert [(p.param, p.rank, p.flat_offset, p.param_offset, p.length) for p in layout.pieces] == [
+        (0, 0, 0, 0, 4),
+        (0, 1, 0, 4, 2),
+        (1, 1, 2, 0, 2),
+        (1, 2, 0, 2, 2),
+    ]
     # bf16 parameter_alignment: 16-byte (8-element) starts, nothing after the last param
     assert parameter_alignment_paddings([5, 8, 1, 3], 2) == [3, 0, 7, 0]
     assert parameter_alignment_paddings([5, 8, 1, 3], 4) == [3, 0, 3, 0]
     # ZeRO-3, world 3: a 5-element param is 2, 2, 1 (+1 padding); a 4-element one 2, 2, 0 (+2)
     layout3 = zero3_layout([[LayoutParam("a", 5, 0), LayoutParam("b", 4, 0)]], 3, 10**9)
     assert layout3.flat_groups[0].partition == 4
-    assert [(p.param, p.rank, p.flat_offset, p.param_offset, p.length) for p in layout3.pieces] == [(0, 0, 0, 0, 2), (0, 1, 0, 2, 2), (0, 2, 0, 4, 1), (1, 0, 2, 0, 2), (1, 1, 2, 2, 2)]
+    assert [(p.param, p.rank, p.flat_offset, p.param_offset, p.length) for p in layout3.pieces] == [
+        (0, 0, 0, 0, 2),
+        (0, 1, 0, 2, 2),
+        (0, 2, 0, 4, 1),
+        (1, 0, 2, 0, 2),
+        (1, 1, 2, 2, 2),
+    ]

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import SAMPLE_LIST, sample
 
+from helpers import SAMPLE_LIST, sample
 from zckpt import CheckpointNotFoundError, UsageError
 from zckpt.deepspeed import names as N
 from zckpt.deepspeed.locate import locate

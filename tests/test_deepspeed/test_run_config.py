@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import runner, sample
 
+from helpers import runner, sample
 from zckpt.cli.app import app
 from zckpt.core.errors import CorruptFileError, UsageError
 from zckpt.deepspeed.reader import open_training_state
@@ -48,10 +48,14 @@ ISSUE_EXAMPLES = [  # (config, the key and value the one error line names)
 
 
 @pytest.mark.parametrize("config,error", ISSUE_EXAMPLES, ids=[json.dumps(c) for c, _ in ISSUE_EXAMPLES])
-def test_reshard_config_is_refused_in_one_line_or_read_as_deepspeed_reads_it(config: dict, error: str | None, tmp_path: Path) -> None:
+def test_reshard_config_is_refused_in_one_line_or_read_as_deepspeed_reads_it(
+    config: dict, error: str | None, tmp_path: Path
+) -> None:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(config))
-    result = runner.invoke(app, ["reshard", str(sample(ZERO3).checkpoint), str(tmp_path / "out"), "-w", "2", "--config", str(path)])
+    result = runner.invoke(
+        app, ["reshard", str(sample(ZERO3).checkpoint), str(tmp_path / "out"), "-w", "2", "--config", str(path)]
+    )
     if error is None:
         assert result.exit_code == 0, result.output
         return
@@ -61,7 +65,9 @@ def test_reshard_config_is_refused_in_one_line_or_read_as_deepspeed_reads_it(con
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("config,error", [e for e in ISSUE_EXAMPLES if e[1]], ids=[json.dumps(c) for c, e in ISSUE_EXAMPLES if e])
+@pytest.mark.parametrize(
+    "config,error", [e for e in ISSUE_EXAMPLES if e[1]], ids=[json.dumps(c) for c, e in ISSUE_EXAMPLES if e]
+)
 def test_nvme_plan_refuses_the_same_values(config: dict, error: str, tmp_path: Path) -> None:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(config))
@@ -78,7 +84,10 @@ def test_sub_group_size_0_is_a_sub_group_per_param(tmp_path: Path) -> None:
     assert state.ds_config["zero_optimization"]["sub_group_size"] == 0
 
 
-@pytest.mark.parametrize("flag,expected", [("no", False), ("off", False), ("0", False), ("f", False), ("yes", True), ("ON", True), (1.0, True)])
+@pytest.mark.parametrize(
+    "flag,expected",
+    [("no", False), ("off", False), ("0", False), ("f", False), ("yes", True), ("ON", True), (1.0, True)],
+)
 def test_boolean_spellings_are_pydantics(flag: object, expected: bool, tmp_path: Path) -> None:
     """bool("no") is True in Python; DeepSpeed's pydantic model reads it as false."""
     config = {"zero_optimization": {"stage": 2, "round_robin_gradients": flag, "parameter_alignment": flag}}
@@ -116,9 +125,17 @@ def test_values_are_read_as_deepspeed_reads_them(config: dict, attribute: str, v
 
 
 def test_offload_sections_and_deprecated_spellings() -> None:
-    run = read_run_config(zero(offload_optimizer={"device": "nvme", "nvme_path": "", "buffer_count": "6", "pipeline_read": "yes"},
-                               offload_param={"device": "auto", "max_in_cpu": 5.0}))
-    assert (run.offload_optimizer.nvme_path, run.offload_optimizer.buffer_count, run.offload_optimizer.pipeline_read) == (".", 6, True)
+    run = read_run_config(
+        zero(
+            offload_optimizer={"device": "nvme", "nvme_path": "", "buffer_count": "6", "pipeline_read": "yes"},
+            offload_param={"device": "auto", "max_in_cpu": 5.0},
+        )
+    )
+    assert (
+        run.offload_optimizer.nvme_path,
+        run.offload_optimizer.buffer_count,
+        run.offload_optimizer.pipeline_read,
+    ) == (".", 6, True)
     assert (run.offload_param.device, run.offload_param.max_in_cpu) == ("none", 5)  # DeepSpeed's reading of "auto"
     assert "zero_optimization.offload_param.device" in run.filled  # which Accelerate fills in
     assert run.swap_rule is not None and run.aio.block_size == 1 << 20  # swapping: aio read (defaults)
@@ -134,14 +151,35 @@ REFUSED = [  # (config, the start of the problem: key = value)
     (zero(sub_group_size=float("inf")), "zero_optimization.sub_group_size = Infinity: not a finite number"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage = 4: DeepSpeed accepts 0, 1, 2 or 3"),
     ({"zero_optimization": None}, "zero_optimization = null: must be a JSON object"),
-    ({"zero_optimization": {"stage": 2, "parameter_alignment": 2}}, "zero_optimization.parameter_alignment = 2: not a boolean"),
-    ({"zero_optimization": {"stage": 2, "round_robin_gradients": " true"}}, 'zero_optimization.round_robin_gradients = " true": not a boolean'),
-    (zero(offload_optimizer={"device": "NVMe"}), 'zero_optimization.offload_optimizer.device = "NVMe": DeepSpeed accepts "none", "cpu" or "nvme"'),
+    (
+        {"zero_optimization": {"stage": 2, "parameter_alignment": 2}},
+        "zero_optimization.parameter_alignment = 2: not a boolean",
+    ),
+    (
+        {"zero_optimization": {"stage": 2, "round_robin_gradients": " true"}},
+        'zero_optimization.round_robin_gradients = " true": not a boolean',
+    ),
+    (
+        zero(offload_optimizer={"device": "NVMe"}),
+        'zero_optimization.offload_optimizer.device = "NVMe": DeepSpeed accepts "none", "cpu" or "nvme"',
+    ),
     (zero(offload_optimizer="oops"), 'zero_optimization.offload_optimizer = "oops": must be a JSON object or null'),
-    (zero(offload_param={**NVME, "buffer_count": -1}), "zero_optimization.offload_param.buffer_count = -1: DeepSpeed requires at least 0"),
-    (zero(offload_param={"device": "nvme", "nvme_path": 5}), "zero_optimization.offload_param.nvme_path = 5: not a path"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, "zero_optimization.cpu_offload = true: DeepSpeed refuses the deprecated"),
-    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "fp16.enabled = true: DeepSpeed refuses bf16 and fp16 enabled together"),
+    (
+        zero(offload_param={**NVME, "buffer_count": -1}),
+        "zero_optimization.offload_param.buffer_count = -1: DeepSpeed requires at least 0",
+    ),
+    (
+        zero(offload_param={"device": "nvme", "nvme_path": 5}),
+        "zero_optimization.offload_param.nvme_path = 5: not a path",
+    ),
+    (
+        {"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+        "zero_optimization.cpu_offload = true: DeepSpeed refuses the deprecated",
+    ),
+    (
+        {"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+        "fp16.enabled = true: DeepSpeed refuses bf16 and fp16 enabled together",
+    ),
     ({"fp16": None}, "fp16 = null: must be a JSON object"),
     ({"bf16": {"enabled": 2}}, "bf16.enabled = 2: not a boolean"),
     ({"data_types": {"grad_accum_dtype": "FP32"}}, 'data_types.grad_accum_dtype = "FP32": the engine refuses it'),
@@ -149,7 +187,10 @@ REFUSED = [  # (config, the start of the problem: key = value)
     ({"gradient_clipping": "1.0"}, 'gradient_clipping = "1.0": not a number'),
     ({"aio": "oops"}, 'aio = "oops": must be a JSON object'),
     ({**zero(offload_param=NVME), "aio": {"block_size": 1000}}, "aio.block_size = 1000: not a multiple of 512"),
-    ({**zero(offload_param=NVME), "aio": {"block_size": 2**31}}, "aio.block_size = 2147483648: DeepSpeed's async I/O op takes a C int"),
+    (
+        {**zero(offload_param=NVME), "aio": {"block_size": 2**31}},
+        "aio.block_size = 2147483648: DeepSpeed's async I/O op takes a C int",
+    ),
     ({**zero(offload_param=NVME), "aio": {"block_size": 1048576.0}}, "aio.block_size = 1048576.0: not an integer"),
     ({**zero(offload_param=NVME), "aio": {"block_size": "auto"}}, 'aio.block_size = "auto": not an integer'),
     ({**zero(offload_param=NVME), "aio": {"intra_op_parallelism": 0}}, "aio.intra_op_parallelism = 0: "),
@@ -178,13 +219,24 @@ def test_aio_is_checked_only_where_deepspeed_uses_it() -> None:
 
 # --- "auto": what the Hugging Face Trainer and Accelerate fill in --------------------------------
 HF_CONFIG = {  # as the Trainer's documentation writes a ZeRO-3 config
-    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "gradient_clipping": "auto",
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
-        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
         "stage3_gather_16bit_weights_on_model_save": True,
     },
 }
@@ -202,16 +254,39 @@ def test_hugging_face_config_says_what_zckpt_cannot_know(tmp_path: Path) -> None
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(HF_CONFIG))
     # ZeRO-3 -> ZeRO-3: the layout depends on nothing the Trainer fills in
-    result = runner.invoke(app, ["reshard", str(sample(ZERO3).checkpoint), str(tmp_path / "z3"), "-w", "2", "--config", str(path)])
+    result = runner.invoke(
+        app, ["reshard", str(sample(ZERO3).checkpoint), str(tmp_path / "z3"), "-w", "2", "--config", str(path)]
+    )
     assert result.exit_code == 0, result.output
     # ZeRO-3 -> ZeRO-2: the files carry gradient_clipping, which the Trainer fills in
-    result = runner.invoke(app, ["reshard", str(sample(ZERO3).checkpoint), str(tmp_path / "z2"), "-w", "2", "--stage", "2", "--config", str(path)])
-    assert result.exit_code == 2 and 'gradient_clipping = "auto": filled in by the Hugging Face Trainer' in result.stderr
+    result = runner.invoke(
+        app,
+        [
+            "reshard",
+            str(sample(ZERO3).checkpoint),
+            str(tmp_path / "z2"),
+            "-w",
+            "2",
+            "--stage",
+            "2",
+            "--config",
+            str(path),
+        ],
+    )
+    assert (
+        result.exit_code == 2 and 'gradient_clipping = "auto": filled in by the Hugging Face Trainer' in result.stderr
+    )
     for stage_auto in ({"stage": "auto"}, {"offload_optimizer": {"device": "auto"}}):
         config = {**HF_CONFIG, "zero_optimization": {**HF_CONFIG["zero_optimization"], **stage_auto}}
         path.write_text(json.dumps(config))
-        result = runner.invoke(app, ["reshard", str(sample(ZERO3).checkpoint), str(tmp_path / "x"), "-w", "2", "--config", str(path)])
-        assert result.exit_code == 2 and "filled in by Accelerate" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        result = runner.invoke(
+            app, ["reshard", str(sample(ZERO3).checkpoint), str(tmp_path / "x"), "-w", "2", "--config", str(path)]
+        )
+        assert (
+            result.exit_code == 2
+            and "filled in by Accelerate" in result.stderr
+            and len(result.stderr.strip().splitlines()) == 1
+        )
 
 
 def test_nvme_plan_says_when_the_trainer_picks_the_dtype() -> None:
@@ -219,7 +294,7 @@ def test_nvme_plan_says_when_the_trainer_picks_the_dtype() -> None:
     config = {**HF_CONFIG, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "auto"}}}
     plan = plan_nvme(params, dtype="fp16", config=config, config_path="ds_config.json")
     assert not [p for p in plan.problems if p.setting == "bf16/fp16"]  # the Trainer decides: no mismatch claimed
-    assert any("offload_param.nvme_path is \"auto\", filled in by Accelerate" in n for n in plan.notes)
+    assert any('offload_param.nvme_path is "auto", filled in by Accelerate' in n for n in plan.notes)
     plain = plan_nvme(params, dtype="fp16", config={**config, "bf16": {"enabled": True}, "fp16": {"enabled": False}})
     assert [p.value for p in plain.problems if p.setting == "bf16/fp16"] == ["bf16"]
 
@@ -228,20 +303,28 @@ def test_nvme_plan_says_when_the_trainer_picks_the_dtype() -> None:
 def test_saved_config_deepspeed_refuses_is_exit_1_naming_the_file(tmp_path: Path) -> None:
     state = open_training_state(sample("z2_fp32_ws1").checkpoint)
     target = plan_target(state, 1)
-    bad = {**state.ds_config, "zero_optimization": {**state.ds_config["zero_optimization"], "round_robin_gradients": "maybe"}}
+    bad = {
+        **state.ds_config,
+        "zero_optimization": {**state.ds_config["zero_optimization"], "round_robin_gradients": "maybe"},
+    }
     write_checkpoint(plan_checkpoint(state, dataclasses.replace(target, ds_config=bad)), str(tmp_path / "ckpt"))
     result = runner.invoke(app, ["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out")])
     model = tmp_path / "ckpt" / state.index.tag / "mp_rank_00_model_states.pt"
     assert result.exit_code == 1 and result.stderr.strip() == (
         f'zckpt: error: {model}: saved ds_config: zero_optimization.round_robin_gradients = "maybe": not a boolean '
-        '(true/false, 1/0, "yes"/"no", ...); DeepSpeed refuses it (runtime/zero/config.py:309)')
+        '(true/false, 1/0, "yes"/"no", ...); DeepSpeed refuses it (runtime/zero/config.py:309)'
+    )
 
 
 # --- the trainer's own ds_config ------------------------------------------------------------------
 def test_trainer_reads_its_ds_config_with_the_same_rules(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="zero_optimization.sub_group_size = -1: DeepSpeed requires at least 0"):
         Trainer(TrainConfig(sub_group_size=-1, layers=1, dim=16, heads=2, vocab=16, seq_len=4))
-    trainer = Trainer(TrainConfig(sub_group_size=0, layers=1, dim=16, heads=2, vocab=16, seq_len=4, out=str(tmp_path / "run"), steps=1))
+    trainer = Trainer(
+        TrainConfig(
+            sub_group_size=0, layers=1, dim=16, heads=2, vocab=16, seq_len=4, out=str(tmp_path / "run"), steps=1
+        )
+    )
     try:  # 0: a sub-group of each trainable param, as DeepSpeed makes them
         assert len(trainer.plan.layout.flat_groups) == sum(p.trainable for p in trainer.plan.params)
         assert read_run_config(trainer.ds_config()).sub_group_size == 0

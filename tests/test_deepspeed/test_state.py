@@ -4,9 +4,9 @@ optimizer states per param (safe_get_full_optimizer_state before saving), steps,
 from __future__ import annotations
 
 import pytest
-from helpers import SAMPLE_LIST, Sample, same_bits
 from safetensors.torch import load_file
 
+from helpers import SAMPLE_LIST, Sample, same_bits
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
@@ -27,7 +27,13 @@ def test_optimizer_states_equal_the_live_engine(case: Sample) -> None:
                     continue
                 assert same_bits(read_tensor(reader, source), expected), (param.name, key)
                 checked += 1
-    assert checked == len([k for k in live if not any(k == f"{a}.{s}" for a in case.meta.get("tied", {}) for s in ("exp_avg", "exp_avg_sq"))])
+    assert checked == len(
+        [
+            k
+            for k in live
+            if not any(k == f"{a}.{s}" for a in case.meta.get("tied", {}) for s in ("exp_avg", "exp_avg_sq"))
+        ]
+    )
 
 
 @pytest.mark.parametrize("case", SAMPLE_LIST, ids=lambda s: s.name)

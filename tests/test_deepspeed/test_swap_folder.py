@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import one_line, run_cli, same_bits, sample
 from safetensors.torch import load_file
 
+from helpers import one_line, run_cli, same_bits, sample
 from zckpt.core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, UsageError
 from zckpt.deepspeed.reader import survey
 from zckpt.ops import api
@@ -123,7 +123,13 @@ def test_reshard_to_three_ranks_carries_the_live_state(tmp_path: Path) -> None:
     """Read back with zckpt (its reader matches DeepSpeed's own files, test_reshard) and with
     DeepSpeed's raw partition math: every Adam moment equals the engine's at the copy."""
     out = tmp_path / "ws3"
-    reshard(CKPT, out, world_size=3, swap_folder=LIVE_SWAP, config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})
+    reshard(
+        CKPT,
+        out,
+        world_size=3,
+        swap_folder=LIVE_SWAP,
+        config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},
+    )
     live, optim = _live(), _live_optimizer()
     optim_old = _at_checkpoint_optimizer()
     got = dict(api.iter_tensors(out, states=True))
@@ -280,7 +286,11 @@ def test_refuses_the_swap_folder_of_another_run(tmp_path: Path) -> None:
     """The other NVMe sample's checkpoint: other sub-groups, other sizes."""
     other = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups").checkpoint
     line = _refused(tmp_path, LIVE_SWAP, other)
-    assert "live_swap" in line and "missing" in line and "it holds sub-groups 0_3, 7_7: the swap folder of another run" in line
+    assert (
+        "live_swap" in line
+        and "missing" in line
+        and "it holds sub-groups 0_3, 7_7: the swap folder of another run" in line
+    )
 
 
 @pytest.mark.slow

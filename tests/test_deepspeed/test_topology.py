@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, sample
 
+from helpers import ROOT, sample
 from zckpt.core.errors import CorruptFileError, LayoutError
 from zckpt.core.topology import RankCoords, Topology
 from zckpt.deepspeed import names as N
@@ -49,7 +49,16 @@ def test_rank_file_names_are_parsed(name: str, kind: str, coords: RankCoords, la
     assert found.data_parallel == (kind in ("model", "optim") and coords.tensor == 0)
 
 
-@pytest.mark.parametrize("name", ["latest", "mp_rank_00_model_states.pt.tmp", "layer_01-model-model_states.pt", "zero_to_fp32.py", "expp_rank_x_mp_rank_00_optim_states.pt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "latest",
+        "mp_rank_00_model_states.pt.tmp",
+        "layer_01-model-model_states.pt",
+        "zero_to_fp32.py",
+        "expp_rank_x_mp_rank_00_optim_states.pt",
+    ],
+)
 def test_other_names_are_no_rank_files(name: str) -> None:
     assert parse_rank_file(name) is None
 
@@ -102,16 +111,55 @@ def _with_files(tmp_path: Path, name: str, copies: dict[str, str]) -> Path:
 Z2_MODEL, Z2_OPTIM = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 Z3_MODEL, Z3_OPTIM = "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 CASES = {
-    "pipeline": (ZERO2, {"layer_01-model_states.pt": Z2_MODEL, "layer_02-model_states.pt": Z2_MODEL, "mp_rank_01_model_states.pt": Z2_MODEL},
-                 ["a pipeline-parallel checkpoint (2 stages; 2 layer files: layer_01-model_states.pt ...)"]),
-    "pipeline-tensor": (ZERO2, {"layer_01-model_00-model_states.pt": Z2_MODEL, "layer_01-model_01-model_states.pt": Z2_MODEL, "mp_rank_01_model_states.pt": Z2_MODEL},
-                        ["pipeline- and tensor-parallel checkpoint (1 stage x 2 tensor ranks; 2 layer files: layer_01-model_00-model_states.pt ...)"]),
-    "tensor": (ZERO2, {"mp_rank_01_model_states.pt": Z2_MODEL}, ["a tensor/pipeline-parallel checkpoint (mp_rank > 0: mp_rank_01_model_states.pt)"]),
-    "tensor-optim": (ZERO3, {"zero_pp_rank_0_mp_rank_01_optim_states.pt": Z3_OPTIM}, ["tensor/pipeline-parallel", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]),
-    "expert": (ZERO3, {"layer_0_expert_1_mp_rank_00_model_states.pt": Z3_MODEL}, ["a mixture-of-experts (expert-parallel) checkpoint (1 expert file: layer_0_expert_1_mp_rank_00_model_states.pt)"]),
-    "expert-optim": (ZERO2, {"expp_rank_1_mp_rank_00_optim_states.pt": Z2_OPTIM}, ["mixture-of-experts", "expp_rank_1_mp_rank_00_optim_states.pt"]),
-    "pipeline-expert": (ZERO2, {"layer_01-model_states.pt": Z2_MODEL, "expert_0_mp_rank_00_model_states.pt": Z2_MODEL},
-                        ["a pipeline-parallel and mixture-of-experts (expert-parallel) checkpoint (1 stage; 1 layer file: layer_01-model_states.pt; 1 expert file: expert_0_mp_rank_00_model_states.pt)"]),
+    "pipeline": (
+        ZERO2,
+        {
+            "layer_01-model_states.pt": Z2_MODEL,
+            "layer_02-model_states.pt": Z2_MODEL,
+            "mp_rank_01_model_states.pt": Z2_MODEL,
+        },
+        ["a pipeline-parallel checkpoint (2 stages; 2 layer files: layer_01-model_states.pt ...)"],
+    ),
+    "pipeline-tensor": (
+        ZERO2,
+        {
+            "layer_01-model_00-model_states.pt": Z2_MODEL,
+            "layer_01-model_01-model_states.pt": Z2_MODEL,
+            "mp_rank_01_model_states.pt": Z2_MODEL,
+        },
+        [
+            "pipeline- and tensor-parallel checkpoint (1 stage x 2 tensor ranks; 2 layer files: layer_01-model_00-model_states.pt ...)"
+        ],
+    ),
+    "tensor": (
+        ZERO2,
+        {"mp_rank_01_model_states.pt": Z2_MODEL},
+        ["a tensor/pipeline-parallel checkpoint (mp_rank > 0: mp_rank_01_model_states.pt)"],
+    ),
+    "tensor-optim": (
+        ZERO3,
+        {"zero_pp_rank_0_mp_rank_01_optim_states.pt": Z3_OPTIM},
+        ["tensor/pipeline-parallel", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
+    ),
+    "expert": (
+        ZERO3,
+        {"layer_0_expert_1_mp_rank_00_model_states.pt": Z3_MODEL},
+        [
+            "a mixture-of-experts (expert-parallel) checkpoint (1 expert file: layer_0_expert_1_mp_rank_00_model_states.pt)"
+        ],
+    ),
+    "expert-optim": (
+        ZERO2,
+        {"expp_rank_1_mp_rank_00_optim_states.pt": Z2_OPTIM},
+        ["mixture-of-experts", "expp_rank_1_mp_rank_00_optim_states.pt"],
+    ),
+    "pipeline-expert": (
+        ZERO2,
+        {"layer_01-model_states.pt": Z2_MODEL, "expert_0_mp_rank_00_model_states.pt": Z2_MODEL},
+        [
+            "a pipeline-parallel and mixture-of-experts (expert-parallel) checkpoint (1 stage; 1 layer file: layer_01-model_states.pt; 1 expert file: expert_0_mp_rank_00_model_states.pt)"
+        ],
+    ),
 }
 
 
@@ -132,7 +180,9 @@ def test_other_layouts_are_refused_in_one_line(tmp_path: Path, case: str) -> Non
 def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "zckpt", *map(str, args)], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -168,12 +218,18 @@ def test_a_bug_of_zckpt_is_not_reported_as_damage(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(zero_reader, "check_padding", content)
     found = survey(sample(ZERO3).checkpoint)
     assert len(found.problems) == 1 and isinstance(found.problems[0], CorruptFileError)
-    assert "files not as DeepSpeed writes them (AttributeError: 'list' object has no attribute 'get')" in str(found.problems[0])
+    assert "files not as DeepSpeed writes them (AttributeError: 'list' object has no attribute 'get')" in str(
+        found.problems[0]
+    )
 
 
 # --- the writer names rank files from the same coordinates ------------------------------------
 def test_rank_file_names_from_coordinates() -> None:
-    assert N.rank_model_states_name(3, RankCoords.dp(2)) == N.model_states_name(3, 2) == "zero_pp_rank_2_mp_rank_00_model_states.pt"
+    assert (
+        N.rank_model_states_name(3, RankCoords.dp(2))
+        == N.model_states_name(3, 2)
+        == "zero_pp_rank_2_mp_rank_00_model_states.pt"
+    )
     assert N.rank_model_states_name(2, RankCoords()) == "mp_rank_00_model_states.pt"
     assert N.rank_optim_states_name(RankCoords.dp(1), bf16=True) == "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     for coords in (RankCoords(pipe=1), RankCoords(expert=1)):
@@ -190,4 +246,6 @@ def test_the_writer_plans_rank_files_from_the_topology() -> None:
     assert target.topology == Topology.data_parallel(3)
     plan = plan_checkpoint(state, target)
     found = [parse_rank_file(f.name) for f in plan.files if f.name.endswith(".pt")]
-    assert sorted((f.kind, f.coords) for f in found) == sorted((kind, RankCoords.dp(r)) for kind in ("model", "optim") for r in range(3))
+    assert sorted((f.kind, f.coords) for f in found) == sorted(
+        (kind, RankCoords.dp(r)) for kind in ("model", "optim") for r in range(3)
+    )

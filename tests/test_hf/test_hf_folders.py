@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, sample
 from safetensors import safe_open
 
+from helpers import run_cli, sample
 from zckpt.ops.consolidate import consolidate
 from zckpt.ops.inspect import inspect_path
 
@@ -25,7 +25,9 @@ def test_config_states_the_dtype_written(dtype: str, name: str, tmp_path: Path) 
     original = json.loads((source / "config.json").read_text())
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert original["torch_dtype"] == "bfloat16" and written["torch_dtype"] == name
-    assert {k: v for k, v in written.items() if k != "torch_dtype"} == {k: v for k, v in original.items() if k != "torch_dtype"}
+    assert {k: v for k, v in written.items() if k != "torch_dtype"} == {
+        k: v for k, v in original.items() if k != "torch_dtype"
+    }
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         assert str(f.get_tensor("embed.weight").dtype) == f"torch.{name}"
 

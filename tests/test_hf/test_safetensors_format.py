@@ -15,7 +15,12 @@ from zckpt.hf.safetensors import build_header, read_header
 
 
 def test_streamed_file_loads_with_safetensors(tmp_path: Path) -> None:
-    tensors = {"w": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "n": torch.tensor(3, dtype=torch.int64), "e": torch.empty(0, 4)}
+    tensors = {
+        "w": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "n": torch.tensor(3, dtype=torch.int64),
+        "e": torch.empty(0, 4),
+    }
     specs = [(n, BY_NAME[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for n, t in tensors.items()]
     header, parsed = build_header(specs, {"format": "pt"})
     assert len(header) % 8 == 0
@@ -30,7 +35,11 @@ def test_streamed_file_loads_with_safetensors(tmp_path: Path) -> None:
 
 
 def test_reads_what_safetensors_writes(tmp_path: Path) -> None:
-    save_file({"a": torch.ones(2, 2), "z": torch.zeros(3, dtype=torch.bfloat16)}, tmp_path / "y.safetensors", metadata={"k": "v"})
+    save_file(
+        {"a": torch.ones(2, 2), "z": torch.zeros(3, dtype=torch.bfloat16)},
+        tmp_path / "y.safetensors",
+        metadata={"k": "v"},
+    )
     header = read_header(tmp_path / "y.safetensors")
     assert {t.name: (t.dtype, t.shape) for t in header.tensors} == {"a": (FP32, (2, 2)), "z": (BF16, (3,))}
     assert header.metadata == {"k": "v"}

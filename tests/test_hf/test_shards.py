@@ -9,7 +9,10 @@ from zckpt.core.sizes import parse_size
 from zckpt.hf.shards import ShardItem, plan_shards
 
 
-@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("1.5KB", 1500), ("2GiB", 2 * 2**30), ("7", 7), (" 3 mb ", 3 * 10**6)])
+@pytest.mark.parametrize(
+    "text,size",
+    [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("1.5KB", 1500), ("2GiB", 2 * 2**30), ("7", 7), (" 3 mb ", 3 * 10**6)],
+)
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
 

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import Sample, load_output, same_bits
 
+from helpers import Sample, load_output, same_bits
 from zckpt import consolidate, inspect_path
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -33,7 +33,17 @@ SIZES = {"vocab": 29, "dim": 43, "hidden": 17, "seed": 7}
 CASES = [
     GEN.Case("fresh_z1_bf16_ws3_tied_frozen", "ds19", 1, "bf16", 3, tied=True, frozen=True, **SIZES),
     GEN.Case("fresh_z2_fp16_ws2_groups_frozen", "ds19", 2, "fp16", 2, groups=True, frozen=True, **SIZES),
-    GEN.Case("fresh_z3_bf16_ws3_subgroups_tied_frozen", "ds19", 3, "bf16", 3, tied=True, frozen=True, sub_group_size=300, **SIZES),
+    GEN.Case(
+        "fresh_z3_bf16_ws3_subgroups_tied_frozen",
+        "ds19",
+        3,
+        "bf16",
+        3,
+        tied=True,
+        frozen=True,
+        sub_group_size=300,
+        **SIZES,
+    ),
 ]
 DS14_PYTHON = os.environ.get("ZCKPT_INTEROP_DS14_PYTHON")
 if DS14_PYTHON:
@@ -81,7 +91,6 @@ def test_cases_are_not_the_bundled_ones() -> None:
 # --- reshard: real DeepSpeed loads zckpt's output at a new world size / stage ---------------------
 from helpers import sample  # noqa: E402
 from interop_helpers import _check_loaded, run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
-
 from zckpt import reshard  # noqa: E402
 
 RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change, fp16 scaler, 0.14 format
@@ -118,7 +127,9 @@ def test_deepspeed_loads_nvme_offloaded_sample_resharded_without_nvme(tmp_path: 
 
 
 @pytest.mark.parametrize("name,world_size,stage", [(CASES[0].name, 2, 3), (CASES[1].name, 3, 1), (CASES[2].name, 1, 2)])
-def test_deepspeed_loads_resharded_fresh_checkpoint(fresh: dict[str, Sample], name: str, world_size: int, stage: int, tmp_path: Path) -> None:
+def test_deepspeed_loads_resharded_fresh_checkpoint(
+    fresh: dict[str, Sample], name: str, world_size: int, stage: int, tmp_path: Path
+) -> None:
     """Checkpoints made now with sizes and seeds not in the repository."""
     case = fresh[name]
     spec = next(c for c in CASES if c.name == name)

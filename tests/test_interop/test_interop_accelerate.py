@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
 from helpers import ROOT
 from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
 
@@ -56,8 +57,21 @@ def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
     def get(name: str) -> tuple[Path, dict[str, Any]]:
         if name not in made:
             out = tmp_path_factory.mktemp(name)
-            cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                   str(SCRIPT), "--out", str(out), "--steps", str(STEPS), *RUNS[name]]
+            cmd = [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                str(SCRIPT),
+                "--out",
+                str(out),
+                "--steps",
+                str(STEPS),
+                *RUNS[name],
+            ]
             made[name] = (out, run_hf_job(f"accelerate_run.py {name}", cmd, out, 2, python))
         return made[name]
 
@@ -66,8 +80,12 @@ def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 
 def zckpt(*args: str | Path) -> subprocess.CompletedProcess:
     """The real CLI in this interpreter; fails the test with its output on a non-zero exit."""
-    proc = subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"zckpt {' '.join(map(str, args))}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "zckpt", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, (
+        f"zckpt {' '.join(map(str, args))}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    )
     return proc
 
 
@@ -141,4 +159,6 @@ def test_automatic_checkpoint_naming_folder(accelerate_run: Callable, tmp_path: 
     wrote = zckpt("consolidate", checkpoints, tmp_path / "model")
     assert "read checkpoint_10, the newest of 3" in wrote.stderr, wrote.stderr  # by number, not by name
     zckpt("consolidate", run / "state", tmp_path / "direct")
-    assert (tmp_path / "model" / "model.safetensors").read_bytes() == (tmp_path / "direct" / "model.safetensors").read_bytes()
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == (
+        tmp_path / "direct" / "model.safetensors"
+    ).read_bytes()

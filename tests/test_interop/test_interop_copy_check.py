@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from helpers import load_output, same_bits
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -33,7 +34,6 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     run_logged,
     shm_leak_safety_net,
 )
-
 from zckpt import ZckptError, consolidate, inspect_path, reshard  # noqa: E402
 from zckpt.ops.verify import verify  # noqa: E402
 
@@ -106,25 +106,43 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
     script = out / "worker.py"
     script.write_text(WORKER)
     python = ds_python()
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(out)]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(out),
+    ]
     log = out / "run.log"
     returncode = run_logged(cmd, ds_env(2, python), log, timeout=600)
     if returncode != 0 or not (out / "zero_to_fp32" / "pytorch_model.bin").is_file():
-        pytest.fail(f"DeepSpeed run: exit status {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        pytest.fail(
+            f"DeepSpeed run: exit status {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        )
     return out
 
 
 def _records(path: Path) -> dict[str, tuple[int, int]]:
     """(size, CRC-32) of each tensor record, as the zip directory says (Python's zipfile)."""
     with zipfile.ZipFile(path) as archive:
-        return {info.filename.split("/", 1)[1]: (info.file_size, info.CRC) for info in archive.infolist() if "/data/" in info.filename and info.file_size}
+        return {
+            info.filename.split("/", 1)[1]: (info.file_size, info.CRC)
+            for info in archive.infolist()
+            if "/data/" in info.filename and info.file_size
+        }
 
 
 def test_deepspeed_wrote_small_frozen_slices_beside_one_buffer(made: Path) -> None:
     """The trigger, as DeepSpeed wrote it: the rank files' records that differ are all under 64
     bytes, and what is bigger (the buffer) is the same on both ranks."""
     tag = made / "checkpoint" / TAG
-    assert sorted(p.name for p in tag.iterdir()) == sorted([*MODEL_STATES, *(f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2))])
+    assert sorted(p.name for p in tag.iterdir()) == sorted(
+        [*MODEL_STATES, *(f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2))]
+    )
     first, second = (_records(tag / name) for name in MODEL_STATES)
     assert first.keys() == second.keys()
     differing = [name for name in first if first[name] != second[name]]
@@ -154,7 +172,9 @@ def test_reshard_accepts_it(made: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("source,victim", [(0, 1), (1, 0)])
-def test_a_model_states_file_copied_over_another_is_refused(made: Path, tmp_path: Path, source: int, victim: int) -> None:
+def test_a_model_states_file_copied_over_another_is_refused(
+    made: Path, tmp_path: Path, source: int, victim: int
+) -> None:
     """Its 34-byte frozen slices are all that tells the ranks apart, and they do."""
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(made / "checkpoint", checkpoint)
@@ -163,8 +183,9 @@ def test_a_model_states_file_copied_over_another_is_refused(made: Path, tmp_path
     with pytest.raises(ZckptError) as caught:
         consolidate(checkpoint, tmp_path / "out")
     assert caught.value.path == str(tag / MODEL_STATES[max(source, victim)])
-    assert "frozen-param partitions are byte-identical" in str(caught.value) and "copied over another" in str(caught.value)
+    assert "frozen-param partitions are byte-identical" in str(caught.value) and "copied over another" in str(
+        caught.value
+    )
     assert not (tmp_path / "out").exists()
     checked = verify(checkpoint)
     assert not checked.ok and any("copied over another" in p for p in checked.problems), checked.problems
-

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
 from helpers import ROOT
 from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
-
 from zckpt import reshard
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -47,29 +47,65 @@ def hf_python() -> str:
     if python == sys.executable:
         missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
     else:
-        probe = subprocess.run([python, "-c", "import importlib.util as u; print(' '.join(m for m in ('transformers', 'accelerate') if u.find_spec(m) is None))"],
-                               capture_output=True, text=True)
+        probe = subprocess.run(
+            [
+                python,
+                "-c",
+                "import importlib.util as u; print(' '.join(m for m in ('transformers', 'accelerate') if u.find_spec(m) is None))",
+            ],
+            capture_output=True,
+            text=True,
+        )
         missing = probe.stdout.split() if probe.returncode == 0 else ["transformers"]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed beside DeepSpeed ({python})")
     return python
 
 
-def run_trainer(out: Path, processes: int, stage: int, dtype: str, resume_from: Path | None = None,
-                timeout: float = 300) -> dict[str, Any]:
+def run_trainer(
+    out: Path, processes: int, stage: int, dtype: str, resume_from: Path | None = None, timeout: float = 300
+) -> dict[str, Any]:
     """``scripts/hf_trainer_run.py`` under torchrun; returns its ``run.json``. Leaked shm buffers
     are removed whatever happens."""
     python = hf_python()
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(free_port()),
-           str(SCRIPT), "--out", str(out), "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS),
-           "--stage", str(stage), "--batch-size", "8", "--samples", "192", "--lr", "0.02"]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(processes),
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--max-steps",
+        str(MAX_STEPS),
+        "--save-steps",
+        str(SAVE_STEPS),
+        "--stage",
+        str(stage),
+        "--batch-size",
+        "8",
+        "--samples",
+        "192",
+        "--lr",
+        "0.02",
+    ]
     if dtype == "bf16":
         cmd.append("--bf16")
     if resume_from is not None:
         cmd += ["--resume-from", str(resume_from)]
-    return run_hf_job(f"hf_trainer_run.py ({processes} processes, ZeRO-{stage} {dtype}, out {out})", cmd, out, processes,
-                      python, log_name="trainer.log", timeout=timeout)
+    return run_hf_job(
+        f"hf_trainer_run.py ({processes} processes, ZeRO-{stage} {dtype}, out {out})",
+        cmd,
+        out,
+        processes,
+        python,
+        log_name="trainer.log",
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +135,14 @@ def test_original_run_learns_and_saves(original: Callable[[int], tuple[Path, dic
         assert probe["trainer_global_step"] == probe["engine_global_steps"] == 2 and probe["adam_steps"] == [2.0]
 
 
-@pytest.mark.parametrize("source_stage,processes,stage", RESUME_CASES,
-                         ids=[f"z{a}ws{ORIGINAL_WORLD_SIZE}-to-z{c}ws{b}-{ORIGINAL_DTYPE[a]}" for a, b, c in RESUME_CASES])
-def test_trainer_resumes_from_resharded_checkpoint(original: Callable[[int], tuple[Path, dict]], tmp_path: Path,
-                                                   source_stage: int, processes: int, stage: int) -> None:
+@pytest.mark.parametrize(
+    "source_stage,processes,stage",
+    RESUME_CASES,
+    ids=[f"z{a}ws{ORIGINAL_WORLD_SIZE}-to-z{c}ws{b}-{ORIGINAL_DTYPE[a]}" for a, b, c in RESUME_CASES],
+)
+def test_trainer_resumes_from_resharded_checkpoint(
+    original: Callable[[int], tuple[Path, dict]], tmp_path: Path, source_stage: int, processes: int, stage: int
+) -> None:
     import torch
 
     source_out, source = original(source_stage)
@@ -115,7 +155,11 @@ def test_trainer_resumes_from_resharded_checkpoint(original: Callable[[int], tup
         assert name in result.carried and (checkpoint / name).is_file(), name
     kept = sorted(n for n in result.carried if n.startswith("rng_state"))
     # the names the Trainer reads at that process count: rng_state.pth for a single process
-    assert kept == (["rng_state.pth"] if processes == 1 else [f"rng_state_{i}.pth" for i in range(min(processes, ORIGINAL_WORLD_SIZE))])
+    assert kept == (
+        ["rng_state.pth"]
+        if processes == 1
+        else [f"rng_state_{i}.pth" for i in range(min(processes, ORIGINAL_WORLD_SIZE))]
+    )
     assert sorted(result.dropped) == [f"rng_state_{i}.pth" for i in range(processes, ORIGINAL_WORLD_SIZE)]
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
 
@@ -157,7 +201,9 @@ def test_trainer_resumes_from_resharded_checkpoint(original: Callable[[int], tup
     assert (saved / "global_step4").is_dir()
 
 
-def test_single_process_target_gets_the_rng_file_the_trainer_reads(original: Callable[[int], tuple[Path, dict]], tmp_path: Path) -> None:
+def test_single_process_target_gets_the_rng_file_the_trainer_reads(
+    original: Callable[[int], tuple[Path, dict]], tmp_path: Path
+) -> None:
     source_out, _ = original(2)
     reshard(source_out / "checkpoint-2", tmp_path / "checkpoint-2", world_size=1)
     assert (tmp_path / "checkpoint-2" / "rng_state.pth").is_file()

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
 from helpers import ROOT
 from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
-
 from zckpt import consolidate
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -49,11 +49,40 @@ def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tup
     def get(name: str) -> tuple[Path, dict[str, Any]]:
         if name not in made:
             out = tmp_path_factory.mktemp(name)
-            cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                   str(SCRIPT), "--out", str(out), "--max-steps", str(STEPS), "--save-steps", str(STEPS),
-                   "--batch-size", "8", "--samples", "64", "--dump-masters", *RUNS[name]]
-            made[name] = (out, run_hf_job(f"hf_trainer_run.py {name}", cmd, out, 2, python, log_name="trainer.log",
-                                          outputs=(f"masters_step{STEPS}.safetensors",)))
+            cmd = [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                str(SCRIPT),
+                "--out",
+                str(out),
+                "--max-steps",
+                str(STEPS),
+                "--save-steps",
+                str(STEPS),
+                "--batch-size",
+                "8",
+                "--samples",
+                "64",
+                "--dump-masters",
+                *RUNS[name],
+            ]
+            made[name] = (
+                out,
+                run_hf_job(
+                    f"hf_trainer_run.py {name}",
+                    cmd,
+                    out,
+                    2,
+                    python,
+                    log_name="trainer.log",
+                    outputs=(f"masters_step{STEPS}.safetensors",),
+                ),
+            )
         return made[name]
 
     return get
@@ -109,7 +138,9 @@ def test_trainer_output_folder_and_bf16_output(trainer_run: Callable, tmp_path: 
     consolidate(out / f"checkpoint-{STEPS}", tmp_path / "direct")
     result = consolidate(out, tmp_path / "from_output_dir")  # the newest checkpoint-N
     assert any(f"checkpoint-{STEPS}" in n for n in result.index.notes), result.index.notes
-    assert (tmp_path / "from_output_dir" / "model.safetensors").read_bytes() == (tmp_path / "direct" / "model.safetensors").read_bytes()
+    assert (tmp_path / "from_output_dir" / "model.safetensors").read_bytes() == (
+        tmp_path / "direct" / "model.safetensors"
+    ).read_bytes()
 
     consolidate(out / f"checkpoint-{STEPS}", tmp_path / "bf16", dtype="bf16")
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -61,7 +61,12 @@ def base_config(buffer_size: int, buffer_count: int) -> dict[str, Any]:
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_size": buffer_size, "buffer_count": buffer_count},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "buffer_size": buffer_size,
+                "buffer_count": buffer_count,
+            },
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
         },
     }
@@ -69,8 +74,23 @@ def base_config(buffer_size: int, buffer_count: int) -> dict[str, Any]:
 
 def nvme_plan_cli(model: Path, config: Path) -> tuple[int, dict[str, Any]]:
     """``zckpt nvme-plan MODEL --world-size 2 --config CONFIG --json``: exit status and report."""
-    result = subprocess.run([sys.executable, "-m", "zckpt", "nvme-plan", str(model), "--world-size", str(WORLD_SIZE),
-                             "--config", str(config), "--json"], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zckpt",
+            "nvme-plan",
+            str(model),
+            "--world-size",
+            str(WORLD_SIZE),
+            "--config",
+            str(config),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode in (0, 3), result.stderr
     return result.returncode, json.loads(result.stdout)
 
@@ -98,8 +118,10 @@ def async_io_op() -> None:
     code = "from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); assert b.is_compatible(False), 'libaio'; b.load(verbose=False)"
     result = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     if result.returncode != 0:
-        pytest.fail("DeepSpeed's async_io op cannot be built or loaded (NVMe offload needs it; `apt-get install -y libaio-dev`): "
-                    + (result.stderr.strip().splitlines() or ["?"])[-1])
+        pytest.fail(
+            "DeepSpeed's async_io op cannot be built or loaded (NVMe offload needs it; `apt-get install -y libaio-dev`): "
+            + (result.stderr.strip().splitlines() or ["?"])[-1]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +162,9 @@ def test_documented_buffer_count_fails_a_whole_model_gather_as_planned(model_dir
     assert code == 3
     flagged = {p["setting"]: p for p in plan["config_problems"]}
     assert set(flagged) == {"zero_optimization.offload_param.buffer_count"}
-    assert flagged["zero_optimization.offload_param.buffer_count"]["error"] == ran["error"].removeprefix("AssertionError: ")
+    assert flagged["zero_optimization.offload_param.buffer_count"]["error"] == ran["error"].removeprefix(
+        "AssertionError: "
+    )
     assert sorted(p["name"] for p in plan["swapped"]["params"]) == swapped
 
 
@@ -163,11 +187,14 @@ def test_planned_settings_gather_train_and_save(model_dir: Path, tmp_path: Path)
     checkpoint = tmp_path / "run" / "checkpoint"
     tag = (checkpoint / "latest").read_text().strip()
     assert sorted(p.name for p in (checkpoint / tag).glob("*_optim_states.pt")) == [
-        f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD_SIZE)]
+        f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(WORLD_SIZE)
+    ]
     # DeepSpeed's own buffers and swap folder, against the plan
     swapper = ran["param_swapper"]
-    assert swapper["buffer_count"] * swapper["aligned_elements_per_buffer"] * swapper["element_size"] == \
-        plan["pinned_bytes_per_rank"]["param_swap_buffers"]
+    assert (
+        swapper["buffer_count"] * swapper["aligned_elements_per_buffer"] * swapper["element_size"]
+        == plan["pinned_bytes_per_rank"]["param_swap_buffers"]
+    )
     opt = ran["optimizer_swapper"]
     assert opt["buffer_count"] * opt["buffer_numel"] * 4 == plan["pinned_bytes_per_rank"]["optimizer_swap_buffers"]
     rank0 = {k: v for k, v in ran["swap_folder"].items() if "/rank0/" in k}

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
 from helpers import ROOT
 from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
-
 from zckpt import consolidate
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -47,8 +47,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path,
     def get(name: str) -> tuple[Path, dict[str, Any]]:
         if name not in made:
             out = tmp_path_factory.mktemp(name)
-            cmd = [python, str(SCRIPT), "--out", str(out), "--processes", "2", "--max-steps", str(STEPS),
-                   "--master-port", str(free_port()), *RUNS[name]]
+            cmd = [
+                python,
+                str(SCRIPT),
+                "--out",
+                str(out),
+                "--processes",
+                "2",
+                "--max-steps",
+                str(STEPS),
+                "--master-port",
+                str(free_port()),
+                *RUNS[name],
+            ]
             made[name] = (out, run_hf_job(f"hf_peft_run.py {name}", cmd, out, 2, python))
         return made[name]
 

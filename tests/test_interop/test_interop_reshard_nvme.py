@@ -36,12 +36,12 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
-from helpers import Sample, same_bits, sample  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from helpers import Sample, same_bits, sample  # noqa: E402
 from zckpt import reshard  # noqa: E402
 from zckpt.deepspeed.reader import open_training_state  # noqa: E402
-from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import reader as torchfile  # noqa: E402
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -64,14 +64,26 @@ NVME_SAMPLE = "z3_bf16_ws2_nvmeoffload_frozen_tied_groups"
 # a run not in the repository: other sizes and seed; one sub-group per param group, so the decay
 # group (about 0.98M elements) is swapped at 1, 2 and 3 ranks and the no-decay group is not
 FRESH = GEN.Case(
-    "fresh_z3_bf16_ws2_nvme_groups_tied_frozen", "ds19", 3, "bf16", 2, tied=True, frozen=True, groups=True,
-    vocab=31, dim=61, hidden=8009, seed=11,
+    "fresh_z3_bf16_ws2_nvme_groups_tied_frozen",
+    "ds19",
+    3,
+    "bf16",
+    2,
+    tied=True,
+    frozen=True,
+    groups=True,
+    vocab=31,
+    dim=61,
+    hidden=8009,
+    seed=11,
     zero_extra=(("offload_optimizer", {"device": "nvme", "nvme_path": GEN.NVME_PATH}),),
     config_extra=(("zero_force_ds_cpu_optimizer", False),),
 )
 
 
-def run_nvme_probe(case, checkpoint: Path, world_size: int, out: Path, train_steps: int = 0, timeout: float = 600) -> tuple[dict, dict, dict]:
+def run_nvme_probe(
+    case, checkpoint: Path, world_size: int, out: Path, train_steps: int = 0, timeout: float = 600
+) -> tuple[dict, dict, dict]:
     """ds_probe at `world_size` ranks with an NVMe swap folder of its own: (live, optimizer, state)
     after the load (and `train_steps` more steps: ``out/live_after_train.safetensors``)."""
     from safetensors.torch import load_file
@@ -82,16 +94,34 @@ def run_nvme_probe(case, checkpoint: Path, world_size: int, out: Path, train_ste
     out.mkdir(parents=True)
     swap = Path(tempfile.mkdtemp(prefix="zckpt_nvme_probe_"))
     try:
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-port", str(free_port()),
-               str(Path(__file__).resolve()), "--case-json", case_arg(case), "--checkpoint", str(checkpoint.resolve()), "--out", str(out.resolve())]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(world_size),
+            "--master-port",
+            str(free_port()),
+            str(Path(__file__).resolve()),
+            "--case-json",
+            case_arg(case),
+            "--checkpoint",
+            str(checkpoint.resolve()),
+            "--out",
+            str(out.resolve()),
+        ]
         cmd += ["--train-steps", str(train_steps)] if train_steps else []
-        returncode = run_logged(cmd, {**ds_env(world_size, python), "ZCKPT_NVME_PATH": str(swap)}, out / "probe.log", timeout)
+        returncode = run_logged(
+            cmd, {**ds_env(world_size, python), "ZCKPT_NVME_PATH": str(swap)}, out / "probe.log", timeout
+        )
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     if returncode != 0 or not (out / "state.json").exists():
         errors = "\n".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
         tail = "\n".join((out / "probe.log").read_text(errors="replace").splitlines()[-40:])
-        raise ProbeError(f"NVMe probe failed (exit {returncode}, world size {world_size}):\n{errors}\n{tail}", returncode, tail, {})
+        raise ProbeError(
+            f"NVMe probe failed (exit {returncode}, world size {world_size}):\n{errors}\n{tail}", returncode, tail, {}
+        )
     state = json.loads((out / "state.json").read_text())
     return load_file(out / "live.safetensors"), load_file(out / "live_optimizer.safetensors"), state
 
@@ -106,7 +136,9 @@ def _swapped_in_output(checkpoint: Path) -> tuple[list[int], list[list[str]]]:
     tag_dir = Path(open_training_state(checkpoint).index.tag_dir)
     optim = torchfile.load(next(tag_dir.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt")))["optimizer_state_dict"]
     swapped = [i for i, t in enumerate(optim["fp32_flat_groups"]) if t.shape == (0,)]
-    return swapped, [sorted(p.name for p in rank.iterdir()) for rank in sorted((tag_dir / "offloaded_tensors").iterdir())]
+    return swapped, [
+        sorted(p.name for p in rank.iterdir()) for rank in sorted((tag_dir / "offloaded_tensors").iterdir())
+    ]
 
 
 def _check_loaded(case: Sample, checkpoint: Path, live: dict, state: dict, world_size: int) -> set[str]:
@@ -120,9 +152,15 @@ def _check_loaded(case: Sample, checkpoint: Path, live: dict, state: dict, world
     assert _swapped_in_engine(state) == swapped
     assert len(files) == world_size and all(len(f) == 3 * len(swapped) for f in files)  # master, exp_avg, exp_avg_sq
     original = open_training_state(case.checkpoint)
-    assert (state["global_steps"], state["global_samples"], state["skipped_steps"]) == (original.global_steps, original.global_samples, original.skipped_steps)
+    assert (state["global_steps"], state["global_samples"], state["skipped_steps"]) == (
+        original.global_steps,
+        original.global_samples,
+        original.skipped_steps,
+    )
     tag_dir = Path(open_training_state(checkpoint).index.tag_dir)
-    param_shapes = torchfile.load(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")["param_shapes"]  # per sub-group
+    param_shapes = torchfile.load(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")[
+        "param_shapes"
+    ]  # per sub-group
     names = {name for f in swapped for name in param_shapes[f]}
     expected = case.live()
     tied = case.meta["tied"]
@@ -158,8 +196,19 @@ def test_deepspeed_loads_zckpt_output_as_it_loads_its_own(tmp_path: Path) -> Non
     for file in ("live_module", "live_after_train", "live_optimizer_after_train"):
         a, b = (load_file(tmp_path / probe / f"{file}.safetensors") for probe in ("probe_theirs", "probe_ours"))
         assert sorted(a) == sorted(b) and all(same_bits(a[n], b[n]) for n in a), file
-    keys = ("global_steps", "global_samples", "skipped_steps", "param_groups", "optimizer_state_keys", "lr_scheduler", "train")
-    strip = lambda state: {k: state[k] for k in keys} | {"train": {k: v for k, v in state["train"].items() if k != "methods"}}  # noqa: E731
+    keys = (
+        "global_steps",
+        "global_samples",
+        "skipped_steps",
+        "param_groups",
+        "optimizer_state_keys",
+        "lr_scheduler",
+        "train",
+    )
+
+    def strip(state: dict) -> dict:
+        return {k: state[k] for k in keys} | {"train": {k: v for k, v in state["train"].items() if k != "methods"}}
+
     assert strip(theirs[2]) == strip(ours[2])
     restored = _check_loaded(case, tmp_path / "out", ours[0], ours[2], 2)
     assert restored == {"embed.weight", "fc1.weight", "fc2.weight"}

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import Sample, run_cli, same_bits, sample
 from safetensors.torch import load_file
 
+from helpers import Sample, run_cli, same_bits, sample
 from zckpt.ops import api
 from zckpt.ops.inspect import inspect_path
 
@@ -39,10 +39,24 @@ NO_NVME = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offloa
 # 1 MiB as bf16 (16-bit param swaps) and as fp32 (swapped optimizer sub-groups, one each with
 # sub_group_size 500000); pos.weight and the no-decay group stay in memory.
 FRESH = GEN.Case(
-    "fresh_z3_bf16_ws2_nvme_live_swap", "ds19", 3, "bf16", 2, frozen=True, tied=True, groups=True,
-    sub_group_size=500_000, vocab=31, dim=64, hidden=16500, seed=4321, live_swap_steps=2,
-    zero_extra=(("offload_optimizer", {"device": "nvme", "nvme_path": GEN.NVME_PATH}),
-                ("offload_param", {"device": "nvme", "nvme_path": GEN.NVME_PATH, "buffer_size": 1_100_000, "buffer_count": 5})),
+    "fresh_z3_bf16_ws2_nvme_live_swap",
+    "ds19",
+    3,
+    "bf16",
+    2,
+    frozen=True,
+    tied=True,
+    groups=True,
+    sub_group_size=500_000,
+    vocab=31,
+    dim=64,
+    hidden=16500,
+    seed=4321,
+    live_swap_steps=2,
+    zero_extra=(
+        ("offload_optimizer", {"device": "nvme", "nvme_path": GEN.NVME_PATH}),
+        ("offload_param", {"device": "nvme", "nvme_path": GEN.NVME_PATH, "buffer_size": 1_100_000, "buffer_count": 5}),
+    ),
     config_extra=(("zero_force_ds_cpu_optimizer", False),),
 )
 
@@ -58,12 +72,16 @@ def _truth(case: Sample) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tenso
     """The newest values that exist on disk: the engine's at the swap copy for swapped sub-groups,
     at the checkpoint for the sub-groups that never reach the swap folder."""
     swapped = {n for g in case.meta["fp32_sub_groups"] if g["swapped_to_nvme"] for n in g["params"]}
-    now = (load_file(case.folder / "live_swap_reference" / "live.safetensors"),
-           load_file(case.folder / "live_swap_reference" / "live_optimizer.safetensors"))
+    now = (
+        load_file(case.folder / "live_swap_reference" / "live.safetensors"),
+        load_file(case.folder / "live_swap_reference" / "live_optimizer.safetensors"),
+    )
     then = (case.live(), load_file(case.folder / "reference" / "live_optimizer.safetensors"))
     trainable = [n for g in case.meta["fp32_sub_groups"] for n in g["params"]]
     masters = {n: (now if n in swapped else then)[0][n].float() for n in trainable}
-    moments = {f"{n}.{s}": (now if n in swapped else then)[1][f"{n}.{s}"] for n in trainable for s in ("exp_avg", "exp_avg_sq")}
+    moments = {
+        f"{n}.{s}": (now if n in swapped else then)[1][f"{n}.{s}"] for n in trainable for s in ("exp_avg", "exp_avg_sq")
+    }
     return masters, moments
 
 
@@ -87,12 +105,25 @@ def test_deepspeed_resumes_the_samples_live_state_at_three_ranks(route: str, tmp
     out = tmp_path / "out"
     if route == "reshard":
         (tmp_path / "cpu.json").write_text(json.dumps(NO_NVME))
-        result = run_cli("reshard", case.checkpoint, out, "-w", "3", "--swap-folder", case.folder / "live_swap", "--config", tmp_path / "cpu.json", cwd=tmp_path)
+        result = run_cli(
+            "reshard",
+            case.checkpoint,
+            out,
+            "-w",
+            "3",
+            "--swap-folder",
+            case.folder / "live_swap",
+            "--config",
+            tmp_path / "cpu.json",
+            cwd=tmp_path,
+        )
     else:
         result = run_cli("to-universal", case.checkpoint, out, "--swap-folder", case.folder / "live_swap", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "may be older" in result.stderr  # the in-memory sub-groups come from the checkpoint
-    live, optim, _ = run_probe(_cpu_spec(case.name), out, 3, tmp_path / "probe", config_override=NO_NVME, load_universal=route == "universal")
+    live, optim, _ = run_probe(
+        _cpu_spec(case.name), out, 3, tmp_path / "probe", config_override=NO_NVME, load_universal=route == "universal"
+    )
     _check_engine(case, live, optim)
 
 
@@ -115,16 +146,33 @@ def test_a_fresh_nvme_run_is_recovered_bit_for_bit(fresh: Sample, tmp_path: Path
         if name not in masters or not all(f.exists() for f in files) or name in fresh.meta["tied"]:
             continue
         share = -(-now[name].numel() // 2)
-        stored = torch.cat([torch.from_numpy(np.fromfile(f, dtype=np.int16)[:share].copy()) for f in files])[: now[name].numel()]
+        stored = torch.cat([torch.from_numpy(np.fromfile(f, dtype=np.int16)[:share].copy()) for f in files])[
+            : now[name].numel()
+        ]
         differing += int((stored != now[name].reshape(-1).to(torch.bfloat16).view(torch.int16)).sum())
         elements += now[name].numel()
-    assert elements and report["agreement_16bit"]["elements"] == elements and report["agreement_16bit"]["differing"] == differing
+    assert (
+        elements
+        and report["agreement_16bit"]["elements"] == elements
+        and report["agreement_16bit"]["differing"] == differing
+    )
 
 
 def test_deepspeed_resumes_a_fresh_runs_live_state_at_three_ranks(fresh: Sample, tmp_path: Path) -> None:
     (tmp_path / "cpu.json").write_text(json.dumps(NO_NVME))
     out = tmp_path / "out"
-    result = run_cli("reshard", fresh.checkpoint, out, "-w", "3", "--swap-folder", fresh.folder / "live_swap", "--config", tmp_path / "cpu.json", cwd=tmp_path)
+    result = run_cli(
+        "reshard",
+        fresh.checkpoint,
+        out,
+        "-w",
+        "3",
+        "--swap-folder",
+        fresh.folder / "live_swap",
+        "--config",
+        tmp_path / "cpu.json",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     live, optim, _ = run_probe(_cpu_spec(FRESH.name, fresh), out, 3, tmp_path / "probe", config_override=NO_NVME)
     _check_engine(fresh, live, optim)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from interop_helpers import ROOT, ds_env, ds_python, free_port, run_logged
 
+from interop_helpers import ROOT, ds_env, ds_python, free_port, run_logged
 from zckpt.core.errors import UsageError
 from zckpt.ops import api
 from zckpt.trainer import TrainConfig, Trainer, plan_training
@@ -21,8 +21,22 @@ from zckpt.trainer.ranks import run_ranks
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
-OPTIONS = dict(layers=1, dim=16, heads=2, vocab=23, seq_len=8, micro_batch=2, grad_accum=2, lr=1e-2, warmup=3, steps=20, seed=7,
-               tie_embeddings=True, sub_group_size=300, clip=1.0)
+OPTIONS = dict(
+    layers=1,
+    dim=16,
+    heads=2,
+    vocab=23,
+    seq_len=8,
+    micro_batch=2,
+    grad_accum=2,
+    lr=1e-2,
+    warmup=3,
+    steps=20,
+    seed=7,
+    tie_embeddings=True,
+    sub_group_size=300,
+    clip=1.0,
+)
 WORLD = 2
 
 
@@ -36,21 +50,56 @@ def _train_and_save(rank: int, world: int, folder: str, options: dict) -> dict:
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 live[f"{spec.name}.{key}"] = trainer.optimizer.full_state(index, key).clone()
     scale = trainer.optimizer.loss_scale
-    return {"live": live, "losses": losses, "lr": trainer.lr(), "loss_scale": scale.cur_scale if scale else 1.0, "skipped": trainer.skipped_steps}
+    return {
+        "live": live,
+        "losses": losses,
+        "lr": trainer.lr(),
+        "loss_scale": scale.cur_scale if scale else 1.0,
+        "skipped": trainer.skipped_steps,
+    }
 
 
-def _run_deepspeed(checkpoint: Path, out: Path, *, load: bool = True, train_steps: int = 0, save: Path | None = None, seed: int = 0,
-                   nvme_path: Path | None = None, masters_only: bool = False) -> tuple[dict, dict]:
+def _run_deepspeed(
+    checkpoint: Path,
+    out: Path,
+    *,
+    load: bool = True,
+    train_steps: int = 0,
+    save: Path | None = None,
+    seed: int = 0,
+    nvme_path: Path | None = None,
+    masters_only: bool = False,
+) -> tuple[dict, dict]:
     python = ds_python()
-    model_states = torch.load(checkpoint / (checkpoint / "latest").read_text() / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+    model_states = torch.load(
+        checkpoint / (checkpoint / "latest").read_text() / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        weights_only=False,
+    )
     out.mkdir(parents=True, exist_ok=True)
     config = model_states["ds_config"]
     if nvme_path is not None:  # DeepSpeed's own swap folder, not the trainer's
         config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(nvme_path)
     (out / "ds_config.json").write_text(json.dumps(config))
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), str(ROOT / "scripts" / "ds_train_gpt.py"),
-           "--model-config", str(checkpoint / "model_config.json"), "--ds-config", str(out / "ds_config.json"), "--out", str(out),
-           "--train-steps", str(train_steps), "--seed", str(seed)]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(WORLD),
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "scripts" / "ds_train_gpt.py"),
+        "--model-config",
+        str(checkpoint / "model_config.json"),
+        "--ds-config",
+        str(out / "ds_config.json"),
+        "--out",
+        str(out),
+        "--train-steps",
+        str(train_steps),
+        "--seed",
+        str(seed),
+    ]
     cmd += ["--load", str(checkpoint)] if load else []
     cmd += ["--save", str(save)] if save else []
     cmd += ["--masters-only"] if masters_only else []
@@ -70,7 +119,12 @@ def trained(request, tmp_path_factory):
 def test_zero_to_fp32_equals_zckpt_consolidate(trained):
     folder, checkpoint, _, _ = trained
     out = folder / "zero_to_fp32"
-    code = run_logged([ds_python(), "-m", "deepspeed.utils.zero_to_fp32", str(checkpoint), str(out)], ds_env(1, ds_python()), folder / "z2f.log", timeout=300)
+    code = run_logged(
+        [ds_python(), "-m", "deepspeed.utils.zero_to_fp32", str(checkpoint), str(out)],
+        ds_env(1, ds_python()),
+        folder / "z2f.log",
+        timeout=300,
+    )
     assert code == 0, (folder / "z2f.log").read_text()[-3000:]
     theirs = torch.load(out / "pytorch_model.bin", weights_only=True)
     ours = api.load_state_dict(checkpoint)
@@ -97,7 +151,14 @@ def deepspeed_run(trained):
     """DeepSpeed ZeRO-3 training the same model from the same init on the same data with the
     trainer's config, saving at the end."""
     folder, checkpoint, _, options = trained
-    live, state = _run_deepspeed(checkpoint, folder / "ds_train", load=False, train_steps=options["steps"], save=folder / "ds_ckpt", seed=options["seed"])
+    live, state = _run_deepspeed(
+        checkpoint,
+        folder / "ds_train",
+        load=False,
+        train_steps=options["steps"],
+        save=folder / "ds_ckpt",
+        seed=options["seed"],
+    )
     return live, state
 
 
@@ -122,7 +183,10 @@ def test_trainer_resumes_from_deepspeed(trained, deepspeed_run, tmp_path):
     folder, _, _, options = trained
     live, state = deepspeed_run
     checkpoint = str(folder / "ds_ckpt")
-    with pytest.raises(UsageError, match=r"no model_config.json beside the checkpoint .* \(missing: --layers --dim --heads --vocab --seq-len\)$"):
+    with pytest.raises(
+        UsageError,
+        match=r"no model_config.json beside the checkpoint .* \(missing: --layers --dim --heads --vocab --seq-len\)$",
+    ):
         plan_training({"resume": checkpoint, "steps": options["steps"] + 2}, world_size=WORLD)
     resumed = run_ranks(WORLD, tmp_path, _resume, checkpoint, options)[0]
     assert {k: getattr(resumed["config"], k) for k in options} == {**options, "steps": options["steps"] + 2}
@@ -135,7 +199,9 @@ def test_trainer_resumes_from_deepspeed(trained, deepspeed_run, tmp_path):
 
 def _resume(rank: int, world: int, checkpoint: str, options: dict) -> dict:
     shape = {k: options[k] for k in ("layers", "dim", "heads", "vocab", "seq_len")}
-    plan = plan_training({"resume": checkpoint, "steps": options["steps"] + 2, "seed": options["seed"], **shape}, world_size=world)
+    plan = plan_training(
+        {"resume": checkpoint, "steps": options["steps"] + 2, "seed": options["seed"], **shape}, world_size=world
+    )
     trainer = Trainer(plan.config)
     global_steps = trainer.global_steps
     live = {}
@@ -148,8 +214,22 @@ def _resume(rank: int, world: int, checkpoint: str, options: dict) -> dict:
 
 # NVMe offload: sub-groups of 530000 elements, one of 428032 per rank at 2 ranks (>= 1 MiB of fp32:
 # swapped) and a small one in memory
-NVME_OPTIONS = dict(layers=1, dim=256, heads=4, vocab=64, seq_len=8, micro_batch=2, grad_accum=1, lr=1e-3, warmup=0, steps=3, seed=7,
-                    tie_embeddings=True, sub_group_size=530000, dtype="bf16")
+NVME_OPTIONS = dict(
+    layers=1,
+    dim=256,
+    heads=4,
+    vocab=64,
+    seq_len=8,
+    micro_batch=2,
+    grad_accum=1,
+    lr=1e-3,
+    warmup=0,
+    steps=3,
+    seed=7,
+    tie_embeddings=True,
+    sub_group_size=530000,
+    dtype="bf16",
+)
 
 
 def _train_nvme(rank: int, world: int, folder: str, options: dict) -> dict:
@@ -159,7 +239,11 @@ def _train_nvme(rank: int, world: int, folder: str, options: dict) -> dict:
     trainer.save()
     layout = trainer.plan.layout
     swapped = [layout.params[i].name for f in sorted(trainer.optimizer.swapped) for i in layout.flat_groups[f].params]
-    live = {spec.name: trainer.optimizer.full_state(index).clone() for index, spec in enumerate(trainer.plan.params) if spec.trainable}
+    live = {
+        spec.name: trainer.optimizer.full_state(index).clone()
+        for index, spec in enumerate(trainer.plan.params)
+        if spec.trainable
+    }
     trainer.close()
     return {"live": live, "swapped": swapped}
 
@@ -173,8 +257,13 @@ def test_deepspeed_nvme_engine_loads_the_nvme_checkpoint(tmp_path):
     not compared."""
     result = run_ranks(WORLD, tmp_path / "ranks", _train_nvme, str(tmp_path), NVME_OPTIONS)[0]
     assert result["swapped"]
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "global_step3" / "offloaded_tensors").iterdir()) == ["rank00", "rank01"]
-    live, state = _run_deepspeed(tmp_path / "ckpt", tmp_path / "ds_load", nvme_path=tmp_path / "ds_nvme", masters_only=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "global_step3" / "offloaded_tensors").iterdir()) == [
+        "rank00",
+        "rank01",
+    ]
+    live, state = _run_deepspeed(
+        tmp_path / "ckpt", tmp_path / "ds_load", nvme_path=tmp_path / "ds_nvme", masters_only=True
+    )
     for name in result["swapped"]:
         assert torch.equal(live[f"{name}.master"], result["live"][name]), name
     assert state["global_steps"] == NVME_OPTIONS["steps"]

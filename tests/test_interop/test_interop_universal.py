@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers import ROOT, SAMPLE_LIST, Sample, same_bits, sample
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -62,7 +63,6 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     sample_generator,
     shm_leak_safety_net,
 )
-
 from zckpt import consolidate, reshard, to_universal  # noqa: E402
 
 # --------------------------------------------------------------------------------------
@@ -73,7 +73,9 @@ from zckpt import consolidate, reshard, to_universal  # noqa: E402
 def _cli(*args: str) -> None:
     """``python -m zckpt ARGS`` (this interpreter, the repository's zckpt)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "zckpt", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -92,7 +94,9 @@ RESUME_CASES = [  # (sample, world size, in place): ZeRO-1/2/3, fp32/bf16/fp16, 
 ]
 
 
-@pytest.mark.parametrize("name,world_size,in_place", RESUME_CASES, ids=[f"{n}-ws{w}{'-in_place' if i else ''}" for n, w, i in RESUME_CASES])
+@pytest.mark.parametrize(
+    "name,world_size,in_place", RESUME_CASES, ids=[f"{n}-ws{w}{'-in_place' if i else ''}" for n, w, i in RESUME_CASES]
+)
 def test_deepspeed_resumes_universal_output(name: str, world_size: int, in_place: bool, tmp_path: Path) -> None:
     case = sample(name)
     source = case.checkpoint
@@ -105,7 +109,16 @@ def test_deepspeed_resumes_universal_output(name: str, world_size: int, in_place
     if in_place:
         assert (source / "latest").read_text().strip() == case.meta["tag"]
     live, optim, state = run_probe(name, tmp_path / "uc", world_size, tmp_path / "probe", load_universal=True)
-    _check_resumed(case, GEN.CASES_BY_NAME[name], live, optim, state, world_size=world_size, stage=case.meta["zero_stage"], universal=True)
+    _check_resumed(
+        case,
+        GEN.CASES_BY_NAME[name],
+        live,
+        optim,
+        state,
+        world_size=world_size,
+        stage=case.meta["zero_stage"],
+        universal=True,
+    )
 
 
 def test_deepspeed_resumes_universal_output_of_nvme_offloaded_checkpoint(tmp_path: Path) -> None:
@@ -149,15 +162,23 @@ CROSS_STAGE_CASES = [  # (sample, target stage, world size, through the CLI)
 ]
 
 
-@pytest.mark.parametrize("name,target,world_size,cli", CROSS_STAGE_CASES, ids=[f"{n}-z{t}-ws{w}" for n, t, w, _ in CROSS_STAGE_CASES])
-def test_deepspeed_resumes_universal_output_at_another_stage(name: str, target: int, world_size: int, cli: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name,target,world_size,cli", CROSS_STAGE_CASES, ids=[f"{n}-z{t}-ws{w}" for n, t, w, _ in CROSS_STAGE_CASES]
+)
+def test_deepspeed_resumes_universal_output_at_another_stage(
+    name: str, target: int, world_size: int, cli: bool, tmp_path: Path
+) -> None:
     case = sample(name)
     if cli:
         _cli("to-universal", str(case.checkpoint), str(tmp_path / "uc"), "--target-stage", str(target), "-q")
     else:
         assert to_universal(case.checkpoint, tmp_path / "uc", target_stage=target).target_stage == target
-    live, optim, state = run_probe(name, tmp_path / "uc", world_size, tmp_path / "probe", stage=target, load_universal=True)
-    _check_resumed(case, GEN.CASES_BY_NAME[name], live, optim, state, world_size=world_size, stage=target, universal=True)
+    live, optim, state = run_probe(
+        name, tmp_path / "uc", world_size, tmp_path / "probe", stage=target, load_universal=True
+    )
+    _check_resumed(
+        case, GEN.CASES_BY_NAME[name], live, optim, state, world_size=world_size, stage=target, universal=True
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -182,7 +203,9 @@ def test_deepspeed_resumes_universal_output_of_fresh_checkpoint(fresh: Sample, t
     to_universal(fresh.checkpoint, tmp_path / "uc")
     live, optim, state = run_probe(FRESH, tmp_path / "uc", 2, tmp_path / "probe", load_universal=True)
     _check_resumed(fresh, FRESH, live, optim, state, world_size=2, stage=3, universal=True)
-    assert state["lr_scheduler"] is not None and state["lr_scheduler"]["last_batch_iteration"] == fresh.meta["steps"] - 1
+    assert (
+        state["lr_scheduler"] is not None and state["lr_scheduler"]["last_batch_iteration"] == fresh.meta["steps"] - 1
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -248,8 +271,14 @@ FROM_DS_UNIVERSAL_CASES = [  # (sample, world size, stage, how)
 ]
 
 
-@pytest.mark.parametrize("name,world_size,stage,how", FROM_DS_UNIVERSAL_CASES, ids=[f"{n}-ws{w}-z{s}-{h}" for n, w, s, h in FROM_DS_UNIVERSAL_CASES])
-def test_deepspeed_loads_zckpt_output_of_ds_universal(ds_universal: dict, name: str, world_size: int, stage: int, how: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name,world_size,stage,how",
+    FROM_DS_UNIVERSAL_CASES,
+    ids=[f"{n}-ws{w}-z{s}-{h}" for n, w, s, h in FROM_DS_UNIVERSAL_CASES],
+)
+def test_deepspeed_loads_zckpt_output_of_ds_universal(
+    ds_universal: dict, name: str, world_size: int, stage: int, how: str, tmp_path: Path
+) -> None:
     """``reshard``: a plain checkpoint at the new world size, loaded with a plain load_checkpoint
     (the module state dict too: frozen params and buffers restored). ``to-universal``: zckpt's
     universal folder of DeepSpeed's, in the other stage's flavour, loaded with load_universal."""
@@ -265,7 +294,16 @@ def test_deepspeed_loads_zckpt_output_of_ds_universal(ds_universal: dict, name: 
     universal = how == "to-universal"
     assert (out / "latest_universal").exists() == universal and (out / "latest").exists() != universal
     live, optim, state = run_probe(name, out, world_size, tmp_path / "probe", stage=stage, load_universal=universal)
-    _check_resumed(sample(name), GEN.CASES_BY_NAME[name], live, optim, state, world_size=world_size, stage=stage, universal=universal)
+    _check_resumed(
+        sample(name),
+        GEN.CASES_BY_NAME[name],
+        live,
+        optim,
+        state,
+        world_size=world_size,
+        stage=stage,
+        universal=universal,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -301,7 +339,9 @@ def test_universal_output_equals_ds_to_universal(ds_universal: dict, case: Sampl
         assert same_bits(got.reshape(-1), live[name].reshape(-1)), name
         for key in ("exp_avg", "exp_avg_sq"):
             if f"{name}.{key}" in live_optim:
-                assert same_bits(_tensor_of(_load(ours / name / f"{key}.pt")).reshape(-1), live_optim[f"{name}.{key}"].reshape(-1)), (name, key)
+                assert same_bits(
+                    _tensor_of(_load(ours / name / f"{key}.pt")).reshape(-1), live_optim[f"{name}.{key}"].reshape(-1)
+                ), (name, key)
     if not live_optim:  # DeepSpeed's accessor failed on these (their meta.json says why)
         assert case.name in {"z1_fp32_ws2_roundrobin", "z1_bf16_ws3_groups", "z2_bf16_ws3_frozen_groups"}
 
@@ -347,8 +387,12 @@ def test_universal_output_equals_ds_to_universal(ds_universal: dict, case: Sampl
             assert _plain(ours_state["state"][i]["step"]) == _plain(sub["step"]), i
 
 
-@pytest.mark.parametrize("case", [s for s in SAMPLE_LIST if s.name not in DS_TO_UNIVERSAL_UNUSABLE], ids=lambda s: s.name)
-def test_consolidate_of_ds_universal_equals_consolidate_of_original(ds_universal: dict, case: Sample, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "case", [s for s in SAMPLE_LIST if s.name not in DS_TO_UNIVERSAL_UNUSABLE], ids=lambda s: s.name
+)
+def test_consolidate_of_ds_universal_equals_consolidate_of_original(
+    ds_universal: dict, case: Sample, tmp_path: Path
+) -> None:
     ds_dir, error = ds_universal[case.name]
     assert error is None, error
     consolidate(ds_dir, tmp_path / "from_universal")
@@ -386,11 +430,23 @@ def test_universal_resume_continues_like_the_original_run(tmp_path: Path) -> Non
     to_universal(case.checkpoint, tmp_path / "uc")
     steps = 3
     _, _, original = run_probe(name, case.checkpoint, 2, tmp_path / "original", train_steps=steps, data="global")
-    _, _, resumed = run_probe(name, tmp_path / "uc", 1, tmp_path / "resumed", load_universal=True, train_steps=steps, data="global",
-                              config_override={"gradient_accumulation_steps": 2})
+    _, _, resumed = run_probe(
+        name,
+        tmp_path / "uc",
+        1,
+        tmp_path / "resumed",
+        load_universal=True,
+        train_steps=steps,
+        data="global",
+        config_override={"gradient_accumulation_steps": 2},
+    )
     for state, world, gas in ((original, 2, 1), (resumed, 1, 2)):
         train = state["train"]
-        assert (state["world_size"], train["gradient_accumulation_steps"], train["micro_batches_per_step"]) == (world, gas, 2)
+        assert (state["world_size"], train["gradient_accumulation_steps"], train["micro_batches_per_step"]) == (
+            world,
+            gas,
+            2,
+        )
         assert state["global_steps"] == case.meta["steps"] and train["global_steps_after"] == case.meta["steps"] + steps
         assert all(math.isfinite(x) for row in train["losses_per_microbatch"] for x in row)
     assert resumed["train"]["losses_per_microbatch"] == original["train"]["losses_per_microbatch"]
@@ -403,6 +459,11 @@ def test_universal_resume_continues_like_the_original_run(tmp_path: Path) -> Non
             if key not in buffers:
                 assert same_bits(b[key], a[key]), (file, key)
     # the steps trained moved the masters by far more than any rounding: the comparison has teeth
-    before, after = load_file(tmp_path / "resumed" / "live.safetensors"), load_file(tmp_path / "resumed" / "live_after_train.safetensors")
-    moved = max((after[k] - before[k]).abs().max().item() for k in before if k not in buffers and k not in case.meta["frozen"])
+    before, after = (
+        load_file(tmp_path / "resumed" / "live.safetensors"),
+        load_file(tmp_path / "resumed" / "live_after_train.safetensors"),
+    )
+    moved = max(
+        (after[k] - before[k]).abs().max().item() for k in before if k not in buffers and k not in case.meta["frozen"]
+    )
     assert moved > 1e-3

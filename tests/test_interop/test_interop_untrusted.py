@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, Sample, same_bits
 from safetensors.torch import load_file
+
+from helpers import ROOT, Sample, same_bits
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -41,10 +42,20 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)  # noqa: E402
     run_probe,
     shm_leak_safety_net,
 )
-
 from zckpt import reshard  # noqa: E402
 
-SLASHED = GEN.Case("fresh_slash_names_z2_fp32_ws2", "ds19", 2, "fp32", 2, adapter_name="adapter/v2", vocab=19, dim=23, hidden=13, seed=5)
+SLASHED = GEN.Case(
+    "fresh_slash_names_z2_fp32_ws2",
+    "ds19",
+    2,
+    "fp32",
+    2,
+    adapter_name="adapter/v2",
+    vocab=19,
+    dim=23,
+    hidden=13,
+    seed=5,
+)
 NAME = "adapter/v2.0.weight"  # one of the params the '/' is in
 
 
@@ -59,7 +70,9 @@ def slashed(tmp_path_factory: pytest.TempPathFactory) -> Sample:
 
 def zckpt(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "zckpt", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def ds_to_universal(checkpoint: Path, out: Path) -> Path:
@@ -69,8 +82,15 @@ def ds_to_universal(checkpoint: Path, out: Path) -> Path:
     folder = out / f"{tag}_universal"
     python = ds_python()
     log = out.parent / "ds_to_universal.log"
-    rc = run_logged([python, "-c", DS_TO_UNIVERSAL, json.dumps({"case": [str(out / tag), str(folder)]})], ds_env(1, python), log, timeout=600)
-    results = json.loads(next(x for x in log.read_text().splitlines() if x.startswith("RESULTS ")).removeprefix("RESULTS "))
+    rc = run_logged(
+        [python, "-c", DS_TO_UNIVERSAL, json.dumps({"case": [str(out / tag), str(folder)]})],
+        ds_env(1, python),
+        log,
+        timeout=600,
+    )
+    results = json.loads(
+        next(x for x in log.read_text().splitlines() if x.startswith("RESULTS ")).removeprefix("RESULTS ")
+    )
     assert rc == 0 and results["case"] is None, results
     shutil.rmtree(out / tag)
     (out / "latest").unlink()  # only latest_universal: the probe's load_universal finds it
@@ -81,7 +101,11 @@ def test_zckpt_refuses_a_name_with_a_slash_as_a_folder(slashed: Sample, tmp_path
     result = zckpt("to-universal", slashed.checkpoint, tmp_path / "uc", cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert "param name 'adapter/v2." in lines[0] and "holds '/'" in lines[0] and str(slashed.checkpoint / "global_step3") in lines[0]
+    assert (
+        "param name 'adapter/v2." in lines[0]
+        and "holds '/'" in lines[0]
+        and str(slashed.checkpoint / "global_step3") in lines[0]
+    )
     assert not (tmp_path / "uc").exists()
 
 

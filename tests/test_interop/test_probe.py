@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from helpers import Sample, same_bits, sample
 from interop_helpers import ProbeError, run_probe, shm_leak_safety_net  # noqa: F401 (autouse fixture)
-from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 

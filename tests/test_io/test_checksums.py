@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import data_records, flip, record_start, same_bits, sample
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from helpers import data_records, flip, record_start, same_bits, sample
 from zckpt import ZckptError, consolidate
 from zckpt.cli.app import app
 from zckpt.core.errors import CorruptFileError
@@ -36,7 +36,10 @@ def test_crc32_combine_matches_zlib_on_random_splits() -> None:
 
 def test_archive_records_agree_with_zipfile(tmp_path: Path) -> None:
     path = tmp_path / "t.pt"
-    torch.save({"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16), "e": torch.zeros(0)}, path)
+    torch.save(
+        {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16), "e": torch.zeros(0)},
+        path,
+    )
     records = {r.name: r for r in archive_records(str(path))}
     raw = path.read_bytes()
     for info in data_records(path):
@@ -91,7 +94,12 @@ def test_damage_in_bytes_read_is_caught(tmp_path: Path) -> None:
 
 # --- commands on damaged samples ------------------------------------------------------------------
 
-CASES = ["z3_fp32_ws2_tied_frozen", "z2_bf16_ws3_frozen_groups", "z1_bf16_ws3_bf16optimizer_frozen", "z3_bf16_ws3_subgroups_groups"]
+CASES = [
+    "z3_fp32_ws2_tied_frozen",
+    "z2_bf16_ws3_frozen_groups",
+    "z1_bf16_ws3_bf16optimizer_frozen",
+    "z3_bf16_ws3_subgroups_groups",
+]
 
 
 def tensor_files(checkpoint: Path, tag: str) -> list[Path]:
@@ -144,9 +152,17 @@ def test_reshard_and_to_universal_refuse_damaged_optimizer_state(tmp_path: Path,
     CRC named and leave no output, or (a record they do not use) write what they write from
     the intact checkpoint, byte for byte. The masters and moments are always used."""
     case = sample(name)
-    writers = {"reshard": lambda src, out: reshard(src, out, world_size=2), "universal": lambda src, out: to_universal(src, out)}
-    intact = {key: tree_bytes(Path(run(case.checkpoint, tmp_path / f"intact-{key}").output_dir)) for key, run in writers.items()}
-    optim = next(p for p in tensor_files(case.checkpoint, case.meta["tag"]) if "rank_0_" in p.name and "optim" in p.name)
+    writers = {
+        "reshard": lambda src, out: reshard(src, out, world_size=2),
+        "universal": lambda src, out: to_universal(src, out),
+    }
+    intact = {
+        key: tree_bytes(Path(run(case.checkpoint, tmp_path / f"intact-{key}").output_dir))
+        for key, run in writers.items()
+    }
+    optim = next(
+        p for p in tensor_files(case.checkpoint, case.meta["tag"]) if "rank_0_" in p.name and "optim" in p.name
+    )
     caught = 0
     for number, info in enumerate(data_records(optim)):
         checkpoint = tmp_path / f"ckpt{number}"
@@ -212,7 +228,16 @@ def test_api_loads_check_too(tmp_path: Path) -> None:
 # --- rank identity: swapped rank files ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["z2_bf16_ws3_frozen_groups", "z1_bf16_ws3_groups", "z2_fp16_ws4_tied", "z1_fp32_ws2_roundrobin", "ds14_z1_fp16_ws2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "z2_bf16_ws3_frozen_groups",
+        "z1_bf16_ws3_groups",
+        "z2_fp16_ws4_tied",
+        "z1_fp32_ws2_roundrobin",
+        "ds14_z1_fp16_ws2",
+    ],
+)
 def test_swapped_zero12_optimizer_files_are_refused(tmp_path: Path, name: str) -> None:
     """Two ranks' optimizer files swapped (same sizes, so nothing else tells): the files'
     param_slice_mappings, written by DeepSpeed, say which rank each belongs to."""
@@ -220,13 +245,18 @@ def test_swapped_zero12_optimizer_files_are_refused(tmp_path: Path, name: str) -
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(case.checkpoint, checkpoint)
     tag = checkpoint / case.meta["tag"]
-    first, second = sorted(tag.glob("*zero_pp_rank_0_*optim_states.pt"))[0], sorted(tag.glob("*zero_pp_rank_1_*optim_states.pt"))[0]
+    first, second = (
+        sorted(tag.glob("*zero_pp_rank_0_*optim_states.pt"))[0],
+        sorted(tag.glob("*zero_pp_rank_1_*optim_states.pt"))[0],
+    )
     held = first.read_bytes()
     first.write_bytes(second.read_bytes())
     second.write_bytes(held)
     with pytest.raises(ZckptError) as caught:
         consolidate(checkpoint, tmp_path / "out")
-    assert "param_slice_mappings" in str(caught.value) and "rank files swapped or copied" in str(caught.value), caught.value
+    assert "param_slice_mappings" in str(caught.value) and "rank files swapped or copied" in str(caught.value), (
+        caught.value
+    )
     assert not (tmp_path / "out").exists()
     result = CliRunner().invoke(app, ["inspect", str(checkpoint)])
     assert result.exit_code == 3 and "swapped" in result.output, result.output
@@ -257,7 +287,9 @@ def test_small_partitions_tell_ranks_apart_and_the_buffer_does_not(tmp_path: Pat
     assert repeated_ranks(files) == [RepeatedRank(1, files[1][0], 0, files[0][0], partitioned=True, telling=True)]
 
 
-@pytest.mark.parametrize("part", [torch.ones(3, dtype=torch.bfloat16), torch.zeros(300_000)], ids=["ones", "zeros-over-1MiB"])
+@pytest.mark.parametrize(
+    "part", [torch.ones(3, dtype=torch.bfloat16), torch.zeros(300_000)], ids=["ones", "zeros-over-1MiB"]
+)
 def test_constant_partitions_alike_on_honest_ranks_cannot_tell(tmp_path: Path, part: torch.Tensor) -> None:
     """Honest ranks' slices of a constant param (a LayerNorm at its init, zero moments) are the
     same bytes: a repeat of them is said to be untellable, not called a copy."""
@@ -275,7 +307,10 @@ def test_one_differing_element_past_the_first_read_tells(tmp_path: Path) -> None
 
 def test_files_without_partitions_are_compared_whole_and_never_tell(tmp_path: Path) -> None:
     files = _rank_files(tmp_path, [None, None, None])
-    assert [(r.rank, r.other, r.partitioned, r.telling) for r in repeated_ranks(files)] == [(1, 0, False, False), (2, 0, False, False)]
+    assert [(r.rank, r.other, r.partitioned, r.telling) for r in repeated_ranks(files)] == [
+        (1, 0, False, False),
+        (2, 0, False, False),
+    ]
 
 
 @pytest.mark.slow
@@ -288,7 +323,10 @@ def test_a_zero3_checkpoint_told_apart_only_by_small_frozen_slices(tmp_path: Pat
     reshard(case.checkpoint, tmp_path / "rs", world_size=16)
     tag = tmp_path / "rs" / case.meta["tag"]
     names = [tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(16)]
-    first, second = ({i.filename.split("/data/")[1]: (i.file_size, i.CRC) for i in data_records(path)} for path in (names[0], names[4]))
+    first, second = (
+        {i.filename.split("/data/")[1]: (i.file_size, i.CRC) for i in data_records(path)}
+        for path in (names[0], names[4])
+    )
     differing = [key for key in first if first[key] != second.get(key)]
     assert differing and all(first[key][0] < 64 for key in differing)
     assert any(size >= 64 for key, (size, _) in first.items() if key not in differing)  # the buffers
@@ -304,7 +342,9 @@ def test_a_zero3_checkpoint_told_apart_only_by_small_frozen_slices(tmp_path: Pat
         shutil.copyfile(names[source], names[victim])
         with pytest.raises(ZckptError) as caught:
             consolidate(tmp_path / "rs", tmp_path / "copied")
-        assert caught.value.path == str(names[max(source, victim)]) and "copied over another" in str(caught.value), caught.value
+        assert caught.value.path == str(names[max(source, victim)]) and "copied over another" in str(caught.value), (
+            caught.value
+        )
         assert not (tmp_path / "copied").exists()
         assert not verify(tmp_path / "rs").ok
         names[victim].write_bytes(honest)

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import Sample, same_bits, sample
 from safetensors.torch import load_file
 
 import zckpt.io.materialize as materialize
+from helpers import Sample, same_bits, sample
 from zckpt import consolidate
 from zckpt.core.dtypes import BF16, FP16, FP32, DType
 from zckpt.core.errors import CorruptFileError
@@ -52,11 +52,30 @@ def special_bits() -> np.ndarray:
     exponent = np.arange(256, dtype=np.uint32) << 23
     grid = (exponent[:, None] | mantissa[None, :]).reshape(-1)
     extra = np.array(
-        [0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x477FFFFF,  # fp16: 65504, ... 65520 (rounds to Inf), ...
-         0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF,  # bf16: the largest finite, ties to Inf
-         0x33000000, 0x33000001, 0x33800000, 0x387FC000, 0x387FE000, 0x38800000,  # fp16 subnormal edges
-         0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0x7FFFFFFF, 0x7FA00000, 0x7F812345],  # NaNs
-        dtype=np.uint32)
+        [
+            0x477FE000,
+            0x477FEFFF,
+            0x477FF000,
+            0x477FF001,
+            0x477FFFFF,  # fp16: 65504, ... 65520 (rounds to Inf), ...
+            0x7F7F7FFF,
+            0x7F7F8000,
+            0x7F7FFFFF,  # bf16: the largest finite, ties to Inf
+            0x33000000,
+            0x33000001,
+            0x33800000,
+            0x387FC000,
+            0x387FE000,
+            0x38800000,  # fp16 subnormal edges
+            0x7FC00000,
+            0x7F800001,
+            0x7FBFFFFF,
+            0x7FFFFFFF,
+            0x7FA00000,
+            0x7F812345,
+        ],  # NaNs
+        dtype=np.uint32,
+    )
     positive = np.concatenate([grid, extra, np.arange(0, 1 << 16, dtype=np.uint32)])  # small subnormals
     return np.concatenate([positive, positive | 0x80000000])
 
@@ -140,7 +159,9 @@ def stream(tmp_path: Path, source: TensorSource, target: DType) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("chunk_bytes", [4, 100, 4096])
-def test_stream_across_chunks_and_files_equals_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: DType, chunk_bytes: int) -> None:
+def test_stream_across_chunks_and_files_equals_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: DType, chunk_bytes: int
+) -> None:
     """Chunks that do not divide the segments, segments that do not divide the chunks, some
     chunks holding a NaN (torch) and most not (numpy): the same bits as one `.to()`."""
     monkeypatch.setattr(materialize, "STREAM_CHUNK_BYTES", chunk_bytes)
@@ -151,7 +172,9 @@ def test_stream_across_chunks_and_files_equals_torch(tmp_path: Path, monkeypatch
     assert np.array_equal(stream(tmp_path, source, target), torch_bits(bits, target))
 
 
-def test_a_truncated_segment_is_reported_and_no_helper_is_left_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_truncated_segment_is_reported_and_no_helper_is_left_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(materialize, "STREAM_CHUNK_BYTES", 64)
     bits = random_bits(5_000, seed=4) & 0x3FFFFFFF
     source = write_segments(tmp_path, bits, [2_000])
@@ -163,8 +186,12 @@ def test_a_truncated_segment_is_reported_and_no_helper_is_left_writing(tmp_path:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("name", ["z3_bf16_ws3_subgroups_groups", "z3_fp16_ws4_subgroups_frozen", "z2_bf16_ws3_paramalign"])
-def test_consolidate_in_small_chunks_equals_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, dtype: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["z3_bf16_ws3_subgroups_groups", "z3_fp16_ws4_subgroups_frozen", "z2_bf16_ws3_paramalign"]
+)
+def test_consolidate_in_small_chunks_equals_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, dtype: str
+) -> None:
     """End to end with chunks far smaller than the tensors (and not dividing them), so that
     chunk boundaries fall inside tensors and inside ZeRO-3 partitions."""
     monkeypatch.setattr(materialize, "STREAM_CHUNK_BYTES", 1004)

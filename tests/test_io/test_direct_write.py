@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAMPLE_LIST, Source, data_records, flip, record_start, same_except_serialization_id, torch_and_ours
 
+from helpers import SAMPLE_LIST, Source, data_records, flip, record_start, same_except_serialization_id, torch_and_ours
 from zckpt.core.dtypes import BF16
 from zckpt.core.errors import CorruptFileError
 from zckpt.io import direct_write
@@ -77,7 +77,9 @@ def test_archive_written_direct_is_torch_saves_file(tmp_path: Path, direct_every
 
 
 @pytest.mark.parametrize("buffer_bytes", [4096, 3 * 4096, 1 << 20])
-def test_sizes_across_block_and_buffer_boundaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_everywhere: list[str], buffer_bytes: int) -> None:
+def test_sizes_across_block_and_buffer_boundaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_everywhere: list[str], buffer_bytes: int
+) -> None:
     """Tensors ending on, before and after block and buffer edges, read in windows smaller
     than a buffer: torch.save's bytes, whatever the cut."""
     monkeypatch.setattr(direct_write, "BUFFER_BYTES", buffer_bytes)
@@ -99,13 +101,23 @@ def test_sizes_across_block_and_buffer_boundaries(tmp_path: Path, monkeypatch: p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [s for s in SAMPLE_LIST if s.name in ("z3_bf16_ws3_subgroups_groups", "z2_fp16_ws4_tied", "z1_bf16_ws3_groups")], ids=lambda s: s.name)
-def test_checkpoints_written_direct_equal_page_cache_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case) -> None:
-    buffered = {"reshard": reshard(case.checkpoint, tmp_path / "b-reshard", world_size=3).output_dir,
-                "universal": to_universal(case.checkpoint, tmp_path / "b-universal").output_dir}
+@pytest.mark.parametrize(
+    "case",
+    [s for s in SAMPLE_LIST if s.name in ("z3_bf16_ws3_subgroups_groups", "z2_fp16_ws4_tied", "z1_bf16_ws3_groups")],
+    ids=lambda s: s.name,
+)
+def test_checkpoints_written_direct_equal_page_cache_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case
+) -> None:
+    buffered = {
+        "reshard": reshard(case.checkpoint, tmp_path / "b-reshard", world_size=3).output_dir,
+        "universal": to_universal(case.checkpoint, tmp_path / "b-universal").output_dir,
+    }
     opened = force_direct(tmp_path, monkeypatch)
-    direct = {"reshard": reshard(case.checkpoint, tmp_path / "d-reshard", world_size=3).output_dir,
-              "universal": to_universal(case.checkpoint, tmp_path / "d-universal").output_dir}
+    direct = {
+        "reshard": reshard(case.checkpoint, tmp_path / "d-reshard", world_size=3).output_dir,
+        "universal": to_universal(case.checkpoint, tmp_path / "d-universal").output_dir,
+    }
     assert len(opened) > 5
     for key in buffered:
         assert _tree(Path(direct[key])) == _tree(Path(buffered[key])), key
@@ -137,7 +149,9 @@ def test_truncated_source_is_named(tmp_path: Path, direct_everywhere: list[str])
     assert str(source.path) in str(caught.value)
 
 
-def test_filesystem_refusing_the_write_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_everywhere: list[str]) -> None:
+def test_filesystem_refusing_the_write_falls_back_to_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_everywhere: list[str]
+) -> None:
     """Some filesystems take O_DIRECT at open and refuse the writes (EINVAL): the file is written
     all the same, through the page cache."""
     real_pwrite = os.pwrite
@@ -180,7 +194,9 @@ def test_filesystem_type_is_findmnts(folder: str, tmp_path: Path) -> None:
     path = str(tmp_path) if folder == "tmp_path" else folder
     if not os.path.isdir(path):
         pytest.skip(f"{path} does not exist here")
-    theirs = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", path], capture_output=True, text=True).stdout.split()
+    theirs = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE", "--target", path], capture_output=True, text=True
+    ).stdout.split()
     assert direct_write.filesystem_type(os.path.realpath(path)) in theirs  # mounts stacked on one folder: one line each
 
 

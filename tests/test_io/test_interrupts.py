@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+
 from helpers import ROOT, default_signals
 
 DEADLINE = 60  # seconds; the child needs well under one even on a loaded machine
@@ -48,8 +49,14 @@ except Interrupted:
 def run_child(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        return subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                              text=True, timeout=DEADLINE, preexec_fn=default_signals)
+        return subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+            preexec_fn=default_signals,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the child did not exit within {DEADLINE} s: {exc.stdout!r} {exc.stderr!r}")
 
@@ -66,17 +73,30 @@ def test_the_plain_pool_hangs_there(tmp_path) -> None:
     """The control: concurrent.futures' own pool, signalled at the same moment, never exits
     (the started thread is not registered for the wake-up at exit); this test's child is
     killed after a few seconds. Skipped where Python has fixed it."""
-    code = PRELUDE + "from concurrent.futures import ThreadPoolExecutor\nPOOL = ThreadPoolExecutor(2)\n" + SIGNAL_WHILE_A_THREAD_STARTS
+    code = (
+        PRELUDE
+        + "from concurrent.futures import ThreadPoolExecutor\nPOOL = ThreadPoolExecutor(2)\n"
+        + SIGNAL_WHILE_A_THREAD_STARTS
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=10, preexec_fn=default_signals)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            preexec_fn=default_signals,
+        )
     except subprocess.TimeoutExpired as exc:
         assert exc.stdout in (b"interrupted\n", "interrupted\n")
         return
     pytest.skip(f"this Python's ThreadPoolExecutor exits after such a signal (exit {done.returncode})")
 
 
-@pytest.mark.parametrize("build, traceback_printed", [("uninterrupted(zipfile.ZipFile, handle)", False), ("zipfile.ZipFile(handle)", True)])
+@pytest.mark.parametrize(
+    "build, traceback_printed", [("uninterrupted(zipfile.ZipFile, handle)", False), ("zipfile.ZipFile(handle)", True)]
+)
 def test_a_signal_while_a_zip_is_opened_leaves_no_traceback(tmp_path, build: str, traceback_printed: bool) -> None:
     """The signal lands inside ZipFile.__init__: with `uninterrupted` the exception comes once
     the object is whole, so collecting it prints nothing; built plainly (the control), the
@@ -86,7 +106,9 @@ def test_a_signal_while_a_zip_is_opened_leaves_no_traceback(tmp_path, build: str
 
     with zipfile.ZipFile(archive, "w") as handle:
         handle.writestr("x", b"y")
-    code = PRELUDE + f"""
+    code = (
+        PRELUDE
+        + f"""
 import gc, types, zipfile
 from zckpt.io.interrupts import uninterrupted
 
@@ -103,15 +125,20 @@ except Interrupted:
     print("interrupted", flush=True)
 gc.collect()
 """
+    )
     done = run_child(code)
     assert done.returncode == 0 and done.stdout == "interrupted\n"
-    assert ("AttributeError: 'ZipFile' object has no attribute '_writing'" in done.stderr) == traceback_printed, done.stderr
+    assert ("AttributeError: 'ZipFile' object has no attribute '_writing'" in done.stderr) == traceback_printed, (
+        done.stderr
+    )
     if not traceback_printed:
         assert done.stderr == ""
 
 
 def test_signals_deferred_delivers_the_first_signal_at_the_end() -> None:
-    code = PRELUDE + """
+    code = (
+        PRELUDE
+        + """
 from zckpt.io.interrupts import signals_deferred
 steps = []
 try:
@@ -122,6 +149,7 @@ except Interrupted as exc:
     steps.append(f"raised at the end: {signal.Signals(exc.signum).name}")
 print(steps)
 """
+    )
     done = run_child(code)
     assert done.stdout.strip() == "['after the signal, still inside', 'raised at the end: SIGTERM']", done.stderr
 
@@ -163,10 +191,24 @@ def test_a_rank_waiting_for_a_missing_rank_leaves_on_sigterm(tmp_path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    process = subprocess.Popen([sys.executable, "-m", "zckpt", "train", "--out", str(tmp_path / "run"), "--steps", "1", "--device", "cpu"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "zckpt", "train", "--out", str(tmp_path / "run"), "--steps", "1", "--device", "cpu"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,
+    )
     deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:  # until it listens for the missing rank: it is in the rendezvous
         with socket.socket() as client:

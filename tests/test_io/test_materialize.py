@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import same_bits
 
+from helpers import same_bits
 from zckpt.core.dtypes import BF16, FP16, FP32, DType, from_torch
 from zckpt.io.materialize import convert, numpy_to_torch
 
@@ -18,11 +18,30 @@ def every_pattern(dtype: torch.dtype) -> torch.Tensor:
 
 def tricky_fp32() -> torch.Tensor:
     rng = np.random.default_rng(0)
-    bits = np.concatenate([
-        rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),  # any pattern, NaNs included
-        np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x00000001, 0x807FFFFF,
-                  0x3F808000, 0x3F818000, 0x3F80FFFF, 0x477FF000, 0x477FE000, 0x33800000], dtype=np.uint32),  # ties, overflow, tiny
-    ])
+    bits = np.concatenate(
+        [
+            rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),  # any pattern, NaNs included
+            np.array(
+                [
+                    0,
+                    0x80000000,
+                    0x7F800000,
+                    0xFF800000,
+                    0x7FC00000,
+                    0x7F800001,
+                    0x00000001,
+                    0x807FFFFF,
+                    0x3F808000,
+                    0x3F818000,
+                    0x3F80FFFF,
+                    0x477FF000,
+                    0x477FE000,
+                    0x33800000,
+                ],
+                dtype=np.uint32,
+            ),  # ties, overflow, tiny
+        ]
+    )
     return torch.from_numpy(bits.view(np.float32).copy())
 
 

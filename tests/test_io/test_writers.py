@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, sample
 
+from helpers import ROOT, sample
 from zckpt.core.errors import OutputError
 from zckpt.io.output import LOCK_FILE, OutputLock, find_leftovers, owner_tag
 from zckpt.ops.verify import verify
@@ -56,12 +56,18 @@ VARIANTS = {
     "consolidate-bf16": ("consolidate", "--dtype", "bf16"),
 }
 ROUNDS = os.environ.get("ZCKPT_WRITERS_ROUNDS")
-COUNTS = {"gated": 8, "natural": 6, "wait": 4} if ROUNDS is None else dict.fromkeys(("gated", "natural", "wait"), int(ROUNDS))
+COUNTS = (
+    {"gated": 8, "natural": 6, "wait": 4}
+    if ROUNDS is None
+    else dict.fromkeys(("gated", "natural", "wait"), int(ROUNDS))
+)
 SEEN: collections.Counter = collections.Counter()  # outcomes by round kind, printed by test_zz_outcomes
 TIMEOUT = 300  # seconds a writer may take (a loaded machine); a gate gives up after 120 s
-REFUSED = re.compile(r"^zckpt: error: (?P<out>.+): another zckpt run is writing it: process (?P<pid>\d+) on (?P<host>\S+); pass --wait")
+REFUSED = re.compile(
+    r"^zckpt: error: (?P<out>.+): another zckpt run is writing it: process (?P<pid>\d+) on (?P<host>\S+); pass --wait"
+)
 
-GATE = r'''
+GATE = r"""
 import fcntl, os, time
 
 _gate = os.environ.get("ZCKPT_TEST_GATE")
@@ -99,7 +105,7 @@ if _gate:
         return done
 
     fcntl.flock, os.link = flock, link
-'''
+"""
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -124,8 +130,12 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     base = tmp_path_factory.mktemp("references")
     refs = {}
     for name, (verb, *options) in VARIANTS.items():
-        done = subprocess.run([sys.executable, "-m", "zckpt", verb, str(SOURCE), str(base / name), *options, "--quiet"],
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        done = subprocess.run(
+            [sys.executable, "-m", "zckpt", verb, str(SOURCE), str(base / name), *options, "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         assert done.returncode == 0, done.stderr
         refs[name] = snapshot(base / name)
     return refs
@@ -133,8 +143,13 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
 
 def start(variant: str, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     verb, *options = VARIANTS[variant]
-    return subprocess.Popen([sys.executable, "-m", "zckpt", verb, str(SOURCE), str(out), *options, "--quiet", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "zckpt", verb, str(SOURCE), str(out), *options, "--quiet", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def finish(processes: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -181,7 +196,9 @@ def rounds(kind: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("round_", rounds("gated"))
-def test_writers_started_together_one_wins_the_others_name_it(references, gate_path: Path, tmp_path: Path, round_: int) -> None:
+def test_writers_started_together_one_wins_the_others_name_it(
+    references, gate_path: Path, tmp_path: Path, round_: int
+) -> None:
     rng = random.Random(f"gated-{round_}")
     variants = ["reshard-w2", "reshard-w3", *rng.sample(sorted(VARIANTS), 2)]  # both world sizes in every round
     rng.shuffle(variants)
@@ -243,7 +260,10 @@ def test_writers_with_wait_write_in_turn(references, gate_path: Path, tmp_path: 
     assert len(winners) == 1, results
     for i, (code, err) in enumerate(results):
         if i not in winners:  # it waited for the winner, then found its output
-            assert (code, err) == (1, f"zckpt: error: {out / 'global_step3'}: already exists; pass --overwrite to replace it\n")
+            assert (code, err) == (
+                1,
+                f"zckpt: error: {out / 'global_step3'}: already exists; pass --overwrite to replace it\n",
+            )
             SEEN["wait", "waited, then found the output"] += 1
     judge(out, [variants[winners[0]]], references)
 
@@ -256,7 +276,15 @@ def _free_port() -> int:
 
 def rank_env(env: dict[str, str], rank: int, port: int) -> dict[str, str]:
     """One process of a 2-process torchrun job, as torchrun starts it."""
-    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 @pytest.mark.slow
@@ -275,7 +303,10 @@ def test_two_torchrun_jobs_one_holds_the_folder_for_all_its_ranks(references, ga
     assert all(err == "" for _, err in results[holder]), results
     [(code0, err0), (code1, err1)] = next(ranks for v, ranks in results.items() if v != holder)
     assert code0 == 1 and refusal(err0, out) == jobs[holder][0].pid, err0
-    assert (code1, err1) == (1, f"zckpt: error: {out}: another process of this job failed (its own error says why); the previous output is kept\n")
+    assert (code1, err1) == (
+        1,
+        f"zckpt: error: {out}: another process of this job failed (its own error says why); the previous output is kept\n",
+    )
     judge(out, [holder], references)
     SEEN["torchrun", "job refused, holder named"] += 1
 
@@ -318,7 +349,9 @@ lock.release()
 
 def hold(folder: Path) -> subprocess.Popen:
     """Another process holding `folder`'s lock until its stdin closes."""
-    process = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert process.stdout.readline() == "held\n"
     return process
 
@@ -330,8 +363,13 @@ def test_a_second_writer_is_refused_in_one_line_naming_the_first(tmp_path: Path)
     assert (out / LOCK_FILE).read_text() == owner_tag() + "\n"
     with pytest.raises(OutputError) as refused:
         OutputLock(str(out)).acquire()  # another open file, even in this process
-    assert str(refused.value) == f"{out}: another zckpt run is writing it: process {os.getpid()} on {HOST}; pass --wait to wait for it to end; nothing was written"
-    assert [(l.pid, l.alive) for l in find_leftovers(str(out))] == [(os.getpid(), True)]  # the live writer, as inspect shows it
+    assert (
+        str(refused.value)
+        == f"{out}: another zckpt run is writing it: process {os.getpid()} on {HOST}; pass --wait to wait for it to end; nothing was written"
+    )
+    assert [(left.pid, left.alive) for left in find_leftovers(str(out))] == [
+        (os.getpid(), True)
+    ]  # the live writer, as inspect shows it
     first.release()
     assert not out.exists()  # the folder the lock made, removed empty
     second = OutputLock(str(out))
@@ -350,7 +388,12 @@ def test_a_killed_writers_lock_blocks_nobody(tmp_path: Path) -> None:
     [left] = find_leftovers(str(out))
     assert (left.path, left.pid, left.alive) == (str(out / LOCK_FILE), holder.pid, False)
     assert "no longer runs" in left.describe()
-    done = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", str(SOURCE), str(out), "--quiet"], capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", "consolidate", str(SOURCE), str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(out)) == ["model.safetensors"]
 
@@ -362,14 +405,18 @@ def test_waiting_ends_when_the_writer_does_and_stays_interruptible(gate_path: Pa
     out = tmp_path / "out"
     holder = hold(out)
     try:
-        env = gated_env(gate_path, tmp_path / "gate", 1)  # the gate only notes that it found the lock held ("tried-<pid>")
+        env = gated_env(
+            gate_path, tmp_path / "gate", 1
+        )  # the gate only notes that it found the lock held ("tried-<pid>")
         waiter = start("reshard-w2", out, "--wait", env=env)
         while not list((tmp_path / "gate").glob("tried-*")):
             assert waiter.poll() is None, waiter.communicate()
             time.sleep(0.05)
         waiter.send_signal(signal.SIGTERM)
         _, err = waiter.communicate(timeout=60)
-        assert waiter.returncode == 143 and err.startswith("zckpt: error: interrupted by SIGTERM") and err.count("\n") == 1, err
+        assert (
+            waiter.returncode == 143 and err.startswith("zckpt: error: interrupted by SIGTERM") and err.count("\n") == 1
+        ), err
         assert os.listdir(out) == [LOCK_FILE] and find_leftovers(str(out))[0].alive
         second = start("reshard-w3", out, "--wait")
     finally:
@@ -391,12 +438,24 @@ def test_consolidate_dot_dot_inside_a_trainer_folder_takes_that_folders_lock(tmp
     before = sorted(os.listdir(folder))
     holder = hold(folder)
     try:
-        refused = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", ".", ".", "--quiet"], cwd=folder, capture_output=True, text=True, timeout=TIMEOUT)
+        refused = subprocess.run(
+            [sys.executable, "-m", "zckpt", "consolidate", ".", ".", "--quiet"],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         assert refused.returncode == 1 and refusal(refused.stderr, Path(".")) == holder.pid
     finally:
         holder.stdin.close()
         holder.wait()
-    done = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", ".", ".", "--quiet"], cwd=folder, capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", "consolidate", ".", ".", "--quiet"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(folder)) == sorted(before + ["model.safetensors"])
 
@@ -418,14 +477,21 @@ def test_without_file_locks_the_link_still_lets_one_writer_in(tmp_path: Path, mo
         OutputLock(str(out)).acquire()
     first.release()
     out.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     (out / LOCK_FILE).write_text(f"{HOST}-{dead}\n")
     taker = OutputLock(str(out))
     taker.acquire()
     assert (out / LOCK_FILE).read_text() == owner_tag() + "\n"
     taker.release()
     (out / LOCK_FILE).write_text("elsewhere-42\n")
-    with pytest.raises(OutputError, match=re.escape(f"process 42 on elsewhere (this filesystem has no locks: if that run is gone, remove {out / LOCK_FILE})")):
+    with pytest.raises(
+        OutputError,
+        match=re.escape(
+            f"process 42 on elsewhere (this filesystem has no locks: if that run is gone, remove {out / LOCK_FILE})"
+        ),
+    ):
         OutputLock(str(out)).acquire()
     assert (out / LOCK_FILE).read_text() == "elsewhere-42\n"
 
@@ -454,7 +520,9 @@ def test_two_runs_taking_over_one_dead_lock_let_one_in(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     held = [o for o in outcomes if isinstance(o, OutputLock)]
-    assert len(held) == 1 and all(f"process {os.getpid()} on" in str(o) for o in outcomes if not isinstance(o, OutputLock))
+    assert len(held) == 1 and all(
+        f"process {os.getpid()} on" in str(o) for o in outcomes if not isinstance(o, OutputLock)
+    )
     held[0].release()
     assert os.listdir(out) == []
 

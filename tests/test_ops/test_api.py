@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Sample, same_bits, sample
 
 import zckpt
+from helpers import Sample, same_bits, sample
 from zckpt import LayoutError
 
 CASE = "z3_fp32_ws2_tied_frozen"

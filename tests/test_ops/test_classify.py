@@ -81,7 +81,9 @@ def test_latest_file(tmp_path: Path) -> None:
     assert kind(touch(ck / "latest", "global_step1")) is Kind.LATEST_FILE
     assert classify(ck / "latest").checkpoint_dir == str(ck)
     assert kind(touch(ck / "latest_universal", "global_step1")) is Kind.LATEST_FILE
-    assert kind(touch(tmp_path / "alone" / "latest")) is Kind.LATEST_FILE  # 'latest' makes its folder a checkpoint folder
+    assert (
+        kind(touch(tmp_path / "alone" / "latest")) is Kind.LATEST_FILE
+    )  # 'latest' makes its folder a checkpoint folder
     stray = touch(tmp_path / "elsewhere" / "latest_universal")  # not beside a checkpoint: a weights file to read
     assert kind(stray) is Kind.WEIGHTS_FILE
 
@@ -90,7 +92,9 @@ def test_weights(tmp_path: Path) -> None:
     assert kind(touch(tmp_path / "w" / "model.safetensors")) is Kind.WEIGHTS_FILE
     assert kind(touch(tmp_path / "w" / "pytorch_model.bin.index.json")) is Kind.WEIGHTS_INDEX
     found = classify(tmp_path / "w")
-    assert found.kind is Kind.WEIGHTS_FOLDER and found.weights_file == str(tmp_path / "w" / "pytorch_model.bin.index.json")
+    assert found.kind is Kind.WEIGHTS_FOLDER and found.weights_file == str(
+        tmp_path / "w" / "pytorch_model.bin.index.json"
+    )
     touch(tmp_path / "w" / "model.safetensors.index.json")
     assert classify(tmp_path / "w").weights_file == str(tmp_path / "w" / "model.safetensors.index.json")
     single = touch(tmp_path / "s" / "pytorch_model.bin").parent
@@ -101,7 +105,11 @@ def test_weights(tmp_path: Path) -> None:
 def test_adapter_folder(tmp_path: Path) -> None:
     folder = touch(tmp_path / "a" / "adapter_model.bin").parent
     found = classify(folder)
-    assert found.kind is Kind.ADAPTER_FOLDER and found.weights_file is None and found.adapter_file == str(folder / "adapter_model.bin")
+    assert (
+        found.kind is Kind.ADAPTER_FOLDER
+        and found.weights_file is None
+        and found.adapter_file == str(folder / "adapter_model.bin")
+    )
     touch(folder / "adapter_model.safetensors")
     assert classify(folder).adapter_file == str(folder / "adapter_model.safetensors")
     touch(folder / "pytorch_model.bin")
@@ -113,7 +121,9 @@ def test_swap_folder(tmp_path: Path) -> None:
     assert kind(nvme) is Kind.SWAP_FOLDER and kind(nvme / "zero_stage_3") is Kind.SWAP_FOLDER
     touch(nvme / "model.safetensors")
     found = classify(nvme)
-    assert found.kind is Kind.SWAP_FOLDER and found.weights_file == str(nvme / "model.safetensors")  # swap first; the file is still named
+    assert found.kind is Kind.SWAP_FOLDER and found.weights_file == str(
+        nvme / "model.safetensors"
+    )  # swap first; the file is still named
     tag(nvme)
     assert kind(nvme) is Kind.CHECKPOINT_FOLDER  # a checkpoint wins over the swap folder
 
@@ -128,9 +138,15 @@ def test_other_folder(tmp_path: Path) -> None:
 def test_format_registry() -> None:
     assert [f.value for f in Format] == list(FORMATS)  # the CLI's choices are the registry's names
     assert (SAFETENSORS.single_file, SAFETENSORS.pattern.format(suffix="-00001-of-00002"), SAFETENSORS.index_file) == (
-        "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json")
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+    )
     assert (TORCH.single_file, TORCH.pattern.format(suffix="-00001-of-00002"), TORCH.index_file) == (
-        "pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json")
+        "pytorch_model.bin",
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model.bin.index.json",
+    )
     assert weights_format("torch") is TORCH and weights_format(SAFETENSORS) is SAFETENSORS
     with pytest.raises(UsageError, match="unknown format 'npz': choose safetensors or torch"):
         weights_format("npz")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAMPLE_LIST, Sample, load_output, same_bits, sample
 from safetensors import safe_open
 
+from helpers import SAMPLE_LIST, Sample, load_output, same_bits, sample
 from zckpt import consolidate, plan_consolidation
 from zckpt.deepspeed.reader import open_checkpoint
 from zckpt.hf.safetensors import TIED_METADATA_KEY
@@ -75,7 +75,9 @@ def test_frozen_and_tied_are_present(any_sample: Sample, tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_16bit_output_rounds_masters_to_nearest(any_sample: Sample, tmp_path: Path, dtype: str, torch_dtype: torch.dtype) -> None:
+def test_16bit_output_rounds_masters_to_nearest(
+    any_sample: Sample, tmp_path: Path, dtype: str, torch_dtype: torch.dtype
+) -> None:
     consolidate(any_sample.checkpoint, tmp_path / "out", dtype=dtype)
     ours = load_output(tmp_path / "out")
     for name, tensor in any_sample.expected_fp32().items():
@@ -130,9 +132,13 @@ def test_shard_assignment_matches_huggingface_hub(tmp_path: Path) -> None:
     plan = plan_consolidation(open_checkpoint(case.checkpoint), format="torch", max_shard_size="3KB")
     # zero_to_fp32.py sizes shards on fresh empty tensors, tied names sharing one.
     reference = case.reference()
-    empty = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in reference.items() if name not in case.meta["tied"]}
+    empty = {
+        name: torch.empty(t.shape, dtype=t.dtype) for name, t in reference.items() if name not in case.meta["tied"]
+    }
     empty.update({alias: empty[source] for alias, source in case.meta["tied"].items()})
-    split = hub.split_torch_state_dict_into_shards(empty, filename_pattern="pytorch_model{suffix}.bin", max_shard_size="3KB")
+    split = hub.split_torch_state_dict_into_shards(
+        empty, filename_pattern="pytorch_model{suffix}.bin", max_shard_size="3KB"
+    )
     assert plan.weight_map == split.tensor_to_filename
     assert plan.total_size == split.metadata["total_size"]
 

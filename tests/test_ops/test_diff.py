@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, sample
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import zckpt
+from helpers import run_cli, sample
 from zckpt.cli.app import app
 from zckpt.io.reading import FileReader
 from zckpt.ops.diff import DiffReport, TensorDiff, render
@@ -46,7 +46,9 @@ def torch_stats(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: float
 # --- equal ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [ZERO2, ZERO3, "z1_bf16_ws3_bf16optimizer_frozen", "z3_bf16_ws2_nvmeoffload_frozen_tied_groups"])
+@pytest.mark.parametrize(
+    "case", [ZERO2, ZERO3, "z1_bf16_ws3_bf16optimizer_frozen", "z3_bf16_ws2_nvmeoffload_frozen_tied_groups"]
+)
 def test_checkpoint_equals_its_consolidation(case: str, tmp_path: Path) -> None:
     out = consolidated(case, tmp_path / "out")
     report = zckpt.diff(sample(case).checkpoint, out)
@@ -61,7 +63,11 @@ def test_sharded_torch_and_safetensors_outputs_are_equal(tmp_path: Path) -> None
     pt = consolidated(ZERO3, tmp_path / "pt", max_shard_size="3KB", format="torch")
     one = consolidated(ZERO3, tmp_path / "one", format="torch")
     assert len(list(st.glob("*.safetensors"))) > 1 and len(list(pt.glob("*.bin"))) > 1
-    for a, b in ((st, pt), (st / "model.safetensors.index.json", one / "pytorch_model.bin"), (pt / "pytorch_model.bin.index.json", one)):
+    for a, b in (
+        (st, pt),
+        (st / "model.safetensors.index.json", one / "pytorch_model.bin"),
+        (pt / "pytorch_model.bin.index.json", one),
+    ):
         report = zckpt.diff(a, b)
         assert report.equal, render(report)
         assert len(report.tensors) == 20
@@ -80,7 +86,10 @@ def test_reshard_is_equal_including_states(world_size: int, stage: int, tmp_path
     assert states == {f"{p.name}.{k}" for p in training.params for k in p.states}
     assert len(states) == 2 * len(training.params)  # Adam: exp_avg and exp_avg_sq
     scalars = {s.name: s.a for s in report.scalars}
-    assert scalars["global_steps"] == sample(ZERO2).meta["steps"] and scalars["param_groups.0.step"] == sample(ZERO2).meta["steps"]
+    assert (
+        scalars["global_steps"] == sample(ZERO2).meta["steps"]
+        and scalars["param_groups.0.step"] == sample(ZERO2).meta["steps"]
+    )
     assert scalars["param_groups.1.lr"] == training.groups[1].hyperparams["lr"]
 
 
@@ -159,7 +168,11 @@ def test_two_samples_differ_by_the_live_values(tmp_path: Path) -> None:
     assert set(found) == set(live_a) == set(live_b)
     for name in live_a:
         changed, mismatched, largest = torch_stats(live_a[name], live_b[name])
-        assert (found[name].changed, found[name].mismatched, found[name].max_abs_diff) == (changed, mismatched, largest), name
+        assert (found[name].changed, found[name].mismatched, found[name].max_abs_diff) == (
+            changed,
+            mismatched,
+            largest,
+        ), name
     assert {t.name for t in report.differing} == {n for n in live_a if not torch.equal(live_a[n], live_b[n])}
 
 
@@ -175,8 +188,18 @@ def test_names_only_on_one_side(tmp_path: Path) -> None:
 
 def test_shape_and_dtype_differences(tmp_path: Path) -> None:
     weights = torch.randn(3, 4)
-    save_file({"w": weights, "b": torch.ones(4), "i": torch.arange(6), "gone": torch.zeros(2)}, tmp_path / "a.safetensors")
-    save_file({"w": weights.reshape(4, 3).contiguous(), "b": torch.ones(4, dtype=torch.bfloat16), "i": torch.arange(6, dtype=torch.int32), "new": torch.zeros(1)}, tmp_path / "b.safetensors")
+    save_file(
+        {"w": weights, "b": torch.ones(4), "i": torch.arange(6), "gone": torch.zeros(2)}, tmp_path / "a.safetensors"
+    )
+    save_file(
+        {
+            "w": weights.reshape(4, 3).contiguous(),
+            "b": torch.ones(4, dtype=torch.bfloat16),
+            "i": torch.arange(6, dtype=torch.int32),
+            "new": torch.zeros(1),
+        },
+        tmp_path / "b.safetensors",
+    )
     report = zckpt.diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
     found = by_name(report)
     assert report.only_in_a == ("gone",) and report.only_in_b == ("new",)
@@ -187,7 +210,10 @@ def test_shape_and_dtype_differences(tmp_path: Path) -> None:
     assert found["i"].dtype_differs and found["i"].changed == 0
     assert {t.name for t in report.differing} == {"w"} and {t.name for t in report.dtype_differences} == {"b", "i"}
     text = render(report)
-    assert "dtype        b: fp32 in A, bf16 in B; same values" in text and "shape        w: [3, 4] fp32 in A, [4, 3] fp32 in B" in text
+    assert (
+        "dtype        b: fp32 in A, bf16 in B; same values" in text
+        and "shape        w: [3, 4] fp32 in A, [4, 3] fp32 in B" in text
+    )
 
 
 def test_bf16_output_against_fp32_masters(tmp_path: Path) -> None:
@@ -198,9 +224,15 @@ def test_bf16_output_against_fp32_masters(tmp_path: Path) -> None:
     found = by_name(report)
     for name, tensor in a.items():
         if tensor.is_floating_point():  # bf16 in B; fp32 masters in A, frozen params as the run kept them
-            assert found[name].dtype_b == "bf16" and found[name].dtype_a == ("bf16" if name in sample(ZERO2).meta["frozen"] else "fp32")
+            assert found[name].dtype_b == "bf16" and found[name].dtype_a == (
+                "bf16" if name in sample(ZERO2).meta["frozen"] else "fp32"
+            )
             changed, mismatched, largest = torch_stats(tensor, b[name])
-            assert (found[name].changed, found[name].mismatched, found[name].max_abs_diff) == (changed, mismatched, largest), name
+            assert (found[name].changed, found[name].mismatched, found[name].max_abs_diff) == (
+                changed,
+                mismatched,
+                largest,
+            ), name
         else:
             assert found[name].equal, name  # integer buffers keep their dtype and values
     assert not report.equal
@@ -208,7 +240,9 @@ def test_bf16_output_against_fp32_masters(tmp_path: Path) -> None:
     # is on values, the dtype difference is still named
     loose = zckpt.diff(fp32, bf16, rtol=2**-8)
     assert loose.equal and all(t.mismatched == 0 for t in loose.tensors)
-    assert {t.name for t in loose.dtype_differences} == {n for n, t in a.items() if t.is_floating_point()}  # fp32 vs bf16 files
+    assert {t.name for t in loose.dtype_differences} == {
+        n for n, t in a.items() if t.is_floating_point()
+    }  # fp32 vs bf16 files
     assert not zckpt.diff(fp32, bf16, rtol=2**-10).equal
 
 
@@ -232,7 +266,9 @@ def test_damaged_bytes_are_an_error_not_a_difference(copy_checkpoint) -> None:
 def test_tolerance_nan_and_inf_follow_torch_isclose(tmp_path: Path) -> None:
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(5000, generator=generator, dtype=torch.float64)
-    b = a + torch.randn(5000, generator=generator, dtype=torch.float64) * 10 ** torch.randint(-9, 0, (5000,), generator=generator)
+    b = a + torch.randn(5000, generator=generator, dtype=torch.float64) * 10 ** torch.randint(
+        -9, 0, (5000,), generator=generator
+    )
     b[:40] = a[:40]
     special = torch.tensor([math.nan, math.nan, 1.0, math.inf, math.inf, -math.inf, 0.0, -0.0, 0.0, 5.0, math.inf])
     other = torch.tensor([math.nan, 1.0, math.nan, math.inf, 1.0, math.inf, -0.0, 0.0, 1e-30, 5.0, math.nan])
@@ -249,7 +285,9 @@ def test_tolerance_nan_and_inf_follow_torch_isclose(tmp_path: Path) -> None:
     save_file({"x": b[finite].contiguous()}, tmp_path / "fb.safetensors")
     found = zckpt.diff(tmp_path / "fa.safetensors", tmp_path / "fb.safetensors").tensors[0]
     assert found.max_abs_diff == float((a[finite] - b[finite]).abs().max())
-    assert found.max_rel_diff == pytest.approx(float(((a[finite] - b[finite]).abs() / b[finite].abs()).max()), rel=1e-12)
+    assert found.max_rel_diff == pytest.approx(
+        float(((a[finite] - b[finite]).abs() / b[finite].abs()).max()), rel=1e-12
+    )
     # NaN at the same position, -0.0 against 0.0, the same infinity: equal
     save_file({"x": torch.tensor([math.nan, -0.0, math.inf])}, tmp_path / "n1.safetensors")
     save_file({"x": torch.tensor([math.nan, 0.0, math.inf])}, tmp_path / "n2.safetensors")
@@ -317,7 +355,7 @@ def test_cli_exit_codes_and_text(tmp_path: Path) -> None:
     differ = runner.invoke(app, ["diff", ckpt, str(tmp_path / "mod")])
     assert differ.exit_code == 3, differ.output
     lines = differ.output.splitlines()
-    assert [l for l in lines if l.startswith("values")] == [l for l in lines if "norm.bias" in l]
+    assert [line for line in lines if line.startswith("values")] == [line for line in lines if "norm.bias" in line]
     assert lines[-1].startswith("differ: 1 of 20 tensors")
     assert runner.invoke(app, ["diff", ckpt, str(tmp_path / "mod"), "--atol", "2.0"]).exit_code == 0
     assert runner.invoke(app, ["diff", ckpt, str(tmp_path / "mod"), "--atol", "-1"]).exit_code == 2
@@ -353,16 +391,58 @@ def test_json_report_schema(tmp_path: Path) -> None:
     result = runner.invoke(app, ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--json"])
     assert result.exit_code == 3
     report = json.loads(result.stdout, parse_constant=lambda token: pytest.fail(f"non-JSON token {token}"))
-    assert set(report) == {"equal", "a", "b", "atol", "rtol", "states", "states_missing", "only_in_a", "only_in_b", "differing", "dtype_differences", "tensors", "scalars", "notes"}
+    assert set(report) == {
+        "equal",
+        "a",
+        "b",
+        "atol",
+        "rtol",
+        "states",
+        "states_missing",
+        "only_in_a",
+        "only_in_b",
+        "differing",
+        "dtype_differences",
+        "tensors",
+        "scalars",
+        "notes",
+    }
     assert report["equal"] is False and report["only_in_a"] == ["only"] and report["only_in_b"] == []
-    assert set(report["a"]) == {"path", "kind", "tensors", "has_states", "tag", "zero_stage", "world_size", "files", "notes"}
+    assert set(report["a"]) == {
+        "path",
+        "kind",
+        "tensors",
+        "has_states",
+        "tag",
+        "zero_stage",
+        "world_size",
+        "files",
+        "notes",
+    }
     assert report["a"]["kind"] == "safetensors" and report["a"]["has_states"] is False
     x, y = report["tensors"]
-    assert set(x) == {"name", "kind", "equal", "shape_a", "shape_b", "dtype_a", "dtype_b", "numel", "changed", "mismatched", "max_abs_diff", "max_rel_diff"}
+    assert set(x) == {
+        "name",
+        "kind",
+        "equal",
+        "shape_a",
+        "shape_b",
+        "dtype_a",
+        "dtype_b",
+        "numel",
+        "changed",
+        "mismatched",
+        "max_abs_diff",
+        "max_rel_diff",
+    }
     assert (x["name"], x["max_abs_diff"], x["max_rel_diff"], x["changed"], x["mismatched"]) == ("x", "inf", "inf", 1, 1)
     assert (y["shape_a"], y["shape_b"], y["numel"], y["max_abs_diff"]) == ([2], [3], None, None)
     assert report["differing"] == ["x", "y"]
-    checkpoint = json.loads(runner.invoke(app, ["diff", str(sample(ZERO3).checkpoint), str(sample(ZERO3).checkpoint), "--json", "--states"]).stdout)
+    checkpoint = json.loads(
+        runner.invoke(
+            app, ["diff", str(sample(ZERO3).checkpoint), str(sample(ZERO3).checkpoint), "--json", "--states"]
+        ).stdout
+    )
     assert checkpoint["equal"] is True and checkpoint["a"]["zero_stage"] == 3 and checkpoint["a"]["world_size"] == 2
     assert {s["name"] for s in checkpoint["scalars"]} >= {"global_steps", "param_groups.0.step", "param_groups.0.lr"}
 

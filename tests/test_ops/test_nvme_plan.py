@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from helpers import ROOT
 from zckpt.cli.app import app
 from zckpt.core.errors import UsageError
 from zckpt.deepspeed import swap_rules as R
@@ -31,8 +31,16 @@ DATA = ROOT / "tests" / "data"
 MEASURED = json.loads((DATA / "nvme_plan_measured.json").read_text())["runs"]
 HF_SHAPES = json.loads((DATA / "nvme_plan_hf_shapes.json").read_text())["cases"]
 QWEN3_06B = {  # Qwen/Qwen3-0.6B config.json, the fields that matter
-    "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True, "attention_bias": False,
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
 }
 
 
@@ -52,7 +60,8 @@ def test_swapped_params_and_partitions_are_deepspeeds(run_name: str) -> None:
     run = MEASURED[run_name]
     plan = plan_nvme(measured_params(run), world_size=run["world_size"], config=run["config"])
     assert {s.name: s.partition_numel for s in plan.swapped} == {
-        n: p["partition_numel"] for n, p in run["params"].items() if p["swapped"]}
+        n: p["partition_numel"] for n, p in run["params"].items() if p["swapped"]
+    }
     assert plan.swap_threshold_bytes == run["param_swapper"]["min_aio_bytes"]
     assert R.Aio().numel_alignment(2) == run["param_swapper"]["numel_alignment"]
     size = run["param_swapper"]["elements_per_buffer"]
@@ -84,7 +93,10 @@ def test_planned_settings_are_the_ones_that_ran() -> None:
     assert run["ok"] and run["gather"]
     plan = plan_nvme(measured_params(run), world_size=2, config=run["config"])
     ran = run["config"]["zero_optimization"]["offload_param"]
-    assert (plan.offload_param[R.BUFFER_SIZE], plan.offload_param[R.BUFFER_COUNT]) == (ran["buffer_size"], ran["buffer_count"])
+    assert (plan.offload_param[R.BUFFER_SIZE], plan.offload_param[R.BUFFER_COUNT]) == (
+        ran["buffer_size"],
+        ran["buffer_count"],
+    )
     assert plan.problems == ()
     assert plan.pinned.param_swap_buffers == run["param_swapper"]["pinned_elements"] * 2
 
@@ -105,24 +117,37 @@ def test_too_few_optimizer_buffers_is_flagged_at_deepspeeds_assert() -> None:
     assert not run["ok"] and run["stage"] == "train" and run["error"] == "AssertionError: "
     plan = plan_nvme(measured_params(MEASURED["ws2_planned"]), world_size=2, config=run["config"])
     [problem] = plan.problems
-    assert problem.setting == "zero_optimization.offload_optimizer.buffer_count" and (problem.value, problem.needed) == (3, 4)
+    assert problem.setting == "zero_optimization.offload_optimizer.buffer_count" and (
+        problem.value,
+        problem.needed,
+    ) == (3, 4)
     assert f"`{run['failed_assert']}`" in problem.error and "partitioned_optimizer_swapper.py" in run["failed_at"]
 
 
 def test_missing_nvme_path_and_wrong_stage_are_flagged() -> None:
     config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}}
     plan = plan_nvme(measured_params(MEASURED["ws2_planned"]), world_size=2, config=config)
-    assert {p.setting for p in plan.problems} >= {"zero_optimization.offload_param.nvme_path", "zero_optimization.stage"}
+    assert {p.setting for p in plan.problems} >= {
+        "zero_optimization.offload_param.nvme_path",
+        "zero_optimization.stage",
+    }
 
 
 def test_optimizer_kept_off_nvme_by_the_config_is_not_planned() -> None:
-    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                              "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
+    config = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+        },
+    }
     plan = plan_nvme(measured_params(MEASURED["ws2_planned"]), world_size=2, config=config)
     assert "offload_optimizer" not in plan.snippet()["zero_optimization"]
     assert plan.pinned.optimizer_swap_buffers == 0 and plan.disk.optimizer == 0
     assert plan.disk.params == sum(
-        v for k, v in MEASURED["ws2_planned"]["swap_folder"].items() if k.startswith("bfloat16params/rank0/"))
+        v for k, v in MEASURED["ws2_planned"]["swap_folder"].items() if k.startswith("bfloat16params/rank0/")
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -130,14 +155,21 @@ def test_optimizer_kept_off_nvme_by_the_config_is_not_planned() -> None:
 # --------------------------------------------------------------------------------------
 def test_qwen3_report_both_failures() -> None:
     params = shapes_from_hf_config(QWEN3_06B)
-    swap = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
+    swap = {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
+    }
     report_200 = json.loads(json.dumps(swap))
     report_200["zero_optimization"]["offload_param"].update(buffer_size=4194304, buffer_count=200)
     documented_5 = json.loads(json.dumps(swap))
     documented_5["zero_optimization"]["offload_param"].update(buffer_size=155582464, buffer_count=5)
 
-    assert [p.error for p in plan_nvme(params, config=report_200).problems] == ["More elements 155582464 than buffer size 4194304"]
-    assert [p.error for p in plan_nvme(params, config=documented_5).problems] == ["Not enough buffers 5 for swapping 197"]
+    assert [p.error for p in plan_nvme(params, config=report_200).problems] == [
+        "More elements 155582464 than buffer size 4194304"
+    ]
+    assert [p.error for p in plan_nvme(params, config=documented_5).problems] == [
+        "Not enough buffers 5 for swapping 197"
+    ]
     plan = plan_nvme(params, config=documented_5)
     assert (plan.offload_param[R.BUFFER_SIZE], plan.offload_param[R.BUFFER_COUNT]) == (155582464, 197)
     # the pinned cost of DeepSpeed's equal-sized buffers, and an alternative with one buffer
@@ -152,15 +184,61 @@ def test_qwen3_parameter_count_is_the_published_one() -> None:
     assert sum(p.numel for p in params) - 151936 * 1024 == 440_467_456
 
 
-@pytest.mark.parametrize("config, count", [
-    ({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-      "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False}, 1_100_048_384),  # TinyLlama-1.1B
-    ({"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-      "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}, 494_032_768),  # Qwen2-0.5B
-    ({"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-      "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False}, 7_241_732_096),  # Mistral-7B-v0.1
-    ({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}, 124_439_808),  # gpt2
-])
+@pytest.mark.parametrize(
+    "config, count",
+    [
+        (
+            {
+                "model_type": "llama",
+                "hidden_size": 2048,
+                "intermediate_size": 5632,
+                "num_hidden_layers": 22,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 4,
+                "vocab_size": 32000,
+                "tie_word_embeddings": False,
+            },
+            1_100_048_384,
+        ),  # TinyLlama-1.1B
+        (
+            {
+                "model_type": "qwen2",
+                "hidden_size": 896,
+                "intermediate_size": 4864,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 14,
+                "num_key_value_heads": 2,
+                "vocab_size": 151936,
+                "tie_word_embeddings": True,
+            },
+            494_032_768,
+        ),  # Qwen2-0.5B
+        (
+            {
+                "model_type": "mistral",
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "vocab_size": 32000,
+                "tie_word_embeddings": False,
+            },
+            7_241_732_096,
+        ),  # Mistral-7B-v0.1
+        (
+            {
+                "model_type": "gpt2",
+                "n_embd": 768,
+                "n_layer": 12,
+                "n_head": 12,
+                "vocab_size": 50257,
+                "n_positions": 1024,
+            },
+            124_439_808,
+        ),  # gpt2
+    ],
+)
 def test_published_parameter_counts(config: dict, count: int) -> None:
     assert sum(p.numel for p in shapes_from_hf_config(config)) == count
 
@@ -176,7 +254,9 @@ def test_hf_config_shapes_are_what_transformers_builds(case: str) -> None:
 def test_unsupported_model_type_is_named(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 8}))
-    with pytest.raises(UsageError, match="model_type 'mixtral' is not supported; supported: llama, mistral, qwen2, qwen3, gpt2"):
+    with pytest.raises(
+        UsageError, match="model_type 'mixtral' is not supported; supported: llama, mistral, qwen2, qwen3, gpt2"
+    ):
         load_params(path)
 
 
@@ -184,22 +264,35 @@ def test_unsupported_model_type_is_named(tmp_path: Path) -> None:
 # MODEL kinds
 # --------------------------------------------------------------------------------------
 def test_weights_file_folder_and_shards_give_the_same_params(tmp_path: Path) -> None:
-    tensors = {"embed.weight": torch.zeros(4096, 256, dtype=torch.bfloat16), "fc.weight": torch.zeros(64, 256, dtype=torch.bfloat16),
-               "fc.bias": torch.zeros(64, dtype=torch.bfloat16)}
+    tensors = {
+        "embed.weight": torch.zeros(4096, 256, dtype=torch.bfloat16),
+        "fc.weight": torch.zeros(64, 256, dtype=torch.bfloat16),
+        "fc.bias": torch.zeros(64, dtype=torch.bfloat16),
+    }
     (tmp_path / "one").mkdir()
     save_file(tensors, str(tmp_path / "one" / "model.safetensors"))
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     save_file({"embed.weight": tensors["embed.weight"]}, str(sharded / "model-00001-of-00002.safetensors"))
-    save_file({k: v for k, v in tensors.items() if k != "embed.weight"}, str(sharded / "model-00002-of-00002.safetensors"))
-    weight_map = {"embed.weight": "model-00001-of-00002.safetensors", "fc.weight": "model-00002-of-00002.safetensors",
-                  "fc.bias": "model-00002-of-00002.safetensors"}
+    save_file(
+        {k: v for k, v in tensors.items() if k != "embed.weight"}, str(sharded / "model-00002-of-00002.safetensors")
+    )
+    weight_map = {
+        "embed.weight": "model-00001-of-00002.safetensors",
+        "fc.weight": "model-00002-of-00002.safetensors",
+        "fc.bias": "model-00002-of-00002.safetensors",
+    }
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     torch.save(tensors, tmp_path / "pytorch_model.bin")
 
     expected = {(n, tuple(t.shape)) for n, t in tensors.items()}
-    for model in (tmp_path / "one", tmp_path / "one" / "model.safetensors", sharded, sharded / "model.safetensors.index.json",
-                  tmp_path / "pytorch_model.bin"):
+    for model in (
+        tmp_path / "one",
+        tmp_path / "one" / "model.safetensors",
+        sharded,
+        sharded / "model.safetensors.index.json",
+        tmp_path / "pytorch_model.bin",
+    ):
         loaded = load_params(model)
         assert loaded.kind == "weights"
         assert {(p.name, p.shape) for p in loaded.params} == expected, model
@@ -269,11 +362,39 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
     model = tmp_path / "config.json"
     model.write_text(json.dumps(QWEN3_06B))
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {
-        "device": "nvme", "nvme_path": "/nvme", "buffer_size": 155582464, "buffer_count": 197}}}))
+    good.write_text(
+        json.dumps(
+            {
+                "bf16": {"enabled": True},
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {
+                        "device": "nvme",
+                        "nvme_path": "/nvme",
+                        "buffer_size": 155582464,
+                        "buffer_count": 197,
+                    },
+                },
+            }
+        )
+    )
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {
-        "device": "nvme", "nvme_path": "/nvme", "buffer_size": 4194304, "buffer_count": 200}}}))
+    bad.write_text(
+        json.dumps(
+            {
+                "bf16": {"enabled": True},
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {
+                        "device": "nvme",
+                        "nvme_path": "/nvme",
+                        "buffer_size": 4194304,
+                        "buffer_count": 200,
+                    },
+                },
+            }
+        )
+    )
     runner = CliRunner()
 
     text = runner.invoke(app, ["nvme-plan", str(model)])
@@ -286,7 +407,10 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
     assert ok.exit_code == 0 and json.loads(ok.output)["config_problems"] == []
     failing = runner.invoke(app, ["nvme-plan", str(model), "--config", str(bad)])
     assert failing.exit_code == 3
-    assert "zero_optimization.offload_param.buffer_size = 4194304 (needs 155582464): More elements 155582464 than buffer size 4194304" in failing.output
+    assert (
+        "zero_optimization.offload_param.buffer_size = 4194304 (needs 155582464): More elements 155582464 than buffer size 4194304"
+        in failing.output
+    )
     over = runner.invoke(app, ["nvme-plan", str(model), "--memory-budget", "512MiB", "--json"])
     assert over.exit_code == 3 and json.loads(over.output)["memory_budget"] == 512 * 2**20
     unreadable = runner.invoke(app, ["nvme-plan", str(model), "--memory-budget", "lots"])

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAMPLES, same_bits
 from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from helpers import SAMPLES, same_bits
 from zckpt import LayoutError, UsageError, consolidate, inspect_path
 from zckpt.cli.app import app
 
@@ -136,7 +136,11 @@ def test_merge_streams_the_sharded_base_and_writes_one_file(tmp_path: Path) -> N
     merged = load_file(tmp_path / "m" / "model.safetensors")
     original = load_base(base)
     assert set(merged) == set(original)
-    untouched = [k for k in original if "self_attn.q_proj" not in k and "v_proj" not in k and "o_proj" not in k and k != "model.norm.weight"]
+    untouched = [
+        k
+        for k in original
+        if "self_attn.q_proj" not in k and "v_proj" not in k and "o_proj" not in k and k != "model.norm.weight"
+    ]
     assert untouched and all(same_bits(merged[k], original[k]) for k in untouched)
 
 
@@ -165,20 +169,34 @@ def test_cli_adapter_and_merge(tmp_path: Path) -> None:
     result = runner.invoke(app, ["consolidate", str(checkpoint(name)), str(tmp_path / "m"), "--merge-into", str(base)])
     assert result.exit_code == 0, result.output
     assert f"adapter merged into {base}" in result.output and ", bf16)" in result.output
-    result = runner.invoke(app, ["consolidate", str(checkpoint(name)), str(tmp_path / "t"), "--merge-into", str(base), "--format", "torch"])
+    result = runner.invoke(
+        app, ["consolidate", str(checkpoint(name)), str(tmp_path / "t"), "--merge-into", str(base), "--format", "torch"]
+    )
     assert result.exit_code == 2 and "safetensors" in result.stderr
-    result = runner.invoke(app, ["consolidate", str(checkpoint(name)), str(tmp_path / "n"), "--merge-into", str(base), "--no-peft"])
+    result = runner.invoke(
+        app, ["consolidate", str(checkpoint(name)), str(tmp_path / "n"), "--merge-into", str(base), "--no-peft"]
+    )
     assert result.exit_code == 2
 
 
 def test_merge_into_the_wrong_base_is_refused(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["consolidate", str(checkpoint("llama_z3_bf16_ws2")), str(tmp_path / "m"),
-                                 "--merge-into", str(run_dir("gpt2_z2_fp32_ws2") / "base")])
+    result = runner.invoke(
+        app,
+        [
+            "consolidate",
+            str(checkpoint("llama_z3_bf16_ws2")),
+            str(tmp_path / "m"),
+            "--merge-into",
+            str(run_dir("gpt2_z2_fp32_ws2") / "base"),
+        ],
+    )
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "not the base this adapter was trained on" in lines[0]
     assert not (tmp_path / "m").exists()
-    result = runner.invoke(app, ["consolidate", str(checkpoint("llama_z3_bf16_ws2")), str(tmp_path / "m"), "--merge-into", str(tmp_path)])
+    result = runner.invoke(
+        app, ["consolidate", str(checkpoint("llama_z3_bf16_ws2")), str(tmp_path / "m"), "--merge-into", str(tmp_path)]
+    )
     assert result.exit_code == 1 and "not a Hugging Face model folder" in result.stderr
 
 
@@ -192,11 +210,14 @@ def edited_copy(tmp_path: Path, name: str, **changes: object) -> Path:
     return target
 
 
-@pytest.mark.parametrize("changes,expected", [
-    ({"use_dora": True}, "DoRA"),
-    ({"init_lora_weights": "pissa"}, "rewrote the base weights"),
-    ({"trainable_token_indices": [1, 2]}, "trainable tokens"),
-])
+@pytest.mark.parametrize(
+    "changes,expected",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"init_lora_weights": "pissa"}, "rewrote the base weights"),
+        ({"trainable_token_indices": [1, 2]}, "trainable tokens"),
+    ],
+)
 def test_variants_whose_merge_differs_are_refused(tmp_path: Path, changes: dict, expected: str) -> None:
     copy = edited_copy(tmp_path, "llama_z3_bf16_ws2", **changes)
     with pytest.raises(LayoutError, match=expected):
@@ -247,7 +268,9 @@ def test_inspect_reports_adapter_excluded_base_and_dangling_alias() -> None:
     assert sorted(adapter["target_modules"]) == ["o_proj", "q_proj", "v_proj"]
     assert adapter["lora_tensors"] == 12 and adapter["other_tensors"] == 1 and adapter["mergeable"]
     assert report["frozen_excluded"] is True and report["frozen"] == []
-    assert report["tied_missing_source"] == {"base_model.model.lm_head.weight": "base_model.model.model.embed_tokens.weight"}
+    assert report["tied_missing_source"] == {
+        "base_model.model.lm_head.weight": "base_model.model.model.embed_tokens.weight"
+    }
     assert report["complete"]
     from zckpt.ops.inspect import render
 
@@ -282,10 +305,21 @@ def test_embedding_lora_merge_rounds_the_delta_first(tmp_path: Path) -> None:
     save_file({"embed.weight": weight}, str(base / "model.safetensors"))
     save_file({"a": a, "b": b}, str(tmp_path / "lora.safetensors"))
     header = dict(_sources(tmp_path / "lora.safetensors"))
-    adapter = Adapter("adapter_config.json", {"peft_type": "LORA", "r": 2, "lora_alpha": 3}, "default", (
-        ("base_model.model.embed.lora_embedding_A", Entry("base_model.model.embed.lora_embedding_A.default", "param", header["a"])),
-        ("base_model.model.embed.lora_embedding_B", Entry("base_model.model.embed.lora_embedding_B.default", "param", header["b"])),
-    ))
+    adapter = Adapter(
+        "adapter_config.json",
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 3},
+        "default",
+        (
+            (
+                "base_model.model.embed.lora_embedding_A",
+                Entry("base_model.model.embed.lora_embedding_A.default", "param", header["a"]),
+            ),
+            (
+                "base_model.model.embed.lora_embedding_B",
+                Entry("base_model.model.embed.lora_embedding_B.default", "param", header["b"]),
+            ),
+        ),
+    )
     plan = plan_merge(adapter, str(base))
     (merged,) = [t for _, tensors in plan.files for t in tensors]
     with FileReader() as reader:
@@ -301,7 +335,10 @@ def _sources(path: Path) -> list:
     from zckpt.hf.safetensors import read_header
 
     header = read_header(path)
-    return [(t.name, TensorSource(t.dtype, t.shape, (Segment(str(path), header.data_start + t.begin, t.numel),))) for t in header.tensors]
+    return [
+        (t.name, TensorSource(t.dtype, t.shape, (Segment(str(path), header.data_start + t.begin, t.numel),)))
+        for t in header.tensors
+    ]
 
 
 def test_trainer_output_folder_of_a_peft_run(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ import itertools
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
+
 from helpers import (
     RESHARDABLE,
     Sample,
@@ -19,8 +21,6 @@ from helpers import (
     sample,
     tag_files,
 )
-from safetensors.torch import load_file
-
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
@@ -38,7 +38,9 @@ def test_identity_reshard_rebuilds_what_deepspeed_wrote(case: Sample, tmp_path: 
     original, ours = tag_files(case.checkpoint), tag_files(out)
     assert list(original) == list(ours)
     # ZeRO-3 padding is uninitialised memory in DeepSpeed's files; zckpt writes zeros there
-    padded = {"/optimizer_state_dict/fp32_flat_groups", "/frozen_param_fragments"} if case.meta["zero_stage"] == 3 else set()
+    padded = (
+        {"/optimizer_state_dict/fp32_flat_groups", "/frozen_param_fragments"} if case.meta["zero_stage"] == 3 else set()
+    )
     # with round_robin_gradients DeepSpeed's param_slice_mappings describe the param group's
     # order, not where the bytes are (sample README); the writer writes them as DeepSpeed does
     with FileReader() as reader:
@@ -55,7 +57,10 @@ TARGETS = [(ws, stage) for ws, stage in itertools.product((1, 2, 3, 4), (1, 2, 3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["z2_fp16_ws4_tied", "z3_bf16_ws3_subgroups_groups", "z1_fp32_ws2_frozen_tied", "ds14_z2_bf16_ws3_frozen_tied"])
+@pytest.mark.parametrize(
+    "name",
+    ["z2_fp16_ws4_tied", "z3_bf16_ws3_subgroups_groups", "z1_fp32_ws2_frozen_tied", "ds14_z2_bf16_ws3_frozen_tied"],
+)
 @pytest.mark.parametrize("world_size,stage", TARGETS, ids=[f"ws{w}-z{s}" for w, s in TARGETS])
 def test_resharded_state_equals_the_live_engine(name: str, world_size: int, stage: int, tmp_path: Path) -> None:
     case = sample(name)
@@ -72,11 +77,18 @@ def test_resharded_state_equals_the_live_engine(name: str, world_size: int, stag
                 assert same_bits(read_tensor(reader, source), live_optim[f"{param.name}.{key}"]), (param.name, key)
         for before, after in zip(original.groups, state.groups):
             assert before.hyperparams == after.hyperparams
-            assert read_tensor(reader, before.scalars["step"].tensor).item() == read_tensor(reader, after.scalars["step"].tensor).item()
+            assert (
+                read_tensor(reader, before.scalars["step"].tensor).item()
+                == read_tensor(reader, after.scalars["step"].tensor).item()
+            )
         for entry in state.index.entries:
             if entry.kind in ("frozen", "buffer"):
                 assert same_bits(read_tensor(reader, entry.source), live[entry.name]), entry.name
-    assert (state.global_steps, state.global_samples, state.skipped_steps) == (original.global_steps, original.global_samples, original.skipped_steps)
+    assert (state.global_steps, state.global_samples, state.skipped_steps) == (
+        original.global_steps,
+        original.global_samples,
+        original.skipped_steps,
+    )
     assert vars(state.loss_scaler) == vars(original.loss_scaler)
     assert state.lr_scheduler == original.lr_scheduler
 
@@ -96,7 +108,9 @@ def test_round_trip_n_m_n_and_consolidation(case: Sample, tmp_path: Path) -> Non
     # cannot hold them, so there DeepSpeed's own layout keeps rank 0's (see README)
     rank0_buffers_only = stage == 3
     with FileReader() as reader:
-        rank0_module = torchfile.load(original["zero_pp_rank_0_mp_rank_00_model_states.pt"])["module"] if stage == 3 else None
+        rank0_module = (
+            torchfile.load(original["zero_pp_rank_0_mp_rank_00_model_states.pt"])["module"] if stage == 3 else None
+        )
         for name in original:
             a, b = torchfile.load(original[name]), torchfile.load(ours[name])
             if rank0_buffers_only and "module" in a:
@@ -261,7 +275,9 @@ def test_torchrun_processes_split_the_files_byte_identically(tmp_path: Path) -> 
     reshard(case.checkpoint, tmp_path / "single", world_size=3, stage=2)
     result = run_zckpt_torchrun("reshard", str(case.checkpoint), str(tmp_path / "multi"), "-w", "3", "--stage", "2")
     assert result.stdout.count("wrote global_step3") == 1  # only the first process reports
-    single = {p.relative_to(tmp_path / "single"): p.read_bytes() for p in (tmp_path / "single").rglob("*") if p.is_file()}
+    single = {
+        p.relative_to(tmp_path / "single"): p.read_bytes() for p in (tmp_path / "single").rglob("*") if p.is_file()
+    }
     multi = {p.relative_to(tmp_path / "multi"): p.read_bytes() for p in (tmp_path / "multi").rglob("*") if p.is_file()}
     assert single == multi
 
@@ -279,10 +295,14 @@ def test_target_config_overrides_layout_settings(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     model = torchfile.load(tmp_path / "out" / "global_step3" / "mp_rank_00_model_states.pt")
     names = [n for n in model["module"] if n in model["param_shapes"][0]]  # optimizer order = module order here
-    assert list(model["param_shapes"][0]) == [names[i] for i in range(0, len(names), 2)] + [names[i] for i in range(1, len(names), 2)]
+    assert list(model["param_shapes"][0]) == [names[i] for i in range(0, len(names), 2)] + [
+        names[i] for i in range(1, len(names), 2)
+    ]
     zero = model["ds_config"]["zero_optimization"]
     assert zero["round_robin_gradients"] and zero["parameter_alignment"] and zero["stage"] == 2
-    optim = torchfile.load(tmp_path / "out" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    optim = torchfile.load(tmp_path / "out" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")[
+        "optimizer_state_dict"
+    ]
     assert any(optim["param_alignment_paddings"][0])  # fp32 params aligned to 16 bytes = 4 elements
     state = open_training_state(tmp_path / "out")
     live = case.live()

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import compare_trees, run_zckpt_torchrun, same_bits, sample, tag_files
 from safetensors.torch import load_file
 
+from helpers import compare_trees, run_zckpt_torchrun, same_bits, sample, tag_files
 from zckpt import inspect_path
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.io.materialize import read_tensor
@@ -44,7 +44,10 @@ def _param_groups() -> list[list[str]]:
     engine) joined by the param group DeepSpeed's optim file lists them in."""
     optim = torchfile.load(next(p for n, p in tag_files(CASE.checkpoint).items() if "optim" in n))
     sub_groups = CASE.meta["fp32_sub_groups"]
-    return [[name for i in group["params"] for name in sub_groups[i]["params"]] for group in optim["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]]
+    return [
+        [name for i in group["params"] for name in sub_groups[i]["params"]]
+        for group in optim["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]
+    ]
 
 
 def _numels() -> dict[str, int]:
@@ -70,7 +73,14 @@ def _deepspeed_sub_groups(world_size: int, sub_group_size: int) -> list[dict]:
                     current, filled = [], 0
         for params in cuts:
             numel = sum(math.ceil(numels[n] / world_size) for n in params)
-            out.append({"params": params, "partition_numel": numel, "ds_id": f"{ids[params[0]]}_{ids[params[-1]]}", "swapped_to_nvme": numel >= MIN_SWAP_ELEMENTS})
+            out.append(
+                {
+                    "params": params,
+                    "partition_numel": numel,
+                    "ds_id": f"{ids[params[0]]}_{ids[params[-1]]}",
+                    "swapped_to_nvme": numel >= MIN_SWAP_ELEMENTS,
+                }
+            )
     return out
 
 
@@ -121,7 +131,10 @@ def _swap_name(ds_id: str, key: str | None) -> str:
 def test_the_rule_restated_here_gives_the_samples_sub_groups() -> None:
     """The test's own statement of DeepSpeed's rule reproduces what the engine built (meta.json)."""
     sub_groups = _deepspeed_sub_groups(2, CASE.meta["sub_group_size"])
-    assert sub_groups == [{k: g[k] for k in ("params", "partition_numel", "ds_id", "swapped_to_nvme")} for g in CASE.meta["fp32_sub_groups"]]
+    assert sub_groups == [
+        {k: g[k] for k in ("params", "partition_numel", "ds_id", "swapped_to_nvme")}
+        for g in CASE.meta["fp32_sub_groups"]
+    ]
 
 
 def test_identity_reshard_rebuilds_deepspeeds_nvme_checkpoint(tmp_path: Path) -> None:
@@ -135,7 +148,9 @@ def test_identity_reshard_rebuilds_deepspeeds_nvme_checkpoint(tmp_path: Path) ->
     padded = {"/optimizer_state_dict/fp32_flat_groups", "/frozen_param_fragments"}
     with FileReader() as reader:
         for name in original:
-            assert compare_trees(torchfile.load(original[name]), torchfile.load(ours[name]), reader, padded=padded) == [], name
+            assert (
+                compare_trees(torchfile.load(original[name]), torchfile.load(ours[name]), reader, padded=padded) == []
+            ), name
     for group in CASE.meta["fp32_sub_groups"]:
         if not group["swapped_to_nvme"]:
             continue
@@ -165,12 +180,16 @@ def test_swap_files_hold_the_live_values_at_other_world_sizes(world_size: int, t
     expected_files = set()
     for flat, group in enumerate(sub_groups):
         for rank in range(world_size):
-            optim = torchfile.load(tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+            optim = torchfile.load(tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")[
+                "optimizer_state_dict"
+            ]
             saved = optim["fp32_flat_groups"][flat]
             assert saved.attributes == {"ds_id": group["ds_id"]}
             state = optim["optimizer_state_dict"]["state"][flat]
             if not group["swapped_to_nvme"]:
-                assert saved.shape == (group["partition_numel"],) and state["exp_avg"].shape == (group["partition_numel"],)
+                assert saved.shape == (group["partition_numel"],) and state["exp_avg"].shape == (
+                    group["partition_numel"],
+                )
                 continue
             assert saved.shape == (0,) and state["step"].shape == ()
             for key in ("exp_avg", "exp_avg_sq"):
@@ -188,10 +207,14 @@ def test_swap_files_hold_the_live_values_at_other_world_sizes(world_size: int, t
     assert written == expected_files
     # every rank's folder exists, empty or not: DeepSpeed saves its swap folder whole and copies
     # offloaded_tensors/rankRR/ back on load, failing where it is missing
-    assert sorted(p.name for p in (tag_dir / "offloaded_tensors").iterdir()) == [f"rank{r:02d}" for r in range(world_size)]
+    assert sorted(p.name for p in (tag_dir / "offloaded_tensors").iterdir()) == [
+        f"rank{r:02d}" for r in range(world_size)
+    ]
     # which sub-groups swap depends on the world size: at 1 rank the first decay sub-group only
     # (fc2.weight alone stays under 1 MiB); at 3 and 4 ranks every partition is too small
-    assert [g["swapped_to_nvme"] for g in sub_groups] == ([True, False, False, False] if world_size == 1 else [False] * len(sub_groups))
+    assert [g["swapped_to_nvme"] for g in sub_groups] == (
+        [True, False, False, False] if world_size == 1 else [False] * len(sub_groups)
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -210,7 +233,10 @@ def test_nvme_output_reads_back_as_the_live_state(world_size: int, tmp_path: Pat
             for key, source in param.states.items():
                 assert same_bits(read_tensor(reader, source), values[key][param.name]), (param.name, key)
         for before, after in zip(original.groups, state.groups):
-            assert read_tensor(reader, before.scalars["step"].tensor).item() == read_tensor(reader, after.scalars["step"].tensor).item()
+            assert (
+                read_tensor(reader, before.scalars["step"].tensor).item()
+                == read_tensor(reader, after.scalars["step"].tensor).item()
+            )
 
 
 def test_larger_aio_block_size_keeps_sub_groups_in_memory(tmp_path: Path) -> None:
@@ -251,9 +277,14 @@ def test_inspect_and_to_universal_read_the_nvme_sample(tmp_path: Path) -> None:
     values = _live_values()
     with FileReader() as reader:
         for param in state.params:
-            assert same_bits(read_tensor(reader, param.master).reshape(-1), CASE.live()[param.name].float().reshape(-1)), param.name
+            assert same_bits(
+                read_tensor(reader, param.master).reshape(-1), CASE.live()[param.name].float().reshape(-1)
+            ), param.name
             for key, source in param.states.items():
-                assert same_bits(read_tensor(reader, source).reshape(-1), values[key][param.name].reshape(-1)), (param.name, key)
+                assert same_bits(read_tensor(reader, source).reshape(-1), values[key][param.name].reshape(-1)), (
+                    param.name,
+                    key,
+                )
 
 
 @pytest.mark.slow
@@ -265,15 +296,24 @@ def test_plain_input_gets_swap_files_for_an_nvme_target(stage: int, tmp_path: Pa
     cpu = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     reshard(CASE.checkpoint, tmp_path / "plain", world_size=3, stage=stage, config=cpu)
     assert not list((tmp_path / "plain").rglob("*.swp"))
-    nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": CASE.meta["ds_config"]["zero_optimization"]["offload_optimizer"]}}
+    nvme = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": CASE.meta["ds_config"]["zero_optimization"]["offload_optimizer"],
+        }
+    }
     reshard(tmp_path / "plain", tmp_path / "back", world_size=1, config=nvme)
     reshard(CASE.checkpoint, tmp_path / "direct", world_size=1)
     tag = CASE.meta["tag"]
     swaps = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in (root / tag).rglob("*.swp")}  # noqa: E731
     assert swaps(tmp_path / "back") == swaps(tmp_path / "direct") != {}
     with FileReader() as reader:
-        a = torchfile.load(tmp_path / "direct" / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
-        b = torchfile.load(tmp_path / "back" / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+        a = torchfile.load(tmp_path / "direct" / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")[
+            "optimizer_state_dict"
+        ]
+        b = torchfile.load(tmp_path / "back" / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")[
+            "optimizer_state_dict"
+        ]
         assert compare_trees(a, b, reader) == []
 
 
@@ -298,7 +338,16 @@ def test_truncated_swap_file_leaves_no_output(copy_checkpoint, tmp_path: Path) -
     ckpt = copy_checkpoint(NAME)
     swap = ckpt / CASE.meta["tag"] / "offloaded_tensors" / "rank01" / "exp_avg-0_7.tensor.swp"
     swap.write_bytes(swap.read_bytes()[:4096])
-    result = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(ckpt), str(tmp_path / "out"), "-w", "1"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "zckpt", "reshard", str(ckpt), str(tmp_path / "out"), "-w", "1"],
+        capture_output=True,
+        text=True,
+    )
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 1 and len(lines) == 1 and "rank01/exp_avg-0_7.tensor.swp" in lines[0] and "truncated" in lines[0], result.stderr
+    assert (
+        result.returncode == 1
+        and len(lines) == 1
+        and "rank01/exp_avg-0_7.tensor.swp" in lines[0]
+        and "truncated" in lines[0]
+    ), result.stderr
     assert not (tmp_path / "out").exists()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from helpers import (
     RESHARDABLE,
     SAMPLE_LIST,
@@ -24,8 +26,6 @@ from helpers import (
     sample,
     tag_files,
 )
-from safetensors.torch import load_file
-
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.io.reading import FileReader
 from zckpt.ops.consolidate import consolidate
@@ -76,7 +76,9 @@ def _original_files(case: Sample) -> dict[str, object]:
 
 def _saved_param_groups_and_steps(case: Sample) -> tuple[list[dict], list]:
     """Hyperparameters and the step of each param group, from DeepSpeed's rank-0 optimizer file."""
-    rank0 = next(v for n, v in _original_files(case).items() if "zero_pp_rank_0_" in n and n.endswith("optim_states.pt"))
+    rank0 = next(
+        v for n, v in _original_files(case).items() if "zero_pp_rank_0_" in n and n.endswith("optim_states.pt")
+    )
     inner = rank0["optimizer_state_dict"]
     torch_state = inner.get("base_optimizer_state") or inner["optimizer_state_dict"]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in torch_state["param_groups"]]
@@ -123,7 +125,9 @@ def test_universal_files_hold_the_live_engine_state(case: Sample, target_stage: 
         assert all(torch.equal(torch.as_tensor(saved[i]["step"]), torch.as_tensor(steps[0])) for i in saved)
     else:
         for name in trainable:
-            assert torch.equal(torch.as_tensor(_load(folder / "zero" / name / "step.pt")), torch.as_tensor(steps[by_group[name]])), name
+            assert torch.equal(
+                torch.as_tensor(_load(folder / "zero" / name / "step.pt")), torch.as_tensor(steps[by_group[name]])
+            ), name
     # the model_states DeepSpeed's loader looks for in a run of that stage, with the saved counters
     model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
     ours = _load(folder / model_name)
@@ -143,11 +147,16 @@ def test_round_trip_through_universal_gives_deepspeeds_files_back(case: Sample, 
     assert list(original) == list(ours)
     padded = {"/optimizer_state_dict/fp32_flat_groups", "/frozen_param_fragments"} if stage == 3 else set()
     with FileReader() as reader:
-        rank0_module = torchfile.load(original["zero_pp_rank_0_mp_rank_00_model_states.pt"])["module"] if stage == 3 else None
+        rank0_module = (
+            torchfile.load(original["zero_pp_rank_0_mp_rank_00_model_states.pt"])["module"] if stage == 3 else None
+        )
         for name in original:
             a, b = torchfile.load(original[name]), torchfile.load(ours[name])
             if "roundrobin" in case.name and "optimizer_state_dict" in a:  # DeepSpeed 0.19.8 saves them wrong
-                a["optimizer_state_dict"].pop("param_slice_mappings"), b["optimizer_state_dict"].pop("param_slice_mappings")
+                (
+                    a["optimizer_state_dict"].pop("param_slice_mappings"),
+                    b["optimizer_state_dict"].pop("param_slice_mappings"),
+                )
             if stage == 3 and "module" in a:  # per-rank buffers cannot cross a ZeRO-1/2 layout (see README)
                 for buffer in a["buffer_names"]:
                     a["module"][buffer] = rank0_module[buffer]
@@ -235,7 +244,11 @@ def universal_copy(tmp_path: Path) -> Path:
 
 
 def _all_commands_refuse(universal: Path, tmp_path: Path, text: str) -> None:
-    for command in (["consolidate", universal, tmp_path / "c"], ["reshard", universal, tmp_path / "r", "-w", "2"], ["to-universal", universal, tmp_path / "v"]):
+    for command in (
+        ["consolidate", universal, tmp_path / "c"],
+        ["reshard", universal, tmp_path / "r", "-w", "2"],
+        ["to-universal", universal, tmp_path / "v"],
+    ):
         result = run_cli(*command, cwd=tmp_path)
         assert result.returncode == 1, (command[0], result.stderr)
         assert text in one_line(result), command[0]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAMPLE_LIST, data_records, flip, record_start, sample
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from helpers import SAMPLE_LIST, data_records, flip, record_start, sample
 from zckpt import consolidate
 from zckpt.cli.app import app
 from zckpt.ops.reshard import reshard
@@ -55,7 +55,9 @@ def _fails(checkpoint: Path, *words: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["z3_fp32_ws2_tied_frozen", "z2_bf16_ws3_frozen_groups", "z1_bf16_ws3_bf16optimizer_frozen"])
+@pytest.mark.parametrize(
+    "name", ["z3_fp32_ws2_tied_frozen", "z2_bf16_ws3_frozen_groups", "z1_bf16_ws3_bf16optimizer_frozen"]
+)
 def test_a_flipped_byte_in_any_record_fails_naming_the_file(tmp_path: Path, name: str) -> None:
     """Including records no command reads (exp_avg of a consolidation, 16-bit module params)."""
     checkpoint, tag = _copy(tmp_path, name)
@@ -119,7 +121,9 @@ def test_needs_are_what_the_operations_write(tmp_path: Path) -> None:
     needs = {n.operation: n for n in verify(case.checkpoint).needs}
 
     def size(folder: Path) -> int:
-        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name not in ("latest", "latest_universal"))
+        return sum(
+            p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name not in ("latest", "latest_universal")
+        )
 
     consolidate(case.checkpoint, tmp_path / "fp32")
     assert needs["consolidate --dtype fp32"].disk_bytes == size(tmp_path / "fp32")
@@ -163,7 +167,14 @@ def test_weights_outputs(tmp_path: Path) -> None:
 def test_scan_finds_nan_and_inf(tmp_path: Path) -> None:
     values = torch.zeros(10)
     values[3], values[7] = math.nan, math.inf
-    save_file({"w": values, "h": torch.ones(4, dtype=torch.bfloat16) * float("inf"), "ok": torch.ones(3, dtype=torch.float16)}, tmp_path / "model.safetensors")
+    save_file(
+        {
+            "w": values,
+            "h": torch.ones(4, dtype=torch.bfloat16) * float("inf"),
+            "ok": torch.ones(3, dtype=torch.float16),
+        },
+        tmp_path / "model.safetensors",
+    )
     assert verify(tmp_path).ok  # without --scan, values are not judged
     report = verify(tmp_path, scan=True)
     assert not report.ok

@@ -33,9 +33,9 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, sample
 from typer.testing import CliRunner
 
+from helpers import ROOT, sample
 from zckpt.cli.app import app
 from zckpt.core.dtypes import BY_NAME, FP32
 from zckpt.core.errors import CorruptFileError, UnsafePickleError
@@ -139,7 +139,15 @@ EXTRA_STORAGE = "attack"  # a two-float storage record replace_pickle adds to ev
 def _tensor_then_build(marker: str) -> bytes:
     """A sound tensor, then BUILD pointing it at another file (data exfiltration)."""
     storage = t(u("storage"), g("torch", "FloatStorage"), u(EXTRA_STORAGE), u("cpu"), b"K\x02") + b"Q"
-    tensor = call(g("torch._utils", "_rebuild_tensor_v2"), storage, b"K\x00", t(b"K\x02"), t(b"K\x01"), b"\x89", call(g("collections", "OrderedDict")))
+    tensor = call(
+        g("torch._utils", "_rebuild_tensor_v2"),
+        storage,
+        b"K\x00",
+        t(b"K\x02"),
+        t(b"K\x01"),
+        b"\x89",
+        call(g("collections", "OrderedDict")),
+    )
     return p2(tensor + t(u("/etc/passwd"), b"K\x00", b"N", b"N", b"N") + b"b")
 
 
@@ -155,47 +163,211 @@ ATTACKS = [
     Attack("reduce nt.system", lambda m: p2(call(g("nt", "system"), u(shell(m)))), "nt.system", live=False),
     Attack("reduce eval", lambda m: p2(call(g("builtins", "eval"), u(python_code(m)))), "builtins.eval"),
     Attack("reduce exec", lambda m: p2(call(g("builtins", "exec"), u(python_code(m)))), "builtins.exec"),
-    Attack("protocol 0, Python 2 name", lambda m: b"c__builtin__\neval\n(V" + python_code(m).encode() + b"\ntR.", "builtins.eval"),
-    Attack("getattr(__import__('os'), 'system')", lambda m: p2(call(call(g("builtins", "getattr"), call(g("builtins", "__import__"), u("os")), u("system")), u(shell(m)))), "builtins.__import__"),
-    Attack("getattr on an allowlisted global", lambda m: p2(call(g("builtins", "getattr"), g("collections", "OrderedDict"), u("fromkeys"))), "builtins.getattr", live=False),
+    Attack(
+        "protocol 0, Python 2 name",
+        lambda m: b"c__builtin__\neval\n(V" + python_code(m).encode() + b"\ntR.",
+        "builtins.eval",
+    ),
+    Attack(
+        "getattr(__import__('os'), 'system')",
+        lambda m: p2(
+            call(call(g("builtins", "getattr"), call(g("builtins", "__import__"), u("os")), u("system")), u(shell(m)))
+        ),
+        "builtins.__import__",
+    ),
+    Attack(
+        "getattr on an allowlisted global",
+        lambda m: p2(call(g("builtins", "getattr"), g("collections", "OrderedDict"), u("fromkeys"))),
+        "builtins.getattr",
+        live=False,
+    ),
     Attack("subprocess.Popen", lambda m: p2(call(g("subprocess", "Popen"), lst(u("touch"), u(m)))), "subprocess.Popen"),
-    Attack("subprocess.check_output", lambda m: p2(call(g("subprocess", "check_output"), lst(u("touch"), u(m)))), "subprocess.check_output"),
-    Attack("functools.partial, called", lambda m: p2(call(call(g("functools", "partial"), g("os", "system"), u(shell(m))))), "functools.partial"),
-    Attack("functools.partial by NEWOBJ + BUILD, called", lambda m: p2(g("functools", "partial") + t(g("os", "system")) + b"\x81" + t(g("os", "system"), t(u(shell(m))), b"}", b"N") + b"b)R"), "functools.partial"),
-    Attack("operator.attrgetter", lambda m: p2(call(call(call(g("operator", "attrgetter"), u("system")), call(g("builtins", "__import__"), u("os"))), u(shell(m)))), "operator.attrgetter"),
+    Attack(
+        "subprocess.check_output",
+        lambda m: p2(call(g("subprocess", "check_output"), lst(u("touch"), u(m)))),
+        "subprocess.check_output",
+    ),
+    Attack(
+        "functools.partial, called",
+        lambda m: p2(call(call(g("functools", "partial"), g("os", "system"), u(shell(m))))),
+        "functools.partial",
+    ),
+    Attack(
+        "functools.partial by NEWOBJ + BUILD, called",
+        lambda m: p2(
+            g("functools", "partial")
+            + t(g("os", "system"))
+            + b"\x81"
+            + t(g("os", "system"), t(u(shell(m))), b"}", b"N")
+            + b"b)R"
+        ),
+        "functools.partial",
+    ),
+    Attack(
+        "operator.attrgetter",
+        lambda m: p2(
+            call(
+                call(call(g("operator", "attrgetter"), u("system")), call(g("builtins", "__import__"), u("os"))),
+                u(shell(m)),
+            )
+        ),
+        "operator.attrgetter",
+    ),
     Attack("torch.load", lambda m: p2(call(g("torch", "load"), u("/nonexistent/evil.pt"))), "torch.load", live=False),
-    Attack("pickle.loads of a nested pickle", lambda m: p2(call(g("pickle", "loads"), call(g("_codecs", "encode"), u(p2(call(g("os", "system"), u(shell(m)))).decode("latin1")), u("latin1")))), "pickle.loads"),
+    Attack(
+        "pickle.loads of a nested pickle",
+        lambda m: p2(
+            call(
+                g("pickle", "loads"),
+                call(g("_codecs", "encode"), u(p2(call(g("os", "system"), u(shell(m)))).decode("latin1")), u("latin1")),
+            )
+        ),
+        "pickle.loads",
+    ),
     Attack("nested deep inside dicts and lists", _nested, OS_SYSTEM),
     Attack("result discarded (POP)", lambda m: p2(call(g("os", "system"), u(shell(m))) + b"0}"), "os.system"),
-    Attack("inside an allowlisted call's arguments", lambda m: p2(call(g("collections", "OrderedDict"), lst(t(u("k"), call(g("os", "system"), u(shell(m))))))), "os.system"),
-    Attack("protocol 5 with frames", lambda m: pickle.dumps({"x": _Reduces(os.system, shell(m))}, protocol=5), OS_SYSTEM),
-    *(Attack(f"protocol {p} from pickle.dumps", lambda m, p=p: pickle.dumps([_Reduces(os.system, shell(m))], protocol=p), OS_SYSTEM) for p in (0, 1, 3, 4)),
+    Attack(
+        "inside an allowlisted call's arguments",
+        lambda m: p2(call(g("collections", "OrderedDict"), lst(t(u("k"), call(g("os", "system"), u(shell(m))))))),
+        "os.system",
+    ),
+    Attack(
+        "protocol 5 with frames", lambda m: pickle.dumps({"x": _Reduces(os.system, shell(m))}, protocol=5), OS_SYSTEM
+    ),
+    *(
+        Attack(
+            f"protocol {p} from pickle.dumps",
+            lambda m, p=p: pickle.dumps([_Reduces(os.system, shell(m))], protocol=p),
+            OS_SYSTEM,
+        )
+        for p in (0, 1, 3, 4)
+    ),
     # persistent ids: what torch.load's own persistent_load would see
-    Attack("payload inside a storage record", lambda m: p2(t(u("storage"), call(g("os", "system"), u(shell(m))), u("0"), u("cpu"), b"K\x02") + b"Q"), "os.system"),
-    Attack("callable as a storage type", lambda m: p2(t(u("storage"), g("os", "system"), u("0"), u("cpu"), b"K\x02") + b"Q"), "os.system", live=False),
-    Attack("non-storage persistent id", lambda m: p2(t(g("os", "system"), u(shell(m))) + b"Q"), "os.system", live=False),
-    Attack("protocol 0 string persistent id", lambda m: b"Pos.system\n.", "persistent id", live=False, error=CorruptFileError),
+    Attack(
+        "payload inside a storage record",
+        lambda m: p2(t(u("storage"), call(g("os", "system"), u(shell(m))), u("0"), u("cpu"), b"K\x02") + b"Q"),
+        "os.system",
+    ),
+    Attack(
+        "callable as a storage type",
+        lambda m: p2(t(u("storage"), g("os", "system"), u("0"), u("cpu"), b"K\x02") + b"Q"),
+        "os.system",
+        live=False,
+    ),
+    Attack(
+        "non-storage persistent id", lambda m: p2(t(g("os", "system"), u(shell(m))) + b"Q"), "os.system", live=False
+    ),
+    Attack(
+        "protocol 0 string persistent id",
+        lambda m: b"Pos.system\n.",
+        "persistent id",
+        live=False,
+        error=CorruptFileError,
+    ),
     # BUILD: __setstate__ of the real class never runs; state cannot arm the next BUILD
-    Attack("BUILD sets __setstate__, then BUILD again", lambda m: p2(g("argparse", "Namespace") + b")\x81" + d((u("__setstate__"), g("os", "system"))) + b"b" + u(shell(m)) + b"b"), "os.system"),
-    Attack("BUILD sets __reduce__", lambda m: p2(g("argparse", "Namespace") + b")\x81" + d((u("__reduce__"), g("os", "system"))) + b"b"), "os.system", live=False),
-    Attack("BUILD with slot state on a class", lambda m: p2(g("argparse", "Namespace") + t(b"N", d((u("__eq__"), g("os", "system")))) + b"b"), "argparse.Namespace", live=False),
-    Attack("BUILD on an allowlisted global", lambda m: p2(g("collections", "OrderedDict") + t(b"N", d((u("function"), g("os", "system")))) + b"b"), "collections.OrderedDict", live=False),
+    Attack(
+        "BUILD sets __setstate__, then BUILD again",
+        lambda m: p2(
+            g("argparse", "Namespace")
+            + b")\x81"
+            + d((u("__setstate__"), g("os", "system")))
+            + b"b"
+            + u(shell(m))
+            + b"b"
+        ),
+        "os.system",
+    ),
+    Attack(
+        "BUILD sets __reduce__",
+        lambda m: p2(g("argparse", "Namespace") + b")\x81" + d((u("__reduce__"), g("os", "system"))) + b"b"),
+        "os.system",
+        live=False,
+    ),
+    Attack(
+        "BUILD with slot state on a class",
+        lambda m: p2(g("argparse", "Namespace") + t(b"N", d((u("__eq__"), g("os", "system")))) + b"b"),
+        "argparse.Namespace",
+        live=False,
+    ),
+    Attack(
+        "BUILD on an allowlisted global",
+        lambda m: p2(g("collections", "OrderedDict") + t(b"N", d((u("function"), g("os", "system")))) + b"b"),
+        "collections.OrderedDict",
+        live=False,
+    ),
     Attack("BUILD repoints a tensor at another file", _tensor_then_build, "tensor", live=False, error=CorruptFileError),
-    Attack("BUILD rewrites torch.float32", lambda m: p2(g("torch", "float32") + d((u("itemsize"), b"K\x01")) + b"b"), "float32", live=False, error=CorruptFileError),
-    Attack("OrderedDict attribute hides a method", lambda m: p2(call(g("collections", "OrderedDict")) + d((u("items"), b"]")) + b"b"), "items", live=False, error=CorruptFileError),
+    Attack(
+        "BUILD rewrites torch.float32",
+        lambda m: p2(g("torch", "float32") + d((u("itemsize"), b"K\x01")) + b"b"),
+        "float32",
+        live=False,
+        error=CorruptFileError,
+    ),
+    Attack(
+        "OrderedDict attribute hides a method",
+        lambda m: p2(call(g("collections", "OrderedDict")) + d((u("items"), b"]")) + b"b"),
+        "items",
+        live=False,
+        error=CorruptFileError,
+    ),
     # other ways to call
     Attack("INST opcode", lambda m: b"(V" + shell(m).encode() + b"\nios\nsystem\n.", "os.system"),
     Attack("INST opcode without arguments", lambda m: b"(ios\nsystem\n.", "os.system", live=False),
     Attack("OBJ opcode", lambda m: p2(b"(" + g("os", "system") + u(shell(m)) + b"o"), "os.system"),
-    Attack("NEWOBJ_EX functools.partial, called", lambda m: p4(g("functools", "partial") + t(g("os", "system"), u(shell(m))) + b"}\x92)R"), "functools.partial"),
+    Attack(
+        "NEWOBJ_EX functools.partial, called",
+        lambda m: p4(g("functools", "partial") + t(g("os", "system"), u(shell(m))) + b"}\x92)R"),
+        "functools.partial",
+    ),
     Attack("STACK_GLOBAL with names from the memo", _computed_stack_global, "os.system"),
-    Attack("STACK_GLOBAL with a dotted name", lambda m: p4(su("os") + su("path.os.system") + b"\x93" + t(su(shell(m))) + b"R"), "os.path.os.system"),
-    Attack("EXT opcode, registered extension", lambda m: p2(b"\x83" + struct.pack("<H", EXT_CODE) + t(u(shell(m))) + b"R"), "os.system", needs_extension=True),
-    Attack("EXT opcode, no registry", lambda m: p2(b"\x82\x05" + t(u(shell(m))) + b"R"), "extension registry", live=False),
-    Attack("copyreg._reconstructor with a callable base", lambda m: p2(call(g("copyreg", "_reconstructor"), g("subprocess", "Popen"), g("subprocess", "Popen"), lst(u("touch"), u(m)))), "subprocess.Popen"),
-    Attack("torch _rebuild_from_type_v2 calling os.system", lambda m: p2(call(g("torch._tensor", "_rebuild_from_type_v2"), g("os", "system"), g("torch", "Tensor"), t(u(shell(m))), b"}")), "os.system"),
-    Attack("numpy object dtype", lambda m: p2(call(g("numpy", "dtype"), u("O8"), b"\x89", b"\x88")), "'O8'", live=False),
-    Attack("numpy RandomState constructor", lambda m: p2(call(g("numpy.random._pickle", "__randomstate_ctor"), u("MT19937"))), "numpy.random._pickle.__randomstate_ctor", live=False),
+    Attack(
+        "STACK_GLOBAL with a dotted name",
+        lambda m: p4(su("os") + su("path.os.system") + b"\x93" + t(su(shell(m))) + b"R"),
+        "os.path.os.system",
+    ),
+    Attack(
+        "EXT opcode, registered extension",
+        lambda m: p2(b"\x83" + struct.pack("<H", EXT_CODE) + t(u(shell(m))) + b"R"),
+        "os.system",
+        needs_extension=True,
+    ),
+    Attack(
+        "EXT opcode, no registry", lambda m: p2(b"\x82\x05" + t(u(shell(m))) + b"R"), "extension registry", live=False
+    ),
+    Attack(
+        "copyreg._reconstructor with a callable base",
+        lambda m: p2(
+            call(
+                g("copyreg", "_reconstructor"),
+                g("subprocess", "Popen"),
+                g("subprocess", "Popen"),
+                lst(u("touch"), u(m)),
+            )
+        ),
+        "subprocess.Popen",
+    ),
+    Attack(
+        "torch _rebuild_from_type_v2 calling os.system",
+        lambda m: p2(
+            call(
+                g("torch._tensor", "_rebuild_from_type_v2"),
+                g("os", "system"),
+                g("torch", "Tensor"),
+                t(u(shell(m))),
+                b"}",
+            )
+        ),
+        "os.system",
+    ),
+    Attack(
+        "numpy object dtype", lambda m: p2(call(g("numpy", "dtype"), u("O8"), b"\x89", b"\x88")), "'O8'", live=False
+    ),
+    Attack(
+        "numpy RandomState constructor",
+        lambda m: p2(call(g("numpy.random._pickle", "__randomstate_ctor"), u("MT19937"))),
+        "numpy.random._pickle.__randomstate_ctor",
+        live=False,
+    ),
 ]
 
 
@@ -238,7 +410,11 @@ def _setup(attack: Attack, request: pytest.FixtureRequest) -> None:
 def test_live_attacks_do_run_under_the_standard_unpickler(tmp_path: Path) -> None:
     """Proof that the markers would appear: the plain unpickler (as torch.load(weights_only=False)
     uses) runs each live payload in a child process."""
-    cases = {a.name: (a.build(str(tmp_path / f"live-{i}")).hex(), str(tmp_path / f"live-{i}"), a.needs_extension) for i, a in enumerate(ATTACKS) if a.live}
+    cases = {
+        a.name: (a.build(str(tmp_path / f"live-{i}")).hex(), str(tmp_path / f"live-{i}"), a.needs_extension)
+        for i, a in enumerate(ATTACKS)
+        if a.live
+    }
     script = (
         "import copyreg, json, pickle, sys\n"
         f"copyreg.add_extension('os', 'system', {EXT_CODE})\n"
@@ -248,7 +424,15 @@ def test_live_attacks_do_run_under_the_standard_unpickler(tmp_path: Path) -> Non
         "    except Exception:\n"
         "        pass\n"
     )
-    subprocess.run([sys.executable, "-c", script], input=json.dumps(cases), text=True, cwd=tmp_path, timeout=120, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(cases),
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=True,
+        capture_output=True,
+    )
     assert [name for name, (_, marker, _) in cases.items() if not os.path.exists(marker)] == []
 
 
@@ -294,7 +478,9 @@ def _commands(checkpoint: Path, out: Path) -> dict[str, list[str]]:
         "reshard": ["reshard", str(checkpoint), str(out), "--world-size", "1"],
         "to-universal": ["to-universal", str(checkpoint), str(out)],
     }
-    registered = {c.name for c in app.registered_commands} | {c.callback.__name__.replace("_", "-") for c in app.registered_commands if c.callback}
+    registered = {c.name for c in app.registered_commands} | {
+        c.callback.__name__.replace("_", "-") for c in app.registered_commands if c.callback
+    }
     if "verify" in registered:
         commands["verify"] = ["verify", str(checkpoint)]
     if "diff" in registered:
@@ -326,13 +512,22 @@ def test_every_command_refuses_without_running(attack: Attack, tmp_path: Path, r
         assert not (tmp_path / "out").exists(), command
 
 
-@pytest.mark.parametrize("attack", [a for a in ATTACKS if a.name in ("reduce os.system", "OBJ opcode")], ids=lambda a: a.name)
+@pytest.mark.parametrize(
+    "attack", [a for a in ATTACKS if a.name in ("reduce os.system", "OBJ opcode")], ids=lambda a: a.name
+)
 def test_the_installed_command_line_refuses_in_one_line(attack: Attack, tmp_path: Path) -> None:
     """The same through the real entry point: one line on stderr, exit 1, no traceback."""
     checkpoint = _planted(attack, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("ZCKPT_DEBUG", None)
-    result = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", str(checkpoint), str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "zckpt", "consolidate", str(checkpoint), str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert VICTIM in result.stderr and attack.culprit in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "marker").exists() and not (tmp_path / "out").exists()
@@ -363,7 +558,13 @@ def test_instances_of_any_class_become_inert_records(tmp_path: Path) -> None:
         setattr(module, cls.__name__, cls)
     sys.modules[module.__name__] = module
     try:
-        state = {"args": argparse.Namespace(lr=0.5, layers=[1, 2]), "linear": torch.nn.Linear(2, 3), "point": Point(1, 2), "items": Items([3, 4]), "table": Table(a=5)}
+        state = {
+            "args": argparse.Namespace(lr=0.5, layers=[1, 2]),
+            "linear": torch.nn.Linear(2, 3),
+            "point": Point(1, 2),
+            "items": Items([3, 4]),
+            "table": Table(a=5),
+        }
         torch.save(state, tmp_path / "objects.pt")
     finally:
         del sys.modules[module.__name__]
@@ -429,7 +630,10 @@ def test_enums_sizes_devices_and_classes_by_name(tmp_path: Path, monkeypatch: py
     assert loaded["devices"] == ["cpu", "cuda:1"] and [d.args for d in loaded["devices"]] == [("cpu",), ("cuda", 1)]
     assert torchfile.global_name(loaded["class"]) == ("collections", "OrderedDict")  # held by name, allowlisted or not
     fn = loaded["fn"]
-    assert isinstance(fn, torchfile.PickledGlobal) and torchfile.global_name(fn) == (torch.nn.functional.gelu.__module__, "gelu")  # as pickle names it
+    assert isinstance(fn, torchfile.PickledGlobal) and torchfile.global_name(fn) == (
+        torch.nn.functional.gelu.__module__,
+        "gelu",
+    )  # as pickle names it
 
 
 def _megatron_enums(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
@@ -448,7 +652,11 @@ def _megatron_enums(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     for cls in (PositionEmbeddingType, AttnMaskType):
         cls.__module__, cls.__qualname__ = module.__name__, cls.__name__
         setattr(module, cls.__name__, cls)
-    for name, value in (("megatron", types.ModuleType("megatron")), ("megatron.model", types.ModuleType("megatron.model")), ("megatron.model.enums", module)):
+    for name, value in (
+        ("megatron", types.ModuleType("megatron")),
+        ("megatron.model", types.ModuleType("megatron.model")),
+        ("megatron.model.enums", module),
+    ):
         monkeypatch.setitem(sys.modules, name, value)
     return module
 
@@ -464,9 +672,24 @@ def _megatron_style(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Pa
     random.seed(5)
     np.random.seed(5)
     extra = {
-        "args": argparse.Namespace(num_layers=2, hidden_size=8, params_dtype=torch.float32, position_embedding_type=enums.PositionEmbeddingType.absolute, lr=3e-4, data_path=["a", "b"], consumed_train_samples=96),
+        "args": argparse.Namespace(
+            num_layers=2,
+            hidden_size=8,
+            params_dtype=torch.float32,
+            position_embedding_type=enums.PositionEmbeddingType.absolute,
+            lr=3e-4,
+            data_path=["a", "b"],
+            consumed_train_samples=96,
+        ),
         "iteration": 3,
-        "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
+        "rng_state": [
+            {
+                "random_rng_state": random.getstate(),
+                "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state(),
+                "rng_tracker_states": {},
+            }
+        ],
         "checkpoint_version": 3.0,
     }
     tag = checkpoint / (checkpoint / "latest").read_text().strip()
@@ -516,8 +739,12 @@ def test_megatron_style_client_state_survives_reshard(tmp_path: Path, monkeypatc
     checkpoint, extra = _megatron_style(tmp_path, monkeypatch)
     result = runner.invoke(app, ["reshard", str(checkpoint), str(tmp_path / "out"), "--world-size", "1"])
     assert result.exit_code == 0, result.stderr
-    original = torch.load(next((checkpoint / "global_step3").glob("zero_pp_rank_0_*model_states.pt")), weights_only=False)
-    written = torch.load(tmp_path / "out" / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+    original = torch.load(
+        next((checkpoint / "global_step3").glob("zero_pp_rank_0_*model_states.pt")), weights_only=False
+    )
+    written = torch.load(
+        tmp_path / "out" / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False
+    )
     for key in extra:
         _equal(written[key], original[key], key)
     assert written["args"].position_embedding_type is original["args"].position_embedding_type  # the enum member itself

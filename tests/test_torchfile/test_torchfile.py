@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import SAMPLE_LIST
 
+from helpers import SAMPLE_LIST
 from zckpt.core.dtypes import BY_NAME
 from zckpt.core.errors import CheckpointNotFoundError, CorruptFileError, UnsafePickleError
 from zckpt.io.materialize import numpy_to_torch
@@ -21,7 +21,9 @@ from zckpt.torchfile import reader as torchfile
 from zckpt.torchfile.reader import PickledObject, TensorRef, ZeroStageEnum
 
 
-def rewrite_archive(source: Path, target: Path, edit=lambda records: records, compression: int = zipfile.ZIP_STORED) -> None:
+def rewrite_archive(
+    source: Path, target: Path, edit=lambda records: records, compression: int = zipfile.ZIP_STORED
+) -> None:
     """Copy a torch archive record by record, letting `edit` change the records on the way."""
     with zipfile.ZipFile(source) as archive:
         records = {i.filename: archive.read(i) for i in archive.infolist()}
@@ -32,6 +34,7 @@ def rewrite_archive(source: Path, target: Path, edit=lambda records: records, co
 
 def edit_record(part: str, change):
     """An `edit` for rewrite_archive changing the one record whose name contains `part`."""
+
     def edit(records: dict[str, bytes]) -> dict[str, bytes]:
         name = next(n for n in records if part in n)
         return {**records, name: change(records[name])}
@@ -107,7 +110,9 @@ def test_conjugate_and_negative_views_are_refused_not_misread(tmp_path: Path) ->
         torchfile.load(tmp_path / "conj.pt")
 
 
-@pytest.mark.parametrize("case", SAMPLE_LIST[:1] + [s for s in SAMPLE_LIST if s.meta["dtype"] == "fp16"][:1], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "case", SAMPLE_LIST[:1] + [s for s in SAMPLE_LIST if s.meta["dtype"] == "fp16"][:1], ids=lambda s: s.name
+)
 def test_deepspeed_classes_become_inert_stand_ins(case) -> None:
     tag_dir = case.checkpoint / case.meta["tag"]
     optim = torchfile.load(sorted(tag_dir.glob("*optim_states.pt"))[0])["optimizer_state_dict"]
@@ -132,7 +137,9 @@ def test_truncated_garbled_and_missing_files(tmp_path: Path) -> None:
 
 def test_corrupted_pickle_bytes(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(3)}, tmp_path / "ok.pt")
-    rewrite_archive(tmp_path / "ok.pt", tmp_path / "bad.pt", edit_record("data.pkl", lambda d: d[:-5] + b"\xff\xfe\x00\x01"))
+    rewrite_archive(
+        tmp_path / "ok.pt", tmp_path / "bad.pt", edit_record("data.pkl", lambda d: d[:-5] + b"\xff\xfe\x00\x01")
+    )
     with pytest.raises(CorruptFileError, match="corrupted pickle"):
         torchfile.load(tmp_path / "bad.pt")
 
@@ -151,7 +158,9 @@ def test_plain_pickle_helper_reads_data_and_refuses_calls() -> None:
     """A class named as a value is kept by name (never imported); calling one is refused."""
     ref = torchfile.unpickle(pickle.dumps({"cls": io.BytesIO}, protocol=2), "mem")["cls"]
     assert isinstance(ref, torchfile.PickledGlobal) and (ref.module, ref.name) == ("_io", "BytesIO")
-    with pytest.raises(UnsafePickleError, match="mem: pickle calls collections.Counter"):  # Counter pickles as Counter(dict)
+    with pytest.raises(
+        UnsafePickleError, match="mem: pickle calls collections.Counter"
+    ):  # Counter pickles as Counter(dict)
         torchfile.unpickle(pickle.dumps(Counter(a=1), protocol=2), "mem")
 
 
@@ -173,7 +182,9 @@ def test_safetensors_codes_are_the_installed_safetensors_own() -> None:
         except Exception:
             blob = None
         if dtype.safetensors_code is None:
-            assert blob is None or dtype.name == "float4_e2m1fn_x2", dtype  # F4 counts 4-bit elements, torch bytes of two
+            assert blob is None or dtype.name == "float4_e2m1fn_x2", (
+                dtype
+            )  # F4 counts 4-bit elements, torch bytes of two
             with pytest.raises(UsageError, match=f"safetensors has no {dtype.name} dtype.*torch format"):
                 build_header([("x", dtype, (2,))])
         else:

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, SAMPLES, Source, inline, same_bits, same_except_serialization_id, torch_and_ours
 
+from helpers import ROOT, SAMPLES, Source, inline, same_bits, same_except_serialization_id, torch_and_ours
 from zckpt.core.dtypes import BF16, BY_NAME, FP16, FP32, from_torch
 from zckpt.core.errors import CorruptFileError
 from zckpt.core.index import Segment
@@ -126,7 +126,9 @@ def test_dtypes_torch_pickles_untyped_are_byte_identical(tmp_path: Path) -> None
         c128=torch.tensor([[1 + 2j]], dtype=torch.complex128),
         flagged=flagged,
     )
-    ours = OrderedDict((k, source.out(v, attributes={"ds_id": 4} if k == "flagged" else None)) for k, v in theirs.items())
+    ours = OrderedDict(
+        (k, source.out(v, attributes={"ds_id": 4} if k == "flagged" else None)) for k, v in theirs.items()
+    )
     torch.save(theirs, tmp_path / "theirs.pt")
     plan = plan_archive(ours, "theirs")
     assert plan.pickle == data_pkl(tmp_path / "theirs.pt")
@@ -147,13 +149,23 @@ def test_read_objects_write_back_as_torch_load_reads_them(tmp_path: Path) -> Non
     module = OrderedDict(w=torch.ones(2))
     module._metadata = {"": {"version": 1}}
     original = {
-        "args": argparse.Namespace(lr=0.1, dims=[1, 2], dtype=torch.float16, fn=torch.nn.functional.relu, cls=OrderedDict),
+        "args": argparse.Namespace(
+            lr=0.1, dims=[1, 2], dtype=torch.float16, fn=torch.nn.functional.relu, cls=OrderedDict
+        ),
         "rng": np.random.get_state(),
-        "arrays": [np.arange(6.0).reshape(2, 3), np.asfortranarray(np.ones((2, 2), np.int16)), np.array(["a", "bc"]), np.zeros(0)],
+        "arrays": [
+            np.arange(6.0).reshape(2, 3),
+            np.asfortranarray(np.ones((2, 2), np.int16)),
+            np.array(["a", "bc"]),
+            np.zeros(0),
+        ],
         "scalars": (np.float64(0.5), np.int64(-3), np.dtype(">u2")),
         "size": torch.Size([2, 3]),
         "devices": [torch.device("cpu"), torch.device("cuda", 1)],
-        "tensors": {"f8": torch.tensor([1.0, 2.0]).to(torch.float8_e5m2), "u16": torch.tensor([9], dtype=torch.int32).to(torch.uint16)},
+        "tensors": {
+            "f8": torch.tensor([1.0, 2.0]).to(torch.float8_e5m2),
+            "u16": torch.tensor([9], dtype=torch.int32).to(torch.uint16),
+        },
         "module": module,
         "set": {1, "a"},
         "bytes": b"\x00\xff",
@@ -214,9 +226,17 @@ def assert_same_objects(ours: Any, theirs: Any, where: str = "") -> None:
     """Deep equality that compares arrays and tensors by type, dtype, layout and bits."""
     assert type(ours) is type(theirs), (where, type(ours), type(theirs))
     if isinstance(ours, np.ndarray):
-        assert ours.dtype == theirs.dtype and ours.flags.f_contiguous == theirs.flags.f_contiguous and np.array_equal(ours, theirs), where
+        assert (
+            ours.dtype == theirs.dtype
+            and ours.flags.f_contiguous == theirs.flags.f_contiguous
+            and np.array_equal(ours, theirs)
+        ), where
     elif isinstance(ours, torch.Tensor):
-        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape and ours.view(torch.uint8).equal(theirs.view(torch.uint8)), where
+        assert (
+            ours.dtype == theirs.dtype
+            and ours.shape == theirs.shape
+            and ours.view(torch.uint8).equal(theirs.view(torch.uint8))
+        ), where
     elif isinstance(ours, dict):
         assert list(ours) == list(theirs), where
         if isinstance(ours, OrderedDict):
@@ -269,12 +289,16 @@ class LoadedSize(tuple):
 def faithful_load(monkeypatch: pytest.MonkeyPatch):
     """torchfile.load, but keeping requires_grad, storage sharing and torch.Size."""
 
-    def rebuild(storage: Any, offset: int, size: Any, stride: Any, requires_grad: bool = False, *_: Any) -> LoadedTensor:
+    def rebuild(
+        storage: Any, offset: int, size: Any, stride: Any, requires_grad: bool = False, *_: Any
+    ) -> LoadedTensor:
         return LoadedTensor(storage, offset, tuple(size), tuple(stride), bool(requires_grad))
 
     def from_type(func: Any, new_type: Any, args: tuple, state: dict) -> LoadedTensor:
         tensor = func(*args)
-        return LoadedTensor(tensor.storage, tensor.offset, tensor.shape, tensor.stride, tensor.requires_grad, dict(state))
+        return LoadedTensor(
+            tensor.storage, tensor.offset, tensor.shape, tensor.stride, tensor.requires_grad, dict(state)
+        )
 
     monkeypatch.setitem(rebuilds._ALLOWED, ("torch", "Size"), lambda values=(): LoadedSize(values))
     monkeypatch.setitem(rebuilds._ALLOWED, ("torch._utils", "_rebuild_tensor_v2"), rebuild)
@@ -290,7 +314,9 @@ def to_writer(obj: Any, memo: dict) -> Any:
         record = obj.storage
         key = ("storage", record.path, record.offset)
         if key not in memo:
-            memo[key] = OutStorage(record.dtype, (Copy(Segment(record.path, record.offset, record.numel), record.dtype),))
+            memo[key] = OutStorage(
+                record.dtype, (Copy(Segment(record.path, record.offset, record.numel), record.dtype),)
+            )
         assert obj.stride == torchpickle._contiguous_stride(obj.shape) or math.prod(obj.shape) == 0
         out: Any = OutTensor(record.dtype, obj.shape, (), obj.attributes, obj.requires_grad, memo[key], obj.offset)
     elif isinstance(obj, LoadedSize):
@@ -352,7 +378,9 @@ def test_deepspeed_objects_from_scratch_pickle_with_deepspeed_globals(tmp_path: 
         "optimizer_state_dict": {
             "loss_scaler": PickledInstance(loss_scaler, {"cur_scale": 1.0, "dynamic": False}),
             "zero_stage": PickledEnum(stage, 2),
-            "base_optimizer_state": {"state": {0: {"step": inline(torch.tensor(3.0)), "exp_avg": source.out(torch.ones(5))}}},
+            "base_optimizer_state": {
+                "state": {0: {"step": inline(torch.tensor(3.0)), "exp_avg": source.out(torch.ones(5))}}
+            },
             "single_partition_of_fp32_groups": [source.out(torch.arange(5.0))],
             "param_slice_mappings": [OrderedDict(w=PickledInstance(fragment, {"numel": 5, "start": 0}))],
         },
@@ -387,8 +415,28 @@ def test_deepspeed_objects_from_scratch_pickle_with_deepspeed_globals(tmp_path: 
 
 
 SPECIAL = torch.tensor(
-    [0.0, -0.0, 1.0, -1.5, 3.14159265, 1e-40, -1e-45, 65504.0, 65520.0, 1e30, float("inf"), float("-inf"), float("nan"),
-     1.00390625, 1.01171875, 2.0 ** -24, 2.0 ** -25, 3.0 * 2.0 ** -26, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -9],
+    [
+        0.0,
+        -0.0,
+        1.0,
+        -1.5,
+        3.14159265,
+        1e-40,
+        -1e-45,
+        65504.0,
+        65520.0,
+        1e30,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        1.00390625,
+        1.01171875,
+        2.0**-24,
+        2.0**-25,
+        3.0 * 2.0**-26,
+        1 + 2.0**-8,
+        1 + 3 * 2.0**-9,
+    ],
     dtype=torch.float32,
 )
 
@@ -401,8 +449,13 @@ def written_tensor(tmp_path: Path, tensor: OutTensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("source_dtype", "target_dtype"),
-    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-     (torch.float16, torch.float32), (torch.float16, torch.bfloat16)],
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float16, torch.float32),
+        (torch.float16, torch.bfloat16),
+    ],
 )
 def test_conversion_matches_torch_to(tmp_path: Path, source_dtype: torch.dtype, target_dtype: torch.dtype) -> None:
     values = torch.cat([SPECIAL, torch.randn(1000) * 1000, torch.randn(1000) * 1e-6]).to(source_dtype)
@@ -424,12 +477,17 @@ def test_parts_concatenate_across_chunk_boundaries(tmp_path: Path, monkeypatch: 
 
 
 def test_zeros_are_zeros(tmp_path: Path) -> None:
-    assert same_bits(written_tensor(tmp_path, OutTensor(BF16, (3, 5), (Zeros(15),))), torch.zeros(3, 5, dtype=torch.bfloat16))
+    assert same_bits(
+        written_tensor(tmp_path, OutTensor(BF16, (3, 5), (Zeros(15),))), torch.zeros(3, 5, dtype=torch.bfloat16)
+    )
 
 
 def test_shared_storage_views(tmp_path: Path) -> None:
     flat = OutStorage(FP32, (Inline(np.arange(10, dtype=np.float32).tobytes()),))
-    state = {"w": OutTensor(FP32, (2, 3), (), storage=flat), "b": OutTensor(FP32, (4,), (), storage=flat, storage_offset=6)}
+    state = {
+        "w": OutTensor(FP32, (2, 3), (), storage=flat),
+        "b": OutTensor(FP32, (4,), (), storage=flat, storage_offset=6),
+    }
     plan = plan_archive(state, "x")
     assert list(plan.storages) == ["0"]
     save(state, tmp_path / "x.pt")
@@ -454,7 +512,10 @@ def test_inconsistent_tensors_are_refused_at_plan_time(bad: OutTensor) -> None:
         plan_archive({"t": bad}, "x")
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(1), object(), {"k": lambda: 0}, [np.array([1, None], dtype=object)], [np.ma.array([1])], {1: float}])
+@pytest.mark.parametrize(
+    "bad",
+    [torch.zeros(1), object(), {"k": lambda: 0}, [np.array([1, None], dtype=object)], [np.ma.array([1])], {1: float}],
+)
 def test_objects_it_cannot_pickle_are_refused(bad: Any) -> None:
     with pytest.raises(TypeError):
         plan_archive({"x": bad}, "x")
@@ -550,7 +611,11 @@ def skeleton_of(plan: torchsave.ArchivePlan, big_crcs: dict[str, int]) -> list[t
             regions.append((start, bytes(current)))
             current, start, crc = bytearray(), lay.data_offset + lay.size, big_crcs[record.name]
         else:
-            data = record.content if record.content is not None else b"".join(p.data for p in plan.storages[record.storage_key].parts)
+            data = (
+                record.content
+                if record.content is not None
+                else b"".join(p.data for p in plan.storages[record.storage_key].parts)
+            )
             current += data
             crc = zlib.crc32(data)
         current += ziparchive.data_descriptor(lay, crc)
@@ -565,12 +630,14 @@ def test_zip64_layout_matches_torchs_own_8gb_file() -> None:
     plan = zip64_plan()
     assert plan.total_size == torch_regions[-1][0] + len(torch_regions[-1][1])
     # The CRC of each big record is the first field of its data descriptor, right after its data.
-    big_crcs = {"big/data/1": struct.unpack_from("<I", torch_regions[1][1], 4)[0],
-                "big/data/3": struct.unpack_from("<I", torch_regions[2][1], 4)[0]}
+    big_crcs = {
+        "big/data/1": struct.unpack_from("<I", torch_regions[1][1], 4)[0],
+        "big/data/3": struct.unpack_from("<I", torch_regions[2][1], 4)[0],
+    }
     ours = skeleton_of(plan, big_crcs)
     assert [offset for offset, _ in ours] == [offset for offset, _ in torch_regions]
     id_record = plan.records[-1]
-    torch_id = torch_regions[-1][1][id_record.data_offset - torch_regions[-1][0]:][:40]
+    torch_id = torch_regions[-1][1][id_record.data_offset - torch_regions[-1][0] :][:40]
     for (offset, mine), (_, theirs) in zip(ours, torch_regions):
         mine = mine.replace(id_record.content, torch_id)
         mine = mine.replace(struct.pack("<I", zlib.crc32(id_record.content)), struct.pack("<I", zlib.crc32(torch_id)))

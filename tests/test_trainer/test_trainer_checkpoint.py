@@ -15,8 +15,23 @@ from zckpt.trainer import TrainConfig, Trainer, build_model, plan_training
 from zckpt.trainer.ranks import run_ranks
 
 # tied embeddings, a frozen param, several sub-groups, bf16 compute
-OPTIONS = dict(layers=1, dim=12, heads=2, vocab=19, seq_len=6, micro_batch=2, grad_accum=2, lr=1e-2, warmup=1, steps=6, seed=5,
-               dtype="bf16", tie_embeddings=True, freeze=r"^wpe\.", sub_group_size=200)
+OPTIONS = dict(
+    layers=1,
+    dim=12,
+    heads=2,
+    vocab=19,
+    seq_len=6,
+    micro_batch=2,
+    grad_accum=2,
+    lr=1e-2,
+    warmup=1,
+    steps=6,
+    seed=5,
+    dtype="bf16",
+    tie_embeddings=True,
+    freeze=r"^wpe\.",
+    sub_group_size=200,
+)
 
 
 def _live(trainer: Trainer) -> dict:
@@ -44,8 +59,14 @@ def _save_and_resume(rank: int, world: int, folder: str) -> dict:
     resumed = Trainer(TrainConfig(**{**options, "resume": folder}))
     assert resumed.global_steps == 3
     resumed_losses = [resumed.train_step().loss for _ in range(3)]
-    return {"losses": losses, "at_save": at_save, "final": final, "resumed_losses": resumed_losses, "resumed_final": dict(resumed.model.full_params()),
-            "resumed_masters": _live(resumed)}
+    return {
+        "losses": losses,
+        "at_save": at_save,
+        "final": final,
+        "resumed_losses": resumed_losses,
+        "resumed_final": dict(resumed.model.full_params()),
+        "resumed_masters": _live(resumed),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +81,17 @@ def test_layout_is_deepspeeds(two_ranks):
     folder, _ = two_ranks
     assert (folder / "latest").read_text() == "global_step3"
     names = sorted(os.listdir(folder / "global_step3"))
-    assert names == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                     "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    assert names == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    ]
     model_states = torch.load(folder / "global_step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt", weights_only=True)
     assert model_states["dp_world_size"] == 2 and model_states["global_steps"] == 3
-    assert all(t.numel() == 0 and t.dtype == torch.bfloat16 for t in model_states["module"].values())  # ZeRO-3 placeholders
+    assert all(
+        t.numel() == 0 and t.dtype == torch.bfloat16 for t in model_states["module"].values()
+    )  # ZeRO-3 placeholders
     assert json.loads((folder / "model_config.json").read_text())["tie_embeddings"] is True
     model = build_model(folder / "model_config.json")
     assert set(model.state_dict()) == set(api.load_state_dict(folder))
@@ -95,7 +122,9 @@ def test_resume_is_bit_identical(two_ranks):
 
 def _resume_one_rank(rank: int, world: int, checkpoint: str, folder: str) -> dict:
     # the same global batch: one rank takes both ranks' rows
-    trainer = Trainer(TrainConfig(**{**OPTIONS, "micro_batch": 2 * OPTIONS["micro_batch"], "out": folder, "resume": checkpoint}))
+    trainer = Trainer(
+        TrainConfig(**{**OPTIONS, "micro_batch": 2 * OPTIONS["micro_batch"], "out": folder, "resume": checkpoint})
+    )
     at_load = _live(trainer)
     losses = [trainer.train_step().loss for _ in range(3)]
     return {"at_load": at_load, "losses": losses, "global_steps": trainer.global_steps}
@@ -113,8 +142,10 @@ def test_resume_at_another_world_size(two_ranks, tmp_path):
     folder, results = two_ranks
     reshard(folder, tmp_path / "ws1", world_size=1)
     to_universal(folder, tmp_path / "universal")
-    runs = {kind: run_ranks(1, tmp_path / f"run_{kind}", _resume_one_rank, str(path), str(tmp_path / f"out_{kind}"))[0]
-            for kind, path in (("plain", folder), ("resharded", tmp_path / "ws1"), ("universal", tmp_path / "universal"))}
+    runs = {
+        kind: run_ranks(1, tmp_path / f"run_{kind}", _resume_one_rank, str(path), str(tmp_path / f"out_{kind}"))[0]
+        for kind, path in (("plain", folder), ("resharded", tmp_path / "ws1"), ("universal", tmp_path / "universal"))
+    }
     saved = results[0]["at_save"]
     for kind, run in runs.items():
         for name, tensor in saved.items():
@@ -128,7 +159,12 @@ def _resume_planned(rank: int, world: int, checkpoint: str, folder: str) -> dict
     """`zckpt train --resume CHECKPOINT --out FOLDER --seed 5` at `world` ranks, as the CLI plans it."""
     plan = plan_training({"resume": checkpoint, "out": folder, "seed": OPTIONS["seed"]}, world_size=world)
     trainer = Trainer(plan.config)
-    return {"config": plan.config, "notes": plan.notes, "at_load": _live(trainer), "global_samples": trainer.global_samples}
+    return {
+        "config": plan.config,
+        "notes": plan.notes,
+        "at_load": _live(trainer),
+        "global_samples": trainer.global_samples,
+    }
 
 
 @pytest.mark.slow
@@ -143,8 +179,10 @@ def test_resume_takes_the_run_from_the_checkpoint(two_ranks, tmp_path):
     expected = {k: v for k, v in OPTIONS.items() if k not in ("freeze", "micro_batch", "grad_accum")}
     assert {k: getattr(config, k) for k in expected} == expected
     assert (config.micro_batch, config.grad_accum) == (1, 3)
-    assert resumed[0]["notes"] == ("the checkpoint's global batch of 8 sequences (2 x 2 ranks x 2) cannot be kept at 3 ranks (8 is not a multiple of 3): "
-                                   "using 9 (--micro-batch 1 x 3 ranks x --grad-accum 3), the closest with at most 2 sequences per rank",)
+    assert resumed[0]["notes"] == (
+        "the checkpoint's global batch of 8 sequences (2 x 2 ranks x 2) cannot be kept at 3 ranks (8 is not a multiple of 3): "
+        "using 9 (--micro-batch 1 x 3 ranks x --grad-accum 3), the closest with at most 2 sequences per rank",
+    )
     for rank in resumed:
         for name, tensor in results[0]["at_save"].items():
             assert torch.equal(rank["at_load"][name], tensor), name
@@ -163,6 +201,7 @@ def _failing_save(rank: int, world: int, folder: str) -> str:
     trainer.save()
     trainer.train_step()
     if rank == 1:
+
         def full_disk(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -180,7 +219,11 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     # rank 1 says why; rank 0 stops too (told by the agreed barrier, or finding the shared
     # staging folder gone: the failed rank's writer removes it)
     assert "no space left" in messages[1] and messages[0] != "saved"
-    assert sorted(os.listdir(tmp_path / "run")) == ["global_step1", "latest", "model_config.json"]  # no staging folder left
+    assert sorted(os.listdir(tmp_path / "run")) == [
+        "global_step1",
+        "latest",
+        "model_config.json",
+    ]  # no staging folder left
     assert (tmp_path / "run" / "latest").read_text() == "global_step1"
     assert open_training_state(tmp_path / "run").global_steps == 1
 

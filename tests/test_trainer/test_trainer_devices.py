@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, runner
 
+from helpers import SMALL, runner
 from zckpt.cli.app import app
 from zckpt.core.errors import UsageError
 from zckpt.trainer import TrainConfig, Trainer
@@ -53,8 +53,10 @@ def _device_in_a_gloo_group(rank: int, world: int, choice: str) -> str:
 @pytest.mark.slow
 def test_a_callers_gloo_group_keeps_auto_on_cpu(tmp_path: Path) -> None:
     assert run_ranks(2, tmp_path / "auto", _device_in_a_gloo_group, "auto") == ["cpu", "cpu"]
-    assert run_ranks(2, tmp_path / "cuda", _device_in_a_gloo_group, "cuda") == \
-        ["error: --device cuda in a gloo process group: nccl is needed to move CUDA tensors"] * 2
+    assert (
+        run_ranks(2, tmp_path / "cuda", _device_in_a_gloo_group, "cuda")
+        == ["error: --device cuda in a gloo process group: nccl is needed to move CUDA tensors"] * 2
+    )
 
 
 def test_cpu_run_keeps_every_tensor_on_the_host() -> None:
@@ -69,14 +71,16 @@ def test_cpu_run_keeps_every_tensor_on_the_host() -> None:
 
 def test_cli_device_options_are_one_line(tmp_path: Path) -> None:
     result = runner.invoke(app, ["train", "--device", "tpu", *SMALL])
-    assert result.exit_code == 2 and result.stderr.strip() == "zckpt: error: --device must be one of auto, cpu, cuda, got 'tpu'"
+    assert (
+        result.exit_code == 2
+        and result.stderr.strip() == "zckpt: error: --device must be one of auto, cpu, cuda, got 'tpu'"
+    )
     if not torch.cuda.is_available():
         result = runner.invoke(app, ["train", "--device", "cuda", "--steps", "1", *SMALL])
         assert result.exit_code == 2, result.output
         assert result.stderr.strip() == "zckpt: error: --device cuda: torch sees no CUDA device here (use --device cpu)"
     result = runner.invoke(app, ["train", "--device", "CPU", "--steps", "1", *SMALL])
     assert result.exit_code == 0, result.output
-
 
 
 def test_a_callers_mixed_group_is_read_by_its_backends(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,8 +101,19 @@ def test_a_callers_mixed_group_is_read_by_its_backends(monkeypatch: pytest.Monke
 def _train_in_group(rank: int, world: int, folder: str) -> tuple[tuple[float, ...], str]:
     """Train and save in the process group run_ranks made (its backend is the case)."""
     backend = str(torch.distributed.get_backend())
-    config = TrainConfig(steps=3, layers=1, dim=16, heads=2, vocab=31, seq_len=8, micro_batch=2, grad_accum=2, dtype="bf16",
-                         out=f"{folder}/{backend.replace(':', '-')}", sub_group_size=64)
+    config = TrainConfig(
+        steps=3,
+        layers=1,
+        dim=16,
+        heads=2,
+        vocab=31,
+        seq_len=8,
+        micro_batch=2,
+        grad_accum=2,
+        dtype="bf16",
+        out=f"{folder}/{backend.replace(':', '-')}",
+        sub_group_size=64,
+    )
     trainer = Trainer(config)
     losses = tuple(trainer.train_step().loss for _ in range(config.steps))
     trainer.save()
@@ -117,4 +132,6 @@ def test_a_device_keyed_group_runs_the_host_side_as_plain_gloo(tmp_path: Path) -
     assert [backend for _, backend in keyed] == ["cpu:gloo"] * 2 and [backend for _, backend in plain] == ["gloo"] * 2
     assert keyed[0][0] == plain[0][0] and len(keyed[0][0]) == 3
     for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
-        assert (tmp_path / "cpu-gloo" / "global_step3" / name).read_bytes() == (tmp_path / "gloo" / "global_step3" / name).read_bytes()
+        assert (tmp_path / "cpu-gloo" / "global_step3" / name).read_bytes() == (
+            tmp_path / "gloo" / "global_step3" / name
+        ).read_bytes()

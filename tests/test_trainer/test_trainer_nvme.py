@@ -23,13 +23,29 @@ from zckpt.trainer.ranks import run_ranks
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 # sub-groups of 530000 elements: per rank >= 1 MiB of fp32 (swapped) and a small one that stays in
 # memory; at one rank two swapped sub-groups (the step streams them), at two ranks one
-OPTIONS = dict(layers=1, dim=256, heads=4, vocab=256, seq_len=16, micro_batch=2, lr=1e-3, warmup=1, steps=4, seed=3,
-               tie_embeddings=True, sub_group_size=530000)
+OPTIONS = dict(
+    layers=1,
+    dim=256,
+    heads=4,
+    vocab=256,
+    seq_len=16,
+    micro_batch=2,
+    lr=1e-3,
+    warmup=1,
+    steps=4,
+    seed=3,
+    tie_embeddings=True,
+    sub_group_size=530000,
+)
 
 
 def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {f"{spec.name}.{key}": trainer.optimizer.full_state(index, key).clone()
-            for index, spec in enumerate(trainer.plan.params) if spec.trainable for key in KEYS}
+    return {
+        f"{spec.name}.{key}": trainer.optimizer.full_state(index, key).clone()
+        for index, spec in enumerate(trainer.plan.params)
+        if spec.trainable
+        for key in KEYS
+    }
 
 
 def _swapped_names(trainer: Trainer) -> list[str]:
@@ -43,7 +59,12 @@ def _runs(rank: int, world: int, folder: str, dtype: str) -> dict:
     config = TrainConfig(**{**OPTIONS, "dtype": dtype})
     memory = Trainer(config)
     nvme = Trainer(replace(config, nvme_path=f"{folder}/nvme", out=f"{folder}/ckpt"))
-    out: dict = {"memory_losses": [], "nvme_losses": [], "swapped": _swapped_names(nvme), "pool": nvme.optimizer.swapper.pool_bytes}
+    out: dict = {
+        "memory_losses": [],
+        "nvme_losses": [],
+        "swapped": _swapped_names(nvme),
+        "pool": nvme.optimizer.swapper.pool_bytes,
+    }
     for _ in range(config.steps):
         out["memory_losses"].append(memory.train_step().loss)
         out["nvme_losses"].append(nvme.train_step().loss)
@@ -88,9 +109,14 @@ def test_live_swap_folder_is_deepspeeds_layout(runs):
         gradients = [name for name in live if "_gradient_" in name]  # live only, as DeepSpeed's: never checkpointed
         assert sorted(set(live) - set(gradients)) == saved and len(saved) == 3 * (2 if world == 1 else 1)
         assert len(gradients) == len(saved) // 3
-        for name in gradients:  # <first>_<last>_gradient_0_<numel>: the sub-group's master file's id, its whole partition
+        for (
+            name
+        ) in gradients:  # <first>_<last>_gradient_0_<numel>: the sub-group's master file's id, its whole partition
             swap_id, numel = name.split("_gradient_0_")[0], int(name.split("_gradient_0_")[1].split(".")[0])
-            assert f"{swap_id}.tensor.swp" in saved and os.path.getsize(folder / "nvme" / "zero_stage_3" / "optimizer" / f"rank{rank}" / name) == 4 * numel
+            assert (
+                f"{swap_id}.tensor.swp" in saved
+                and os.path.getsize(folder / "nvme" / "zero_stage_3" / "optimizer" / f"rank{rank}" / name) == 4 * numel
+            )
     # zckpt's reader of DeepSpeed's live swap folders: the swapped sub-groups are the trainer's
     # masters and moments after its last step (the others come from the step-2 checkpoint)
     state = open_training_state(folder / "ckpt", swap_folder=folder / "nvme")
@@ -104,8 +130,20 @@ def test_live_swap_folder_is_deepspeeds_layout(runs):
 @pytest.mark.slow
 def test_consolidate_cli_of_swap_folder(runs, tmp_path):
     _, folder, result = runs
-    done = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", str(folder / "ckpt"), str(tmp_path / "out"), "--swap-folder", str(folder / "nvme")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zckpt",
+            "consolidate",
+            str(folder / "ckpt"),
+            str(tmp_path / "out"),
+            "--swap-folder",
+            str(folder / "nvme"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     from safetensors.torch import load_file
 
@@ -116,7 +154,9 @@ def test_consolidate_cli_of_swap_folder(runs, tmp_path):
 def test_checkpoint_has_offloaded_tensors_and_consolidates_to_the_masters(runs):
     world, folder, result = runs
     tag = folder / "ckpt" / "global_step2"
-    optim = torchfile.load(sorted(tag.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))[0])  # DeepSpeed's classes held by name
+    optim = torchfile.load(
+        sorted(tag.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))[0]
+    )  # DeepSpeed's classes held by name
     assert optim["ds_config"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
     emptied = [t for t in optim["optimizer_state_dict"]["fp32_flat_groups"] if t.numel == 0]
     assert len(emptied) == (2 if world == 1 else 1)  # the swapped sub-groups' masters are in offloaded_tensors/
@@ -155,8 +195,12 @@ def test_swapped_state_takes_the_pool_not_the_model(tmp_path):
     options = dict(layers=14, dim=256, heads=4, vocab=256, seq_len=8, micro_batch=1, steps=2, sub_group_size=262144)
     runs = {}
     for mode, extra in (("memory", {}), ("nvme", {"nvme_path": str(tmp_path / "nvme")})):
-        done = subprocess.run([sys.executable, "-c", _RESIDENT, json.dumps({**options, **extra})], capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            [sys.executable, "-c", _RESIDENT, json.dumps({**options, **extra})],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert done.returncode == 0, done.stderr
         runs[mode] = json.loads(done.stdout)
     nvme = runs["nvme"]
@@ -171,12 +215,37 @@ def test_cli_trains_with_nvme_path(tmp_path):
 
     from zckpt.cli.app import app
 
-    model = ["--layers", "1", "--dim", "256", "--heads", "4", "--vocab", "64", "--seq-len", "8", "--micro-batch", "2", "--sub-group-size", "530000"]
-    result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), "--steps", "2", "--nvme-path", str(tmp_path / "nvme"), *model])
+    model = [
+        "--layers",
+        "1",
+        "--dim",
+        "256",
+        "--heads",
+        "4",
+        "--vocab",
+        "64",
+        "--seq-len",
+        "8",
+        "--micro-batch",
+        "2",
+        "--sub-group-size",
+        "530000",
+    ]
+    result = CliRunner().invoke(
+        app, ["train", "--out", str(tmp_path / "run"), "--steps", "2", "--nvme-path", str(tmp_path / "nvme"), *model]
+    )
     assert result.exit_code == 0, result.output
-    live = sorted(n for n in os.listdir(tmp_path / "nvme" / "zero_stage_3" / "optimizer" / "rank0") if "_gradient_" not in n)
-    assert f"NVMe offload: {len(live) // 3} of 3 optimizer sub-groups per rank in {tmp_path / 'nvme'}/zero_stage_3/optimizer/" in result.output
-    assert live == sorted(os.listdir(tmp_path / "run" / "global_step2" / "offloaded_tensors" / "rank00")) and len(live) == 6
+    live = sorted(
+        n for n in os.listdir(tmp_path / "nvme" / "zero_stage_3" / "optimizer" / "rank0") if "_gradient_" not in n
+    )
+    assert (
+        f"NVMe offload: {len(live) // 3} of 3 optimizer sub-groups per rank in {tmp_path / 'nvme'}/zero_stage_3/optimizer/"
+        in result.output
+    )
+    assert (
+        live == sorted(os.listdir(tmp_path / "run" / "global_step2" / "offloaded_tensors" / "rank00"))
+        and len(live) == 6
+    )
     (tmp_path / "a_file").write_text("")
     bad = CliRunner().invoke(app, ["train", "--nvme-path", str(tmp_path / "a_file"), *model])
     assert bad.exit_code == 2 and "--nvme-path must be a folder" in bad.output
@@ -185,22 +254,50 @@ def test_cli_trains_with_nvme_path(tmp_path):
     # the params too: those of 1 MiB of fp32 and more (the 4096 x 256 embedding and lm head, the
     # two 256 x 1024 MLP matrices) go to float32params/rank0/
     big = [*model[: model.index("--vocab")], "--vocab", "4096", *model[model.index("--vocab") + 2 :]]
-    result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run2"), "--steps", "2", "--nvme-path", str(tmp_path / "nvme2"), "--nvme-params",
-                                      "--bounded-memory", *big])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--out",
+            str(tmp_path / "run2"),
+            "--steps",
+            "2",
+            "--nvme-path",
+            str(tmp_path / "nvme2"),
+            "--nvme-params",
+            "--bounded-memory",
+            *big,
+        ],
+    )
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "params per rank" in line)
-    assert line.startswith("NVMe offload: 4 of 17 params per rank in ") and line.split(" in ")[1].startswith(f"{tmp_path / 'nvme2'}/zero_stage_3/float32params/"), line
+    assert line.startswith("NVMe offload: 4 of 17 params per rank in ") and line.split(" in ")[1].startswith(
+        f"{tmp_path / 'nvme2'}/zero_stage_3/float32params/"
+    ), line
     swapped = sorted(os.listdir(tmp_path / "nvme2" / "zero_stage_3" / "float32params" / "rank0"))
     assert len(swapped) == 4 and "0_param.tensor.swp" in swapped  # wte is ds_id 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accumulation", [dict(), dict(grad_accum=3, clip=0.05, dtype="bf16")], ids=["plain", "grad-accum-clip-bf16"])
+@pytest.mark.parametrize(
+    "accumulation", [dict(), dict(grad_accum=3, clip=0.05, dtype="bf16")], ids=["plain", "grad-accum-clip-bf16"]
+)
 def test_many_sub_groups_stream_through_three_buffer_sets(tmp_path, accumulation):
     """More swapped sub-groups than buffer sets (the pool's buffers are reused while reads and
     writes are in flight): still in-memory training bit for bit; also with gradients accumulated
     in the swap files over three micro-steps and clipped by the global norm."""
-    options = dict(layers=2, dim=256, heads=4, vocab=64, seq_len=8, micro_batch=2, steps=3, sub_group_size=262144, lr=1e-3, **accumulation)
+    options = dict(
+        layers=2,
+        dim=256,
+        heads=4,
+        vocab=64,
+        seq_len=8,
+        micro_batch=2,
+        steps=3,
+        sub_group_size=262144,
+        lr=1e-3,
+        **accumulation,
+    )
     memory = Trainer(TrainConfig(**options))
     nvme = Trainer(TrainConfig(**options, nvme_path=str(tmp_path)))
     assert len(nvme.optimizer.swapped) >= 6  # twice the buffer sets
@@ -229,12 +326,18 @@ def test_swapper_stream_writes_back_what_the_step_changed(tmp_path):
         cut = n // 3
         first, again, rest = (rng.standard_normal(m).astype(np.float32) for m in (cut, cut, n - cut))
         swapper.put_gradient(f, 0, torch.from_numpy(first.copy()), accumulate=False)
-        swapper.put_gradient(f, cut, torch.from_numpy(rest.copy()), accumulate=False, on_written=lambda t: seen.append(t.numpy().copy()))
-        swapper.put_gradient(f, 0, torch.from_numpy(again.copy()), accumulate=True, on_written=lambda t: seen.append(t.numpy().copy()))
+        swapper.put_gradient(
+            f, cut, torch.from_numpy(rest.copy()), accumulate=False, on_written=lambda t: seen.append(t.numpy().copy())
+        )
+        swapper.put_gradient(
+            f, 0, torch.from_numpy(again.copy()), accumulate=True, on_written=lambda t: seen.append(t.numpy().copy())
+        )
         gradients[f] = np.concatenate([first + again, rest])
         rests += [rest, first + again]
     swapper.drain_gradients()
-    assert len(seen) == len(rests) and all(np.array_equal(a, b) for a, b in zip(seen, rests))  # what each file range now holds
+    assert len(seen) == len(rests) and all(
+        np.array_equal(a, b) for a, b in zip(seen, rests)
+    )  # what each file range now holds
     for f, tensors in swapper.stream(list(range(len(sizes)))):
         *states, gradient = tensors
         assert np.array_equal(gradient.numpy(), gradients[f]), f
@@ -254,8 +357,22 @@ def test_swapper_stream_writes_back_what_the_step_changed(tmp_path):
 
 
 # params of >= 1 MiB per rank in bf16 at two ranks: the embedding (4096 x 256) and the untied lm head (frozen)
-PARAM_OPTIONS = dict(layers=1, dim=256, heads=4, vocab=4096, seq_len=16, micro_batch=2, lr=1e-3, warmup=1, steps=4, seed=5,
-                     dtype="bf16", freeze=r"^lm_head\.", sub_group_size=530000, grad_accum=2)
+PARAM_OPTIONS = dict(
+    layers=1,
+    dim=256,
+    heads=4,
+    vocab=4096,
+    seq_len=16,
+    micro_batch=2,
+    lr=1e-3,
+    warmup=1,
+    steps=4,
+    seed=5,
+    dtype="bf16",
+    freeze=r"^lm_head\.",
+    sub_group_size=530000,
+    grad_accum=2,
+)
 
 
 def _param_runs(rank: int, world: int, folder: str) -> dict:
@@ -267,7 +384,11 @@ def _param_runs(rank: int, world: int, folder: str) -> dict:
     memory = Trainer(config)
     nvme = Trainer(replace(config, nvme_path=f"{folder}/nvme", nvme_params=True, out=f"{folder}/ckpt"))
     store = nvme.model.store
-    out: dict = {"memory_losses": [], "nvme_losses": [], "swapped_params": sorted(nvme.plan.params[i].name for i in store.swapped)}
+    out: dict = {
+        "memory_losses": [],
+        "nvme_losses": [],
+        "swapped_params": sorted(nvme.plan.params[i].name for i in store.swapped),
+    }
     for _ in range(config.steps):
         out["memory_losses"].append(memory.train_step().loss)
         out["nvme_losses"].append(nvme.train_step().loss)
@@ -278,7 +399,9 @@ def _param_runs(rank: int, world: int, folder: str) -> dict:
     out["files_match"] = {}
     for index in store.swapped:
         raw = np.fromfile(store.paths[index], dtype=np.uint16)[: store.shares[index]]
-        out["files_match"][nvme.plan.params[index].name] = bool(np.array_equal(raw, memory.model.store.read(index).view(torch.uint16).numpy()))
+        out["files_match"][nvme.plan.params[index].name] = bool(
+            np.array_equal(raw, memory.model.store.read(index).view(torch.uint16).numpy())
+        )
     out["file_sizes"] = {os.path.basename(store.paths[i]): os.path.getsize(store.paths[i]) for i in store.swapped}
     resumed = Trainer(replace(config, nvme_path=f"{folder}/nvme_resumed", nvme_params=True, resume=f"{folder}/ckpt"))
     out["resumed_losses"] = [resumed.train_step().loss for _ in range(config.steps - 2)]
@@ -308,8 +431,12 @@ def test_nvme_params_train_as_in_memory_bit_for_bit(param_runs):
         assert result["resumed_losses"] == result["nvme_losses"][2:]
         assert all(torch.equal(result["resumed_final"][n], t) for n, t in result["nvme_final"].items())
         # 4096 x 256 / 2 ranks = 524288 bf16 elements = 1 MiB: at the threshold, already aligned
-        assert sorted(result["file_sizes"].values()) == [1 << 20, 1 << 20] and "0_param.tensor.swp" in result["file_sizes"]  # wte: ds_id 0
-        assert sorted(os.listdir(folder / "nvme" / "zero_stage_3" / "bfloat16params" / f"rank{rank}")) == sorted(result["file_sizes"])
+        assert (
+            sorted(result["file_sizes"].values()) == [1 << 20, 1 << 20] and "0_param.tensor.swp" in result["file_sizes"]
+        )  # wte: ds_id 0
+        assert sorted(os.listdir(folder / "nvme" / "zero_stage_3" / "bfloat16params" / f"rank{rank}")) == sorted(
+            result["file_sizes"]
+        )
 
 
 @pytest.mark.slow
@@ -320,7 +447,9 @@ def test_swap_folder_reader_finds_the_params_current(param_runs):
     state = open_training_state(folder / "ckpt", swap_folder=folder / "nvme")
     notes = state.index.notes
     # the trainable embedding (the frozen lm head has no master to compare with)
-    assert "16-bit param swaps of 1 param(s) (1048576 elements) equal the fp32 masters rounded to bfloat16" in notes, notes
+    assert "16-bit param swaps of 1 param(s) (1048576 elements) equal the fp32 masters rounded to bfloat16" in notes, (
+        notes
+    )
 
 
 _GROWTH = """
@@ -348,12 +477,18 @@ def test_memory_does_not_grow_with_depth_under_nvme_params(tmp_path):
     for mode, extra in (("memory", {}), ("nvme", {"nvme_params": True, "bounded_memory": True})):
         for layers in (1, 5):
             more = {**extra, "nvme_path": str(tmp_path / f"{mode}{layers}")} if extra else {}
-            done = subprocess.run([sys.executable, "-c", _GROWTH, json.dumps({**options, **more, "layers": layers})], capture_output=True, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            done = subprocess.run(
+                [sys.executable, "-c", _GROWTH, json.dumps({**options, **more, "layers": layers})],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             assert done.returncode == 0, done.stderr
             runs[mode, layers] = json.loads(done.stdout)
     state = runs["memory", 5]["state"] - runs["memory", 1]["state"]
-    assert state > 200 << 20 and runs["nvme", 5]["swapped_params"] == 4 * 5  # 4 matrices a layer (the embedding is under 1 MiB)
+    assert (
+        state > 200 << 20 and runs["nvme", 5]["swapped_params"] == 4 * 5
+    )  # 4 matrices a layer (the embedding is under 1 MiB)
     grown = {mode: runs[mode, 5]["resident"] - runs[mode, 1]["resident"] for mode in ("memory", "nvme")}
     assert grown["memory"] > 0.8 * state, (grown, state)
     assert grown["nvme"] < 0.15 * state, (grown, state)

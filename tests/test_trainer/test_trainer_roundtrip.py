@@ -20,8 +20,33 @@ def _script():
 
 @pytest.mark.slow
 def test_roundtrip_two_to_three_ranks(tmp_path, capsys):
-    code = _script().main(["--from-world", "2", "--to-world", "3", "--steps", "5", "--save-at", "3", "--layers", "1", "--dim", "16",
-                           "--heads", "2", "--vocab", "29", "--seq-len", "8", "--sub-group-size", "300", "--tie-embeddings", "--work-dir", str(tmp_path)])
+    code = _script().main(
+        [
+            "--from-world",
+            "2",
+            "--to-world",
+            "3",
+            "--steps",
+            "5",
+            "--save-at",
+            "3",
+            "--layers",
+            "1",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--vocab",
+            "29",
+            "--seq-len",
+            "8",
+            "--sub-group-size",
+            "300",
+            "--tie-embeddings",
+            "--work-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     lines = out.splitlines()
@@ -37,11 +62,41 @@ def test_roundtrip_refuses_a_batch_it_cannot_split(tmp_path, capsys):
 def test_roundtrip_with_nvme_two_to_three_ranks(tmp_path, capsys):
     """The same trip with NVMe offload of params, gradients and optimizer state: sub-groups of
     800000 elements, the 4096 x 256 embedding and lm head are swapped at 2 ranks and at 3."""
-    code = _script().main(["--nvme-params", "--from-world", "2", "--to-world", "3", "--steps", "4", "--save-at", "2", "--layers", "1", "--dim", "256",
-                           "--heads", "4", "--vocab", "4096", "--seq-len", "8", "--micro-batch", "3", "--grad-accum", "1", "--sub-group-size", "800000",
-                           "--work-dir", str(tmp_path)])
+    code = _script().main(
+        [
+            "--nvme-params",
+            "--from-world",
+            "2",
+            "--to-world",
+            "3",
+            "--steps",
+            "4",
+            "--save-at",
+            "2",
+            "--layers",
+            "1",
+            "--dim",
+            "256",
+            "--heads",
+            "4",
+            "--vocab",
+            "4096",
+            "--seq-len",
+            "8",
+            "--micro-batch",
+            "3",
+            "--grad-accum",
+            "1",
+            "--sub-group-size",
+            "800000",
+            "--work-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     lines = out.splitlines()
     assert lines[-1] == "round trip passed" and len(lines) == 10 and all(line.startswith("ok") for line in lines[:-1])
-    assert "offloaded_tensors/ of the 2 ranks" in out and "sub-group(s) and 2 param(s) per rank on NVMe" in out  # the embedding and the lm head
+    assert (
+        "offloaded_tensors/ of the 2 ranks" in out and "sub-group(s) and 2 param(s) per rank on NVMe" in out
+    )  # the embedding and the lm head

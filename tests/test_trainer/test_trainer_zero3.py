@@ -15,7 +15,20 @@ from zckpt.trainer.ranks import run_ranks
 from zckpt.trainer.zero3 import Comm, ShardedModel, plan_zero3
 
 # numels 170, 70, 10, 300, 30, ...: none divisible by 3, most not by 2
-TINY = dict(layers=1, dim=10, heads=2, vocab=17, seq_len=7, micro_batch=2, grad_accum=2, lr=1e-2, warmup=2, clip=0.0, steps=4, seed=3)
+TINY = dict(
+    layers=1,
+    dim=10,
+    heads=2,
+    vocab=17,
+    seq_len=7,
+    micro_batch=2,
+    grad_accum=2,
+    lr=1e-2,
+    warmup=2,
+    clip=0.0,
+    steps=4,
+    seed=3,
+)
 
 
 def _gpt_run(rank: int, world: int, options: dict) -> dict:
@@ -42,8 +55,12 @@ def _reference_run(options: dict, world: int, lrs: list[float]) -> tuple[list[fl
     named = list(model.named_parameters())
     decay = [p for n, p in named if p.dim() >= 2]
     no_decay = [p for n, p in named if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=config.betas, eps=config.eps)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+    )
     data = TokenData(config.vocab, config.seq_len, config.seed)
     global_micro = config.micro_batch * world
     losses = []
@@ -86,7 +103,9 @@ def test_sharded_adamw_equals_torch_adamw(tmp_path_factory, world):
         assert other["losses"] == ours["losses"]
         assert all(torch.equal(other["params"][n], t) for n, t in ours["params"].items())
     losses, params = _reference(TINY, world, ours["lrs"])
-    assert ours["lrs"][:2] == [0.0, 0.0] and ours["lrs"][2] > 0  # DeepSpeed's WarmupDecayLR, stepped as the engine steps it
+    assert (
+        ours["lrs"][:2] == [0.0, 0.0] and ours["lrs"][2] > 0
+    )  # DeepSpeed's WarmupDecayLR, stepped as the engine steps it
     if world == 1:  # the same operations in the same order: the same bits
         assert ours["losses"] == losses
         for name, tensor in params.items():
@@ -138,8 +157,14 @@ def test_params_smaller_than_world_size(tmp_path_factory, world):
     torch.manual_seed(0)
     model = _Toy()
     named = dict(model.named_parameters())
-    optimizer = torch.optim.AdamW([{"params": [named["linear.weight"]], "weight_decay": 0.1},
-                                   {"params": [named["linear.bias"], named["gain"], named["offset"]], "weight_decay": 0.0}], lr=0.05, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [named["linear.weight"]], "weight_decay": 0.1},
+            {"params": [named["linear.bias"], named["gain"], named["offset"]], "weight_decay": 0.0},
+        ],
+        lr=0.05,
+        betas=(0.9, 0.99),
+    )
     inputs = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
     torch.set_num_threads(1)
     for _ in range(3):

@@ -28,7 +28,9 @@ from .shared import app
 from .signals import catch_signals
 
 # each registers its command on `app` when imported, in this order: the order --help lists them
-from . import consolidate, inspect, verify, reshard, to_universal, diff, nvme_plan, train  # noqa: F401, I001
+# isort: off
+from . import consolidate, inspect, verify, reshard, to_universal, diff, nvme_plan, train  # noqa: F401
+# isort: on
 
 __all__ = ["app", "main"]
 

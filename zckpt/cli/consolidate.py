@@ -9,7 +9,17 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import EXIT_USAGE, fail, guarded
-from .shared import Command, NoVerifyOption, QuietOption, SwapFolderOption, TagOption, WaitOption, app, swap_notes, with_progress
+from .shared import (
+    Command,
+    NoVerifyOption,
+    QuietOption,
+    SwapFolderOption,
+    TagOption,
+    WaitOption,
+    app,
+    swap_notes,
+    with_progress,
+)
 
 
 class Format(str, enum.Enum):
@@ -40,20 +50,85 @@ def file_list(files: tuple[str, ...]) -> str:
     ),
 )
 def consolidate(
-    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it.")],
-    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Folder for the weights (created if missing). Files appear only when all are complete.")],
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it."
+        ),
+    ],
+    output_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUTPUT_DIR",
+            help="Folder for the weights (created if missing). Files appear only when all are complete.",
+        ),
+    ],
     tag: TagOption = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="Dtype of floating tensors: fp32 (the exact masters; the default), or bf16/fp16 (rounded to nearest); float32, bfloat16 and float16 work too. Integer buffers keep their dtype. With --merge-into the default is the base model's dtype.")] = None,
-    format: Annotated[Format, typer.Option("--format", "-f", metavar="FORMAT", help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).")] = Format.safetensors,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", "--max_shard_size", metavar="SIZE", help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
-    exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", "--exclude_frozen_parameters", help="Leave out params that were frozen (requires_grad=False) in training.")] = False,
-    safe_serialization: Annotated[bool, typer.Option("--safe_serialization", help="Accepted for zero_to_fp32.py's users: safetensors is already the default.")] = False,
-    peft: Annotated[Optional[bool], typer.Option("--peft/--no-peft", help="A PEFT run's checkpoint: write PEFT's adapter folder (adapter_model.safetensors under PEFT's names, adapter_config.json, README.md). Default: when adapter_config.json is beside the checkpoint. --no-peft writes the raw tensors under their training names.", show_default=False)] = None,
-    merge_into: Annotated[Optional[Path], typer.Option("--merge-into", metavar="BASE_DIR", help="Merge the PEFT LoRA adapter into this Hugging Face model folder (config.json + safetensors) and write the full merged model, streamed one base tensor at a time; equal to PEFT's merge_and_unload().")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace weights files already in OUTPUT_DIR (stale shards are removed).")] = False,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="Dtype of floating tensors: fp32 (the exact masters; the default), or bf16/fp16 (rounded to nearest); float32, bfloat16 and float16 work too. Integer buffers keep their dtype. With --merge-into the default is the base model's dtype.",
+        ),
+    ] = None,
+    format: Annotated[
+        Format,
+        typer.Option(
+            "--format",
+            "-f",
+            metavar="FORMAT",
+            help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).",
+        ),
+    ] = Format.safetensors,
+    max_shard_size: Annotated[
+        str,
+        typer.Option(
+            "--max-shard-size",
+            "--max_shard_size",
+            metavar="SIZE",
+            help="Largest shard before splitting into model-0000k-of-0000n files plus an index, e.g. 5GB, 500MB, 2GiB.",
+        ),
+    ] = "5GB",
+    exclude_frozen: Annotated[
+        bool,
+        typer.Option(
+            "--exclude-frozen",
+            "--exclude_frozen_parameters",
+            help="Leave out params that were frozen (requires_grad=False) in training.",
+        ),
+    ] = False,
+    safe_serialization: Annotated[
+        bool,
+        typer.Option(
+            "--safe_serialization", help="Accepted for zero_to_fp32.py's users: safetensors is already the default."
+        ),
+    ] = False,
+    peft: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--peft/--no-peft",
+            help="A PEFT run's checkpoint: write PEFT's adapter folder (adapter_model.safetensors under PEFT's names, adapter_config.json, README.md). Default: when adapter_config.json is beside the checkpoint. --no-peft writes the raw tensors under their training names.",
+            show_default=False,
+        ),
+    ] = None,
+    merge_into: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--merge-into",
+            metavar="BASE_DIR",
+            help="Merge the PEFT LoRA adapter into this Hugging Face model folder (config.json + safetensors) and write the full merged model, streamed one base tensor at a time; equal to PEFT's merge_and_unload().",
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace weights files already in OUTPUT_DIR (stale shards are removed)."),
+    ] = False,
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
-    debug: Annotated[bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")
+    ] = False,
     swap_folder: SwapFolderOption = None,
     wait: WaitOption = False,
 ) -> None:

@@ -27,11 +27,32 @@ from .shared import Command, NoVerifyOption, app, with_progress
     ),
 )
 def diff(
-    a: Annotated[Path, typer.Argument(metavar="A", help="A DeepSpeed checkpoint (folder, tag folder, checkpoint-N), a universal folder, or weights: a .safetensors or torch .bin/.pt file, an .index.json, or their folder.")],
-    b: Annotated[Path, typer.Argument(metavar="B", help="The same kinds as A; relative differences are taken against B.")],
-    atol: Annotated[float, typer.Option("--atol", metavar="X", min=0.0, help="Absolute tolerance; with --rtol 0 too, values must be equal.")] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", metavar="Y", min=0.0, help="Relative tolerance, a multiple of |B|.")] = 0.0,
-    states: Annotated[bool, typer.Option("--states", help="Also compare optimizer states (exp_avg, ..., steps, hyperparameters, counters); a side without them (weights) makes the states differ.")] = False,
+    a: Annotated[
+        Path,
+        typer.Argument(
+            metavar="A",
+            help="A DeepSpeed checkpoint (folder, tag folder, checkpoint-N), a universal folder, or weights: a .safetensors or torch .bin/.pt file, an .index.json, or their folder.",
+        ),
+    ],
+    b: Annotated[
+        Path, typer.Argument(metavar="B", help="The same kinds as A; relative differences are taken against B.")
+    ],
+    atol: Annotated[
+        float,
+        typer.Option(
+            "--atol", metavar="X", min=0.0, help="Absolute tolerance; with --rtol 0 too, values must be equal."
+        ),
+    ] = 0.0,
+    rtol: Annotated[
+        float, typer.Option("--rtol", metavar="Y", min=0.0, help="Relative tolerance, a multiple of |B|.")
+    ] = 0.0,
+    states: Annotated[
+        bool,
+        typer.Option(
+            "--states",
+            help="Also compare optimizer states (exp_avg, ..., steps, hyperparameters, counters); a side without them (weights) makes the states differ.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON.")] = False,
     no_verify: NoVerifyOption = False,
 ) -> None:
@@ -41,10 +62,13 @@ def diff(
     and relative difference and how many elements differ. Values are compared in float64, so a
     bf16 output can be compared with fp32 masters (its dtype difference is reported too).
     """
-    from ..ops.diff import diff as run_diff, render
+    from ..ops.diff import diff as run_diff
+    from ..ops.diff import render
 
     report = with_progress(
-        False, "comparing", lambda progress: run_diff(a, b, atol=atol, rtol=rtol, states=states, progress=progress, verify=not no_verify)
+        False,
+        "comparing",
+        lambda progress: run_diff(a, b, atol=atol, rtol=rtol, states=states, progress=progress, verify=not no_verify),
     )
     for side in (report.a, report.b):
         for note in side.notes:

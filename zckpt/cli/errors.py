@@ -28,7 +28,13 @@ ERROR_EXITS: tuple[tuple[type[BaseException], Callable[[Any], tuple[str, int]]],
     (KeyboardInterrupt, lambda exc: ("interrupted; nothing was written", EXIT_INTERRUPTED)),
     (MemoryError, lambda exc: ("out of memory", EXIT_BAD_INPUT)),
     # a bug, or bad input we failed to classify: still one line
-    (Exception, lambda exc: (f"internal error: {type(exc).__name__}: {exc} (run with ZCKPT_DEBUG=1 for the traceback)", EXIT_BAD_INPUT)),
+    (
+        Exception,
+        lambda exc: (
+            f"internal error: {type(exc).__name__}: {exc} (run with ZCKPT_DEBUG=1 for the traceback)",
+            EXIT_BAD_INPUT,
+        ),
+    ),
 )
 ANSWERED = tuple(kind for kind, _ in ERROR_EXITS)
 
@@ -66,4 +72,3 @@ def guarded(action: Callable[[], Any], debug: bool = False) -> Any:
         return result
     except ANSWERED as exc:
         fail(*exit_for(exc))
-

@@ -24,11 +24,30 @@ from .shared import Command, TagOption, app
     ),
 )
 def inspect(
-    path: Annotated[Path, typer.Argument(metavar="PATH", help="A DeepSpeed checkpoint folder or tag folder, a consolidated folder, a .safetensors file, an .index.json, or a torch .bin/.pt file.")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="PATH",
+            help="A DeepSpeed checkpoint folder or tag folder, a consolidated folder, a .safetensors file, an .index.json, or a torch .bin/.pt file.",
+        ),
+    ],
     tag: TagOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="Also read every byte of the checkpoint files and check their CRC-32 checksums (a full pass over the data).")] = False,
-    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", metavar="CKPT", help="With a swap folder as PATH: a checkpoint of the same run, to name what each swap file holds, check the files against its layout and compare the 16-bit param swaps with the fp32 masters.")] = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Also read every byte of the checkpoint files and check their CRC-32 checksums (a full pass over the data).",
+        ),
+    ] = False,
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--checkpoint",
+            metavar="CKPT",
+            help="With a swap folder as PATH: a checkpoint of the same run, to name what each swap file holds, check the files against its layout and compare the 16-bit param swaps with the fp32 masters.",
+        ),
+    ] = None,
 ) -> None:
     """Tell what a checkpoint, weights file or live ZeRO-Infinity swap folder holds and whether it is complete (exit 3 if not)."""
     from ..ops.inspect import inspect_path, render

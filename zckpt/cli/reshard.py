@@ -38,14 +38,41 @@ from .shared import (
     ),
 )
 def reshard(
-    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a Hugging Face checkpoint-N folder.")],
-    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Checkpoint folder to write (created if missing): latest, the tag folder, and the files beside it.")],
-    world_size: Annotated[int, typer.Option("--world-size", "-w", metavar="M", help="Data-parallel ranks of the run that will load it.")],
-    stage: Annotated[Optional[Stage], typer.Option("--stage", metavar="STAGE", help="ZeRO stage of that run: 1, 2 or 3 (default: the checkpoint's).")] = None,
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            metavar="CHECKPOINT",
+            help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a Hugging Face checkpoint-N folder.",
+        ),
+    ],
+    output_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUTPUT_DIR",
+            help="Checkpoint folder to write (created if missing): latest, the tag folder, and the files beside it.",
+        ),
+    ],
+    world_size: Annotated[
+        int, typer.Option("--world-size", "-w", metavar="M", help="Data-parallel ranks of the run that will load it.")
+    ],
+    stage: Annotated[
+        Optional[Stage],
+        typer.Option("--stage", metavar="STAGE", help="ZeRO stage of that run: 1, 2 or 3 (default: the checkpoint's)."),
+    ] = None,
     tag: TagOption = None,
-    config: Annotated[Optional[Path], typer.Option("--config", metavar="FILE", help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.")] = None,
+    config: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--config",
+            metavar="FILE",
+            help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.",
+        ),
+    ] = None,
     workers: WorkersOption = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already."),
+    ] = False,
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
@@ -68,8 +95,17 @@ def reshard(
         quiet or not primary,
         "resharding",
         lambda progress: run_reshard(
-            checkpoint, output_dir, world_size=world_size, stage=int(stage.value) if stage else None, tag=tag,
-            config=config, overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify, swap_folder=swap_folder,
+            checkpoint,
+            output_dir,
+            world_size=world_size,
+            stage=int(stage.value) if stage else None,
+            tag=tag,
+            config=config,
+            overwrite=overwrite,
+            workers=workers,
+            progress=progress,
+            verify=not no_verify,
+            swap_folder=swap_folder,
             wait=wait,
         ),
     )

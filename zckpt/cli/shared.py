@@ -63,7 +63,9 @@ def _show_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     pass
 
@@ -76,19 +78,44 @@ class Stage(str, enum.Enum):
 
 TagOption = Annotated[
     Optional[str],
-    typer.Option("--tag", "-t", metavar="TAG", help="Tag folder to read, e.g. global_step1000. Default: the one named in 'latest'."),
+    typer.Option(
+        "--tag",
+        "-t",
+        metavar="TAG",
+        help="Tag folder to read, e.g. global_step1000. Default: the one named in 'latest'.",
+    ),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
-WorkersOption = Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files written at once (default: two per CPU).")]
+WorkersOption = Annotated[
+    Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files written at once (default: two per CPU).")
+]
 SwapFolderOption = Annotated[
     Optional[Path],
-    typer.Option("--swap-folder", metavar="NVME_PATH", help="A live ZeRO-Infinity swap folder of the same run (the nvme_path, or its zero_stage_3/): CHECKPOINT, any checkpoint of the run, gives the layout; the swap folder the newest fp32 masters and optimizer states of every swapped sub-group."),
+    typer.Option(
+        "--swap-folder",
+        metavar="NVME_PATH",
+        help="A live ZeRO-Infinity swap folder of the same run (the nvme_path, or its zero_stage_3/): CHECKPOINT, any checkpoint of the run, gives the layout; the swap folder the newest fp32 masters and optimizer states of every swapped sub-group.",
+    ),
 ]
-WaitOption = Annotated[bool, typer.Option("--wait", help="If another zckpt run is writing OUTPUT_DIR, wait until it ends instead of refusing, then write (the usual checks apply).")]
-NoVerifyOption = Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-32 check of the checkpoint records whose bytes are used (on by default; it costs one read of those bytes from the page cache).")]
+WaitOption = Annotated[
+    bool,
+    typer.Option(
+        "--wait",
+        help="If another zckpt run is writing OUTPUT_DIR, wait until it ends instead of refusing, then write (the usual checks apply).",
+    ),
+]
+NoVerifyOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify",
+        help="Skip the CRC-32 check of the checkpoint records whose bytes are used (on by default; it costs one read of those bytes from the page cache).",
+    ),
+]
 
 
-def with_progress(quiet: bool, description: str, call: Callable[[Callable[[int, int], None]], Any], debug: bool = False) -> Any:
+def with_progress(
+    quiet: bool, description: str, call: Callable[[Callable[[int, int], None]], Any], debug: bool = False
+) -> Any:
     """Run `call(progress)` guarded (see guarded), with a progress bar while it runs."""
     update, close = progress_bar(quiet, description)
     try:

@@ -37,12 +37,33 @@ from .shared import (
     ),
 )
 def to_universal(
-    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.")],
-    output_dir: Annotated[Path, typer.Argument(metavar="OUTPUT_DIR", help="Folder to write <tag>_universal/ and latest_universal into (created if missing; may be the checkpoint folder itself).")],
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            metavar="CHECKPOINT",
+            help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.",
+        ),
+    ],
+    output_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUTPUT_DIR",
+            help="Folder to write <tag>_universal/ and latest_universal into (created if missing; may be the checkpoint folder itself).",
+        ),
+    ],
     tag: TagOption = None,
-    target_stage: Annotated[Optional[Stage], typer.Option("--target-stage", metavar="STAGE", help="ZeRO stage of the run that will load it: 1, 2 or 3 (default: the checkpoint's). DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files.")] = None,
+    target_stage: Annotated[
+        Optional[Stage],
+        typer.Option(
+            "--target-stage",
+            metavar="STAGE",
+            help="ZeRO stage of the run that will load it: 1, 2 or 3 (default: the checkpoint's). DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files.",
+        ),
+    ] = None,
     workers: WorkersOption = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the universal folder if OUTPUT_DIR has it already.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace the universal folder if OUTPUT_DIR has it already.")
+    ] = False,
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
@@ -62,8 +83,15 @@ def to_universal(
         quiet or not primary,
         "converting",
         lambda progress: run_to_universal(
-            checkpoint, output_dir, tag=tag, target_stage=int(target_stage.value) if target_stage else None,
-            overwrite=overwrite, workers=workers, progress=progress, verify=not no_verify, swap_folder=swap_folder,
+            checkpoint,
+            output_dir,
+            tag=tag,
+            target_stage=int(target_stage.value) if target_stage else None,
+            overwrite=overwrite,
+            workers=workers,
+            progress=progress,
+            verify=not no_verify,
+            swap_folder=swap_folder,
             wait=wait,
         ),
     )

@@ -33,46 +33,241 @@ from .shared import Command, QuietOption, app, primary_process
     ),
 )
 def train(
-    out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="Checkpoint folder (latest, global_stepN/, model_config.json). Without it nothing is saved.")] = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", min=1, metavar="N", help="Optimizer steps to reach, counted from the start of the run (resumed steps included); the lr decay ends there. Default: 20; on --resume, the end of the checkpoint's schedule.", show_default=False)] = None,
-    save_every: Annotated[Optional[int], typer.Option("--save-every", min=0, metavar="N", help="Save every N steps (default 0: only at the end).", show_default=False)] = None,
-    layers: Annotated[Optional[int], typer.Option("--layers", min=1, metavar="N", help="Transformer blocks (default 2).", show_default=False)] = None,
-    dim: Annotated[Optional[int], typer.Option("--dim", min=1, metavar="N", help="Model width: embedding and hidden size (default 64; a multiple of --heads).", show_default=False)] = None,
-    heads: Annotated[Optional[int], typer.Option("--heads", min=1, metavar="N", help="Attention heads per block (default 4).", show_default=False)] = None,
-    vocab: Annotated[Optional[int], typer.Option("--vocab", min=1, metavar="N", help="Vocabulary size: token ids 0..N-1 (default 256; at least 256 with --data).", show_default=False)] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, metavar="N", help="Tokens per sequence, the model's context length (default 64).", show_default=False)] = None,
-    micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", min=1, metavar="N", help="Sequences per rank per micro-step (default 4).", show_default=False)] = None,
-    grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", min=1, metavar="N", help="Micro-steps per optimizer step (default 1).", show_default=False)] = None,
-    lr: Annotated[Optional[float], typer.Option("--lr", metavar="LR", help="Peak learning rate (default 0.001; DeepSpeed's WarmupDecayLR: linear warmup from 0, then linear decay to 0 at --steps).", show_default=False)] = None,
-    warmup: Annotated[Optional[int], typer.Option("--warmup", min=0, metavar="N", help="Warmup steps (default 0: no warmup and no decay, a constant lr).", show_default=False)] = None,
-    clip: Annotated[Optional[float], typer.Option("--clip", min=0.0, metavar="NORM", help="Gradient clipping by global norm (default 1.0; 0: none).", show_default=False)] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", metavar="DTYPE", help="Compute dtype: fp32 (default), bf16 or fp16 (dynamic loss scaling). Masters are fp32.", show_default=False)] = None,
-    tie_embeddings: Annotated[Optional[bool], typer.Option("--tie-embeddings/--no-tie-embeddings", help="The lm head shares the token embedding (default: not).", show_default=False)] = None,
-    freeze: Annotated[Optional[str], typer.Option("--freeze", metavar="REGEX", help="Freeze the params whose names match.")] = None,
-    sub_group_size: Annotated[Optional[int], typer.Option("--sub-group-size", min=0, metavar="N", help="ZeRO-3 optimizer sub-group size (elements per rank), as DeepSpeed's (default 1000000000; 0: one sub-group per param).", show_default=False)] = None,
-    nvme_path: Annotated[Optional[Path], typer.Option("--nvme-path", metavar="DIR", help="NVMe offload: the fp32 masters, Adam moments and gradients of sub-groups of at least 1 MiB per rank live in DeepSpeed's swap files under DIR/zero_stage_3/optimizer/rank<R>/, streamed through a fixed buffer pool; checkpoints get offloaded_tensors/.")] = None,
-    nvme_params: Annotated[bool, typer.Option("--nvme-params", help="With --nvme-path, the param shares too (DeepSpeed's offload_param): those of at least 1 MiB per rank live in DIR/zero_stage_3/<dtype>params/rank<R>/<ds_id>_param.tensor.swp and are read when a module gathers them.")] = False,
-    bounded_memory: Annotated[bool, typer.Option("--bounded-memory", help="Have glibc unmap every freed block of 1 MiB or more, so resident memory stays at the params in use, the swap buffers and the activations whatever the depth (with --nvme-params); steps take longer (measured 1.3-1.5x).")] = False,
-    resume: Annotated[Optional[Path], typer.Option("--resume", metavar="PATH", help="Resume from a checkpoint: zckpt's, DeepSpeed's ZeRO-3, resharded or universal; any world size. Its model, dtype and schedule are taken from it (a checkpoint without model_config.json needs --layers --dim --heads --vocab --seq-len).")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", min=0, metavar="N", help="Seed of the init and of the synthetic data stream (default 0; on --resume it only picks the data: give the first run's to continue its stream).", show_default=False)] = None,
-    data: Annotated[Optional[Path], typer.Option("--data", metavar="FILE", help="A text file read as bytes (--vocab >= 256); default: deterministic synthetic tokens.")] = None,
-    device: Annotated[Optional[str], typer.Option("--device", metavar="DEVICE", help="auto (default), cpu or cuda. auto: each rank's GPU (cuda:LOCAL_RANK, nccl) when torch sees CUDA, else CPU (gloo). On CUDA the shares, optimizer and swap files stay in host memory.", show_default=False)] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--out",
+            metavar="DIR",
+            help="Checkpoint folder (latest, global_stepN/, model_config.json). Without it nothing is saved.",
+        ),
+    ] = None,
+    steps: Annotated[
+        Optional[int],
+        typer.Option(
+            "--steps",
+            min=1,
+            metavar="N",
+            help="Optimizer steps to reach, counted from the start of the run (resumed steps included); the lr decay ends there. Default: 20; on --resume, the end of the checkpoint's schedule.",
+            show_default=False,
+        ),
+    ] = None,
+    save_every: Annotated[
+        Optional[int],
+        typer.Option(
+            "--save-every",
+            min=0,
+            metavar="N",
+            help="Save every N steps (default 0: only at the end).",
+            show_default=False,
+        ),
+    ] = None,
+    layers: Annotated[
+        Optional[int],
+        typer.Option("--layers", min=1, metavar="N", help="Transformer blocks (default 2).", show_default=False),
+    ] = None,
+    dim: Annotated[
+        Optional[int],
+        typer.Option(
+            "--dim",
+            min=1,
+            metavar="N",
+            help="Model width: embedding and hidden size (default 64; a multiple of --heads).",
+            show_default=False,
+        ),
+    ] = None,
+    heads: Annotated[
+        Optional[int],
+        typer.Option("--heads", min=1, metavar="N", help="Attention heads per block (default 4).", show_default=False),
+    ] = None,
+    vocab: Annotated[
+        Optional[int],
+        typer.Option(
+            "--vocab",
+            min=1,
+            metavar="N",
+            help="Vocabulary size: token ids 0..N-1 (default 256; at least 256 with --data).",
+            show_default=False,
+        ),
+    ] = None,
+    seq_len: Annotated[
+        Optional[int],
+        typer.Option(
+            "--seq-len",
+            min=1,
+            metavar="N",
+            help="Tokens per sequence, the model's context length (default 64).",
+            show_default=False,
+        ),
+    ] = None,
+    micro_batch: Annotated[
+        Optional[int],
+        typer.Option(
+            "--micro-batch",
+            min=1,
+            metavar="N",
+            help="Sequences per rank per micro-step (default 4).",
+            show_default=False,
+        ),
+    ] = None,
+    grad_accum: Annotated[
+        Optional[int],
+        typer.Option(
+            "--grad-accum", min=1, metavar="N", help="Micro-steps per optimizer step (default 1).", show_default=False
+        ),
+    ] = None,
+    lr: Annotated[
+        Optional[float],
+        typer.Option(
+            "--lr",
+            metavar="LR",
+            help="Peak learning rate (default 0.001; DeepSpeed's WarmupDecayLR: linear warmup from 0, then linear decay to 0 at --steps).",
+            show_default=False,
+        ),
+    ] = None,
+    warmup: Annotated[
+        Optional[int],
+        typer.Option(
+            "--warmup",
+            min=0,
+            metavar="N",
+            help="Warmup steps (default 0: no warmup and no decay, a constant lr).",
+            show_default=False,
+        ),
+    ] = None,
+    clip: Annotated[
+        Optional[float],
+        typer.Option(
+            "--clip",
+            min=0.0,
+            metavar="NORM",
+            help="Gradient clipping by global norm (default 1.0; 0: none).",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="Compute dtype: fp32 (default), bf16 or fp16 (dynamic loss scaling). Masters are fp32.",
+            show_default=False,
+        ),
+    ] = None,
+    tie_embeddings: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--tie-embeddings/--no-tie-embeddings",
+            help="The lm head shares the token embedding (default: not).",
+            show_default=False,
+        ),
+    ] = None,
+    freeze: Annotated[
+        Optional[str], typer.Option("--freeze", metavar="REGEX", help="Freeze the params whose names match.")
+    ] = None,
+    sub_group_size: Annotated[
+        Optional[int],
+        typer.Option(
+            "--sub-group-size",
+            min=0,
+            metavar="N",
+            help="ZeRO-3 optimizer sub-group size (elements per rank), as DeepSpeed's (default 1000000000; 0: one sub-group per param).",
+            show_default=False,
+        ),
+    ] = None,
+    nvme_path: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--nvme-path",
+            metavar="DIR",
+            help="NVMe offload: the fp32 masters, Adam moments and gradients of sub-groups of at least 1 MiB per rank live in DeepSpeed's swap files under DIR/zero_stage_3/optimizer/rank<R>/, streamed through a fixed buffer pool; checkpoints get offloaded_tensors/.",
+        ),
+    ] = None,
+    nvme_params: Annotated[
+        bool,
+        typer.Option(
+            "--nvme-params",
+            help="With --nvme-path, the param shares too (DeepSpeed's offload_param): those of at least 1 MiB per rank live in DIR/zero_stage_3/<dtype>params/rank<R>/<ds_id>_param.tensor.swp and are read when a module gathers them.",
+        ),
+    ] = False,
+    bounded_memory: Annotated[
+        bool,
+        typer.Option(
+            "--bounded-memory",
+            help="Have glibc unmap every freed block of 1 MiB or more, so resident memory stays at the params in use, the swap buffers and the activations whatever the depth (with --nvme-params); steps take longer (measured 1.3-1.5x).",
+        ),
+    ] = False,
+    resume: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--resume",
+            metavar="PATH",
+            help="Resume from a checkpoint: zckpt's, DeepSpeed's ZeRO-3, resharded or universal; any world size. Its model, dtype and schedule are taken from it (a checkpoint without model_config.json needs --layers --dim --heads --vocab --seq-len).",
+        ),
+    ] = None,
+    seed: Annotated[
+        Optional[int],
+        typer.Option(
+            "--seed",
+            min=0,
+            metavar="N",
+            help="Seed of the init and of the synthetic data stream (default 0; on --resume it only picks the data: give the first run's to continue its stream).",
+            show_default=False,
+        ),
+    ] = None,
+    data: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--data",
+            metavar="FILE",
+            help="A text file read as bytes (--vocab >= 256); default: deterministic synthetic tokens.",
+        ),
+    ] = None,
+    device: Annotated[
+        Optional[str],
+        typer.Option(
+            "--device",
+            metavar="DEVICE",
+            help="auto (default), cpu or cuda. auto: each rank's GPU (cuda:LOCAL_RANK, nccl) when torch sees CUDA, else CPU (gloo). On CUDA the shares, optimizer and swap files stay in host memory.",
+            show_default=False,
+        ),
+    ] = None,
     quiet: QuietOption = False,
 ) -> None:
     """Train a GPT-style model with ZeRO-3 on torch.distributed (CPU and gloo, or CUDA and nccl).
 
     One process as is; several under torchrun. Checkpoints are DeepSpeed ZeRO-3 checkpoints
     (zero_to_fp32, zckpt consolidate and a DeepSpeed engine read them)."""
-    from ..trainer import plan_training, train as run_train
+    from ..trainer import plan_training
+    from ..trainer import train as run_train
 
     def text(path: Optional[Path]) -> Optional[str]:
         return None if path is None else str(path)
 
     options = dict(
-        out=text(out), steps=steps, save_every=save_every, layers=layers, dim=dim, heads=heads, vocab=vocab, seq_len=seq_len,
-        micro_batch=micro_batch, grad_accum=grad_accum, lr=lr, warmup=warmup, clip=clip, dtype=dtype.lower() if dtype else None,
-        tie_embeddings=tie_embeddings, freeze=freeze, sub_group_size=sub_group_size, nvme_path=text(nvme_path), nvme_params=nvme_params or None,
-        bounded_memory=bounded_memory or None, resume=text(resume), seed=seed, data=text(data), device=device.lower() if device else None,
+        out=text(out),
+        steps=steps,
+        save_every=save_every,
+        layers=layers,
+        dim=dim,
+        heads=heads,
+        vocab=vocab,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        lr=lr,
+        warmup=warmup,
+        clip=clip,
+        dtype=dtype.lower() if dtype else None,
+        tie_embeddings=tie_embeddings,
+        freeze=freeze,
+        sub_group_size=sub_group_size,
+        nvme_path=text(nvme_path),
+        nvme_params=nvme_params or None,
+        bounded_memory=bounded_memory or None,
+        resume=text(resume),
+        seed=seed,
+        data=text(data),
+        device=device.lower() if device else None,
     )
     plan = guarded(lambda: plan_training({name: value for name, value in options.items() if value is not None}))
     config = plan.config
@@ -108,14 +303,20 @@ def train(
         if bar is not None:
             bar.close()
     if not quiet and primary_process() and result.checkpoints and out is not None:
-        typer.echo(f"wrote {out}/{result.checkpoints[-1]} ({result.global_steps} steps, {result.skipped_steps} skipped)")
+        typer.echo(
+            f"wrote {out}/{result.checkpoints[-1]} ({result.global_steps} steps, {result.skipped_steps} skipped)"
+        )
     if not quiet and primary_process() and result.swapped_sub_groups is not None:
         swapped, total = result.swapped_sub_groups
-        typer.echo(f"NVMe offload: {swapped} of {total} optimizer sub-groups per rank in {nvme_path}/zero_stage_3/optimizer/ "
-                   "(DeepSpeed swaps those of at least 1 MiB of fp32 per rank)")
+        typer.echo(
+            f"NVMe offload: {swapped} of {total} optimizer sub-groups per rank in {nvme_path}/zero_stage_3/optimizer/ "
+            "(DeepSpeed swaps those of at least 1 MiB of fp32 per rank)"
+        )
     if not quiet and primary_process() and result.swapped_params is not None:
         swapped, total, folder = result.swapped_params
-        typer.echo(f"NVMe offload: {swapped} of {total} params per rank in {folder}/ (those of at least 1 MiB per rank)")
+        typer.echo(
+            f"NVMe offload: {swapped} of {total} params per rank in {folder}/ (those of at least 1 MiB per rank)"
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torch 2.13's gloo threads can abort a rank's interpreter exit ("terminate called without
         # an active exception"), which torchrun reports as a failed job; everything is written

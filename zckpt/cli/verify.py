@@ -24,12 +24,27 @@ from .shared import Command, SwapFolderOption, TagOption, app
     ),
 )
 def verify(
-    path: Annotated[Path, typer.Argument(metavar="PATH", help="A DeepSpeed checkpoint folder or tag folder, a universal folder, or consolidated weights (folder, .safetensors, .index.json, torch .bin).")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="PATH",
+            help="A DeepSpeed checkpoint folder or tag folder, a universal folder, or consolidated weights (folder, .safetensors, .index.json, torch .bin).",
+        ),
+    ],
     tag: TagOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
     scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor and report NaN and Inf values.")] = False,
-    workers: Annotated[Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files read at once (default: 2).")] = None,
-    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", metavar="CKPT", help="With a swap folder as PATH: a checkpoint of the same run, whose layout the swap files must fit.")] = None,
+    workers: Annotated[
+        Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files read at once (default: 2).")
+    ] = None,
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--checkpoint",
+            metavar="CKPT",
+            help="With a swap folder as PATH: a checkpoint of the same run, whose layout the swap files must fit.",
+        ),
+    ] = None,
     swap_folder: SwapFolderOption = None,
 ) -> None:
     """Judge a checkpoint before anyone runs on it: exit 0 when every check passes, 3 when any fails.
@@ -39,9 +54,14 @@ def verify(
     an interrupted zckpt run, with --scan no NaN/Inf; and says the disk and memory each zckpt
     operation on it would need.
     """
-    from ..ops.verify import render, verify as run_verify
+    from ..ops.verify import render
+    from ..ops.verify import verify as run_verify
 
-    report = guarded(lambda: run_verify(path, tag=tag, scan=scan, workers=workers or 2, checkpoint=checkpoint, swap_folder=swap_folder))
+    report = guarded(
+        lambda: run_verify(
+            path, tag=tag, scan=scan, workers=workers or 2, checkpoint=checkpoint, swap_folder=swap_folder
+        )
+    )
     typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
     if not report.ok:
         raise typer.Exit(EXIT_INCOMPLETE)

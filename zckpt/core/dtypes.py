@@ -41,7 +41,10 @@ class DType:
     def safetensors(self) -> str:
         """The safetensors header code; a clear error for dtypes safetensors cannot hold."""
         if self.safetensors_code is None:
-            raise UsageError(None, f"safetensors has no {self.name} dtype: {self.name} tensors can only be written in torch format (--format torch)")
+            raise UsageError(
+                None,
+                f"safetensors has no {self.name} dtype: {self.name} tensors can only be written in torch format (--format torch)",
+            )
         return self.safetensors_code
 
     def torch(self) -> "torch.dtype":
@@ -123,4 +126,3 @@ def by_name(name: str) -> DType:
 def from_torch(dtype: "torch.dtype") -> DType:
     """The DType of a torch dtype (``torch.float32`` -> FP32)."""
     return BY_NAME[str(dtype).removeprefix("torch.")]
-

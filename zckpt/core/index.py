@@ -134,7 +134,11 @@ class CheckpointIndex:
     def source_tag(self) -> str:
         """The tag of the training save: a universal folder's name less its ``_universal``."""
         suffix = "_universal"
-        return self.tag[: -len(suffix)] if self.universal and self.tag.endswith(suffix) and self.tag != suffix else self.tag
+        return (
+            self.tag[: -len(suffix)]
+            if self.universal and self.tag.endswith(suffix) and self.tag != suffix
+            else self.tag
+        )
 
     def names(self) -> list[str]:
         return [e.name for e in self.entries]

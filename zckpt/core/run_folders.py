@@ -27,6 +27,10 @@ def newest_trainer_checkpoint(folder: str, is_checkpoint: Callable[[str], bool])
         names = os.listdir(folder)
     except OSError:
         return None
-    found = [(int(m[1]), n) for n in names if (m := TRAINER_CHECKPOINT_RE.match(n)) and os.path.isdir(os.path.join(folder, n))]
+    found = [
+        (int(m[1]), n)
+        for n in names
+        if (m := TRAINER_CHECKPOINT_RE.match(n)) and os.path.isdir(os.path.join(folder, n))
+    ]
     usable = [(step, n) for step, n in found if is_checkpoint(os.path.join(folder, n))]
     return (max(usable)[1], len(found)) if usable else None

@@ -71,7 +71,10 @@ def path_component(name: object, where: str | os.PathLike[str] | None, what: str
     lead a read or a write outside its folder (``../x``, ``/tmp/x``) or be no file name at all."""
     problem = name_problem(name)
     if problem is not None:
-        raise UnsafePathError(where, f"{what} {shown(name)} cannot be a file name ({problem}); a name from a checkpoint must be one plain path component")
+        raise UnsafePathError(
+            where,
+            f"{what} {shown(name)} cannot be a file name ({problem}); a name from a checkpoint must be one plain path component",
+        )
     assert isinstance(name, str)
     return name
 
@@ -104,5 +107,8 @@ def regular_file_inside(path: str | os.PathLike[str], folder: str | os.PathLike[
     (``/etc/passwd``, ``~/.ssh/id_rsa``) into the output."""
     real = os.path.realpath(path)
     if not any(within(real, root) for root in input_roots(folder)):
-        raise UnsafePathError(path, f"leads to {real}, outside {os.fspath(folder)} (a symlink): zckpt takes files only from inside the input; copy the file in place of the link if you trust it")
+        raise UnsafePathError(
+            path,
+            f"leads to {real}, outside {os.fspath(folder)} (a symlink): zckpt takes files only from inside the input; copy the file in place of the link if you trust it",
+        )
     return os.path.isfile(real)

@@ -13,14 +13,30 @@ from ..core.dtypes import FP16
 from ..torchfile.pickler import GlobalName, PickledInstance
 from . import names as N
 from .run_config import read_run_config
-from .swap_rules import MAX_IN_CPU_DEFAULT, OPTIMIZER_BUFFER_COUNT_DEFAULT, offload_optimizer_section, offload_param_section
+from .swap_rules import (
+    MAX_IN_CPU_DEFAULT,
+    OPTIMIZER_BUFFER_COUNT_DEFAULT,
+    offload_optimizer_section,
+    offload_param_section,
+)
 
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
 FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint format the trainer writes
 DYNAMIC_LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 # DynamicLossScaler's attributes in the order its __init__ sets them (FORMAT_OBSERVED.md)
-_SCALER_FIELDS = ("cur_scale", "dynamic", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window", "min_scale",
-                  "delayed_shift", "cur_hysteresis", "consecutive_hysteresis", "raise_error_at_min_scale")
+_SCALER_FIELDS = (
+    "cur_scale",
+    "dynamic",
+    "cur_iter",
+    "last_overflow_iter",
+    "scale_factor",
+    "scale_window",
+    "min_scale",
+    "delayed_shift",
+    "cur_hysteresis",
+    "consecutive_hysteresis",
+    "raise_error_at_min_scale",
+)
 
 
 def engine_config(
@@ -56,11 +72,21 @@ def engine_config(
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         N.CONFIG_GRADIENT_CLIPPING: clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay, "torch_adam": True},
+        },
         "scheduler": scheduler,
         N.CONFIG_ZERO: zero,
         N.CONFIG_BF16[0]: {"enabled": dtype == "bf16"},
-        N.CONFIG_FP16: {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        N.CONFIG_FP16: {
+            "enabled": dtype == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
     }
 
 
@@ -92,7 +118,10 @@ def recorded_run(config: Any, world_size: int, ds_version: str | None, where: st
     DeepSpeed refuses: CorruptFileError naming `where`)."""
     config = config if isinstance(config, dict) else {}
     run = read_run_config(config, where, saved=True)
-    micro, accum, batch = (_count(config.get(k)) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"))
+    micro, accum, batch = (
+        _count(config.get(k))
+        for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    )
     if batch is None and micro is not None:
         batch = micro * (accum or 1) * world_size
     elif batch is not None and micro is None:
@@ -104,13 +133,30 @@ def recorded_run(config: Any, world_size: int, ds_version: str | None, where: st
     optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
     params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
     betas = params.get("betas")
-    betas = (float(betas[0]), float(betas[1])) if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(map(_is_number, betas)) else None
-    clip = run.gradient_clipping if run.gradient_clipping is not None else N.default_gradient_clipping(N.version_tuple(ds_version or "0.0"))
+    betas = (
+        (float(betas[0]), float(betas[1]))
+        if isinstance(betas, (list, tuple)) and len(betas) == 2 and all(map(_is_number, betas))
+        else None
+    )
+    clip = (
+        run.gradient_clipping
+        if run.gradient_clipping is not None
+        else N.default_gradient_clipping(N.version_tuple(ds_version or "0.0"))
+    )
     lr, warmup, total, other = _schedule(config.get("scheduler"), _number(params.get("lr")))
     return RecordedRun(
-        micro_batch=micro, grad_accum=accum or (1 if micro else None), global_batch=batch, lr=lr, warmup=warmup, total_steps=total,
-        clip=clip, sub_group_size=run.sub_group_size, betas=betas,
-        eps=_number(params.get("eps")), weight_decay=_number(params.get("weight_decay")), other_scheduler=other,
+        micro_batch=micro,
+        grad_accum=accum or (1 if micro else None),
+        global_batch=batch,
+        lr=lr,
+        warmup=warmup,
+        total_steps=total,
+        clip=clip,
+        sub_group_size=run.sub_group_size,
+        betas=betas,
+        eps=_number(params.get("eps")),
+        weight_decay=_number(params.get("weight_decay")),
+        other_scheduler=other,
     )
 
 
@@ -119,12 +165,18 @@ def _schedule(scheduler: Any, optimizer_lr: float | None) -> tuple[float | None,
     if scheduler is None:  # DeepSpeed keeps the optimizer's lr
         return optimizer_lr, 0, None, None
     kind = scheduler.get("type") if isinstance(scheduler, dict) else None
-    params = scheduler.get("params") if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict) else {}
+    params = (
+        scheduler.get("params") if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict) else {}
+    )
     if kind != "WarmupDecayLR":
         return None, None, None, f"{kind or 'an unnamed'} scheduler"
     # WarmupDecayLR's defaults where the config leaves a value out
     low, high = _number(params.get("warmup_min_lr", 0.0)), _number(params.get("warmup_max_lr", 0.001))
-    steps, total, shape = _count(params.get("warmup_num_steps", 1000)), _count(params.get("total_num_steps")), params.get("warmup_type", "log")
+    steps, total, shape = (
+        _count(params.get("warmup_num_steps", 1000)),
+        _count(params.get("total_num_steps")),
+        params.get("warmup_type", "log"),
+    )
     if high is None or high <= 0 or steps is None or total is None or shape != "linear" or low not in (0.0, high):
         return None, None, None, f"WarmupDecayLR with {shape} warmup from {low} to {high} over {steps} of {total} steps"
     return high, (0 if low == high else steps), total, None

@@ -170,7 +170,9 @@ def zero12_layout(
     _check_world(world_size)
     counts = list(partition_counts) if partition_counts is not None else [world_size] * len(groups)
     if len(counts) != len(groups) or any(c != world_size for c in counts):
-        raise ValueError(f"partition counts {counts} for {len(groups)} param groups over {world_size} ranks: each group must span every rank")
+        raise ValueError(
+            f"partition counts {counts} for {len(groups)} param groups over {world_size} ranks: each group must span every rank"
+        )
     params: list[LayoutParam] = [p for group in groups for p in group]
     flat_groups: list[FlatGroup] = []
     pieces: list[Piece] = []
@@ -221,10 +223,14 @@ def zero3_layout(groups: Sequence[Sequence[LayoutParam]], world_size: int, sub_g
     params = [p for group in groups for p in group]
     members = zero3_sub_groups([[p.numel for p in group] for group in groups], world_size, sub_group_size)
     sub_groups = [[params[i] for i in indices] for indices in members]
-    return zero3_layout_of_sub_groups(sub_groups, world_size, [params[indices[0]].group if indices else 0 for indices in members])
+    return zero3_layout_of_sub_groups(
+        sub_groups, world_size, [params[indices[0]].group if indices else 0 for indices in members]
+    )
 
 
-def zero3_layout_of_sub_groups(sub_groups: Sequence[Sequence[LayoutParam]], world_size: int, param_groups: Sequence[int] | None = None) -> ZeroLayout:
+def zero3_layout_of_sub_groups(
+    sub_groups: Sequence[Sequence[LayoutParam]], world_size: int, param_groups: Sequence[int] | None = None
+) -> ZeroLayout:
     """The ZeRO-3 layout of sub-groups given explicitly (as a checkpoint lists them);
     `param_groups[i]` is the param group of sub-group i (it overrides the params' own)."""
     _check_world(world_size)
@@ -245,7 +251,17 @@ def zero3_layout_of_sub_groups(sub_groups: Sequence[Sequence[LayoutParam]], worl
                 if length:
                     pieces.append(Piece(index, rank, flat, offset, rank * share, length))
             offset += share
-        flat_groups.append(FlatGroup(group, tuple(indices), offset, tuple(offset for _ in range(world_size)), (), world_size, tuple(range(world_size))))
+        flat_groups.append(
+            FlatGroup(
+                group,
+                tuple(indices),
+                offset,
+                tuple(offset for _ in range(world_size)),
+                (),
+                world_size,
+                tuple(range(world_size)),
+            )
+        )
     pieces.sort(key=lambda p: (p.param, p.rank))
     return ZeroLayout(3, world_size, tuple(params), tuple(flat_groups), tuple(pieces))
 

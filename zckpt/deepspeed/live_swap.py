@@ -17,7 +17,11 @@ def check_swap_folder(result: Survey, folder: swap.SwapFolder, zero3: bool) -> b
     """A swap folder belongs to a ZeRO-3 NVMe-offloaded run of the checkpoint's world size."""
     assert result.location is not None
     if not zero3 or result.offload != "nvme":
-        result.add(LayoutError, result.location.tag_dir, f"saved by a {'ZeRO-3' if zero3 else f'ZeRO-{result.zero_stage}'} run without offload_optimizer on NVMe: the swap folder {folder.root} cannot belong to its run")
+        result.add(
+            LayoutError,
+            result.location.tag_dir,
+            f"saved by a {'ZeRO-3' if zero3 else f'ZeRO-{result.zero_stage}'} run without offload_optimizer on NVMe: the swap folder {folder.root} cannot belong to its run",
+        )
         return False
     problem = swap.check_world(folder, result.world_size or 0)
     if problem is not None:
@@ -33,13 +37,19 @@ def report_swap_folder(result: Survey, folder: swap.SwapFolder, partitions: Part
     layout = partitions.layout
     assert state is not None and result.index is not None and layout is not None
     for orphan in swap.sub_group_orphans(folder, partitions.swap_claimed):
-        result.add(LayoutError, orphan.path, f"not in the checkpoint's layout (it swaps no sub-group {orphan.swap_id} with this state): a swap folder of another run or layout")
+        result.add(
+            LayoutError,
+            orphan.path,
+            f"not in the checkpoint's layout (it swaps no sub-group {orphan.swap_id} with this state): a swap folder of another run or layout",
+        )
     if result.problems:
         result.index = result.state = None
         return
     ds_ids, swap_ids = partitions.ds_ids, partitions.swap_ids
     sub_groups = tuple(
-        swap.SwappedSubGroup(i, swap_ids.get(i), tuple(layout.params[p].name for p in group.params), group.partition, i in swap_ids)
+        swap.SwappedSubGroup(
+            i, swap_ids.get(i), tuple(layout.params[p].name for p in group.params), group.partition, i in swap_ids
+        )
         for i, group in enumerate(layout.flat_groups)
     )
     agreement = None
@@ -54,9 +64,15 @@ def report_swap_folder(result: Survey, folder: swap.SwapFolder, partitions: Part
         ]
         agreement = swap.compare_16bit(folder, pieces, dtype)
     report = swap.SwapReport(
-        root=folder.root, world_size=layout.world_size, sub_groups=sub_groups,
-        gradient_files=len(folder.of_kind("gradient")), orphans=tuple(f.path for f in folder.of_kind("orphan")),
-        total_bytes=folder.total_bytes, checkpoint_tag=result.index.tag, checkpoint_step=state.global_steps, agreement=agreement,
+        root=folder.root,
+        world_size=layout.world_size,
+        sub_groups=sub_groups,
+        gradient_files=len(folder.of_kind("gradient")),
+        orphans=tuple(f.path for f in folder.of_kind("orphan")),
+        total_bytes=folder.total_bytes,
+        checkpoint_tag=result.index.tag,
+        checkpoint_step=state.global_steps,
+        agreement=agreement,
         param_names={i: name for name, i in ds_ids.items()},
     )
     result.swap = report

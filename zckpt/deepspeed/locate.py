@@ -33,7 +33,11 @@ def is_universal_dir(path: str) -> bool:
         names = os.listdir(path)
     except OSError:
         return False
-    return N.UNIVERSAL_ZERO_DIR in names and os.path.isdir(os.path.join(path, N.UNIVERSAL_ZERO_DIR)) and not any(N.OPTIM_STATES_RE.match(n) for n in names)
+    return (
+        N.UNIVERSAL_ZERO_DIR in names
+        and os.path.isdir(os.path.join(path, N.UNIVERSAL_ZERO_DIR))
+        and not any(N.OPTIM_STATES_RE.match(n) for n in names)
+    )
 
 
 def list_tags(checkpoint_dir: str) -> list[str]:
@@ -74,7 +78,9 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
     if not os.path.exists(path):
         raise CheckpointNotFoundError(path, "no such file or directory")
     if not os.path.isdir(path):
-        raise CheckpointNotFoundError(path, "expected a DeepSpeed checkpoint folder (the one holding 'latest'), got a file")
+        raise CheckpointNotFoundError(
+            path, "expected a DeepSpeed checkpoint folder (the one holding 'latest'), got a file"
+        )
     if tag is not None:
         path_component(tag, path, "tag")
     if _is_tag_dir(path):
@@ -82,7 +88,9 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
         if tag is not None and tag != own_tag:
             raise UsageError(path, f"is the folder of tag '{own_tag}', but --tag {tag} was given")
         parent = parent or "."
-        return Location(parent, path_component(own_tag, path, "tag folder name"), tuple(list_tags(parent)) or (own_tag,))
+        return Location(
+            parent, path_component(own_tag, path, "tag folder name"), tuple(list_tags(parent)) or (own_tag,)
+        )
     tags = tuple(list_tags(path))
     listed = ", ".join(tags) if tags else "none"
     if tag is not None:
@@ -96,7 +104,9 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
     if os.path.isfile(latest):
         named = tag_named_in(latest)
         if not os.path.isdir(os.path.join(path, named)):
-            raise CheckpointNotFoundError(latest, f"names tag '{named}', but folder {os.path.join(path, named)} is missing (tags here: {listed})")
+            raise CheckpointNotFoundError(
+                latest, f"names tag '{named}', but folder {os.path.join(path, named)} is missing (tags here: {listed})"
+            )
         return Location(path, named, tags)
     if len(tags) == 1:
         return Location(path, path_component(tags[0], path, "tag folder name"), tags)
@@ -107,7 +117,9 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
         found = locate(os.path.join(path, newest[0]), tag)
         note = f"{TRAINER_FOLDER_NOTE}: read {newest[0]}, the newest of {newest[1]} checkpoint-N folder(s)"
         return Location(found.checkpoint_dir, found.tag, found.tags, note)
-    raise CheckpointNotFoundError(path, "no DeepSpeed checkpoint here (no 'latest' file, no tag folder holding *_model_states.pt)")
+    raise CheckpointNotFoundError(
+        path, "no DeepSpeed checkpoint here (no 'latest' file, no tag folder holding *_model_states.pt)"
+    )
 
 
 def tag_named_in(latest: str) -> str:
@@ -121,7 +133,10 @@ def tag_named_in(latest: str) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise CorruptFileError(latest, f"cannot read the tag it names ({exc})") from None
     if not named:
-        raise CorruptFileError(latest, f"is empty; it should name a tag such as global_step100{N.UNIVERSAL_SUFFIX if latest.endswith(N.LATEST_UNIVERSAL_FILE) else ''}")
+        raise CorruptFileError(
+            latest,
+            f"is empty; it should name a tag such as global_step100{N.UNIVERSAL_SUFFIX if latest.endswith(N.LATEST_UNIVERSAL_FILE) else ''}",
+        )
     return path_component(named, latest, "tag")
 
 

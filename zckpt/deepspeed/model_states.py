@@ -40,14 +40,22 @@ def declare(result: Survey, model0: dict) -> None:
             declared.append((name, ref.shape, "buffer"))
     frozen = {name: as_shape(shape) for name, shape in (model0.get(N.FROZEN_PARAM_SHAPES) or {}).items()}
     shapes = model0.get(N.PARAM_SHAPES) or []
-    trainable = [(name, as_shape(shape)) for group in ([shapes] if isinstance(shapes, dict) else shapes) for name, shape in group.items()]
+    trainable = [
+        (name, as_shape(shape))
+        for group in ([shapes] if isinstance(shapes, dict) else shapes)
+        for name, shape in group.items()
+    ]
     tied = {str(k): str(v) for k, v in (model0.get(N.SHARED_PARAMS) or {}).items()}
     if not frozen:  # ZeRO-1 records no frozen_param_shapes: its frozen params are only in the module
         known = {n for n, _ in trainable} | set(buffers) | set(tied)
-        frozen = {n: ref.shape for n, ref in module.items() if n not in known and isinstance(ref, TensorRef) and ref.numel}
+        frozen = {
+            n: ref.shape for n, ref in module.items() if n not in known and isinstance(ref, TensorRef) and ref.numel
+        }
     declared.extend((name, shape, "frozen") for name, shape in frozen.items())
     declared.extend((name, shape, "param") for name, shape in trainable)
-    result.declared_dtypes = {n: ref.dtype for n, ref in module.items() if isinstance(ref, TensorRef) and (n in frozen or n in buffers)}
+    result.declared_dtypes = {
+        n: ref.dtype for n, ref in module.items() if isinstance(ref, TensorRef) and (n in frozen or n in buffers)
+    }
     result.tied = tied
 
 
@@ -71,19 +79,40 @@ def describe(result: Survey, model0: dict, inner0: dict | None, prefix: str, zer
     result.ds_version = str(model0.get(N.DS_VERSION)) if model0.get(N.DS_VERSION) is not None else None
     result.dtype = BF16 if prefix == N.BF16_PREFIX or run.dtype == "bf16" else FP16 if run.dtype == "fp16" else FP32
     devices = {run.device(N.CONFIG_OFFLOAD_OPTIMIZER), run.device(N.CONFIG_OFFLOAD_PARAM)}  # cpu_offload: true is "cpu"
-    result.offload = N.OFFLOAD_DEVICE_NVME if N.OFFLOAD_DEVICE_NVME in devices else "cpu" if "cpu" in devices else "none"
+    result.offload = (
+        N.OFFLOAD_DEVICE_NVME if N.OFFLOAD_DEVICE_NVME in devices else "cpu" if "cpu" in devices else "none"
+    )
     return run
 
 
-def describe_readable(result: Survey, models: dict, optims: dict, optim_files: dict, zero3: bool, tag_dir: str) -> RunConfig:
+def describe_readable(
+    result: Survey, models: dict, optims: dict, optim_files: dict, zero3: bool, tag_dir: str
+) -> RunConfig:
     """Where some files cannot be read, describe the checkpoint from those that can (rank 0's
     first), rather than leave stage, world size and dtype unknown."""
-    rank, model = next(((r, m) for r, m in sorted(models.items(), key=lambda kv: kv[0] or 0) if sound(m, N.DS_CONFIG, MODEL_SCHEMA)), (None, None))
-    inner = next((o[N.OPTIMIZER_STATE_DICT] for _, o in sorted(optims.items()) if isinstance(o, dict) and sound(o.get(N.OPTIMIZER_STATE_DICT), N.PARTITION_COUNT, OPTIM_SCHEMA)), None)
+    rank, model = next(
+        ((r, m) for r, m in sorted(models.items(), key=lambda kv: kv[0] or 0) if sound(m, N.DS_CONFIG, MODEL_SCHEMA)),
+        (None, None),
+    )
+    inner = next(
+        (
+            o[N.OPTIMIZER_STATE_DICT]
+            for _, o in sorted(optims.items())
+            if isinstance(o, dict) and sound(o.get(N.OPTIMIZER_STATE_DICT), N.PARTITION_COUNT, OPTIM_SCHEMA)
+        ),
+        None,
+    )
     if model is None and inner is None:
         return read_run_config({}, saved=True)
     prefix = optim_files[min(optim_files)][0] if optim_files else ""
-    run = describe(result, model or {}, inner, prefix, zero3, os.path.join(tag_dir, N.model_states_name(3 if zero3 else 1, rank or 0)))
+    run = describe(
+        result,
+        model or {},
+        inner,
+        prefix,
+        zero3,
+        os.path.join(tag_dir, N.model_states_name(3 if zero3 else 1, rank or 0)),
+    )
     dp = (model or {}).get(N.DP_WORLD_SIZE)
     if result.world_size is None and isinstance(dp, int) and dp > 0:
         result.world_size = dp
@@ -123,7 +152,11 @@ def module_entries(result: Survey, models: dict, model_paths: dict, zero3: bool,
             if isinstance(ref, TensorRef):
                 entries.append(Entry(name, "buffer", whole(result, ref)))
         else:  # DeepSpeed lists the persistent buffers only, all of them in the state dict
-            result.add(LayoutError, model0_path, f"buffer {name} is listed in buffer_names but missing from the module state dict")
+            result.add(
+                LayoutError,
+                model0_path,
+                f"buffer {name} is listed in buffer_names but missing from the module state dict",
+            )
             return None
 
     trainable_names = {name for group in param_shapes_of(model0) for name in group}
@@ -133,9 +166,17 @@ def module_entries(result: Survey, models: dict, model_paths: dict, zero3: bool,
         # ZeRO-2/3 record their frozen params: the module holds nothing else than those, the
         # trainable ones, buffers, tied aliases and modules' extra state (torch's `_extra_state`)
         known = trainable_names | set(frozen_shapes) | set(buffer_names) | set(shared)
-        unknown = [n for n, ref in module.items() if n not in known and isinstance(ref, TensorRef) and not n.endswith("_extra_state")]
+        unknown = [
+            n
+            for n, ref in module.items()
+            if n not in known and isinstance(ref, TensorRef) and not n.endswith("_extra_state")
+        ]
         if unknown:
-            result.add(LayoutError, model0_path, f"param {unknown[0]} is in the module but neither trainable, recorded as frozen, a buffer nor a tied alias")
+            result.add(
+                LayoutError,
+                model0_path,
+                f"param {unknown[0]} is in the module but neither trainable, recorded as frozen, a buffer nor a tied alias",
+            )
             return None
     fragments = {rank: list((m.get(N.FROZEN_PARAM_FRAGMENTS) or {}).values()) for rank, m in models.items()}
     if zero3 and not check_not_copies(result, model_paths, fragments, "frozen-param partitions"):
@@ -153,11 +194,17 @@ def module_entries(result: Survey, models: dict, model_paths: dict, zero3: bool,
         for name in recovered:
             ref = module[name]
             if zero3 or ref.numel == 0:
-                result.add(LayoutError, model0_path, f"param {name} is in the module but neither trainable nor recorded as frozen")
+                result.add(
+                    LayoutError,
+                    model0_path,
+                    f"param {name} is in the module but neither trainable nor recorded as frozen",
+                )
                 return None
             entries.append(Entry(name, "frozen", whole(result, ref)))
         if recovered:
-            result.notes.append(f"{len(recovered)} frozen params read from the module state dict (zero_to_fp32.py drops them)")
+            result.notes.append(
+                f"{len(recovered)} frozen params read from the module state dict (zero_to_fp32.py drops them)"
+            )
     return entries
 
 
@@ -165,10 +212,14 @@ def tied_entries(model0: dict, entries: list[Entry]) -> list[Entry]:
     """The tied aliases of the entries read, each with its source param's bytes."""
     present = {e.name: e for e in entries}
     shared = dict(model0.get(N.SHARED_PARAMS) or {})
-    return [Entry(alias, "tied", present[name].source, alias_of=name) for alias, name in shared.items() if name in present]
+    return [
+        Entry(alias, "tied", present[name].source, alias_of=name) for alias, name in shared.items() if name in present
+    ]
 
 
-def _frozen_source(result: Survey, name: str, shape: tuple[int, ...], models: dict, model_paths: dict, zero3: bool, world: int) -> TensorSource | None:
+def _frozen_source(
+    result: Survey, name: str, shape: tuple[int, ...], models: dict, model_paths: dict, zero3: bool, world: int
+) -> TensorSource | None:
     numel = numel_of(shape)
     if not zero3:
         ref = (models[None].get(N.FROZEN_PARAM_FRAGMENTS) or {}).get(name)
@@ -201,5 +252,7 @@ def _truncate(segments: list[Segment], numel: int) -> list[Segment]:
         kept.append(Segment(segment.path, segment.offset, take))
         remaining -= take
     if remaining:
-        raise LayoutError(segments[0].path if segments else None, f"only {numel - remaining} of {numel} elements available")
+        raise LayoutError(
+            segments[0].path if segments else None, f"only {numel - remaining} of {numel} elements available"
+        )
     return kept

@@ -28,8 +28,11 @@ OPTIM_STATES_RE = re.compile(r"^(?P<prefix>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_ra
 LAYER_STATES_RE = re.compile(r"^layer_(?P<layer>\d+)(?:-model_(?P<tp>\d+))?-model_states\.pt$")
 # mixture of experts: one file per expert (per MoE layer in newer releases), and the experts'
 # optimizer files per expert-parallel rank
-EXPERT_STATES_RE = re.compile(r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+EXPERT_STATES_RE = re.compile(
+    r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$"
+)
 EXPERT_OPTIM_STATES_RE = re.compile(r"^expp_rank_(?P<ep>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+
 
 def model_states_name(zero_stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:
     """ZeRO-1/2 keep one model-states file per model-parallel rank; ZeRO-3 one per dp rank too."""
@@ -61,13 +64,19 @@ def _data_parallel(coords: RankCoords) -> RankCoords:
 
 def layer_states_name(layer: int, tp_rank: int | None = None) -> str:
     """A pipeline run's file of one layer (of one tensor rank when tp > 1)."""
-    return f"layer_{layer:02d}-model_states.pt" if tp_rank is None else f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+    return (
+        f"layer_{layer:02d}-model_states.pt"
+        if tp_rank is None
+        else f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+    )
 
 
 SWAP_SUFFIX = ".tensor.swp"
 
 
-def swap_file_name(first_ds_id: int, last_ds_id: int, state: str | None = None, where: str | os.PathLike[str] | None = None) -> str:
+def swap_file_name(
+    first_ds_id: int, last_ds_id: int, state: str | None = None, where: str | os.PathLike[str] | None = None
+) -> str:
     """NVMe swap file of a ZeRO-3 optimizer sub-group, named by the ds_id of its first and last
     param: ``3_7.tensor.swp`` (fp32 master), ``exp_avg-3_7.tensor.swp`` (an Adam state). A state
     name comes from the checkpoint (`where`: the input holding it, for the message), so it must

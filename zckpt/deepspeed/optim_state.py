@@ -21,13 +21,34 @@ from .layout import FlatGroup, ZeroLayout, round_robin_order, zero12_layout
 
 # model_states keys that the engine writes itself; anything else came from the training script
 ENGINE_KEYS = (
-    N.MODULE, N.BUFFER_NAMES, N.OPTIMIZER, N.PARAM_SHAPES, N.FROZEN_PARAM_SHAPES, N.SHARED_PARAMS,
-    N.FROZEN_PARAM_FRAGMENTS, N.LR_SCHEDULER, N.DATA_SAMPLER, N.RANDOM_LTD, N.SPARSE_TENSOR_MODULE_NAMES,
-    N.SKIPPED_STEPS, N.GLOBAL_STEPS, N.GLOBAL_SAMPLES, N.DP_WORLD_SIZE, N.MP_WORLD_SIZE,
-    N.CHECKPOINT_PARALLEL_DIMENSIONS, N.DS_CONFIG, N.DS_VERSION,
+    N.MODULE,
+    N.BUFFER_NAMES,
+    N.OPTIMIZER,
+    N.PARAM_SHAPES,
+    N.FROZEN_PARAM_SHAPES,
+    N.SHARED_PARAMS,
+    N.FROZEN_PARAM_FRAGMENTS,
+    N.LR_SCHEDULER,
+    N.DATA_SAMPLER,
+    N.RANDOM_LTD,
+    N.SPARSE_TENSOR_MODULE_NAMES,
+    N.SKIPPED_STEPS,
+    N.GLOBAL_STEPS,
+    N.GLOBAL_SAMPLES,
+    N.DP_WORLD_SIZE,
+    N.MP_WORLD_SIZE,
+    N.CHECKPOINT_PARALLEL_DIMENSIONS,
+    N.DS_CONFIG,
+    N.DS_VERSION,
 )
 # engine keys carried as saved (the rest are rebuilt by a writer)
-CARRIED_ENGINE_KEYS = (N.OPTIMIZER, N.DATA_SAMPLER, N.RANDOM_LTD, N.SPARSE_TENSOR_MODULE_NAMES, N.CHECKPOINT_PARALLEL_DIMENSIONS)
+CARRIED_ENGINE_KEYS = (
+    N.OPTIMIZER,
+    N.DATA_SAMPLER,
+    N.RANDOM_LTD,
+    N.SPARSE_TENSOR_MODULE_NAMES,
+    N.CHECKPOINT_PARALLEL_DIMENSIONS,
+)
 # ZeRO optimizer keys that are neither layout nor per-param state
 OPTIMIZER_EXTRA_KEYS = (N.DYNAMIC_LOSS_SCALE, N.OVERFLOW, N.CLIP_GRAD)
 
@@ -74,10 +95,16 @@ def build_training_state(
                 elif value.numel == 0 and group.partition and index.offload == "nvme":
                     path = swap_path(rank, flat, value, layout, group, optim_paths[rank], key)
                     if path is None:
-                        raise LayoutError(optim_paths[rank], f"sub-group {flat}: {key} was offloaded to NVMe and its swap file is unusable")
+                        raise LayoutError(
+                            optim_paths[rank],
+                            f"sub-group {flat}: {key} was offloaded to NVMe and its swap file is unusable",
+                        )
                     ref = TensorRef.flat(path, 0, value.dtype, group.partition)
                 else:
-                    raise LayoutError(optim_paths[rank], f"optimizer state {key} of group {flat} holds {value.numel} elements, the partition has {group.partition}: truncated or mixed files")
+                    raise LayoutError(
+                        optim_paths[rank],
+                        f"optimizer state {key} of group {flat} holds {value.numel} elements, the partition has {group.partition}: truncated or mixed files",
+                    )
                 tensors[(rank, flat, key)] = ref
                 if key not in element_keys:
                     element_keys.append(key)
@@ -91,8 +118,12 @@ def build_training_state(
             refs = [tensors.get((p.rank, p.flat, key)) for p in pieces]
             if any(r is None for r in refs):
                 continue  # a group without this state (e.g. not stepped yet)
-            segments = tuple(Segment(r.path, r.offset + p.flat_offset * r.dtype.itemsize, p.length) for r, p in zip(refs, pieces))
-            states[key] = TensorSource(refs[0].dtype if refs else masters[param.name].dtype, shapes[param.name], segments)
+            segments = tuple(
+                Segment(r.path, r.offset + p.flat_offset * r.dtype.itemsize, p.length) for r, p in zip(refs, pieces)
+            )
+            states[key] = TensorSource(
+                refs[0].dtype if refs else masters[param.name].dtype, shapes[param.name], segments
+            )
         params.append(ParamState(param.name, shapes[param.name], param.group, masters[param.name], states))
 
     padding = tuple(_padding_runs(layout, tensors))
@@ -186,7 +217,9 @@ def slice_mapping_layout(layout: ZeroLayout, round_robin: bool) -> ZeroLayout:
     return zero12_layout(groups, layout.world_size, alignment_paddings=paddings, stage=layout.stage)
 
 
-def _param_groups(layout: ZeroLayout, saved: dict, states0: dict, element_keys: list[str]) -> tuple[ParamGroupState, ...]:
+def _param_groups(
+    layout: ZeroLayout, saved: dict, states0: dict, element_keys: list[str]
+) -> tuple[ParamGroupState, ...]:
     """One ParamGroupState per user param group (a ZeRO-3 group spans several sub-groups)."""
     saved_groups = saved.get("param_groups") or []
     count = max([g.param_group for g in layout.flat_groups] + [len(saved_groups) - 1]) + 1
@@ -202,7 +235,9 @@ def _param_groups(layout: ZeroLayout, saved: dict, states0: dict, element_keys: 
             for key, value in first.items():
                 if key in element_keys:
                     continue
-                scalars[key] = ScalarState(tensor=source_of(value)) if isinstance(value, TensorRef) else ScalarState(value=value)
+                scalars[key] = (
+                    ScalarState(tensor=source_of(value)) if isinstance(value, TensorRef) else ScalarState(value=value)
+                )
         names = tuple(layout.params[i].name for f in flats for i in layout.flat_groups[f].params)
         result.append(ParamGroupState({k: v for k, v in hyper.items() if k != "params"}, scalars, names, keys))
     return tuple(result)

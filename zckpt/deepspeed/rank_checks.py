@@ -27,28 +27,42 @@ from .survey import Survey
 _MAX_MISSING_RANKS = 4096  # beyond this many absent rank files, a world size is taken as damage
 
 
-def check_file_kinds(result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict, tag_dir: str) -> bool:
+def check_file_kinds(
+    result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict, tag_dir: str
+) -> bool:
     """Every model file a model-states pickle, every optimizer file a ZeRO optimizer's, each
     key as DeepSpeed writes it, and rank 0's optimizer file there."""
     ok = True
     for rank, state in models.items():
         if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
-            result.add(CorruptFileError, model_paths[rank], "not a DeepSpeed model-states file (no 'module'/'param_shapes')")
+            result.add(
+                CorruptFileError, model_paths[rank], "not a DeepSpeed model-states file (no 'module'/'param_shapes')"
+            )
             ok = False
         elif problems := schema_problems(state, MODEL_SCHEMA):
             result.add(CorruptFileError, model_paths[rank], problems[0])
             ok = False
     for rank, state in optims.items():
         inner = state.get(N.OPTIMIZER_STATE_DICT) if isinstance(state, dict) else None
-        if not isinstance(inner, dict) or not (N.FP32_FLAT_GROUPS in inner or N.SINGLE_PARTITION_OF_FP32_GROUPS in inner):
-            result.add(CorruptFileError, optim_files[rank][1], "not a DeepSpeed ZeRO optimizer-states file (no fp32 partitions)")
+        if not isinstance(inner, dict) or not (
+            N.FP32_FLAT_GROUPS in inner or N.SINGLE_PARTITION_OF_FP32_GROUPS in inner
+        ):
+            result.add(
+                CorruptFileError,
+                optim_files[rank][1],
+                "not a DeepSpeed ZeRO optimizer-states file (no fp32 partitions)",
+            )
             ok = False
         elif problems := schema_problems(inner, OPTIM_SCHEMA):
             result.add(CorruptFileError, optim_files[rank][1], problems[0])
             ok = False
     if 0 not in optims:
         bf16 = any(p for p, _ in optim_files.values())
-        result.add(CheckpointNotFoundError, os.path.join(tag_dir, N.optim_states_name(0, bf16=bf16)), "missing (rank 0 optimizer states)")
+        result.add(
+            CheckpointNotFoundError,
+            os.path.join(tag_dir, N.optim_states_name(0, bf16=bf16)),
+            "missing (rank 0 optimizer states)",
+        )
         ok = False
     return ok
 
@@ -62,25 +76,48 @@ def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
         result.add(CorruptFileError, path0, f"bad partition_count {world!r}")
         return False
     if world > len(inner) + _MAX_MISSING_RANKS:  # listing every missing rank would never end
-        result.add(CorruptFileError, path0, f"partition_count {world}, but {len(inner)} optimizer files are here: damaged, or nearly all rank files are missing")
+        result.add(
+            CorruptFileError,
+            path0,
+            f"partition_count {world}, but {len(inner)} optimizer files are here: damaged, or nearly all rank files are missing",
+        )
         return False
     ok = True
     for rank, state in inner.items():
         counts = state.get(N.PARTITION_COUNT)  # ZeRO-1/2: one per param group; ZeRO-3: one
         count = max(counts) if isinstance(counts, (list, tuple)) else counts
         if count != world:
-            result.add(LayoutError, optim_files[rank][1], f"was written by a run of world size {count}, rank 0's by one of world size {world}: files of different runs are mixed")
+            result.add(
+                LayoutError,
+                optim_files[rank][1],
+                f"was written by a run of world size {count}, rank 0's by one of world size {world}: files of different runs are mixed",
+            )
             ok = False
-        elif isinstance(counts, (list, tuple)) and (odd := next((g for g, c in enumerate(counts) if c != world), None)) is not None:
-            result.add(LayoutError, optim_files[rank][1], f"param group {odd} is partitioned over {counts[odd]} ranks, not all {world}: zckpt reads checkpoints whose every param group spans all data-parallel ranks")
+        elif (
+            isinstance(counts, (list, tuple))
+            and (odd := next((g for g, c in enumerate(counts) if c != world), None)) is not None
+        ):
+            result.add(
+                LayoutError,
+                optim_files[rank][1],
+                f"param group {odd} is partitioned over {counts[odd]} ranks, not all {world}: zckpt reads checkpoints whose every param group spans all data-parallel ranks",
+            )
             ok = False
     missing = [r for r in range(world) if r not in inner]
     bf16 = optim_files[0][0] == N.BF16_PREFIX
     for rank in missing:
-        result.add(CheckpointNotFoundError, os.path.join(tag_dir, N.optim_states_name(rank, bf16=bf16)), f"missing (world size {world} needs ranks 0-{world - 1})")
+        result.add(
+            CheckpointNotFoundError,
+            os.path.join(tag_dir, N.optim_states_name(rank, bf16=bf16)),
+            f"missing (world size {world} needs ranks 0-{world - 1})",
+        )
         ok = False
     for rank in sorted(set(inner) - set(range(world))):
-        result.add(LayoutError, optim_files[rank][1], f"rank {rank} does not belong to a checkpoint of world size {world}: files of different runs are mixed")
+        result.add(
+            LayoutError,
+            optim_files[rank][1],
+            f"rank {rank} does not belong to a checkpoint of world size {world}: files of different runs are mixed",
+        )
         ok = False
     prefixes = {prefix for prefix, _ in optim_files.values()}
     if len(prefixes) > 1:
@@ -90,15 +127,25 @@ def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
     if ranks.zero3:
         for rank in range(world):
             if rank not in models:
-                result.add(CheckpointNotFoundError, os.path.join(tag_dir, N.model_states_name(3, rank)), f"missing (world size {world} needs ranks 0-{world - 1})")
+                result.add(
+                    CheckpointNotFoundError,
+                    os.path.join(tag_dir, N.model_states_name(3, rank)),
+                    f"missing (world size {world} needs ranks 0-{world - 1})",
+                )
                 ok = False
         for rank in sorted(r for r in models if r >= world):
-            result.add(LayoutError, model_paths[rank], f"rank {rank} does not belong to a checkpoint of world size {world}")
+            result.add(
+                LayoutError, model_paths[rank], f"rank {rank} does not belong to a checkpoint of world size {world}"
+            )
             ok = False
     for rank, state in models.items():
         dp = state.get(N.DP_WORLD_SIZE)
         if dp is not None and dp != world:
-            result.add(LayoutError, model_paths[rank], f"says dp_world_size {dp}, optimizer files say {world}: files of different runs are mixed")
+            result.add(
+                LayoutError,
+                model_paths[rank],
+                f"says dp_world_size {dp}, optimizer files say {world}: files of different runs are mixed",
+            )
             ok = False
         mp = state.get(N.MP_WORLD_SIZE)
         if mp not in (None, 1):
@@ -112,14 +159,27 @@ def check_same_run(result: Survey, models: dict, optims: dict, model_paths: dict
     first_model = next(iter(models))
     reference = models[first_model]
     reference_path = model_paths[first_model]
-    for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version"), (N.GLOBAL_STEPS, "global step"), (N.PARAM_SHAPES, "param shapes")):
+    for key, what in (
+        (N.DS_CONFIG, "DeepSpeed config"),
+        (N.DS_VERSION, "DeepSpeed version"),
+        (N.GLOBAL_STEPS, "global step"),
+        (N.PARAM_SHAPES, "param shapes"),
+    ):
         for rank, state in models.items():
             if key in state and key in reference and state[key] != reference[key]:
-                result.add(LayoutError, model_paths[rank], f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed")
+                result.add(
+                    LayoutError,
+                    model_paths[rank],
+                    f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed",
+                )
     for rank, state in sorted(optims.items()):
         for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version")):
             if key in state and key in reference and state[key] != reference[key]:
-                result.add(LayoutError, optim_files[rank][1], f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed")
+                result.add(
+                    LayoutError,
+                    optim_files[rank][1],
+                    f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed",
+                )
 
 
 def check_steps(result: Survey, reader: FileReader, inner: dict, optim_files: dict) -> None:
@@ -138,7 +198,11 @@ def check_steps(result: Survey, reader: FileReader, inner: dict, optim_files: di
         rank0_step = steps.get(0)
         for rank, step in steps.items():
             if step != rank0_step:
-                result.add(LayoutError, optim_files[rank][1], f"optimizer is at step {step}, rank 0's at step {rank0_step}: files of different runs or saves are mixed")
+                result.add(
+                    LayoutError,
+                    optim_files[rank][1],
+                    f"optimizer is at step {step}, rank 0's at step {rank0_step}: files of different runs or saves are mixed",
+                )
 
 
 def check_padding(result: Survey, state: TrainingState) -> bool:
@@ -168,7 +232,8 @@ def check_padding(result: Survey, state: TrainingState) -> bool:
             return False
     for (rank, path), count in sorted(dirty.items()):
         result.add(
-            LayoutError, path,
+            LayoutError,
+            path,
             f"{count} optimizer-state elements in rank {rank}'s padding are not zero: the file holds another rank's partition (rank files swapped or copied)",
         )
     return not dirty
@@ -191,11 +256,23 @@ def check_rank_identity(result: Survey, layout: ZeroLayout, inner: dict, optim_f
             continue  # older files without them: nothing to tell by
         for flat, mapping in enumerate(mappings):
             expected = mapping_of(rank, flat)
-            found = {name: (getattr(a, "numel", None), getattr(a, "start", None)) for name, a in mapping.items()} if isinstance(mapping, dict) else None
+            found = (
+                {name: (getattr(a, "numel", None), getattr(a, "start", None)) for name, a in mapping.items()}
+                if isinstance(mapping, dict)
+                else None
+            )
             if found != expected:
                 owner = next((r for r in range(layout.world_size) if found == mapping_of(r, flat)), None)
-                said = f"; they are rank {owner}'s: rank files swapped or copied" if owner is not None and owner != rank else ""
-                result.add(LayoutError, optim_files[rank][1], f"param group {flat}: its param_slice_mappings do not match rank {rank}'s partition{said}")
+                said = (
+                    f"; they are rank {owner}'s: rank files swapped or copied"
+                    if owner is not None and owner != rank
+                    else ""
+                )
+                result.add(
+                    LayoutError,
+                    optim_files[rank][1],
+                    f"param group {flat}: its param_slice_mappings do not match rank {rank}'s partition{said}",
+                )
                 return False
     return True
 
@@ -206,13 +283,24 @@ def check_not_copies(result: Survey, paths: dict[int, str], partitions: dict[int
     Only the partitions are judged, small ones too: buffers and counters are alike on every
     honest rank. Where nothing tells (checksums.RepeatedRank), the survey says so."""
     files = {
-        rank: (path, [(ref.offset, ref.dtype.itemsize) for ref in partitions.get(rank, []) if isinstance(ref, TensorRef) and ref.path == path and ref.numel])
+        rank: (
+            path,
+            [
+                (ref.offset, ref.dtype.itemsize)
+                for ref in partitions.get(rank, [])
+                if isinstance(ref, TensorRef) and ref.path == path and ref.numel
+            ],
+        )
         for rank, path in paths.items()
     }
     ok = True
     for repeat in repeated_ranks(files):
         if repeat.telling:
-            result.add(LayoutError, repeat.path, f"its {what} are byte-identical to rank {repeat.other}'s: one rank's file was copied over another's")
+            result.add(
+                LayoutError,
+                repeat.path,
+                f"its {what} are byte-identical to rank {repeat.other}'s: one rank's file was copied over another's",
+            )
             ok = False
         elif repeat.partitioned:
             result.untold_copies.append(
@@ -244,5 +332,9 @@ def _first_step(reader: FileReader, inner: dict) -> Any:
             for group in state:
                 if isinstance(group, dict) and "step" in group:
                     step = group["step"]
-                    return read_scalar(reader, source_of(step)) if isinstance(step, TensorRef) and step.numel == 1 else step
+                    return (
+                        read_scalar(reader, source_of(step))
+                        if isinstance(step, TensorRef) and step.numel == 1
+                        else step
+                    )
     return None

@@ -98,9 +98,13 @@ def parse_rank_file(path: str) -> RankFile | None:
         return RankFile(path, RankCoords(0, int(match["tp"] or 0), 0, 0), "layer", layer=int(match["layer"]))
     if match := N.MODEL_STATES_RE.match(name):
         per_rank = match["dp"] is not None
-        return RankFile(path, RankCoords(0, int(match["mp"]), 0, int(match["dp"]) if per_rank else 0), "model", per_rank)
+        return RankFile(
+            path, RankCoords(0, int(match["mp"]), 0, int(match["dp"]) if per_rank else 0), "model", per_rank
+        )
     if match := N.OPTIM_STATES_RE.match(name):
-        return RankFile(path, RankCoords(0, int(match["mp"]), 0, int(match["dp"])), "optim", prefix=match["prefix"] or "")
+        return RankFile(
+            path, RankCoords(0, int(match["mp"]), 0, int(match["dp"])), "optim", prefix=match["prefix"] or ""
+        )
     return None
 
 
@@ -121,7 +125,12 @@ def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
         key = (file.kind, file.coords, file.per_rank)
         if file.kind == "optim" and key in files:
             other = files[key].name
-            problems.append(LayoutError(file.path, f"two optimizer files for rank {file.coords.data} (also {other}): files of a bf16 and a non-bf16 run are mixed"))
+            problems.append(
+                LayoutError(
+                    file.path,
+                    f"two optimizer files for rank {file.coords.data} (also {other}): files of a bf16 and a non-bf16 run are mixed",
+                )
+            )
             continue
         files[key] = file
     return RankFiles(tag_dir, tuple(files.values()), tuple(problems))
@@ -138,7 +147,9 @@ def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
         tp = max(f.coords.tensor for f in layers) + 1  # layer files name the tensor rank, when there is one
         stages = (max((f.coords.tensor for f in files if f.kind == "model"), default=0) + 1) // tp
         layouts.append("pipeline-parallel" if tp == 1 else "pipeline- and tensor-parallel")
-        details.append(f"{stages} stage{'s' * (stages != 1)}{f' x {tp} tensor ranks' if tp > 1 else ''}; {_count(layers, 'layer file')}: {_some(layers)}")
+        details.append(
+            f"{stages} stage{'s' * (stages != 1)}{f' x {tp} tensor ranks' if tp > 1 else ''}; {_count(layers, 'layer file')}: {_some(layers)}"
+        )
     elif model_parallel:
         layouts.append("tensor/pipeline-parallel")
         details.append(f"mp_rank > 0: {_some(model_parallel)}")
@@ -173,9 +184,14 @@ def zero_rank_files(tag_dir: str) -> RankFiles:
     if not files.model:
         fatal = CheckpointNotFoundError(tag_dir, "no *_model_states.pt file in the tag folder")
     elif not files.optim:
-        fatal = CheckpointNotFoundError(tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from")
+        fatal = CheckpointNotFoundError(
+            tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from"
+        )
     elif None in files.model and len(files.model) > 1:
-        fatal = LayoutError(tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed")
+        fatal = LayoutError(
+            tag_dir,
+            "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two runs are mixed",
+        )
     return dataclasses.replace(files, fatal=fatal)
 
 

@@ -25,7 +25,9 @@ from .universal_reader import UniversalReader
 from .zero_reader import read_zero
 
 
-def open_checkpoint(path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None) -> CheckpointIndex:
+def open_checkpoint(
+    path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None
+) -> CheckpointIndex:
     """Read and validate a checkpoint; raise the first problem found. With `swap_folder` (a
     live ZeRO-Infinity ``<nvme_path>``), the swapped sub-groups' data comes from there."""
     result = _checked(survey(path, tag, swap_folder))
@@ -39,12 +41,16 @@ def _checked(result: "Survey") -> "Survey":
         first = result.problems[0]
         more = len(result.problems) - 1
         if more:
-            raise type(first)(first.path, f"{first.problem} (and {more} more problem{'s' * (more > 1)}; see zckpt inspect)")
+            raise type(first)(
+                first.path, f"{first.problem} (and {more} more problem{'s' * (more > 1)}; see zckpt inspect)"
+            )
         raise first
     return result
 
 
-def open_training_state(path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None) -> TrainingState:
+def open_training_state(
+    path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None
+) -> TrainingState:
     """Read and validate a checkpoint's whole training state; raise the first problem found.
     With `swap_folder`, masters and optimizer states of swapped sub-groups come from there."""
     result = _checked(survey(path, tag, swap_folder))
@@ -52,7 +58,9 @@ def open_training_state(path: str | os.PathLike[str], tag: str | None = None, sw
     return result.state
 
 
-def survey(path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None) -> Survey:
+def survey(
+    path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None
+) -> Survey:
     """Look at a checkpoint and report what it holds and what is wrong with it. With
     `swap_folder`, the checkpoint gives the layout and the live swap folder the data of every
     swapped sub-group (see :mod:`zckpt.deepspeed.swap_folder`)."""
@@ -72,7 +80,9 @@ def survey(path: str | os.PathLike[str], tag: str | None = None, swap_folder: st
         result.notes.append(result.location.note)
     result.universal = is_universal_dir(result.location.tag_dir)
     if result.universal and folder is not None:
-        raise UsageError(os.fspath(path), "--swap-folder needs a ZeRO-3 checkpoint of the run (its layout), not a universal folder")
+        raise UsageError(
+            os.fspath(path), "--swap-folder needs a ZeRO-3 checkpoint of the run (its layout), not a universal folder"
+        )
     try:
         if result.universal:
             UniversalReader(result).run()
@@ -86,7 +96,11 @@ def survey(path: str | os.PathLike[str], tag: str | None = None, swap_folder: st
             raise  # a bug of zckpt's, not damage: the CLI says "internal error"
         # Values of a type no check foresaw (a damaged or hand-edited file): a problem with the
         # tag folder, so inspect still describes it and consolidate still says one line.
-        result.problems.append(CorruptFileError(result.location.tag_dir, f"files not as DeepSpeed writes them ({type(exc).__name__}: {exc})"))
+        result.problems.append(
+            CorruptFileError(
+                result.location.tag_dir, f"files not as DeepSpeed writes them ({type(exc).__name__}: {exc})"
+            )
+        )
         result.index = result.state = None
     return result
 

@@ -66,17 +66,31 @@ ZERO_STAGES = (0, 1, 2, 3)  # ZeroStageEnum, runtime/zero/config.py:81-87
 CONFIG_CPU_OFFLOAD_PARAM = "cpu_offload_param"
 # DtypeEnum (runtime/config.py:144-149): the spellings engine.get_data_types accepts (engine.py:1809)
 DTYPE_SPELLINGS = {
-    "torch.float16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "torch.float32": "fp32", "fp32": "fp32", "float32": "fp32", "float": "fp32",
-    "torch.int8": "int8", "int8": "int8",
-    "torch.bfloat16": "bf16", "bf16": "bf16", "bfloat16": "bf16",
+    "torch.float16": "fp16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float32": "fp32",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.int8": "int8",
+    "int8": "int8",
+    "torch.bfloat16": "bf16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
 }
-C_INT_MAX = 2**31 - 1  # the async I/O op takes its sizes as C ints (ops/csrc/aio/py_lib/deepspeed_py_io_handle.cpp:38-42)
+C_INT_MAX = (
+    2**31 - 1
+)  # the async I/O op takes its sizes as C ints (ops/csrc/aio/py_lib/deepspeed_py_io_handle.cpp:38-42)
 O_DIRECT_BLOCK = 512  # the smallest logical block of a disk: O_DIRECT offsets are multiples of it
 
 STAGE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}"
 OFFLOAD_OPTIMIZER_DEVICE_KEY = f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{DEVICE}"
-DTYPE_KEYS = (f"{N.CONFIG_BF16[0]}.{CONFIG_ENABLED}", f"{N.CONFIG_FP16}.{CONFIG_ENABLED}")  # the Trainer fills these, not "bfloat16"
+DTYPE_KEYS = (
+    f"{N.CONFIG_BF16[0]}.{CONFIG_ENABLED}",
+    f"{N.CONFIG_FP16}.{CONFIG_ENABLED}",
+)  # the Trainer fills these, not "bfloat16"
 
 _TRAINER = "the Hugging Face Trainer"
 _ACCELERATE = "Accelerate (the Trainer's DeepSpeedPlugin)"
@@ -88,8 +102,8 @@ FILLED_BY = {
     DTYPE_KEYS[1]: f"{_TRAINER} from TrainingArguments.fp16 (integrations/deepspeed.py:183)",
     N.CONFIG_GRADIENT_CLIPPING: f"{_TRAINER} from TrainingArguments.max_grad_norm (integrations/deepspeed.py:161)",
     STAGE_KEY: f"{_ACCELERATE} from its zero_stage, 2 unless configured",
-    OFFLOAD_OPTIMIZER_DEVICE_KEY: f"{_ACCELERATE} from its offload_optimizer_device, \"none\" unless configured",
-    f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_PARAM}.{DEVICE}": f"{_ACCELERATE} from its offload_param_device, \"none\" unless configured",
+    OFFLOAD_OPTIMIZER_DEVICE_KEY: f'{_ACCELERATE} from its offload_optimizer_device, "none" unless configured',
+    f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_PARAM}.{DEVICE}": f'{_ACCELERATE} from its offload_param_device, "none" unless configured',
     f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_OPTIMIZER}.{NVME_PATH}": f"{_ACCELERATE} from its offload_optimizer_nvme_path",
     f"{N.CONFIG_ZERO}.{N.CONFIG_OFFLOAD_PARAM}.{NVME_PATH}": f"{_ACCELERATE} from its offload_param_nvme_path",
 }
@@ -153,18 +167,29 @@ class RunConfig:
     @property
     def swap_rule(self) -> SwapRule | None:
         """Which ZeRO-3 sub-groups the run keeps on NVMe; None when it swaps no optimizer state."""
-        return SwapRule(self.aio) if self.aio is not None and self.stage == 3 and self.device(N.CONFIG_OFFLOAD_OPTIMIZER) == NVME else None
+        return (
+            SwapRule(self.aio)
+            if self.aio is not None and self.stage == 3 and self.device(N.CONFIG_OFFLOAD_OPTIMIZER) == NVME
+            else None
+        )
 
     def bf16_optimizer(self, trains_bf16: bool) -> bool:
         """The engine picks BF16_Optimizer: bf16, fp32 gradient accumulation, ZeRO-1, optimizer
         not offloaded to CPU (engine.py:2305-2306)."""
-        return trains_bf16 and self.grad_accum_dtype == "fp32" and self.stage == 1 and self.device(N.CONFIG_OFFLOAD_OPTIMIZER) != CPU
+        return (
+            trains_bf16
+            and self.grad_accum_dtype == "fp32"
+            and self.stage == 1
+            and self.device(N.CONFIG_OFFLOAD_OPTIMIZER) != CPU
+        )
 
     def require(self, key: str, where: str | None, remedy: str) -> None:
         """Refuse (UsageError) when `key` is left for the Trainer or Accelerate to fill in: what
         follows depends on a value zckpt cannot know."""
         if key in self.filled:
-            raise UsageError(where, f'{key} = "auto": filled in by {self.filled[key]}, which zckpt cannot know; {remedy}')
+            raise UsageError(
+                where, f'{key} = "auto": filled in by {self.filled[key]}, which zckpt cannot know; {remedy}'
+            )
 
 
 def read_run_config(
@@ -180,7 +205,9 @@ def read_run_config(
     `where`, the key and the value. `saved`: the config the checkpoint's engine ran with, so
     every "auto" was read by DeepSpeed itself. `swaps`: check ``aio`` as a run that swaps to
     NVMe reads it even when the config itself swaps nothing (nvme-plan plans such a run)."""
-    reader = _Reader(where, error or (CorruptFileError if saved else UsageError), "saved ds_config: " if saved else "", saved)
+    reader = _Reader(
+        where, error or (CorruptFileError if saved else UsageError), "saved ds_config: " if saved else "", saved
+    )
     if not isinstance(config, dict):
         reader.fail("ds_config", config, "must be a JSON object")
     return reader.read(config, swaps)
@@ -280,7 +307,11 @@ class _Reader:
             return False
         flag = _lax_bool(section[key])
         if flag is None:
-            self.fail(f"{path}{key}", section[key], f"not a boolean (true/false, 1/0, \"yes\"/\"no\", ...); DeepSpeed refuses it ({source})")
+            self.fail(
+                f"{path}{key}",
+                section[key],
+                f'not a boolean (true/false, 1/0, "yes"/"no", ...); DeepSpeed refuses it ({source})',
+            )
         return flag
 
     # --- sections -----------------------------------------------------------------------------
@@ -291,13 +322,23 @@ class _Reader:
         if isinstance(raw, bool):  # deprecated spelling: true is stage 1, false stage 0 (zero/config.py:60-68)
             raw = {N.CONFIG_STAGE: int(raw)}
         if not isinstance(raw, dict):
-            self.fail(N.CONFIG_ZERO, raw, "must be a JSON object (or true/false, DeepSpeed's deprecated form); "
-                      "DeepSpeed fails on it (DeepSpeedZeroConfig(**...), runtime/zero/config.py:78)")
+            self.fail(
+                N.CONFIG_ZERO,
+                raw,
+                "must be a JSON object (or true/false, DeepSpeed's deprecated form); "
+                "DeepSpeed fails on it (DeepSpeedZeroConfig(**...), runtime/zero/config.py:78)",
+            )
         zero = self.model(raw, zero_path)
         stage = self.int_field(zero, zero_path, N.CONFIG_STAGE, 0, None, "ZeroStageEnum, runtime/zero/config.py:95")
         if stage not in ZERO_STAGES:
-            self.fail(f"{zero_path}{N.CONFIG_STAGE}", zero[N.CONFIG_STAGE], "DeepSpeed accepts 0, 1, 2 or 3 (ZeroStageEnum, runtime/zero/config.py:81-95)")
-        sub_group_size = self.int_field(zero, zero_path, N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE, 0, "runtime/zero/config.py:182")
+            self.fail(
+                f"{zero_path}{N.CONFIG_STAGE}",
+                zero[N.CONFIG_STAGE],
+                "DeepSpeed accepts 0, 1, 2 or 3 (ZeroStageEnum, runtime/zero/config.py:81-95)",
+            )
+        sub_group_size = self.int_field(
+            zero, zero_path, N.CONFIG_SUB_GROUP_SIZE, N.DEFAULT_SUB_GROUP_SIZE, 0, "runtime/zero/config.py:182"
+        )
         round_robin = self.bool_field(zero, zero_path, N.CONFIG_ROUND_ROBIN, "runtime/zero/config.py:309")
         alignment = self.bool_field(zero, zero_path, N.CONFIG_PARAMETER_ALIGNMENT, "runtime/zero/config.py:317")
         offload_param = self.offload(zero, N.CONFIG_OFFLOAD_PARAM, CONFIG_CPU_OFFLOAD_PARAM)
@@ -307,7 +348,20 @@ class _Reader:
         clip = self.gradient_clipping(config)
         devices = {o.device for o in (offload_param, offload_optimizer) if o is not None}
         aio = self.aio(config, swaps or stage == 3 and NVME in devices)
-        return RunConfig(stage, stage_set, dtype, sub_group_size, round_robin, alignment, grad_accum, clip, offload_param, offload_optimizer, aio, dict(self.filled))
+        return RunConfig(
+            stage,
+            stage_set,
+            dtype,
+            sub_group_size,
+            round_robin,
+            alignment,
+            grad_accum,
+            clip,
+            offload_param,
+            offload_optimizer,
+            aio,
+            dict(self.filled),
+        )
 
     def offload(self, zero: dict, key: str, deprecated: str) -> ParamOffload | OptimizerOffload | None:
         """An offload section; the deprecated boolean spelling stands for ``{"device": "cpu"}``
@@ -318,61 +372,102 @@ class _Reader:
             old = zero[deprecated]
             flag = None if old is None else _lax_bool(old)
             if old is not None and flag is None:
-                self.fail(f"{N.CONFIG_ZERO}.{deprecated}", old, f"not a boolean; DeepSpeed refuses it (runtime/zero/config.py, deprecated {deprecated})")
+                self.fail(
+                    f"{N.CONFIG_ZERO}.{deprecated}",
+                    old,
+                    f"not a boolean; DeepSpeed refuses it (runtime/zero/config.py, deprecated {deprecated})",
+                )
             if key in zero:
-                self.fail(f"{N.CONFIG_ZERO}.{deprecated}", old, f"DeepSpeed refuses the deprecated {deprecated} beside {key} (runtime/config_utils.py:89-91)")
+                self.fail(
+                    f"{N.CONFIG_ZERO}.{deprecated}",
+                    old,
+                    f"DeepSpeed refuses the deprecated {deprecated} beside {key} (runtime/config_utils.py:89-91)",
+                )
             section = {DEVICE: CPU} if flag else None
         if section is None:
             return None
         if not isinstance(section, dict):
-            self.fail(path[:-1], section, "must be a JSON object or null; DeepSpeed refuses it (runtime/zero/offload_config.py)")
+            self.fail(
+                path[:-1],
+                section,
+                "must be a JSON object or null; DeepSpeed refuses it (runtime/zero/offload_config.py)",
+            )
         section = self.model(section, path)
         device = section.get(DEVICE, NONE)
         if not isinstance(device, str) or device not in OFFLOAD_DEVICES:
-            self.fail(f"{path}{DEVICE}", device, 'DeepSpeed accepts "none", "cpu" or "nvme", exactly (OffloadDeviceEnum, runtime/zero/offload_config.py:14-18)')
+            self.fail(
+                f"{path}{DEVICE}",
+                device,
+                'DeepSpeed accepts "none", "cpu" or "nvme", exactly (OffloadDeviceEnum, runtime/zero/offload_config.py:14-18)',
+            )
         nvme_path = section.get(NVME_PATH)
         if nvme_path is not None and not isinstance(nvme_path, str):
-            self.fail(f"{path}{NVME_PATH}", nvme_path, "not a path (a string); DeepSpeed refuses it (runtime/zero/offload_config.py:30)")
+            self.fail(
+                f"{path}{NVME_PATH}",
+                nvme_path,
+                "not a path (a string); DeepSpeed refuses it (runtime/zero/offload_config.py:30)",
+            )
         nvme_path = str(PurePath(nvme_path)) if nvme_path is not None else None  # pydantic's Path: "" is "."
         source = "runtime/zero/offload_config.py"
         if key == N.CONFIG_OFFLOAD_PARAM:
             return ParamOffload(
-                device, nvme_path,
+                device,
+                nvme_path,
                 buffer_size=self.int_field(section, path, BUFFER_SIZE, PARAM_BUFFER_SIZE_DEFAULT, 0, f"{source}:36"),
                 buffer_count=self.int_field(section, path, BUFFER_COUNT, PARAM_BUFFER_COUNT_DEFAULT, 0, f"{source}:33"),
-                max_in_cpu=self.int_field(section, path, MAX_IN_CPU, MAX_IN_CPU_DEFAULT, 0, f"{source}:39"))
+                max_in_cpu=self.int_field(section, path, MAX_IN_CPU, MAX_IN_CPU_DEFAULT, 0, f"{source}:39"),
+            )
         return OptimizerOffload(
-            device, nvme_path,
+            device,
+            nvme_path,
             buffer_count=self.int_field(section, path, BUFFER_COUNT, OPTIMIZER_BUFFER_COUNT_DEFAULT, 0, f"{source}:67"),
             pipeline_read=self.bool_field(section, path, PIPELINE_READ, f"{source}:84"),
             pipeline_write=self.bool_field(section, path, PIPELINE_WRITE, f"{source}:90"),
-            fast_init=self.bool_field(section, path, FAST_INIT, f"{source}:96"))
+            fast_init=self.bool_field(section, path, FAST_INIT, f"{source}:96"),
+        )
 
     def dtype(self, config: dict) -> str:
         """bf16 (spelled "bf16", else "bfloat16"), fp16, or fp32; never both (precision_config.py,
         runtime/config.py:511-512)."""
         enabled = {}
         for name, keys in (("bf16", N.CONFIG_BF16), ("fp16", (N.CONFIG_FP16,))):
-            key = next((k for k in keys if config.get(k) is not None), keys[-1])  # "bf16": null falls back to "bfloat16"
+            key = next(
+                (k for k in keys if config.get(k) is not None), keys[-1]
+            )  # "bf16": null falls back to "bfloat16"
             section = config.get(key, {})
             if not isinstance(section, dict):
-                self.fail(key, section, f"must be a JSON object; DeepSpeed fails on it (Deep{'SpeedBF16' if name == 'bf16' else 'SpeedFP16'}Config(**...), runtime/precision_config.py)")
+                self.fail(
+                    key,
+                    section,
+                    f"must be a JSON object; DeepSpeed fails on it (Deep{'SpeedBF16' if name == 'bf16' else 'SpeedFP16'}Config(**...), runtime/precision_config.py)",
+                )
             # the Trainer fills "bf16.enabled" / "fp16.enabled", not "bfloat16.enabled"
-            enabled[name] = self.bool_field(self.model(section, f"{key}."), f"{key}.", CONFIG_ENABLED, "runtime/precision_config.py")
+            enabled[name] = self.bool_field(
+                self.model(section, f"{key}."), f"{key}.", CONFIG_ENABLED, "runtime/precision_config.py"
+            )
         if enabled["bf16"] and enabled["fp16"]:
-            self.fail("fp16.enabled", True, "DeepSpeed refuses bf16 and fp16 enabled together (runtime/config.py:511-512)")
+            self.fail(
+                "fp16.enabled", True, "DeepSpeed refuses bf16 and fp16 enabled together (runtime/config.py:511-512)"
+            )
         return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
 
     def grad_accum_dtype(self, config: dict) -> str | None:
         data_types = config.get(N.CONFIG_DATA_TYPES, {})
         if not isinstance(data_types, dict):
-            self.fail(N.CONFIG_DATA_TYPES, data_types, "must be a JSON object; DeepSpeed fails on it (runtime/config.py:384, 556)")
+            self.fail(
+                N.CONFIG_DATA_TYPES,
+                data_types,
+                "must be a JSON object; DeepSpeed fails on it (runtime/config.py:384, 556)",
+            )
         value = data_types.get(N.CONFIG_GRAD_ACCUM_DTYPE)
         if value is None:
             return None
         if not isinstance(value, str) or value not in DTYPE_SPELLINGS:
-            self.fail(f"{N.CONFIG_DATA_TYPES}.{N.CONFIG_GRAD_ACCUM_DTYPE}", value,
-                      f"the engine refuses it at start (DtypeEnum, engine.py:1809; it takes {', '.join(sorted(DTYPE_SPELLINGS))})")
+            self.fail(
+                f"{N.CONFIG_DATA_TYPES}.{N.CONFIG_GRAD_ACCUM_DTYPE}",
+                value,
+                f"the engine refuses it at start (DtypeEnum, engine.py:1809; it takes {', '.join(sorted(DTYPE_SPELLINGS))})",
+            )
         return DTYPE_SPELLINGS[value]
 
     def gradient_clipping(self, config: dict) -> float | None:
@@ -385,8 +480,12 @@ class _Reader:
             self.filled[N.CONFIG_GRADIENT_CLIPPING] = FILLED_BY[N.CONFIG_GRADIENT_CLIPPING]
             return None
         if not isinstance(value, (int, float)):
-            self.fail(N.CONFIG_GRADIENT_CLIPPING, value, "not a number; DeepSpeed takes it unchecked (runtime/config.py:268) and its optimizer "
-                      "fails comparing it with 0 at the first step (stage_1_and_2.py:3199)")
+            self.fail(
+                N.CONFIG_GRADIENT_CLIPPING,
+                value,
+                "not a number; DeepSpeed takes it unchecked (runtime/config.py:268) and its optimizer "
+                "fails comparing it with 0 at the first step (stage_1_and_2.py:3199)",
+            )
         return float(value)
 
     def aio(self, config: dict, swaps: bool) -> Aio | None:
@@ -394,15 +493,21 @@ class _Reader:
         and the async I/O op only when the run swaps; zckpt checks it then."""
         section = config.get(CONFIG_AIO)
         if section is not None and not isinstance(section, dict):
-            self.fail(CONFIG_AIO, section, "must be a JSON object; DeepSpeed fails on it (swap_tensor/aio_config.py:24)")
+            self.fail(
+                CONFIG_AIO, section, "must be a JSON object; DeepSpeed fails on it (swap_tensor/aio_config.py:24)"
+            )
         if not swaps:
             return None
         section = section or {}
         block = self.aio_int(section, AIO_BLOCK_SIZE, AIO_BLOCK_SIZE_DEFAULT)
         if block % O_DIRECT_BLOCK:
-            self.fail(f"{CONFIG_AIO}.{AIO_BLOCK_SIZE}", block, f"not a multiple of {O_DIRECT_BLOCK}: the async I/O op writes O_DIRECT in blocks of "
-                      "this size and every swapped tensor spans two, the second misaligned (measured: with block_size 1000 a "
-                      "swap-out wrote no bytes and reading it back aborted the process)")
+            self.fail(
+                f"{CONFIG_AIO}.{AIO_BLOCK_SIZE}",
+                block,
+                f"not a multiple of {O_DIRECT_BLOCK}: the async I/O op writes O_DIRECT in blocks of "
+                "this size and every swapped tensor spans two, the second misaligned (measured: with block_size 1000 a "
+                "swap-out wrote no bytes and reading it back aborted the process)",
+            )
         parallelism = self.aio_int(section, AIO_INTRA_OP_PARALLELISM, AIO_INTRA_OP_PARALLELISM_DEFAULT)
         return Aio(block, parallelism)
 
@@ -410,10 +515,18 @@ class _Reader:
         value = section.get(key, default)
         name = f"{CONFIG_AIO}.{key}"
         if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(name, value, "not an integer; DeepSpeed passes it unchanged (swap_tensor/aio_config.py:24-29) to its swappers and "
-                      "async I/O op, which take a C int (deepspeed_py_io_handle.cpp:38-42): the run fails at start")
+            self.fail(
+                name,
+                value,
+                "not an integer; DeepSpeed passes it unchanged (swap_tensor/aio_config.py:24-29) to its swappers and "
+                "async I/O op, which take a C int (deepspeed_py_io_handle.cpp:38-42): the run fails at start",
+            )
         if value > C_INT_MAX:
-            self.fail(name, value, "DeepSpeed's async I/O op takes a C int and refuses it (deepspeed_py_io_handle.cpp:38-42): the run fails at start")
+            self.fail(
+                name,
+                value,
+                "DeepSpeed's async I/O op takes a C int and refuses it (deepspeed_py_io_handle.cpp:38-42): the run fails at start",
+            )
         if value < 1:
             self.fail(name, value, _AIO_NOT_POSITIVE[key])
         return value
@@ -422,7 +535,7 @@ class _Reader:
 # what DeepSpeed 0.19.8's async I/O op did with such values (a 1 MiB swap file written and read back, CPU, ext4)
 _AIO_NOT_POSITIVE = {
     AIO_BLOCK_SIZE: "DeepSpeed passes it unchecked (swap_tensor/aio_config.py:25) to its async I/O op, which needs a positive block "
-                    "size: with 0 a swap-out wrote no bytes and reading it back aborted the process, with -5 it aborted (measured)",
+    "size: with 0 a swap-out wrote no bytes and reading it back aborted the process, with -5 it aborted (measured)",
     AIO_INTRA_OP_PARALLELISM: "DeepSpeed passes it unchecked (swap_tensor/aio_config.py:29) to its async I/O op, which starts that many "
-                              "I/O threads: with 0 the first swap killed the process (division by zero), with -1 it crashed (measured)",
+    "I/O threads: with 0 the first swap killed the process (division by zero), with -1 it crashed (measured)",
 }

@@ -34,7 +34,13 @@ class SaveResult:
 def archives(plan: CheckpointPlan) -> list[tuple[str, ArchivePlan | RawPlan]]:
     """Each file's archive plan (pickled object tree, record layout, exact size), or for a raw
     swap file its byte plan; reads nothing."""
-    return [(f.name, plan_raw(f.obj.tensor) if isinstance(f.obj, RawFile) else plan_archive(f.obj, archive_name_for(f.name))) for f in plan.files]
+    return [
+        (
+            f.name,
+            plan_raw(f.obj.tensor) if isinstance(f.obj, RawFile) else plan_archive(f.obj, archive_name_for(f.name)),
+        )
+        for f in plan.files
+    ]
 
 
 def share_of(sizes: list[int], part: int, parts: int) -> list[int]:
@@ -117,7 +123,11 @@ def write_checkpoint(
         # Threads, not processes: checksums, kernel copies, reads, writes and dtype conversion all
         # release the GIL, and a thread per file keeps every core busy however the sizes fall.
         # Two files per CPU: one converting dtypes (CPU-bound) overlaps others that only copy.
-        count = min(workers or 2 * (os.cpu_count() or 1), len(jobs)) if sum(a.total_size for _, a, _ in jobs) >= PARALLEL_MIN_BYTES else 1
+        count = (
+            min(workers or 2 * (os.cpu_count() or 1), len(jobs))
+            if sum(a.total_size for _, a, _ in jobs) >= PARALLEL_MIN_BYTES
+            else 1
+        )
         if count > 1:
             pool = WorkerPool(count, "zckpt-save")
             try:

@@ -33,11 +33,22 @@ def _is_tensor_list(value: Any) -> bool:
 Schema = dict[str, tuple[str, Any]]
 MODEL_SCHEMA: Schema = {
     N.MODULE: ("a dict of tensors", lambda v: isinstance(v, dict)),
-    N.PARAM_SHAPES: ("a list of {name: shape} dicts", lambda v: _is_shape_map(v) or (isinstance(v, (list, tuple)) and all(map(_is_shape_map, v)))),
-    N.BUFFER_NAMES: ("a list of names", lambda v: v is None or (isinstance(v, (list, tuple, set)) and all(isinstance(n, str) for n in v))),
+    N.PARAM_SHAPES: (
+        "a list of {name: shape} dicts",
+        lambda v: _is_shape_map(v) or (isinstance(v, (list, tuple)) and all(map(_is_shape_map, v))),
+    ),
+    N.BUFFER_NAMES: (
+        "a list of names",
+        lambda v: v is None or (isinstance(v, (list, tuple, set)) and all(isinstance(n, str) for n in v)),
+    ),
     N.FROZEN_PARAM_SHAPES: ("a {name: shape} dict", lambda v: v is None or _is_shape_map(v)),
     N.FROZEN_PARAM_FRAGMENTS: ("a {name: tensor} dict", lambda v: v is None or isinstance(v, dict)),
-    N.SHARED_PARAMS: ("an {alias: name} dict", lambda v: v is None or (isinstance(v, dict) and all(isinstance(a, str) and isinstance(b, str) for a, b in v.items()))),
+    N.SHARED_PARAMS: (
+        "an {alias: name} dict",
+        lambda v: (
+            v is None or (isinstance(v, dict) and all(isinstance(a, str) and isinstance(b, str) for a, b in v.items()))
+        ),
+    ),
     N.DS_CONFIG: ("a dict", lambda v: v is None or isinstance(v, dict)),
     N.DP_WORLD_SIZE: ("an integer", lambda v: v is None or _is_count(v)),
     N.MP_WORLD_SIZE: ("an integer", lambda v: v is None or _is_count(v)),
@@ -45,9 +56,15 @@ MODEL_SCHEMA: Schema = {
 OPTIM_SCHEMA: Schema = {
     N.FP32_FLAT_GROUPS: ("a list of tensors", _is_tensor_list),
     N.SINGLE_PARTITION_OF_FP32_GROUPS: ("a list of tensors", _is_tensor_list),
-    N.PARTITION_COUNT: ("an integer or a list of them", lambda v: v is None or _is_count(v) or (isinstance(v, (list, tuple)) and bool(v) and all(map(_is_count, v)))),
+    N.PARTITION_COUNT: (
+        "an integer or a list of them",
+        lambda v: v is None or _is_count(v) or (isinstance(v, (list, tuple)) and bool(v) and all(map(_is_count, v))),
+    ),
     N.ZERO_STAGE: ("an integer", lambda v: v is None or _is_count(v)),
-    N.PARAM_ALIGNMENT_PADDINGS: ("a list of lists of integers", lambda v: v is None or (isinstance(v, (list, tuple)) and all(_is_shape(p) for p in v))),
+    N.PARAM_ALIGNMENT_PADDINGS: (
+        "a list of lists of integers",
+        lambda v: v is None or (isinstance(v, (list, tuple)) and all(_is_shape(p) for p in v)),
+    ),
 }
 
 

@@ -42,8 +42,12 @@ OPTIMIZER_DIR = "optimizer"
 PARAMS_DIR_RE = re.compile(r"^(?P<dtype>[a-z0-9]+)params$")  # bfloat16params, float16params
 RANK_DIR_RE = re.compile(r"^rank(?P<rank>\d+)$")
 _SUFFIX = re.escape(N.SWAP_SUFFIX)  # .tensor.swp
-SUB_GROUP_RE = re.compile(rf"^(?:(?P<state>[A-Za-z_]\w*)-)?(?P<id>\d+_\d+){_SUFFIX}$")  # optimizer_utils.SwapTensorContext
-GRADIENT_RE = re.compile(rf"^(?P<id>\d+_\d+)_gradient_(?P<offset>\d+)_(?P<numel>\d+){_SUFFIX}$")  # get_or_create_gradient_paths
+SUB_GROUP_RE = re.compile(
+    rf"^(?:(?P<state>[A-Za-z_]\w*)-)?(?P<id>\d+_\d+){_SUFFIX}$"
+)  # optimizer_utils.SwapTensorContext
+GRADIENT_RE = re.compile(
+    rf"^(?P<id>\d+_\d+)_gradient_(?P<offset>\d+)_(?P<numel>\d+){_SUFFIX}$"
+)  # get_or_create_gradient_paths
 PARAM_RE = re.compile(rf"^(?P<id>\d+)_param{_SUFFIX}$")  # partitioned_param_swapper._get_swap_paths
 PARAM_DTYPES = {"bfloat16": BF16, "float16": FP16}
 NO_CRC_NOTE = "raw swap files carry no checksum: damage inside them cannot be detected, only sizes, layout and the 16-bit/fp32 agreement"
@@ -110,7 +114,9 @@ def swap_root(path: str | os.PathLike[str]) -> str:
     for candidate in (path, os.path.join(path, STAGE_DIR)):
         if os.path.isdir(candidate) and _has_swap_dirs(candidate):
             return candidate
-    raise CheckpointNotFoundError(path, f"not a DeepSpeed swap folder: no {STAGE_DIR}/ holding {OPTIMIZER_DIR}/ or <dtype>params/ rank folders")
+    raise CheckpointNotFoundError(
+        path, f"not a DeepSpeed swap folder: no {STAGE_DIR}/ holding {OPTIMIZER_DIR}/ or <dtype>params/ rank folders"
+    )
 
 
 def _has_swap_dirs(folder: str) -> bool:
@@ -118,7 +124,10 @@ def _has_swap_dirs(folder: str) -> bool:
         names = os.listdir(folder)
     except OSError:
         return False
-    return any((name == OPTIMIZER_DIR or PARAMS_DIR_RE.match(name)) and os.path.isdir(os.path.join(folder, name)) for name in names)
+    return any(
+        (name == OPTIMIZER_DIR or PARAMS_DIR_RE.match(name)) and os.path.isdir(os.path.join(folder, name))
+        for name in names
+    )
 
 
 def scan(path: str | os.PathLike[str]) -> SwapFolder:
@@ -170,10 +179,16 @@ def size_problem(size: int, numel: int, rule: SwapRule) -> str | None:
 def check_world(folder: SwapFolder, world_size: int) -> LayoutError | None:
     """The folder must hold one optimizer rank folder per rank of the checkpoint."""
     if not folder.optimizer_ranks:
-        return LayoutError(folder.root, f"no {OPTIMIZER_DIR}/rank<R>/ folders: not the swap folder of a run with offload_optimizer on NVMe")
+        return LayoutError(
+            folder.root,
+            f"no {OPTIMIZER_DIR}/rank<R>/ folders: not the swap folder of a run with offload_optimizer on NVMe",
+        )
     if folder.optimizer_ranks != tuple(range(world_size)):
         shown = ", ".join(map(str, folder.optimizer_ranks[:8]))
-        return LayoutError(os.path.join(folder.root, OPTIMIZER_DIR), f"holds the swap files of ranks {shown}; the checkpoint was saved by {world_size} ranks (world size differs: another run)")
+        return LayoutError(
+            os.path.join(folder.root, OPTIMIZER_DIR),
+            f"holds the swap files of ranks {shown}; the checkpoint was saved by {world_size} ranks (world size differs: another run)",
+        )
     return None
 
 
@@ -207,8 +222,10 @@ class Agreement:
             return "no 16-bit param swap files to compare (params kept in memory, or offload_param is not nvme)"
         if self.agrees:
             return f"16-bit param swaps of {self.params} param(s) ({self.elements} elements) equal the fp32 masters rounded to {self.dtype}"
-        return (f"16-bit param swaps: {self.differing} of {self.elements} elements ({self.params} param(s)) differ from the fp32 masters "
-                f"rounded to {self.dtype} (DeepSpeed rewrites a 16-bit swap file only when it evicts the param, so it can be older than the masters; the masters are used)")
+        return (
+            f"16-bit param swaps: {self.differing} of {self.elements} elements ({self.params} param(s)) differ from the fp32 masters "
+            f"rounded to {self.dtype} (DeepSpeed rewrites a 16-bit swap file only when it evicts the param, so it can be older than the masters; the masters are used)"
+        )
 
 
 @dataclass(frozen=True)
@@ -232,7 +249,9 @@ class SwapReport:
 
     def notes(self) -> list[str]:
         swapped = [g for g in self.sub_groups if g.swapped]
-        lines = [f"fp32 masters and optimizer states of {len(swapped)} swapped sub-group(s) read from the live swap folder {self.root}"]
+        lines = [
+            f"fp32 masters and optimizer states of {len(swapped)} swapped sub-group(s) read from the live swap folder {self.root}"
+        ]
         if self.in_memory:
             count = sum(len(g.params) for g in self.in_memory)
             lines.append(
@@ -241,11 +260,15 @@ class SwapReport:
                 f"({self.checkpoint_tag}) and may be older than the swapped ones"
             )
         step = f"step {self.checkpoint_step}" if self.checkpoint_step is not None else self.checkpoint_tag
-        lines.append(f"step counters, Adam steps, lr scheduler and loss scaler are not in swap files: they are the checkpoint's ({step})")
+        lines.append(
+            f"step counters, Adam steps, lr scheduler and loss scaler are not in swap files: they are the checkpoint's ({step})"
+        )
         if self.agreement is not None:
             lines.append(self.agreement.describe())
         if self.orphans:
-            lines.append(f"{len(self.orphans)} file(s) in the swap folder belong to no sub-group or param (ignored): {', '.join(self.orphans[:4])}")
+            lines.append(
+                f"{len(self.orphans)} file(s) in the swap folder belong to no sub-group or param (ignored): {', '.join(self.orphans[:4])}"
+            )
         return lines
 
 
@@ -254,7 +277,9 @@ def sub_group_orphans(folder: SwapFolder, claimed: set[str]) -> list[SwapFile]:
     return [f for f in folder.of_kind("sub_group") if f.path not in claimed]
 
 
-def compare_16bit(folder: SwapFolder, param_pieces: list[tuple[str, int, TensorSource, list[int], int]], dtype: DType) -> Agreement:
+def compare_16bit(
+    folder: SwapFolder, param_pieces: list[tuple[str, int, TensorSource, list[int], int]], dtype: DType
+) -> Agreement:
     """Count elements where a 16-bit param swap differs from its fp32 master rounded to `dtype`.
 
     `param_pieces`: (name, ds_id, fp32 master source, rank of each of its segments, per-rank
@@ -290,7 +315,9 @@ def rank_problems(folder: SwapFolder) -> list[str]:
     holds the same sub-group and 16-bit param files with the same sizes."""
     problems = []
     if folder.optimizer_ranks and folder.optimizer_ranks != tuple(range(len(folder.optimizer_ranks))):
-        problems.append(f"{os.path.join(folder.root, OPTIMIZER_DIR)}: rank folders {', '.join(map(str, folder.optimizer_ranks))} are not 0..{len(folder.optimizer_ranks) - 1}: some ranks' files are missing")
+        problems.append(
+            f"{os.path.join(folder.root, OPTIMIZER_DIR)}: rank folders {', '.join(map(str, folder.optimizer_ranks))} are not 0..{len(folder.optimizer_ranks) - 1}: some ranks' files are missing"
+        )
     by_rank: dict[tuple[str, int], dict[str, int]] = {}
     for f in folder.files:
         if f.kind in ("sub_group", "param16") and f.rank is not None:
@@ -306,7 +333,9 @@ def rank_problems(folder: SwapFolder) -> list[str]:
                 problems.append(f"{where}: {held} {name}, rank {ranks[0]} {'does not' if name in files else 'does'}")
             for name in sorted(set(reference) & set(files)):
                 if reference[name] != files[name]:
-                    problems.append(f"{os.path.join(where, name)}: {files[name]} bytes, rank {ranks[0]}'s has {reference[name]}")
+                    problems.append(
+                        f"{os.path.join(where, name)}: {files[name]} bytes, rank {ranks[0]}'s has {reference[name]}"
+                    )
     return problems
 
 
@@ -320,12 +349,18 @@ def file_roles(folder: SwapFolder, report: SwapReport | None) -> list[dict]:
         if f.kind == "sub_group":
             what = f.state or "fp32 masters"
             group = groups.get(f.swap_id or "")
-            holds = f"{what} of sub-group {group.index} ({', '.join(group.params)})" if group else f"{what} of the sub-group of params {f.swap_id.replace('_', '..') if f.swap_id else '?'}"
+            holds = (
+                f"{what} of sub-group {group.index} ({', '.join(group.params)})"
+                if group
+                else f"{what} of the sub-group of params {f.swap_id.replace('_', '..') if f.swap_id else '?'}"
+            )
         elif f.kind == "gradient":
             holds = f"gradients in flight of sub-group {f.swap_id}"
         elif f.kind == "param16":
             holds = f"16-bit partition of {names.get(f.param_id, f'param ds_id {f.param_id}') if f.param_id is not None else '?'}"
         else:
             holds = "nothing DeepSpeed names this way (orphan)"
-        rows.append({"rank": f.rank, "folder": f.folder, "name": f.name, "size": f.size, "kind": f.kind, "holds": holds})
+        rows.append(
+            {"rank": f.rank, "folder": f.folder, "name": f.name, "size": f.size, "kind": f.kind, "holds": holds}
+        )
     return rows

@@ -51,10 +51,14 @@ OPTIMIZER_BUFFER_COUNT_DEFAULT = 4
 MORE_ELEMENTS = "More elements {numel} than buffer size {buffer_size}"  # partitioned_param_swapper.get_buffer
 NOT_ENOUGH_BUFFERS = "Not enough buffers {available} for swapping {count}"  # partitioned_param_swapper.swap_in
 NO_SWAP_BUFFERS = "No swap buffers to allocate for fp16 param {ds_id} of numel = {numel}"  # get_buffer
-FP16_BUFFERS_TOO_SMALL = "numel of fp16 buffers {buffers} is too small for initializing fp32 params {numel}"  # optimizer_utils
+FP16_BUFFERS_TOO_SMALL = (
+    "numel of fp16 buffers {buffers} is too small for initializing fp32 params {numel}"  # optimizer_utils
+)
 NVME_PATH_MISSING = '"nvme_path" in DeepSpeed Config cannot be None if remote device is nvme'  # partition_parameters.py
 OPTIMIZER_OUT_OF_BUFFERS = "PipelinedOptimizerSwapper ran out of swap buffers, try increasing 'buffer_count'"
-OPTIMIZER_NO_PINNED_BUFFERS = "AssertionError at `assert pinned_buffers is not None` (PartitionedOptimizerSwapper.swap_in_optimizer_state)"
+OPTIMIZER_NO_PINNED_BUFFERS = (
+    "AssertionError at `assert pinned_buffers is not None` (PartitionedOptimizerSwapper.swap_in_optimizer_state)"
+)
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,9 @@ def param_buffers(swapped_partitions: Sequence[int], rule: SwapRule) -> tuple[in
     (524288, 2)
     """
     largest = max(swapped_partitions, default=0)
-    return rule.file_numel(largest) if largest else rule.aio.numel_alignment(rule.itemsize), max(1, len(swapped_partitions))
+    return rule.file_numel(largest) if largest else rule.aio.numel_alignment(rule.itemsize), max(
+        1, len(swapped_partitions)
+    )
 
 
 def optimizer_buffers_needed(state_count: int, pipeline_read: bool, pipeline_write: bool) -> int:
@@ -172,12 +178,26 @@ def cpu_sub_groups(sub_group_numels: Sequence[int], max_in_cpu: int) -> tuple[li
 # --- writing a DeepSpeed config ----------------------------------------------------------------
 def offload_param_section(buffer_size: int, buffer_count: int, max_in_cpu: int, nvme_path: str) -> dict[str, Any]:
     """``zero_optimization.offload_param`` as a DeepSpeed config spells it."""
-    return {DEVICE: NVME, NVME_PATH: nvme_path, BUFFER_SIZE: buffer_size, BUFFER_COUNT: buffer_count, MAX_IN_CPU: max_in_cpu}
+    return {
+        DEVICE: NVME,
+        NVME_PATH: nvme_path,
+        BUFFER_SIZE: buffer_size,
+        BUFFER_COUNT: buffer_count,
+        MAX_IN_CPU: max_in_cpu,
+    }
 
 
-def offload_optimizer_section(buffer_count: int, nvme_path: str, pipeline_read: bool = False, pipeline_write: bool = False) -> dict[str, Any]:
+def offload_optimizer_section(
+    buffer_count: int, nvme_path: str, pipeline_read: bool = False, pipeline_write: bool = False
+) -> dict[str, Any]:
     """``zero_optimization.offload_optimizer`` as a DeepSpeed config spells it."""
-    return {DEVICE: NVME, NVME_PATH: nvme_path, BUFFER_COUNT: buffer_count, PIPELINE_READ: pipeline_read, PIPELINE_WRITE: pipeline_write}
+    return {
+        DEVICE: NVME,
+        NVME_PATH: nvme_path,
+        BUFFER_COUNT: buffer_count,
+        PIPELINE_READ: pipeline_read,
+        PIPELINE_WRITE: pipeline_write,
+    }
 
 
 def setting_name(section: str, key: str) -> str:

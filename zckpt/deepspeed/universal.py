@@ -23,7 +23,16 @@ from typing import Any
 from ..core.state import ParamState, TrainingState
 from ..torchfile.save import OutTensor
 from . import names as N
-from .writer import CheckpointPlan, OptimPlanner, PlannedFile, plan_model_states, plan_target, scalar_of, target_layout, tensor_of
+from .writer import (
+    CheckpointPlan,
+    OptimPlanner,
+    PlannedFile,
+    plan_model_states,
+    plan_target,
+    scalar_of,
+    target_layout,
+    tensor_of,
+)
 
 
 def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> CheckpointPlan:
@@ -34,11 +43,19 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     target = plan_target(state, state.index.world_size, target_stage)
     layout = target_layout(state, target)
     files = plan_model_states(state, target, layout)
-    files.append(PlannedFile(f"{N.UNIVERSAL_ZERO_DIR}/{N.UNIVERSAL_OPTIMIZER_STATE}", OptimPlanner(state, target, layout).universal_state(), None))
+    files.append(
+        PlannedFile(
+            f"{N.UNIVERSAL_ZERO_DIR}/{N.UNIVERSAL_OPTIMIZER_STATE}",
+            OptimPlanner(state, target, layout).universal_state(),
+            None,
+        )
+    )
     zero3 = target.stage == 3
     for param in state.params:
         files.extend(_param_files(state, param, zero3))
-    return CheckpointPlan(N.universal_tag(state.index.source_tag), target, layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE)
+    return CheckpointPlan(
+        N.universal_tag(state.index.source_tag), target, layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE
+    )
 
 
 def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[PlannedFile]:
@@ -48,7 +65,13 @@ def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[P
     sources = {N.UNIVERSAL_FP32: param.master, **param.states}
     files = []
     for key, source in sources.items():
-        files.append(PlannedFile(N.universal_state_file(param.name, key, where), _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3), None))
+        files.append(
+            PlannedFile(
+                N.universal_state_file(param.name, key, where),
+                _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3),
+                None,
+            )
+        )
     step = state.groups[param.group].scalars.get(N.UNIVERSAL_STEP)
     if step is not None and not zero3:
         files.append(PlannedFile(N.universal_state_file(param.name, N.UNIVERSAL_STEP, where), scalar_of(step), None))

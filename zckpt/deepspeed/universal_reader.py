@@ -76,12 +76,20 @@ class UniversalReader:
         first = 0 if zero3 else None
         model0 = models.get(first)
         if first not in models:
-            self._problem(CheckpointNotFoundError, self._path(N.model_states_name(3, 0)), "missing (rank 0 model states, which DeepSpeed's loader reads)")
+            self._problem(
+                CheckpointNotFoundError,
+                self._path(N.model_states_name(3, 0)),
+                "missing (rank 0 model states, which DeepSpeed's loader reads)",
+            )
             return
         if isinstance(model0, dict):
             declare(self.result, model0)
         if not os.path.isfile(optimizer_path):
-            self._problem(CheckpointNotFoundError, optimizer_path, "missing (the optimizer's global state: loss scaler, param groups, steps)")
+            self._problem(
+                CheckpointNotFoundError,
+                optimizer_path,
+                "missing (the optimizer's global state: loss scaler, param groups, steps)",
+            )
             return
         optimizer = self._load(optimizer_path)
         if any(v is None for v in models.values()) or optimizer is None:
@@ -93,7 +101,11 @@ class UniversalReader:
         world = self.result.world_size
         if zero3 and any(rank not in models for rank in range(world or 0)) and model0.get(N.FROZEN_PARAM_SHAPES):
             missing = next(rank for rank in range(world or 0) if rank not in models)
-            self._problem(CheckpointNotFoundError, self._path(N.model_states_name(3, missing)), f"missing: the frozen params' partitions of rank {missing} (world size {world}) are in it")
+            self._problem(
+                CheckpointNotFoundError,
+                self._path(N.model_states_name(3, missing)),
+                f"missing: the frozen params' partitions of rank {missing} (world size {world}) are in it",
+            )
             return
         check_same_run(self.result, models, {}, model_paths, {})
         if self.problems:
@@ -110,10 +122,19 @@ class UniversalReader:
         location = self.result.location
         assert location is not None and self.result.dtype is not None
         self.result.index = CheckpointIndex(
-            checkpoint_dir=location.checkpoint_dir, tag=location.tag, tag_dir=self.tag_dir, tags=location.tags,
-            zero_stage=self.result.zero_stage or 0, world_size=world or 0, dtype=self.result.dtype,
-            ds_version=self.result.ds_version, offload=self.result.offload, entries=tuple(entries),
-            files=tuple(self.result.files), notes=tuple(self.result.notes), universal=True,
+            checkpoint_dir=location.checkpoint_dir,
+            tag=location.tag,
+            tag_dir=self.tag_dir,
+            tags=location.tags,
+            zero_stage=self.result.zero_stage or 0,
+            world_size=world or 0,
+            dtype=self.result.dtype,
+            ds_version=self.result.ds_version,
+            offload=self.result.offload,
+            entries=tuple(entries),
+            files=tuple(self.result.files),
+            notes=tuple(self.result.notes),
+            universal=True,
         )
         self.result.state = self._training_state(models, model0, zero3)
 
@@ -126,10 +147,18 @@ class UniversalReader:
             return None
         files = scanned.model
         if not files:
-            self._problem(CheckpointNotFoundError, self.tag_dir, "no *_model_states.pt file in the universal folder (DeepSpeed's loader reads the counters and scheduler from it)")
+            self._problem(
+                CheckpointNotFoundError,
+                self.tag_dir,
+                "no *_model_states.pt file in the universal folder (DeepSpeed's loader reads the counters and scheduler from it)",
+            )
             return None
         if None in files and len(files) > 1:
-            self._problem(LayoutError, self.tag_dir, "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two conversions are mixed")
+            self._problem(
+                LayoutError,
+                self.tag_dir,
+                "holds both ZeRO-1/2 (mp_rank_00_model_states.pt) and ZeRO-3 (zero_pp_rank_*_model_states.pt) model files: two conversions are mixed",
+            )
             return None
         return files
 
@@ -137,7 +166,11 @@ class UniversalReader:
         ok = True
         for rank, state in models.items():
             if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
-                self._problem(CorruptFileError, model_paths[rank], "not a DeepSpeed model-states file (no 'module'/'param_shapes')")
+                self._problem(
+                    CorruptFileError,
+                    model_paths[rank],
+                    "not a DeepSpeed model-states file (no 'module'/'param_shapes')",
+                )
                 ok = False
         if not isinstance(optimizer, dict) or not isinstance(optimizer.get(N.PARAM_GROUPS), list):
             self._problem(CorruptFileError, optimizer_path, "not a universal optimizer state (no 'param_groups' list)")
@@ -174,13 +207,19 @@ class UniversalReader:
         try:
             stems = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".pt"))
         except FileNotFoundError:
-            self._problem(CheckpointNotFoundError, folder, f"missing: param {name} (shape {list(shape)}) is in the model states but has no folder")
+            self._problem(
+                CheckpointNotFoundError,
+                folder,
+                f"missing: param {name} (shape {list(shape)}) is in the model states but has no folder",
+            )
             return None
         except OSError as exc:
             self._problem(CheckpointNotFoundError, folder, f"cannot list ({exc.strerror})")
             return None
         if N.UNIVERSAL_FP32 not in stems:
-            self._problem(CheckpointNotFoundError, os.path.join(folder, "fp32.pt"), f"missing: the fp32 master of {name}")
+            self._problem(
+                CheckpointNotFoundError, os.path.join(folder, "fp32.pt"), f"missing: the fp32 master of {name}"
+            )
             return None
         master, states, step, step_saved, step_path = None, {}, None, None, None
         for stem in stems:
@@ -211,10 +250,18 @@ class UniversalReader:
         """The tensor of one state file, viewed as the param's shape (flat files are accepted)."""
         ref = value.get(N.UNIVERSAL_PARAM) if isinstance(value, dict) else value
         if not isinstance(ref, TensorRef):
-            self._problem(CorruptFileError, path, f"holds no tensor (expected a tensor or {{'param': tensor}}, got {type(value).__name__})")
+            self._problem(
+                CorruptFileError,
+                path,
+                f"holds no tensor (expected a tensor or {{'param': tensor}}, got {type(value).__name__})",
+            )
             return None
         if ref.numel != numel_of(shape) or (len(ref.shape) != 1 and tuple(ref.shape) != shape):
-            self._problem(LayoutError, path, f"holds a tensor of shape {list(ref.shape)}; the model states give {name} shape {list(shape)}")
+            self._problem(
+                LayoutError,
+                path,
+                f"holds a tensor of shape {list(ref.shape)}; the model states give {name} shape {list(shape)}",
+            )
             return None
         if not ref.dtype.is_floating:
             self._problem(CorruptFileError, path, f"holds {ref.dtype.short} data; optimizer states are floating point")
@@ -239,7 +286,9 @@ class UniversalReader:
                     if key not in self.param_files[name].states:
                         others = sum(1 for n in found if key in self.param_files[n].states)
                         path = os.path.join(self.tag_dir, N.universal_state_file(name, key, self.declared_in))
-                        self._problem(CheckpointNotFoundError, path, f"missing: {others} other param(s) of its group have {key}")
+                        self._problem(
+                            CheckpointNotFoundError, path, f"missing: {others} other param(s) of its group have {key}"
+                        )
 
     def _group_members(self, param_shapes: list[dict], zero3: bool) -> list[list[str]]:
         if not zero3:
@@ -256,9 +305,13 @@ class UniversalReader:
         except OSError:
             return
         known = set(self.shapes) | {name for name, _, _ in self.result.declared} | set(self.result.tied)
-        extra = sorted(f for f in folders if f not in known and os.path.isdir(os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR, f)))
+        extra = sorted(
+            f for f in folders if f not in known and os.path.isdir(os.path.join(self.tag_dir, N.UNIVERSAL_ZERO_DIR, f))
+        )
         if extra:
-            self.result.notes.append(f"{len(extra)} folder(s) under zero/ belong to no param of the model states (ignored): {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+            self.result.notes.append(
+                f"{len(extra)} folder(s) under zero/ belong to no param of the model states (ignored): {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"
+            )
 
     # --- training state -----------------------------------------------------------------------
     def _training_state(self, models: dict, model0: dict, zero3: bool) -> TrainingState:
@@ -272,7 +325,14 @@ class UniversalReader:
             for name, files in self.param_files.items()
         ]
         if not zero3:  # flat-group order in the model states; the optimizer's may differ (round robin)
-            layout = zero12_layout([[LayoutParam(n, numel_of(s), g) for n, s in group.items()] for g, group in enumerate(self.param_shapes)], index.world_size, stage=index.zero_stage)
+            layout = zero12_layout(
+                [
+                    [LayoutParam(n, numel_of(s), g) for n, s in group.items()]
+                    for g, group in enumerate(self.param_shapes)
+                ],
+                index.world_size,
+                stage=index.zero_stage,
+            )
             params = [params[i] for i in optimizer_order(layout, params, round_robin)]
         groups = self._param_groups(groups_of, zero3)
         return TrainingState(
@@ -303,10 +363,16 @@ class UniversalReader:
                     keys = tuple(entry) + tuple(k for k in element_keys if k not in entry)
                     for key, value in entry.items():
                         if key not in element_keys:
-                            scalars[key] = ScalarState(tensor=source_of(value)) if isinstance(value, TensorRef) else ScalarState(value=value)
+                            scalars[key] = (
+                                ScalarState(tensor=source_of(value))
+                                if isinstance(value, TensorRef)
+                                else ScalarState(value=value)
+                            )
             else:
                 scalars.update(self._group_step(names))
-            result.append(ParamGroupState({k: v for k, v in hyper.items() if k != "params"}, scalars, tuple(names), keys))
+            result.append(
+                ParamGroupState({k: v for k, v in hyper.items() if k != "params"}, scalars, tuple(names), keys)
+            )
         return tuple(result)
 
     def _group_step(self, names: list[str]) -> dict[str, ScalarState]:
@@ -317,6 +383,10 @@ class UniversalReader:
         first = found[0]
         for other in found[1:]:
             if other.step != first.step:
-                self._problem(LayoutError, other.step_path, f"step {other.step} differs from {first.step} in {first.step_path}: files of different conversions are mixed")
+                self._problem(
+                    LayoutError,
+                    other.step_path,
+                    f"step {other.step} differs from {first.step} in {first.step_path}: files of different conversions are mixed",
+                )
         assert first.step_saved is not None
         return {N.UNIVERSAL_STEP: first.step_saved}

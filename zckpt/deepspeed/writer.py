@@ -28,7 +28,14 @@ from ..core.topology import RankCoords, Topology
 from ..torchfile.reader import PickledEnumMember, PickledObject, TorchDevice, TorchSize, global_name
 from ..torchfile.save import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
-from .layout import LayoutParam, ZeroLayout, parameter_alignment_paddings, round_robin_order, zero3_layout, zero12_layout
+from .layout import (
+    LayoutParam,
+    ZeroLayout,
+    parameter_alignment_paddings,
+    round_robin_order,
+    zero3_layout,
+    zero12_layout,
+)
 from .optim_state import slice_mapping_layout
 from .partition import zero3_partition
 from .run_config import NVME, OFFLOAD_OPTIMIZER_DEVICE_KEY, STAGE_KEY, read_run_config
@@ -94,11 +101,19 @@ class CheckpointPlan:
 def _merge(base: dict, override: dict) -> dict:
     merged = copy.deepcopy(base)
     for key, value in override.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
-def plan_target(state: TrainingState, world_size: int, stage: int | None = None, config: dict | None = None, config_path: str | None = None) -> Target:
+def plan_target(
+    state: TrainingState,
+    world_size: int,
+    stage: int | None = None,
+    config: dict | None = None,
+    config_path: str | None = None,
+) -> Target:
     """The target run: the checkpoint's own config with the new stage, then `config` (the target
     run's ds_config, read from `config_path` if given) over it, read as DeepSpeed reads it.
     Raises UsageError for a value DeepSpeed refuses, a value zckpt cannot know that the layout
@@ -110,7 +125,10 @@ def plan_target(state: TrainingState, world_size: int, stage: int | None = None,
     if stage is None and given is not None and given.stage_set:
         given.require(STAGE_KEY, config_path, "pass --stage")
         if given.stage not in (1, 2, 3):
-            raise UsageError(config_path, f"{STAGE_KEY} reads as {given.stage} (ZeRO off): reshard writes ZeRO stage 1, 2 or 3 checkpoints; pass --stage")
+            raise UsageError(
+                config_path,
+                f"{STAGE_KEY} reads as {given.stage} (ZeRO off): reshard writes ZeRO stage 1, 2 or 3 checkpoints; pass --stage",
+            )
         stage = given.stage
     if stage is None:
         stage = index.zero_stage
@@ -120,14 +138,31 @@ def plan_target(state: TrainingState, world_size: int, stage: int | None = None,
     # at stages 1/2, and keeping them lets a later reshard back to ZeRO-3 rebuild the same layout
     merged = _merge(state.ds_config, config or {})
     zero = merged.get(N.CONFIG_ZERO)
-    merged[N.CONFIG_ZERO] = {**(zero if isinstance(zero, dict) else {}), N.CONFIG_STAGE: stage}  # true/false: the deprecated form
+    merged[N.CONFIG_ZERO] = {
+        **(zero if isinstance(zero, dict) else {}),
+        N.CONFIG_STAGE: stage,
+    }  # true/false: the deprecated form
     # the target run's config: problems that appear only at the new stage are the options' doing
-    run = read_run_config(merged, config_path if config is not None else index.tag_dir, saved=config is None, error=UsageError)
-    if stage == 3 or stage == 1 and index.dtype == BF16 and run.grad_accum_dtype == "fp32":  # swapping; BF16_Optimizer or not
-        run.require(OFFLOAD_OPTIMIZER_DEVICE_KEY, config_path, "set it in --config (where the optimizer state lives decides the layout)")
+    run = read_run_config(
+        merged, config_path if config is not None else index.tag_dir, saved=config is None, error=UsageError
+    )
+    if (
+        stage == 3 or stage == 1 and index.dtype == BF16 and run.grad_accum_dtype == "fp32"
+    ):  # swapping; BF16_Optimizer or not
+        run.require(
+            OFFLOAD_OPTIMIZER_DEVICE_KEY,
+            config_path,
+            "set it in --config (where the optimizer state lives decides the layout)",
+        )
     clip = run.gradient_clipping
-    if stage < 3 and N.CLIP_GRAD not in state.optimizer_extras:  # the ZeRO-1/2 files carry it and the loader restores it
-        run.require(N.CONFIG_GRADIENT_CLIPPING, config_path, "set it in --config (the ZeRO-1/2 files carry it and DeepSpeed's loader restores it)")
+    if (
+        stage < 3 and N.CLIP_GRAD not in state.optimizer_extras
+    ):  # the ZeRO-1/2 files carry it and the loader restores it
+        run.require(
+            N.CONFIG_GRADIENT_CLIPPING,
+            config_path,
+            "set it in --config (the ZeRO-1/2 files carry it and DeepSpeed's loader restores it)",
+        )
         clip = N.default_gradient_clipping(N.version_tuple(index.ds_version or "0.0.0")) if clip is None else clip
     return Target(
         stage=stage,
@@ -157,7 +192,13 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
     paddings = None
     if target.parameter_alignment and not target.bf16_optimizer:
         paddings = [parameter_alignment_paddings([p.numel for p in group], target.dtype.itemsize) for group in groups]
-    return zero12_layout(groups, target.world_size, alignment_paddings=paddings, keep_group_padding=target.bf16_optimizer, stage=target.stage)
+    return zero12_layout(
+        groups,
+        target.world_size,
+        alignment_paddings=paddings,
+        keep_group_padding=target.bf16_optimizer,
+        stage=target.stage,
+    )
 
 
 def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None) -> CheckpointPlan:
@@ -165,7 +206,10 @@ def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None
     layout = target_layout(state, target)
     optim = OptimPlanner(state, target, layout)
     ranks = list(target.topology.data_ranks())
-    optim_files = [PlannedFile(N.rank_optim_states_name(at, bf16=target.dtype == BF16), optim.file(at.data), at.data) for at in ranks]
+    optim_files = [
+        PlannedFile(N.rank_optim_states_name(at, bf16=target.dtype == BF16), optim.file(at.data), at.data)
+        for at in ranks
+    ]
     swap_files = [f for at in ranks for f in optim.swap_files(at.data)]
     # DeepSpeed saves every rank's swap folder, empty where no sub-group is swapped
     folders = tuple(f"{N.OFFLOADED_TENSORS_DIR}/{N.offloaded_rank_dir(at.data)}" for at in ranks) if optim.swaps else ()
@@ -177,7 +221,10 @@ def plan_model_states(state: TrainingState, target: Target, layout: ZeroLayout) 
     """The model_states file(s) of the target run: one per rank for ZeRO-3, else one."""
     models = ModelPlanner(state, target, layout)
     if target.stage == 3:
-        return [PlannedFile(N.rank_model_states_name(3, at), models.file(at.data), at.data) for at in target.topology.data_ranks()]
+        return [
+            PlannedFile(N.rank_model_states_name(3, at), models.file(at.data), at.data)
+            for at in target.topology.data_ranks()
+        ]
     return [PlannedFile(N.rank_model_states_name(target.stage, RankCoords()), models.file(None), None)]
 
 
@@ -230,8 +277,12 @@ def carry(obj: Any) -> Any:
         return tensor_of(source_of(obj))
     if isinstance(obj, PickledObject):
         return PickledInstance(
-            GlobalName(obj.original_module, obj.original_name), carry(obj.pickle_state), carry(obj.pickle_args), carry(obj.pickle_kwargs) or None,
-            carry(obj.pickle_list_items), [(carry(k), carry(v)) for k, v in obj.pickle_dict_items],
+            GlobalName(obj.original_module, obj.original_name),
+            carry(obj.pickle_state),
+            carry(obj.pickle_args),
+            carry(obj.pickle_kwargs) or None,
+            carry(obj.pickle_list_items),
+            [(carry(k), carry(v)) for k, v in obj.pickle_dict_items],
         )
     if (name := global_name(obj)) is not None:  # a class or function held by name, never called
         return GlobalName(*name)
@@ -276,12 +327,18 @@ class OptimPlanner:
         # ZeRO-3 sub-groups whose master and per-element states live in offloaded_tensors/
         swap = target.swap if layout.stage == 3 else None
         self.swaps = swap is not None
-        self.swapped = frozenset(f for f, g in enumerate(layout.flat_groups) if swap is not None and swap.swapped(g.partition))
+        self.swapped = frozenset(
+            f for f, g in enumerate(layout.flat_groups) if swap is not None and swap.swapped(g.partition)
+        )
         self.ds_ids = _ds_ids(state) if layout.stage == 3 else {}
 
     def file(self, rank: int) -> dict:
         inner = self._zero3(rank) if self.target.stage == 3 else self._zero12(rank)
-        return {N.OPTIMIZER_STATE_DICT: inner, N.DS_CONFIG: carry(self.target.ds_config), N.DS_VERSION: self.target.ds_version}
+        return {
+            N.OPTIMIZER_STATE_DICT: inner,
+            N.DS_CONFIG: carry(self.target.ds_config),
+            N.DS_VERSION: self.target.ds_version,
+        }
 
     def _element_states(self, flat: int) -> list[str]:
         """The per-element optimizer states of a flat group (exp_avg, ...), in saved key order."""
@@ -306,7 +363,9 @@ class OptimPlanner:
                     entry[key] = OutTensor(FP32, (0,), (), attributes={"ds_id": f"{key}-{self._sub_group_id(flat)}"})
                 elif key in element_states:
                     sources = self.state_sources[key]
-                    entry[key] = _flat(pieces, sources, group.partition, sources[group.params[0]].dtype if group.params else FP32)
+                    entry[key] = _flat(
+                        pieces, sources, group.partition, sources[group.params[0]].dtype if group.params else FP32
+                    )
             if entry:
                 state[flat] = entry
         return {"state": state, "param_groups": self._param_groups()}
@@ -314,7 +373,9 @@ class OptimPlanner:
     def _sub_group_ids(self, flat: int) -> tuple[int, int]:
         """The ds_ids of a ZeRO-3 sub-group's first and last params: they name it (``0_7``)."""
         group = self.layout.flat_groups[flat]
-        return self.ds_ids[self.layout.params[group.params[0]].name], self.ds_ids[self.layout.params[group.params[-1]].name]
+        return self.ds_ids[self.layout.params[group.params[0]].name], self.ds_ids[
+            self.layout.params[group.params[-1]].name
+        ]
 
     def _sub_group_id(self, flat: int) -> str:
         """A ZeRO-3 sub-group's ``ds_id`` attribute (``0_7``)."""
@@ -333,9 +394,13 @@ class OptimPlanner:
             length = swap.file_numel(group.partition)
             padding = (Zeros(length - group.partition),) if length > group.partition else ()
             folder = f"{N.OFFLOADED_TENSORS_DIR}/{N.offloaded_rank_dir(rank)}"
-            for key, sources in [(None, self.masters)] + [(k, self.state_sources[k]) for k in self._element_states(flat)]:
+            for key, sources in [(None, self.masters)] + [
+                (k, self.state_sources[k]) for k in self._element_states(flat)
+            ]:
                 raw = OutTensor(FP32, (length,), _flat(pieces, sources, group.partition, FP32).parts + padding)
-                name = N.swap_file_name(*self._sub_group_ids(flat), key, self.state.index.tag_dir)  # key: a name from the input
+                name = N.swap_file_name(
+                    *self._sub_group_ids(flat), key, self.state.index.tag_dir
+                )  # key: a name from the input
                 files.append(PlannedFile(f"{folder}/{name}", RawFile(raw), rank))
         return files
 
@@ -357,9 +422,15 @@ class OptimPlanner:
             left = rank * group.partition
             paddings.append(max(0, min(group.partition, left + group.partition - max(padding_start, left))))
             mapping = OrderedDict()
-            described = self.slice_mappings.by_rank().get((rank, flat), []) if self.slice_mappings is not self.layout else pieces
+            described = (
+                self.slice_mappings.by_rank().get((rank, flat), [])
+                if self.slice_mappings is not self.layout
+                else pieces
+            )
             for piece in sorted(described, key=lambda p: p.param):  # DeepSpeed lists them in param group order
-                mapping[self.slice_mappings.params[piece.param].name] = PickledInstance(FRAGMENT_ADDRESS, {"numel": piece.length, "start": piece.flat_offset})
+                mapping[self.slice_mappings.params[piece.param].name] = PickledInstance(
+                    FRAGMENT_ADDRESS, {"numel": piece.length, "start": piece.flat_offset}
+                )
             mappings.append(mapping)
         extras = dict(self.state.optimizer_extras)
         if N.CLIP_GRAD not in extras:  # ZeRO-3 files keep none: the engine saves its configured value
@@ -367,11 +438,16 @@ class OptimPlanner:
         count = [world] * len(self.layout.flat_groups)
         if self.target.bf16_optimizer:
             out: dict[str, Any] = {N.CLIP_GRAD: extras[N.CLIP_GRAD]}
-            out.update({
-                N.BASE_OPTIMIZER_STATE: self._torch_state(rank), N.SINGLE_PARTITION_OF_FP32_GROUPS: fp32,
-                N.GROUP_PADDINGS: paddings, N.PARTITION_COUNT: count, N.DS_VERSION: self.target.ds_version,
-                N.PARAM_SLICE_MAPPINGS: mappings,
-            })
+            out.update(
+                {
+                    N.BASE_OPTIMIZER_STATE: self._torch_state(rank),
+                    N.SINGLE_PARTITION_OF_FP32_GROUPS: fp32,
+                    N.GROUP_PADDINGS: paddings,
+                    N.PARTITION_COUNT: count,
+                    N.DS_VERSION: self.target.ds_version,
+                    N.PARAM_SLICE_MAPPINGS: mappings,
+                }
+            )
             return out
         out = {N.LOSS_SCALER: self._loss_scaler()}
         for key in (N.DYNAMIC_LOSS_SCALE, N.OVERFLOW):
@@ -393,9 +469,21 @@ class OptimPlanner:
         fp32 = []
         for flat, group in enumerate(self.layout.flat_groups):
             # swapped to NVMe: saved empty (the master is in offloaded_tensors/)
-            tensor = _flat(self.by_rank.get((rank, flat), []), self.masters, group.partition, FP32) if flat not in self.swapped else OutTensor(FP32, (0,), ())
+            tensor = (
+                _flat(self.by_rank.get((rank, flat), []), self.masters, group.partition, FP32)
+                if flat not in self.swapped
+                else OutTensor(FP32, (0,), ())
+            )
             # saved as the optimizer's own flat params: requires_grad set, ds_id naming the sub-group
-            fp32.append(OutTensor(tensor.dtype, tensor.shape, tensor.parts, attributes={"ds_id": self._sub_group_id(flat)}, requires_grad=True))
+            fp32.append(
+                OutTensor(
+                    tensor.dtype,
+                    tensor.shape,
+                    tensor.parts,
+                    attributes={"ds_id": self._sub_group_id(flat)},
+                    requires_grad=True,
+                )
+            )
         return {
             N.ZERO_STAGE: PickledEnum(ZERO_STAGE_ENUM, 3),
             N.LOSS_SCALER: self._loss_scaler(),
@@ -495,12 +583,17 @@ class ModelPlanner:
             parts = tuple(Copy(s, entry.source.dtype) for s in _slice(entry.source, start, length))
             if length < share:
                 parts += (Zeros(share - length),)
-            fragments[name] = OutTensor(self.state.index.dtype if entry.source.dtype.is_floating else entry.source.dtype, (share,), parts)
+            fragments[name] = OutTensor(
+                self.state.index.dtype if entry.source.dtype.is_floating else entry.source.dtype, (share,), parts
+            )
         return fragments
 
     def _param_shapes(self) -> list:
         return [
-            OrderedDict((self.layout.params[i].name, torch_size(self.entries[self.layout.params[i].name].source.shape)) for i in group.params)
+            OrderedDict(
+                (self.layout.params[i].name, torch_size(self.entries[self.layout.params[i].name].source.shape))
+                for i in group.params
+            )
             for group in self.layout.flat_groups
         ]
 
@@ -516,7 +609,9 @@ class ModelPlanner:
         values: dict[str, Any] = {
             N.MODULE: self._module(rank),
             N.PARAM_SHAPES: self._param_shapes(),
-            N.FROZEN_PARAM_SHAPES: None if self.target.stage == 1 else OrderedDict((n, torch_size(self.entries[n].source.shape)) for n in self.frozen),
+            N.FROZEN_PARAM_SHAPES: None
+            if self.target.stage == 1
+            else OrderedDict((n, torch_size(self.entries[n].source.shape)) for n in self.frozen),
             N.FROZEN_PARAM_FRAGMENTS: self._frozen_fragments(rank),
             N.LR_SCHEDULER: carry(state.lr_scheduler),
             N.SKIPPED_STEPS: state.skipped_steps,
@@ -548,9 +643,25 @@ def _model_state_keys(version: str) -> tuple[str, ...]:
     middle = (N.SPARSE_TENSOR_MODULE_NAMES,) if N.version_tuple(version) < (0, 15) else ()
     late = (N.CHECKPOINT_PARALLEL_DIMENSIONS,) if N.version_tuple(version) >= (0, 15) else ()
     return (
-        N.MODULE, N.BUFFER_NAMES, N.OPTIMIZER, N.PARAM_SHAPES, N.FROZEN_PARAM_SHAPES, N.SHARED_PARAMS,
-        N.FROZEN_PARAM_FRAGMENTS, N.LR_SCHEDULER, N.DATA_SAMPLER, N.RANDOM_LTD, *middle, N.SKIPPED_STEPS,
-        N.GLOBAL_STEPS, N.GLOBAL_SAMPLES, N.DP_WORLD_SIZE, N.MP_WORLD_SIZE, *late, N.DS_CONFIG, N.DS_VERSION,
+        N.MODULE,
+        N.BUFFER_NAMES,
+        N.OPTIMIZER,
+        N.PARAM_SHAPES,
+        N.FROZEN_PARAM_SHAPES,
+        N.SHARED_PARAMS,
+        N.FROZEN_PARAM_FRAGMENTS,
+        N.LR_SCHEDULER,
+        N.DATA_SAMPLER,
+        N.RANDOM_LTD,
+        *middle,
+        N.SKIPPED_STEPS,
+        N.GLOBAL_STEPS,
+        N.GLOBAL_SAMPLES,
+        N.DP_WORLD_SIZE,
+        N.MP_WORLD_SIZE,
+        *late,
+        N.DS_CONFIG,
+        N.DS_VERSION,
     )
 
 
@@ -566,4 +677,3 @@ def _ds_ids(state: TrainingState) -> dict[str, int]:
     """DeepSpeed's param ids: params numbered in module order, each tied param once."""
     skip = {e.name for e in state.index.entries if e.kind in ("buffer", "tied")}
     return {name: i for i, name in enumerate(n for n in state.module_names if n not in skip)}
-

@@ -39,12 +39,18 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
     model0 = models.get(files.first)
     if isinstance(model0, dict) and not schema_problems(model0, MODEL_SCHEMA):
         declare(result, model0)
-    if any(v is None for v in list(models.values()) + list(optims.values())) or not check_file_kinds(result, models, optims, files.model, files.optim, tag_dir):
+    if any(v is None for v in list(models.values()) + list(optims.values())) or not check_file_kinds(
+        result, models, optims, files.model, files.optim, tag_dir
+    ):
         describe_readable(result, models, optims, files.optim, files.zero3, tag_dir)
         return
     ranks = LoadedRanks(
-        models=models, optims=optims, inner={rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims},
-        model_paths=files.model, optim_files=files.optim, zero3=files.zero3,
+        models=models,
+        optims=optims,
+        inner={rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims},
+        model_paths=files.model,
+        optim_files=files.optim,
+        zero3=files.zero3,
     )
     run_config = describe(result, ranks.model0, ranks.inner[0], ranks.optim_files[0][0], ranks.zero3, ranks.model0_path)
     if not check_world(result, ranks, tag_dir):

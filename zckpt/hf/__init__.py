@@ -1,2 +1,1 @@
-"""Every Hugging Face name and format: weights file names and indexes, safetensors headers, shard plans.
-"""
+"""Every Hugging Face name and format: weights file names and indexes, safetensors headers, shard plans."""

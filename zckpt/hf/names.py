@@ -82,7 +82,9 @@ def _set_dtype(node: Any, dtype_name: str) -> bool:
 # The files of a PEFT adapter folder besides its weights: the config and model card PEFT writes,
 # and the tokenizer/processor files the Trainer saves beside them. Not the base model's
 # config.json or generation_config.json: they describe the base, not the adapter.
-ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_README) + tuple(n for n in MODEL_FILES if n not in (CONFIG_FILE, "generation_config.json"))
+ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_README) + tuple(
+    n for n in MODEL_FILES if n not in (CONFIG_FILE, "generation_config.json")
+)
 
 
 def model_weights(folder: str) -> list[tuple[str, TensorSource]]:
@@ -103,8 +105,16 @@ def model_weights(folder: str) -> list[tuple[str, TensorSource]]:
     elif os.path.isfile(single):
         weight_map, files = None, [os.path.basename(single)]
     else:
-        held = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".safetensors"))) if os.path.isdir(folder) else []
-        problem = f"holds {', '.join(held)}; only safetensors weights are read" if held else f"no {os.path.basename(single)} or {SAFETENSORS_INDEX}"
+        held = (
+            sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".safetensors")))
+            if os.path.isdir(folder)
+            else []
+        )
+        problem = (
+            f"holds {', '.join(held)}; only safetensors weights are read"
+            if held
+            else f"no {os.path.basename(single)} or {SAFETENSORS_INDEX}"
+        )
         raise CheckpointNotFoundError(folder, f"not a Hugging Face model folder: {problem}")
     tensors: list[tuple[str, TensorSource]] = []
     for name in files:

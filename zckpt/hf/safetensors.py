@@ -49,7 +49,9 @@ class Header:
         return self.tensors[-1].end if self.tensors else 0
 
 
-def build_header(tensors: Sequence[tuple[str, DType, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Header]:
+def build_header(
+    tensors: Sequence[tuple[str, DType, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, Header]:
     """Header bytes for tensors written in the given order, and the parsed Header they encode."""
     body: dict[str, object] = {}
     if metadata:
@@ -79,7 +81,9 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             raise CorruptFileError(path, "truncated: shorter than a safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > _MAX_HEADER or 8 + length > file_size:
-            raise CorruptFileError(path, f"header length {length} does not fit the {file_size}-byte file: truncated or not safetensors")
+            raise CorruptFileError(
+                path, f"header length {length} does not fit the {file_size}-byte file: truncated or not safetensors"
+            )
         raw = handle.read(length)
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -99,14 +103,20 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         except (KeyError, TypeError, ValueError):
             raise CorruptFileError(path, f"tensor {name}: bad or unsupported header entry {info!r:.100}") from None
         if any(d < 0 for d in shape) or end - begin != math.prod(shape) * dtype.itemsize:
-            raise CorruptFileError(path, f"tensor {name}: offsets [{begin}, {end}) do not match shape {list(shape)} of {dtype}")
+            raise CorruptFileError(
+                path, f"tensor {name}: offsets [{begin}, {end}) do not match shape {list(shape)} of {dtype}"
+            )
         tensors.append(HeaderTensor(name, dtype, shape, begin, end))
     tensors.sort(key=lambda t: (t.begin, t.end))
     position = 0
     for tensor in tensors:
         if tensor.begin != position:
-            raise CorruptFileError(path, f"tensor {tensor.name}: data offsets overlap or leave a gap at byte {position}")
+            raise CorruptFileError(
+                path, f"tensor {tensor.name}: data offsets overlap or leave a gap at byte {position}"
+            )
         position = tensor.end
     if 8 + length + position != file_size:
-        raise CorruptFileError(path, f"data section should be {position} bytes, file holds {file_size - 8 - length}: truncated or garbled")
+        raise CorruptFileError(
+            path, f"data section should be {position} bytes, file holds {file_size - 8 - length}: truncated or garbled"
+        )
     return Header(tuple(tensors), metadata, 8 + length)

@@ -321,7 +321,9 @@ class RecordChecker:
                     continue  # bytes read twice: counted once
                 if start > position:  # a gap: bytes the job did not read here
                     fd = fd if fd is not None else os.open(path, os.O_RDONLY)
-                    crc = crc32_combine(crc, checksum_range(fd, path, record.start + position, start - position), start - position)
+                    crc = crc32_combine(
+                        crc, checksum_range(fd, path, record.start + position, start - position), start - position
+                    )
                     position = start
                 if start < position:  # overlaps the last piece: read its new part again
                     fd = fd if fd is not None else os.open(path, os.O_RDONLY)
@@ -330,7 +332,11 @@ class RecordChecker:
                 position = end
             if position < record.size:
                 fd = fd if fd is not None else os.open(path, os.O_RDONLY)
-                crc = crc32_combine(crc, checksum_range(fd, path, record.start + position, record.size - position), record.size - position)
+                crc = crc32_combine(
+                    crc,
+                    checksum_range(fd, path, record.start + position, record.size - position),
+                    record.size - position,
+                )
         except CorruptFileError as exc:
             return exc
         except OSError as exc:
@@ -340,7 +346,8 @@ class RecordChecker:
                 os.close(fd)
         if crc != record.crc:
             return CorruptFileError(
-                path, f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): the data is corrupted"
+                path,
+                f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): the data is corrupted",
             )
         return None
 

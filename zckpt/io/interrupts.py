@@ -114,8 +114,11 @@ def watch_for_stuck_handlers(grace: float = GRACE_SECONDS) -> None:
             deadline = time.monotonic() + grace
             while _handled[0] < arrivals:
                 if _armed[0] and time.monotonic() >= deadline:
-                    exit_now(signum, f"interrupted by {signal.Signals(signum).name}; exited at once: the process was waiting on other "
-                                     "processes (a rank gone?) where no handler runs; the next run removes what it staged")
+                    exit_now(
+                        signum,
+                        f"interrupted by {signal.Signals(signum).name}; exited at once: the process was waiting on other "
+                        "processes (a rank gone?) where no handler runs; the next run removes what it staged",
+                    )
                 time.sleep(0.05)
 
     threading.Thread(target=watch, name="zckpt-signal-watch", daemon=True).start()
@@ -134,6 +137,7 @@ def _note(pending: list[int]) -> Callable[[int, Any], None]:
     def note(received: int, _frame: Any) -> None:
         handler_ran()
         pending.append(received)
+
     return note
 
 

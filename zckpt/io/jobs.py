@@ -38,7 +38,10 @@ class JobSync:
             news = self.max_of(_GO)
             if news == _FAILED:
                 self._told = True
-                raise JobFailed(self.path, "another process of this job failed (its own error says why); the previous output is kept")
+                raise JobFailed(
+                    self.path,
+                    "another process of this job failed (its own error says why); the previous output is kept",
+                )
             if news == _GO:
                 return
 

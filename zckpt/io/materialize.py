@@ -45,7 +45,9 @@ def numpy_to_torch(raw: np.ndarray, dtype: DType) -> "torch.Tensor":
     return torch.from_numpy(raw)
 
 
-def convert(raw: np.ndarray, source: DType, target: DType, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
+def convert(
+    raw: np.ndarray, source: DType, target: DType, out: np.ndarray | None = None, scratch: np.ndarray | None = None
+) -> np.ndarray:
     """Cast raw elements from `source` to `target` with torch's rounding (round to nearest even).
 
     Widening 16-bit floats to fp32 is exact and done in numpy (bf16 is the top half of an fp32),
@@ -89,14 +91,18 @@ def convert(raw: np.ndarray, source: DType, target: DType, out: np.ndarray | Non
 _BLOCK = 1 << 18  # elements per block: 1 MiB of fp32
 
 
-def fp32_to_bf16(raw: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray | None:
+def fp32_to_bf16(
+    raw: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None
+) -> np.ndarray | None:
     """fp32 -> bf16 bits (as uint16) exactly as torch rounds finite and infinite values (round
     to nearest even: add 0x7FFF plus the lowest kept bit, keep the top half; checked on all 2^32
     patterns). None when `raw` holds a NaN (see above)."""
     return _narrow(raw, np.uint16, out, scratch, 1, _bf16_block)
 
 
-def fp32_to_fp16(raw: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray | None:
+def fp32_to_fp16(
+    raw: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None
+) -> np.ndarray | None:
     """fp32 -> fp16 bits exactly as torch rounds finite and infinite values (checked on all 2^32
     patterns). Results in fp16's normal range are integer arithmetic as for bf16: rebias the
     exponent (127 -> 15) and round to nearest even at bit 13; the few others (fp16 subnormals,
@@ -106,8 +112,14 @@ def fp32_to_fp16(raw: np.ndarray, out: np.ndarray | None = None, scratch: np.nda
     return _narrow(raw, np.float16, out, scratch, 2, _fp16_block)
 
 
-def _narrow(raw: np.ndarray, dtype: type, out: np.ndarray | None, scratch: np.ndarray | None, words: int,
-            block: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]) -> np.ndarray | None:
+def _narrow(
+    raw: np.ndarray,
+    dtype: type,
+    out: np.ndarray | None,
+    scratch: np.ndarray | None,
+    words: int,
+    block: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None],
+) -> np.ndarray | None:
     """Run `block` over `raw` in pieces of at most _BLOCK elements that fit `scratch` (`words`
     uint32 per element)."""
     if _has_nan(raw):
@@ -236,7 +248,11 @@ class StreamWriter:
                     # The descriptor is taken here: FileReader's table is not for several threads.
                     src = self.reader.descriptor(segment.path)
                     count = min(step, nbytes - start)
-                    pending.append(_helpers().submit(self._convert, slot, src, segment.path, segment.offset + start, count, source, target))
+                    pending.append(
+                        _helpers().submit(
+                            self._convert, slot, src, segment.path, segment.offset + start, count, source, target
+                        )
+                    )
             while pending:
                 self._emit(fd, pending.popleft().result())
         finally:  # after an error, no helper may still be filling a slot
@@ -244,7 +260,9 @@ class StreamWriter:
                 future.cancel()
             wait(pending)
 
-    def _convert(self, slot: _Slot, src: int, path: str, offset: int, nbytes: int, source: DType, target: DType) -> np.ndarray:
+    def _convert(
+        self, slot: _Slot, src: int, path: str, offset: int, nbytes: int, source: DType, target: DType
+    ) -> np.ndarray:
         """Read `nbytes` at `offset` into the slot and checksum them (what FileReader.read_into
         does, on a descriptor the writing thread took), then return them converted."""
         view = slot.raw[:nbytes]
@@ -278,7 +296,9 @@ class StreamWriter:
                     while copied < window:
                         count = os.copy_file_range(src, fd, window - copied, offset + done + copied)
                         if count == 0:
-                            raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+                            raise CorruptFileError(
+                                path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner"
+                            )
                         copied += count
                         self.progress(count)
                 finally:

@@ -176,7 +176,11 @@ def remove_dead_leftovers(folder: str) -> list[str]:
     writer's lock file is left to :class:`OutputLock`, which takes it over."""
     removed = []
     for leftover in find_leftovers(folder):
-        if leftover.alive is not False or leftover.previous_of is not None or os.path.basename(leftover.path) == LOCK_FILE:
+        if (
+            leftover.alive is not False
+            or leftover.previous_of is not None
+            or os.path.basename(leftover.path) == LOCK_FILE
+        ):
             continue
         try:
             if os.path.isdir(leftover.path) and not os.path.islink(leftover.path):
@@ -196,7 +200,9 @@ def check_free_space(path: str, needed_bytes: int) -> None:
         probe = os.path.dirname(os.path.abspath(probe))
     free = shutil.disk_usage(probe).free
     if needed_bytes > free:
-        raise OutputError(path, f"needs {format_size(needed_bytes)} but only {format_size(free)} is free; nothing was written")
+        raise OutputError(
+            path, f"needs {format_size(needed_bytes)} but only {format_size(free)} is free; nothing was written"
+        )
 
 
 def output_error(path: str, exc: OSError) -> OutputError:
@@ -246,8 +252,14 @@ class _Holder:
     retry: bool = False
 
     def refusal(self, lock_path: str) -> str:
-        who = f"process {self.pid} on {self.host or 'this host'}" if self.pid is not None else f"its owner is not readable in {lock_path}"
-        unsure = f" (this filesystem has no locks: if that run is gone, remove {lock_path})" if self.alive is None else ""
+        who = (
+            f"process {self.pid} on {self.host or 'this host'}"
+            if self.pid is not None
+            else f"its owner is not readable in {lock_path}"
+        )
+        unsure = (
+            f" (this filesystem has no locks: if that run is gone, remove {lock_path})" if self.alive is None else ""
+        )
         return f"another zckpt run is writing it: {who}{unsure}; pass --wait to wait for it to end; nothing was written"
 
 
@@ -316,7 +328,9 @@ class OutputLock:
     def _try(self) -> _Holder | None:
         """One try: None when the lock is now ours, else who holds it."""
         self._make_folder()
-        temp = os.path.join(self.folder, temp_name(f"{LOCK_FILE[1:]}-{id(self):x}"))  # one per lock: threads of a process too
+        temp = os.path.join(
+            self.folder, temp_name(f"{LOCK_FILE[1:]}-{id(self):x}")
+        )  # one per lock: threads of a process too
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         taken = False
         try:
@@ -399,7 +413,14 @@ class StagedOutput:
     """An output folder whose files appear together, or not at all; one writer at a time
     (its :class:`OutputLock` is held from the check of existing files to the end)."""
 
-    def __init__(self, output_dir: str, final_names: list[str], overwrite: bool = False, needed_bytes: int = 0, wait: bool = False) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        final_names: list[str],
+        overwrite: bool = False,
+        needed_bytes: int = 0,
+        wait: bool = False,
+    ) -> None:
         self.output_dir = output_dir
         self.final_names = list(final_names)
         self.overwrite = overwrite
@@ -409,9 +430,14 @@ class StagedOutput:
         self._stale: list[str] = []
 
     def _check(self) -> None:
-        existing = [n for n in sorted(os.listdir(self.output_dir)) if _WEIGHTS_FILE_RE.match(n) or n in self.final_names]
+        existing = [
+            n for n in sorted(os.listdir(self.output_dir)) if _WEIGHTS_FILE_RE.match(n) or n in self.final_names
+        ]
         if existing and not self.overwrite:
-            raise OutputError(os.path.join(self.output_dir, existing[0]), "already exists; pass --overwrite to replace the weights in this folder")
+            raise OutputError(
+                os.path.join(self.output_dir, existing[0]),
+                "already exists; pass --overwrite to replace the weights in this folder",
+            )
         self._stale = [n for n in existing if n not in self.final_names and _WEIGHTS_FILE_RE.match(n)]
         check_free_space(self.output_dir, self.needed_bytes)
 
@@ -463,7 +489,9 @@ class StagedOutput:
                 pass
         self._temps.clear()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             if exc_type is not None:
                 self.abort()
@@ -570,8 +598,13 @@ def refuse_output_inside_input(output_dir: str, input_dirs: tuple[str, ...], *, 
     folders in (DeepSpeed's own habit)."""
     for folder in input_dirs:
         same = os.path.realpath(output_dir) == os.path.realpath(folder)
-        if is_inside(output_dir, folder) and not (may_be is not None and os.path.realpath(output_dir) == os.path.realpath(may_be)):
-            raise UsageError(output_dir, f"{'is the input folder' if same else f'is inside the input {folder}'}; choose a folder outside it")
+        if is_inside(output_dir, folder) and not (
+            may_be is not None and os.path.realpath(output_dir) == os.path.realpath(may_be)
+        ):
+            raise UsageError(
+                output_dir,
+                f"{'is the input folder' if same else f'is inside the input {folder}'}; choose a folder outside it",
+            )
 
 
 def path_inside(folder: str, relative: str) -> str:
@@ -587,7 +620,10 @@ def path_inside(folder: str, relative: str) -> str:
     root, target = os.path.abspath(folder), os.path.abspath(path)
     resolved = os.path.join(os.path.realpath(os.path.dirname(target)), os.path.basename(target))
     if target == root or not within(target, root) or not within(resolved, os.path.realpath(folder)):
-        raise OutputError(path, f"would be written at {resolved}, outside the output folder {folder}; refused, nothing is written there")
+        raise OutputError(
+            path,
+            f"would be written at {resolved}, outside the output folder {folder}; refused, nothing is written there",
+        )
     return path
 
 

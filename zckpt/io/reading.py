@@ -98,7 +98,9 @@ class FileReader:
     def __enter__(self) -> "FileReader":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             if exc_type is None and self._owns_checker:
                 self.verify_now()
@@ -131,13 +133,19 @@ def read_range(reader: FileReader, source: TensorSource, start: int, dest: np.nd
         if end > start and position < wanted_end:
             first = max(start, position)
             count = min(end, wanted_end) - first
-            reader.read_into(segment.path, segment.offset + (first - position) * itemsize, raw[filled * itemsize : (filled + count) * itemsize])
+            reader.read_into(
+                segment.path,
+                segment.offset + (first - position) * itemsize,
+                raw[filled * itemsize : (filled + count) * itemsize],
+            )
             filled += count
         position = end
         if position >= wanted_end:
             break
     if filled != dest.size:
-        raise CorruptFileError(source.segments[0].path if source.segments else None, f"holds {position} elements, {wanted_end} expected")
+        raise CorruptFileError(
+            source.segments[0].path if source.segments else None, f"holds {position} elements, {wanted_end} expected"
+        )
 
 
 def read_json_object(path: str | os.PathLike[str], what: str) -> dict[str, Any]:

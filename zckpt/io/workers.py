@@ -27,6 +27,8 @@ class WorkerPool(ThreadPoolExecutor):
         with signals_deferred():
             return super().submit(fn, *args, **kwargs)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
         self.shutdown(wait=True, cancel_futures=exc_type is not None)
         return False

@@ -25,7 +25,12 @@ def _selected(index: CheckpointIndex, exclude_frozen: bool) -> list[Entry]:
 
 
 def iter_tensors(
-    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False, states: bool = False,
+    checkpoint: PathLike,
+    *,
+    tag: str | None = None,
+    dtype: DTypeLike = "fp32",
+    exclude_frozen: bool = False,
+    states: bool = False,
     swap_folder: PathLike | None = None,
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Yield ``(name, tensor)`` one at a time; only one tensor is in memory at once.
@@ -55,7 +60,11 @@ def iter_tensors(
 
 
 def load_state_dict(
-    checkpoint: PathLike, *, tag: str | None = None, dtype: DTypeLike = "fp32", exclude_frozen: bool = False,
+    checkpoint: PathLike,
+    *,
+    tag: str | None = None,
+    dtype: DTypeLike = "fp32",
+    exclude_frozen: bool = False,
     swap_folder: PathLike | None = None,
 ) -> dict[str, "torch.Tensor"]:
     """The whole consolidated state dict, as zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint
@@ -100,7 +109,9 @@ def load_into_module(
     if strict and (missing or unexpected):
         parts = []
         if missing:
-            parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+            parts.append(
+                f"missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+            )
         if unexpected:
             parts.append(f"not in the module: {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
         raise LayoutError(index.tag_dir, "; ".join(parts) + " (pass strict=False to load the rest)")
@@ -111,7 +122,10 @@ def load_into_module(
             if target is None:
                 continue
             if tuple(target.shape) != entry.source.shape:
-                raise LayoutError(index.tag_dir, f"{entry.name}: checkpoint shape {list(entry.source.shape)} != module shape {list(target.shape)}")
+                raise LayoutError(
+                    index.tag_dir,
+                    f"{entry.name}: checkpoint shape {list(entry.source.shape)} != module shape {list(target.shape)}",
+                )
             if not target.is_meta:
                 target.copy_(read_tensor(reader, entry.source))
             elif id(target) in materialized:

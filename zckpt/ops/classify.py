@@ -75,7 +75,9 @@ def classify(path: str | os.PathLike[str]) -> InputKind:
     if not os.path.isdir(path):
         if path.endswith(".index.json"):
             return InputKind(path, Kind.WEIGHTS_INDEX)
-        if os.path.basename(path) in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) and looks_like_checkpoint(os.path.dirname(path) or "."):
+        if os.path.basename(path) in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) and looks_like_checkpoint(
+            os.path.dirname(path) or "."
+        ):
             return InputKind(path, Kind.LATEST_FILE)
         return InputKind(path, Kind.WEIGHTS_FILE)
     if looks_like_checkpoint(path):

@@ -60,15 +60,34 @@ def consolidate(
     """
     _refuse_file_name(os.fspath(output_dir), format)
     index = open_checkpoint(checkpoint, tag, swap_folder)
-    in_place = index.checkpoint_dir if TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir))) else None
+    in_place = (
+        index.checkpoint_dir
+        if TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir)))
+        else None
+    )
     refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=in_place)
-    done = consolidate_peft(index, os.fspath(output_dir), peft=peft, merge_into=merge_into, dtype=dtype, format=format,
-                            max_shard_size=max_shard_size, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
+    done = consolidate_peft(
+        index,
+        os.fspath(output_dir),
+        peft=peft,
+        merge_into=merge_into,
+        dtype=dtype,
+        format=format,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        progress=progress,
+        verify=verify,
+        wait=wait,
+    )
     if done is not None:
         return done
     dtype = FP32 if dtype is None else dtype
-    plan = plan_consolidation(index, dtype=dtype, format=format, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen)
-    return write_consolidated(index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress, verify=verify, wait=wait)
+    plan = plan_consolidation(
+        index, dtype=dtype, format=format, max_shard_size=max_shard_size, exclude_frozen=exclude_frozen
+    )
+    return write_consolidated(
+        index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress, verify=verify, wait=wait
+    )
 
 
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
@@ -81,6 +100,11 @@ def _refuse_file_name(output_dir: str, format: OutputFormat | WeightsFormat) -> 
     if output_dir.endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
         folder = os.path.dirname(output_dir.rstrip(os.sep)) or "."
         fmt = find_format(format) or SAFETENSORS
-        other = "".join(f" (--format {f.name}: {f.single_file})" for f in FORMATS.values() if f is not fmt and f is not SAFETENSORS)
-        raise UsageError(output_dir, f"OUTPUT_DIR names a file (zero_to_fp32.py's old output-file form); give the folder: "
-                                     f"'{folder}' gets {fmt.single_file}{other}")
+        other = "".join(
+            f" (--format {f.name}: {f.single_file})" for f in FORMATS.values() if f is not fmt and f is not SAFETENSORS
+        )
+        raise UsageError(
+            output_dir,
+            f"OUTPUT_DIR names a file (zero_to_fp32.py's old output-file form); give the folder: "
+            f"'{folder}' gets {fmt.single_file}{other}",
+        )

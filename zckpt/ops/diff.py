@@ -72,7 +72,9 @@ class InputSummary:
         if self.kind == "zero_checkpoint":
             return f"ZeRO-{self.zero_stage} checkpoint, tag {self.tag}, world size {self.world_size}"
         if self.kind == "universal_checkpoint":
-            return f"universal checkpoint, tag {self.tag} (saved at world size {self.world_size}, ZeRO-{self.zero_stage})"
+            return (
+                f"universal checkpoint, tag {self.tag} (saved at world size {self.world_size}, ZeRO-{self.zero_stage})"
+            )
         return f"{_KIND_WORDS[self.kind]}, {self.files} file{'s' * (self.files != 1)}"
 
 
@@ -151,7 +153,13 @@ class DiffReport:
 
     @property
     def equal(self) -> bool:
-        return not (self.only_in_a or self.only_in_b or self.differing or self.states_differ or any(not s.equal for s in self.scalars))
+        return not (
+            self.only_in_a
+            or self.only_in_b
+            or self.differing
+            or self.states_differ
+            or any(not s.equal for s in self.scalars)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` report: plain JSON values (a non-finite float as "inf", "-inf" or "nan")."""
@@ -211,25 +219,44 @@ def diff(
             only_b += [n for n in right.states if n not in left.states]
         for side in missing:
             notes.append(f"{side.upper()} keeps no optimizer states ({_KIND_WORDS[(left, right)[side == 'b'].kind]})")
-    comparer = _Comparer(atol, rtol, chunk_elements, progress, sum(s.nbytes + t.nbytes for _, _, s, t in pairs if s.shape == t.shape))
+    comparer = _Comparer(
+        atol, rtol, chunk_elements, progress, sum(s.nbytes + t.nbytes for _, _, s, t in pairs if s.shape == t.shape)
+    )
     with FileReader(verify=verify) as reader:
         tensors = tuple(comparer.compare(reader, name, kind, s, t) for name, kind, s, t in pairs)
         scalars: tuple[ScalarDiff, ...] = ()
         if left.scalars is not None and right.scalars is not None:
-            scalars = tuple(_scalar_diff(reader, n, v, right.scalars[n]) for n, v in left.scalars.items() if n in right.scalars)
+            scalars = tuple(
+                _scalar_diff(reader, n, v, right.scalars[n]) for n, v in left.scalars.items() if n in right.scalars
+            )
             only_a += [n for n in left.scalars if n not in right.scalars]
             only_b += [n for n in right.scalars if n not in left.scalars]
     return DiffReport(
-        a=_summary(left), b=_summary(right), atol=float(atol), rtol=float(rtol), states=states,
-        only_in_a=tuple(only_a), only_in_b=tuple(only_b), tensors=tensors, scalars=scalars,
-        states_missing=missing, notes=tuple(notes),
+        a=_summary(left),
+        b=_summary(right),
+        atol=float(atol),
+        rtol=float(rtol),
+        states=states,
+        only_in_a=tuple(only_a),
+        only_in_b=tuple(only_b),
+        tensors=tensors,
+        scalars=scalars,
+        states_missing=missing,
+        notes=tuple(notes),
     )
 
 
 def _summary(held: NamedTensors) -> InputSummary:
     return InputSummary(
-        path=held.path, kind=held.kind, tensors=len(held.tensors), has_states=held.is_checkpoint, tag=held.tag,
-        zero_stage=held.zero_stage, world_size=held.world_size, files=len(held.files), notes=held.notes,
+        path=held.path,
+        kind=held.kind,
+        tensors=len(held.tensors),
+        has_states=held.is_checkpoint,
+        tag=held.tag,
+        zero_stage=held.zero_stage,
+        world_size=held.world_size,
+        files=len(held.files),
+        notes=held.notes,
     )
 
 
@@ -267,7 +294,9 @@ class _Comparer:
             changed += stats[0]
             mismatched += stats[1]
             max_abs, max_rel = max(max_abs, stats[2]), max(max_rel, stats[3])
-        return TensorDiff(name, kind, a.shape, b.shape, a.dtype.short, b.dtype.short, changed, mismatched, max_abs, max_rel)
+        return TensorDiff(
+            name, kind, a.shape, b.shape, a.dtype.short, b.dtype.short, changed, mismatched, max_abs, max_rel
+        )
 
 
 def _as_float64(raw: np.ndarray, dtype: DType) -> np.ndarray:
@@ -277,7 +306,9 @@ def _as_float64(raw: np.ndarray, dtype: DType) -> np.ndarray:
     return raw.astype(np.float64)
 
 
-def _chunk_stats(raw_a: np.ndarray, dtype_a: DType, raw_b: np.ndarray, dtype_b: DType, atol: float, rtol: float) -> tuple[int, int, float, float]:
+def _chunk_stats(
+    raw_a: np.ndarray, dtype_a: DType, raw_b: np.ndarray, dtype_b: DType, atol: float, rtol: float
+) -> tuple[int, int, float, float]:
     """(changed, mismatched, max abs diff, max rel diff) of one chunk of each side. Works in
     place on three float64 arrays of the chunk's length, which bound the memory used."""
     if not dtype_a.is_floating and not dtype_b.is_floating:  # integers and bools: equality exact
@@ -335,17 +366,32 @@ def _scalar_diff(reader: FileReader, name: str, a: ScalarState, b: ScalarState) 
 
 def _summary_dict(summary: InputSummary) -> dict[str, Any]:
     return {
-        "path": summary.path, "kind": summary.kind, "tensors": summary.tensors, "has_states": summary.has_states,
-        "tag": summary.tag, "zero_stage": summary.zero_stage, "world_size": summary.world_size,
-        "files": summary.files, "notes": list(summary.notes),
+        "path": summary.path,
+        "kind": summary.kind,
+        "tensors": summary.tensors,
+        "has_states": summary.has_states,
+        "tag": summary.tag,
+        "zero_stage": summary.zero_stage,
+        "world_size": summary.world_size,
+        "files": summary.files,
+        "notes": list(summary.notes),
     }
 
 
 def _tensor_dict(t: TensorDiff) -> dict[str, Any]:
     return {
-        "name": t.name, "kind": t.kind, "equal": t.equal, "shape_a": list(t.shape_a), "shape_b": list(t.shape_b),
-        "dtype_a": t.dtype_a, "dtype_b": t.dtype_b, "numel": t.numel if not t.shape_differs else None,
-        "changed": t.changed, "mismatched": t.mismatched, "max_abs_diff": t.max_abs_diff, "max_rel_diff": t.max_rel_diff,
+        "name": t.name,
+        "kind": t.kind,
+        "equal": t.equal,
+        "shape_a": list(t.shape_a),
+        "shape_b": list(t.shape_b),
+        "dtype_a": t.dtype_a,
+        "dtype_b": t.dtype_b,
+        "numel": t.numel if not t.shape_differs else None,
+        "changed": t.changed,
+        "mismatched": t.mismatched,
+        "max_abs_diff": t.max_abs_diff,
+        "max_rel_diff": t.max_rel_diff,
     }
 
 
@@ -377,7 +423,9 @@ def render(report: DiffReport) -> str:
     lines += [f"only in B    {n}" for n in report.only_in_b]
     for t in report.tensors:
         if t.shape_differs:
-            lines.append(f"shape        {t.name}: {_shape(t.shape_a)} {t.dtype_a} in A, {_shape(t.shape_b)} {t.dtype_b} in B")
+            lines.append(
+                f"shape        {t.name}: {_shape(t.shape_a)} {t.dtype_a} in A, {_shape(t.shape_b)} {t.dtype_b} in B"
+            )
         elif t.dtype_differs:  # shown even when the values agree: the files are not the same
             lines.append(f"dtype        {t.name}: {t.dtype_a} in A, {t.dtype_b} in B; {_values(t)}")
         elif not t.equal:
@@ -405,16 +453,31 @@ def _summary_line(report: DiffReport) -> str:
     weights = sum(1 for t in report.tensors if t.kind == "weight")
     held = [_count(weights, "tensor")]
     if report.states and not report.states_missing:
-        held.append(f"{_count(len(report.tensors) - weights, 'optimizer state tensor')} and {_count(len(report.scalars), 'scalar')}")
+        held.append(
+            f"{_count(len(report.tensors) - weights, 'optimizer state tensor')} and {_count(len(report.scalars), 'scalar')}"
+        )
     tolerance = f"atol {report.atol:g}, rtol {report.rtol:g}"
     dtypes = len(report.dtype_differences)
     if report.equal:
-        extra = f"; {dtypes} in another dtype, values {'within tolerance' if any(t.changed for t in report.tensors) else 'identical'}" if dtypes else ""
+        extra = (
+            f"; {dtypes} in another dtype, values {'within tolerance' if any(t.changed for t in report.tensors) else 'identical'}"
+            if dtypes
+            else ""
+        )
         lacking = "; neither side keeps optimizer states" if len(report.states_missing) == 2 else ""
         return f"equal: {' and '.join(held)} compared ({tolerance}){extra}{lacking}"
     differing = report.differing
-    kinds = [f"{count} in {what}" for what, count in (("shape", sum(t.shape_differs for t in differing)), ("values", sum(bool(t.mismatched) for t in differing))) if count]
-    parts = [f"{len(differing)} of {_count(len(report.tensors), 'tensor')}" + (f" ({', '.join(kinds)})" if kinds else "")]
+    kinds = [
+        f"{count} in {what}"
+        for what, count in (
+            ("shape", sum(t.shape_differs for t in differing)),
+            ("values", sum(bool(t.mismatched) for t in differing)),
+        )
+        if count
+    ]
+    parts = [
+        f"{len(differing)} of {_count(len(report.tensors), 'tensor')}" + (f" ({', '.join(kinds)})" if kinds else "")
+    ]
     if dtypes:
         parts.append(f"{dtypes} in another dtype")
     if report.only_in_a or report.only_in_b:

@@ -75,7 +75,9 @@ class WeightsFormat:
         """Bytes of one file besides its tensors, as far as known before writing."""
         return 0
 
-    def write(self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance) -> None:
+    def write(
+        self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance
+    ) -> None:
         """Stream one file at `path` (created or truncated), one tensor at a time."""
         raise NotImplementedError
 
@@ -83,19 +85,27 @@ class WeightsFormat:
 @dataclass(frozen=True)
 class SafetensorsFormat(WeightsFormat):
     def order(self, tensors: Sequence[ShardTensor]) -> list[ShardTensor]:
-        return sorted(tensors, key=lambda t: -t.dtype.itemsize)  # widest first keeps every tensor aligned, as safetensors does
+        return sorted(
+            tensors, key=lambda t: -t.dtype.itemsize
+        )  # widest first keeps every tensor aligned, as safetensors does
 
     def file_overhead(self, tensors: Sequence[ShardTensor], tied: dict[str, str]) -> int:
         return len(safetensors_header(tensors, tied))
 
-    def write(self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance) -> None:
+    def write(
+        self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance
+    ) -> None:
         writer = StreamWriter(reader, advance)
-        write_safetensors(path, safetensors_header(tensors, tied), tensors, lambda fd, t: writer.write(fd, t.source, t.dtype))
+        write_safetensors(
+            path, safetensors_header(tensors, tied), tensors, lambda fd, t: writer.write(fd, t.source, t.dtype)
+        )
 
 
 @dataclass(frozen=True)
 class TorchFormat(WeightsFormat):
-    def write(self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance) -> None:
+    def write(
+        self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance
+    ) -> None:
         shard: dict[str, OutTensor] = {}
         for tensor in tensors:
             if tensor.alias_of is not None and tensor.alias_of in shard:
@@ -108,7 +118,9 @@ class TorchFormat(WeightsFormat):
         write_archive(path, plan, reader, advance)
 
 
-SAFETENSORS = SafetensorsFormat("safetensors", hf.SAFETENSORS_PATTERN, hf.SAFETENSORS_INDEX, hf.ADAPTER_SAFETENSORS, tied_copies=True)
+SAFETENSORS = SafetensorsFormat(
+    "safetensors", hf.SAFETENSORS_PATTERN, hf.SAFETENSORS_INDEX, hf.ADAPTER_SAFETENSORS, tied_copies=True
+)
 TORCH = TorchFormat("torch", hf.TORCH_PATTERN, hf.TORCH_INDEX, hf.ADAPTER_TORCH, tied_copies=False)
 FORMATS: dict[str, WeightsFormat] = {f.name: f for f in (SAFETENSORS, TORCH)}
 
@@ -137,7 +149,9 @@ def safetensors_header(tensors: Sequence[ShardTensor], tied: dict[str, str]) -> 
     return header
 
 
-def write_safetensors(path: str, header: bytes, tensors: Sequence[ShardTensor], write_tensor: Callable[[int, ShardTensor], object]) -> None:
+def write_safetensors(
+    path: str, header: bytes, tensors: Sequence[ShardTensor], write_tensor: Callable[[int, ShardTensor], object]
+) -> None:
     """A safetensors file, header first: `write_tensor(fd, tensor)` appends each tensor's bytes
     in order (streamed from its source, or computed, as the PEFT merge does)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -34,7 +34,13 @@ from .peft import describe_adapter
 from .tensor_sources import torch_state_refs
 
 
-def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: bool = False, *, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def inspect_path(
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    verify: bool = False,
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
     """Report on a DeepSpeed checkpoint folder, a consolidated output folder, a weights file, or
     a live ZeRO-Infinity swap folder (`checkpoint`, of the same run, names what it holds).
 
@@ -54,7 +60,16 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
             if weights is not None:
                 return _with_leftovers(_with_adapter(inspect_path(weights), path), path)
             if find_leftovers(path):  # only what a killed run left: say so rather than "no checkpoint"
-                return _with_leftovers({"kind": "folder", "path": path, "complete": False, "problems": [f"{path}: holds no checkpoint or weights file"], "parameters": []}, path)
+                return _with_leftovers(
+                    {
+                        "kind": "folder",
+                        "path": path,
+                        "complete": False,
+                        "problems": [f"{path}: holds no checkpoint or weights file"],
+                        "parameters": [],
+                    },
+                    path,
+                )
         return inspect_checkpoint(path, tag, verify)
     if found.kind is Kind.WEIGHTS_INDEX:
         return _inspect_index(path)
@@ -67,7 +82,9 @@ def inspect_path(path: str | os.PathLike[str], tag: str | None = None, verify: b
     return _inspect_file(path, "safetensors", _safetensors_tensors)
 
 
-def inspect_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None = None, tag: str | None = None) -> dict[str, Any]:
+def inspect_swap_folder(
+    path: str, checkpoint: str | os.PathLike[str] | None = None, tag: str | None = None
+) -> dict[str, Any]:
     """Report on a live swap folder: per rank its files, sizes and what each holds, gradient and
     orphan files, disk use; with `checkpoint`, the layout check and the 16-bit/fp32 agreement."""
     folder = swap.scan(path)
@@ -80,7 +97,9 @@ def inspect_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None = N
         report_swap = found.swap
         notes += found.swap.notes() if found.swap is not None else []
     else:
-        notes.append("no --checkpoint: files named by DeepSpeed param ids; pass a checkpoint of the same run to name the params, check the layout and compare the 16-bit param swaps with the fp32 masters")
+        notes.append(
+            "no --checkpoint: files named by DeepSpeed param ids; pass a checkpoint of the same run to name the params, check the layout and compare the 16-bit param swaps with the fp32 masters"
+        )
     rows = swap.file_roles(folder, report_swap)
     ranks = sorted({r["rank"] for r in rows if r["rank"] is not None})
     agreement = report_swap.agreement if report_swap is not None else None
@@ -93,18 +112,34 @@ def inspect_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None = N
         "param_dtypes": list(folder.param_dtypes),
         "total_bytes": folder.total_bytes,
         "ranks": [
-            {"rank": rank, "bytes": sum(r["size"] for r in rows if r["rank"] == rank), "files": [r for r in rows if r["rank"] == rank]}
+            {
+                "rank": rank,
+                "bytes": sum(r["size"] for r in rows if r["rank"] == rank),
+                "files": [r for r in rows if r["rank"] == rank],
+            }
             for rank in ranks
         ],
         "gradient_files": [f.path for f in folder.of_kind("gradient")],
         "orphans": [f.path for f in folder.of_kind("orphan")],
         "sub_groups": [
-            {"index": g.index, "swap_id": g.swap_id, "params": list(g.params), "partition_numel": g.partition, "swapped": g.swapped}
+            {
+                "index": g.index,
+                "swap_id": g.swap_id,
+                "params": list(g.params),
+                "partition_numel": g.partition,
+                "swapped": g.swapped,
+            }
             for g in (report_swap.sub_groups if report_swap is not None else ())
         ],
-        "agreement_16bit": None if agreement is None else {
-            "dtype": agreement.dtype, "params": agreement.params, "elements": agreement.elements,
-            "differing": agreement.differing, "per_param": agreement.per_param, "agrees": agreement.agrees,
+        "agreement_16bit": None
+        if agreement is None
+        else {
+            "dtype": agreement.dtype,
+            "params": agreement.params,
+            "elements": agreement.elements,
+            "differing": agreement.differing,
+            "per_param": agreement.per_param,
+            "agrees": agreement.agrees,
         },
         "checksums": swap.NO_CRC_NOTE,
         "notes": notes,
@@ -115,12 +150,16 @@ def inspect_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None = N
 
 def _render_swap_folder(report: dict[str, Any]) -> list[str]:
     lines = [f"ZeRO-Infinity swap folder: {report['root']}"]
-    lines.append(f"  ranks          {report['world_size']}   16-bit params {', '.join(report['param_dtypes']) or 'none'}   disk {format_size(report['total_bytes'])}")
+    lines.append(
+        f"  ranks          {report['world_size']}   16-bit params {', '.join(report['param_dtypes']) or 'none'}   disk {format_size(report['total_bytes'])}"
+    )
     if report["checkpoint"]:
         lines.append(f"  layout from    {report['checkpoint']}")
     for group in report["sub_groups"]:
         where = f"swapped as {group['swap_id']}" if group["swapped"] else "in memory (not in the swap folder)"
-        lines.append(f"  sub-group {group['index']:<4} {where}: {', '.join(group['params'])} ({group['partition_numel']} per rank)")
+        lines.append(
+            f"  sub-group {group['index']:<4} {where}: {', '.join(group['params'])} ({group['partition_numel']} per rank)"
+        )
     for rank in report["ranks"]:
         lines.append(f"  rank {rank['rank']}         {len(rank['files'])} files, {format_size(rank['bytes'])}")
         for row in rank["files"]:
@@ -143,13 +182,20 @@ def _inspect_latest(path: str, tag: str | None, verify: bool) -> dict[str, Any]:
         named = ""
     chosen = tag or named
     if not chosen or not os.path.isdir(os.path.join(folder, chosen)):
-        report = inspect_checkpoint(folder, tag, verify)  # reports `latest`'s problem, or reads the folder as zckpt would
+        report = inspect_checkpoint(
+            folder, tag, verify
+        )  # reports `latest`'s problem, or reads the folder as zckpt would
         if base == N.LATEST_UNIVERSAL_FILE and not any(p.startswith(path) for p in report["problems"]):
-            report["problems"].append(f"{path}: names tag '{named}', but that folder is not in {folder} (tags here: {', '.join(list_tags(folder)) or 'none'})")
+            report["problems"].append(
+                f"{path}: names tag '{named}', but that folder is not in {folder} (tags here: {', '.join(list_tags(folder)) or 'none'})"
+            )
             report["complete"] = False
     else:
         report = inspect_checkpoint(folder, chosen, verify)
-    report["notes"].insert(0, f"{path} is DeepSpeed's '{base}' file (naming tag {named or 'nothing'}); this describes the checkpoint folder it belongs to")
+    report["notes"].insert(
+        0,
+        f"{path} is DeepSpeed's '{base}' file (naming tag {named or 'nothing'}); this describes the checkpoint folder it belongs to",
+    )
     return report
 
 
@@ -166,7 +212,7 @@ def _with_leftovers(report: dict[str, Any], folder: str) -> dict[str, Any]:
 
 
 def _writer(checkpoint_dir: str) -> str:
-    """"zckpt train" for a folder the trainer wrote (its model_config.json), else "DeepSpeed"
+    """ "zckpt train" for a folder the trainer wrote (its model_config.json), else "DeepSpeed"
     (ds_version still says which DeepSpeed's layout either follows)."""
     try:
         with open(os.path.join(checkpoint_dir, TRAINER_MODEL_CONFIG), encoding="utf-8") as handle:
@@ -207,7 +253,9 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
         entries = [(n, s, k, "fp32" if k == "param" else held.get(n, stored)) for n, s, k in found.declared]
         tied = dict(found.tied)
         shapes = {n: (s, d) for n, s, _, d in entries}
-        entries += [(alias, shapes[source][0], "tied", shapes[source][1]) for alias, source in tied.items() if source in shapes]
+        entries += [
+            (alias, shapes[source][0], "tied", shapes[source][1]) for alias, source in tied.items() if source in shapes
+        ]
     params = [e for e in entries if e[2] in ("param", "frozen")]
     report.update(
         {
@@ -222,7 +270,9 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
             "verified": verify,
             "notes": list(found.notes),
             "files": [os.path.relpath(f, location.checkpoint_dir) if location else f for f in found.files],
-            "parameters": [_param(n, s, d, kind=k, **({"alias_of": tied[n]} if k == "tied" else {})) for n, s, k, d in entries],
+            "parameters": [
+                _param(n, s, d, kind=k, **({"alias_of": tied[n]} if k == "tied" else {})) for n, s, k, d in entries
+            ],
         }
     )
     try:
@@ -246,7 +296,9 @@ def _describe_peft(report: dict[str, Any], declared_tied: dict[str, str], checkp
     report["tied_missing_source"] = dangling
     report["frozen_excluded"] = bool(dangling) or (adapter is not None and not report["frozen"])
     if adapter is not None:
-        report["notes"].append("a PEFT run's checkpoint: consolidate writes PEFT's adapter folder, --merge-into BASE_DIR the base model with the adapter merged")
+        report["notes"].append(
+            "a PEFT run's checkpoint: consolidate writes PEFT's adapter folder, --merge-into BASE_DIR the base model with the adapter merged"
+        )
 
 
 def _with_adapter(report: dict[str, Any], folder: str, names: list[str] | None = None) -> dict[str, Any]:
@@ -279,13 +331,26 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
     return {
         "optimizer_states": state.state_names,
         "param_groups": [
-            {"params": len(g.params), "step": step, **{k: v for k, v in g.hyperparams.items() if isinstance(v, (int, float, str, bool, type(None), tuple, list))}}
+            {
+                "params": len(g.params),
+                "step": step,
+                **{
+                    k: v
+                    for k, v in g.hyperparams.items()
+                    if isinstance(v, (int, float, str, bool, type(None), tuple, list))
+                },
+            }
             for g, step in zip(state.groups, steps)
         ],
         "global_steps": state.global_steps,
         "global_samples": state.global_samples,
         "skipped_steps": state.skipped_steps,
-        "loss_scaler": None if scaler is None else {"class": getattr(scaler, "original_class", type(scaler).__name__), **{k: v for k, v in getattr(scaler, "__dict__", {}).items() if isinstance(v, (int, float, bool))}},
+        "loss_scaler": None
+        if scaler is None
+        else {
+            "class": getattr(scaler, "original_class", type(scaler).__name__),
+            **{k: v for k, v in getattr(scaler, "__dict__", {}).items() if isinstance(v, (int, float, bool))},
+        },
         "lr_scheduler": state.lr_scheduler is not None,
         "client_state": sorted(map(str, state.client_state)),
     }
@@ -367,7 +432,14 @@ def _inspect_index(path: str) -> dict[str, Any]:
         if tensor_name not in present and name_problem(name) is None and os.path.isfile(os.path.join(folder, name)):
             problems.append(f"{os.path.join(folder, name)}: lacks {tensor_name}, which the index maps to it")
     summary = _summary(tensors, metadata)
-    return {**report, "files": files, "declared_total_size": declared_total, **summary, "complete": not problems, "problems": problems}
+    return {
+        **report,
+        "files": files,
+        "declared_total_size": declared_total,
+        **summary,
+        "complete": not problems,
+        "problems": problems,
+    }
 
 
 def _human(numel: int) -> str:
@@ -396,18 +468,26 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
         stage, world, dtype = _shown(report["zero_stage"]), _shown(report["world_size"]), _shown(report["dtype"])
         if universal:
             flavour = "ZeRO-3" if report["zero_stage"] == 3 else "ZeRO-1/2"
-            lines.append(f"  loads into     {flavour} runs with load_universal, any world size (saved by world size {world}; dtype {dtype})")
+            lines.append(
+                f"  loads into     {flavour} runs with load_universal, any world size (saved by world size {world}; dtype {dtype})"
+            )
         else:
             lines.append(f"  ZeRO stage     {stage}   world size {world}   dtype {dtype}   offload {report['offload']}")
         if report.get("writer") == "zckpt train":
             lines.append(f"  written by     zckpt train (DeepSpeed {_shown(report['ds_version'])}'s layout)")
         else:
             lines.append(f"  DeepSpeed      {_shown(report['ds_version'])}")
-        lines.append(f"  params         {report['params']} ({_human(report['trainable_numel'])} trainable elements, {_human(report['frozen_numel'])} frozen)")
+        lines.append(
+            f"  params         {report['params']} ({_human(report['trainable_numel'])} trainable elements, {_human(report['frozen_numel'])} frozen)"
+        )
         if report["frozen"]:
-            lines.append(f"  frozen         {', '.join(report['frozen'][:8])}{' ...' if len(report['frozen']) > 8 else ''}")
+            lines.append(
+                f"  frozen         {', '.join(report['frozen'][:8])}{' ...' if len(report['frozen']) > 8 else ''}"
+            )
         if report["buffers"]:
-            lines.append(f"  buffers        {', '.join(report['buffers'][:8])}{' ...' if len(report['buffers']) > 8 else ''}")
+            lines.append(
+                f"  buffers        {', '.join(report['buffers'][:8])}{' ...' if len(report['buffers']) > 8 else ''}"
+            )
         training = report.get("training_state")
         if training:
             steps = sorted({str(g["step"]) for g in training["param_groups"]})

@@ -129,7 +129,11 @@ class NvmePlan:
 
     def snippet(self) -> dict[str, Any]:
         """The part of a DeepSpeed config to paste."""
-        zero = {N.CONFIG_STAGE: 3, N.CONFIG_SUB_GROUP_SIZE: self.sub_group_size, N.CONFIG_OFFLOAD_PARAM: self.offload_param}
+        zero = {
+            N.CONFIG_STAGE: 3,
+            N.CONFIG_SUB_GROUP_SIZE: self.sub_group_size,
+            N.CONFIG_OFFLOAD_PARAM: self.offload_param,
+        }
         if self.offload_optimizer is not None:
             zero[N.CONFIG_OFFLOAD_OPTIMIZER] = self.offload_optimizer
         return {N.CONFIG_ZERO: zero}
@@ -137,19 +141,37 @@ class NvmePlan:
     def as_dict(self) -> dict[str, Any]:
         largest = max(self.swapped, key=lambda s: s.partition_numel, default=None)
         return {
-            "model": self.model, "model_kind": self.model_kind, "world_size": self.world_size, "dtype": self.dtype,
-            "params": self.params, "numel": self.numel, "trainable_numel": self.trainable_numel,
+            "model": self.model,
+            "model_kind": self.model_kind,
+            "world_size": self.world_size,
+            "dtype": self.dtype,
+            "params": self.params,
+            "numel": self.numel,
+            "trainable_numel": self.trainable_numel,
             "swap_threshold_bytes": self.swap_threshold_bytes,
-            "swapped": {"count": len(self.swapped), "largest": asdict(largest) if largest else None,
-                        "params": [asdict(s) for s in self.swapped]},
-            "offload_param": self.offload_param, "offload_optimizer": self.offload_optimizer,
-            "sub_group_size": self.sub_group_size, "pinned_bytes_per_rank": {**asdict(self.pinned), "total": self.pinned.total},
-            "disk_bytes": {"params_per_rank": self.disk.params, "optimizer_per_rank": self.disk.optimizer,
-                           "per_rank": self.disk.total, "all_ranks": self.disk.total * self.world_size},
-            "memory_budget": self.memory_budget, "fits_budget": self.fits_budget,
+            "swapped": {
+                "count": len(self.swapped),
+                "largest": asdict(largest) if largest else None,
+                "params": [asdict(s) for s in self.swapped],
+            },
+            "offload_param": self.offload_param,
+            "offload_optimizer": self.offload_optimizer,
+            "sub_group_size": self.sub_group_size,
+            "pinned_bytes_per_rank": {**asdict(self.pinned), "total": self.pinned.total},
+            "disk_bytes": {
+                "params_per_rank": self.disk.params,
+                "optimizer_per_rank": self.disk.optimizer,
+                "per_rank": self.disk.total,
+                "all_ranks": self.disk.total * self.world_size,
+            },
+            "memory_budget": self.memory_budget,
+            "fits_budget": self.fits_budget,
             "alternatives": [asdict(a) for a in self.alternatives],
-            "config": self.config, "config_problems": [asdict(p) for p in self.problems],
-            "ok": self.ok, "notes": list(self.notes), "config_snippet": self.snippet(),
+            "config": self.config,
+            "config_problems": [asdict(p) for p in self.problems],
+            "ok": self.ok,
+            "notes": list(self.notes),
+            "config_snippet": self.snippet(),
         }
 
 
@@ -166,28 +188,45 @@ class _Layout:
     trainable: tuple[ParamShape, ...]
 
 
-def _layout(params: Sequence[ParamShape], world_size: int, element_size: int, aio: R.Aio, sub_group_size: int) -> _Layout:
-    swapped = tuple(SwappedParam(p.name, p.numel, part) for p in params
-                    if R.swapped(part := R.partition_numel(p.numel, world_size), element_size, aio))
+def _layout(
+    params: Sequence[ParamShape], world_size: int, element_size: int, aio: R.Aio, sub_group_size: int
+) -> _Layout:
+    swapped = tuple(
+        SwappedParam(p.name, p.numel, part)
+        for p in params
+        if R.swapped(part := R.partition_numel(p.numel, world_size), element_size, aio)
+    )
     trainable = tuple(p for p in params if p.trainable)
     groups = zero3_sub_groups([[p.numel for p in trainable]], world_size, sub_group_size) if trainable else []
     numels = tuple(sum(R.partition_numel(trainable[i].numel, world_size) for i in g) for g in groups)
     return _Layout(swapped, tuple(tuple(g) for g in groups), numels, trainable)
 
 
-def _pinned(layout: _Layout, element_size: int, aio: R.Aio, buffer_size: int, buffer_count: int, max_in_cpu: int,
-            optimizer_buffer_count: int | None) -> Pinned:
+def _pinned(
+    layout: _Layout,
+    element_size: int,
+    aio: R.Aio,
+    buffer_size: int,
+    buffer_count: int,
+    max_in_cpu: int,
+    optimizer_buffer_count: int | None,
+) -> Pinned:
     align = aio.numel_alignment(element_size)
     in_cpu, flat = R.cpu_sub_groups(layout.sub_group_numels, max_in_cpu)
     swap_out = 0
     if not all(in_cpu):  # stage3: reserve_partitioned_swap_space of the largest sub-group, by full numel
         largest = max(range(len(layout.sub_group_numels)), key=lambda i: layout.sub_group_numels[i])
-        swap_out = sum(R.io_aligned_numel(layout.trainable[i].numel, align) for i in layout.trainable_sub_groups[largest]) * element_size
+        swap_out = (
+            sum(R.io_aligned_numel(layout.trainable[i].numel, align) for i in layout.trainable_sub_groups[largest])
+            * element_size
+        )
     optimizer = 0
     if optimizer_buffer_count is not None and layout.sub_group_numels:
         largest_numel = R.io_aligned_numel(max(layout.sub_group_numels), aio.numel_alignment(R.MASTER_ELEMENT_SIZE))
         optimizer = optimizer_buffer_count * largest_numel * R.MASTER_ELEMENT_SIZE
-    return Pinned(R.io_aligned_numel(buffer_size, align) * buffer_count * element_size, flat * element_size, swap_out, optimizer)
+    return Pinned(
+        R.io_aligned_numel(buffer_size, align) * buffer_count * element_size, flat * element_size, swap_out, optimizer
+    )
 
 
 def _disk(layout: _Layout, element_size: int, aio: R.Aio, optimizer_states: int, optimizer_on_nvme: bool) -> Disk:
@@ -249,20 +288,29 @@ def plan_nvme(
     given_param, given_opt = swap.offload_param, swap.offload_optimizer
     layout = _layout(params, world_size, element_size, aio, sub_group_size)
 
-    buffer_size, buffer_count = R.param_buffers([s.partition_numel for s in layout.swapped], R.SwapRule(aio, element_size))
+    buffer_size, buffer_count = R.param_buffers(
+        [s.partition_numel for s in layout.swapped], R.SwapRule(aio, element_size)
+    )
     pipeline_read = bool(given_opt and given_opt.pipeline_read)
     pipeline_write = bool(given_opt and given_opt.pipeline_write)
-    optimizer_buffers = max(R.OPTIMIZER_BUFFER_COUNT_DEFAULT, R.optimizer_buffers_needed(optimizer_states, pipeline_read, pipeline_write))
+    optimizer_buffers = max(
+        R.OPTIMIZER_BUFFER_COUNT_DEFAULT, R.optimizer_buffers_needed(optimizer_states, pipeline_read, pipeline_write)
+    )
     # the optimizer is planned on NVMe too, unless the given config keeps it elsewhere
     optimizer_on_nvme = config is None or bool(given_opt and given_opt.device == R.NVME)
-    all_notes = list(notes) + [f'{config_path or "the config"}: {key} is "auto", filled in by {who}: planned as DeepSpeed alone reads it'
-                               for key, who in swap.filled.items() if key not in DTYPE_KEYS + (N.CONFIG_GRADIENT_CLIPPING,)]
+    all_notes = list(notes) + [
+        f'{config_path or "the config"}: {key} is "auto", filled in by {who}: planned as DeepSpeed alone reads it'
+        for key, who in swap.filled.items()
+        if key not in DTYPE_KEYS + (N.CONFIG_GRADIENT_CLIPPING,)
+    ]
     if not optimizer_on_nvme:
         all_notes.append("the config keeps offload_optimizer off NVMe: only offload_param is planned")
     max_in_cpu = given_param.max_in_cpu if given_param else R.MAX_IN_CPU_DEFAULT
 
     def pinned_at(mic: int, lay: _Layout) -> Pinned:
-        return _pinned(lay, element_size, aio, buffer_size, buffer_count, mic, optimizer_buffers if optimizer_on_nvme else None)
+        return _pinned(
+            lay, element_size, aio, buffer_size, buffer_count, mic, optimizer_buffers if optimizer_on_nvme else None
+        )
 
     config_layout = layout  # the given config's problems are judged at its own sub_group_size
     pinned = pinned_at(max_in_cpu, layout)
@@ -272,35 +320,64 @@ def plan_nvme(
         small = _small_sub_group_size(layout, world_size)
         for size in dict.fromkeys((sub_group_size, small)):
             lay = _layout(params, world_size, element_size, aio, size)
-            fitting = [m for m in sorted({max_in_cpu, *_max_in_cpu_choices(lay)}, reverse=True)
-                       if m <= max_in_cpu and pinned_at(m, lay).total <= memory_budget]
+            fitting = [
+                m
+                for m in sorted({max_in_cpu, *_max_in_cpu_choices(lay)}, reverse=True)
+                if m <= max_in_cpu and pinned_at(m, lay).total <= memory_budget
+            ]
             if fitting:
                 if size != sub_group_size:
-                    all_notes.append(f"sub_group_size lowered to {size} to fit the memory budget: the optimizer swaps smaller sub-groups")
+                    all_notes.append(
+                        f"sub_group_size lowered to {size} to fit the memory budget: the optimizer swaps smaller sub-groups"
+                    )
                 if fitting[0] != max_in_cpu:
-                    all_notes.append(f"max_in_cpu lowered to {fitting[0]} to fit the memory budget: trainable params beyond it stay "
-                                     "on NVMe and are read from it at every optimizer step")
+                    all_notes.append(
+                        f"max_in_cpu lowered to {fitting[0]} to fit the memory budget: trainable params beyond it stay "
+                        "on NVMe and are read from it at every optimizer step"
+                    )
                 sub_group_size, layout, max_in_cpu = size, lay, fitting[0]
                 pinned = pinned_at(max_in_cpu, lay)
                 break
 
     nvme_path = next((o.nvme_path for o in (given_param, given_opt) if o and o.nvme_path), None) or DEFAULT_NVME_PATH
     plan = NvmePlan(
-        model=model, model_kind=model_kind, world_size=world_size, dtype=dtypes.output_dtype(dtype).short,
-        params=len(params), numel=sum(p.numel for p in params), trainable_numel=sum(p.numel for p in layout.trainable),
-        swap_threshold_bytes=aio.min_aio_bytes, swapped=layout.swapped,
+        model=model,
+        model_kind=model_kind,
+        world_size=world_size,
+        dtype=dtypes.output_dtype(dtype).short,
+        params=len(params),
+        numel=sum(p.numel for p in params),
+        trainable_numel=sum(p.numel for p in layout.trainable),
+        swap_threshold_bytes=aio.min_aio_bytes,
+        swapped=layout.swapped,
         offload_param=R.offload_param_section(buffer_size, buffer_count, max_in_cpu, nvme_path),
-        offload_optimizer=R.offload_optimizer_section(optimizer_buffers, nvme_path, pipeline_read, pipeline_write) if optimizer_on_nvme else None,
-        sub_group_size=sub_group_size, pinned=pinned, disk=_disk(layout, element_size, aio, optimizer_states, optimizer_on_nvme), memory_budget=memory_budget,
-        alternatives=(), config=config_path, notes=tuple(all_notes),
+        offload_optimizer=R.offload_optimizer_section(optimizer_buffers, nvme_path, pipeline_read, pipeline_write)
+        if optimizer_on_nvme
+        else None,
+        sub_group_size=sub_group_size,
+        pinned=pinned,
+        disk=_disk(layout, element_size, aio, optimizer_states, optimizer_on_nvme),
+        memory_budget=memory_budget,
+        alternatives=(),
+        config=config_path,
+        notes=tuple(all_notes),
     )
-    alternatives = _alternatives(params, plan, layout, element_size, aio, sub_group_size, optimizer_buffers if optimizer_on_nvme else None)
+    alternatives = _alternatives(
+        params, plan, layout, element_size, aio, sub_group_size, optimizer_buffers if optimizer_on_nvme else None
+    )
     problems = _problems(swap, plan, config_layout, element_size, optimizer_states) if config is not None else ()
     return replace(plan, alternatives=alternatives, problems=problems)
 
 
-def _alternatives(params: Sequence[ParamShape], plan: NvmePlan, layout: _Layout, element_size: int, aio: R.Aio,
-                  sub_group_size: int, optimizer_buffers: int | None) -> tuple[Alternative, ...]:
+def _alternatives(
+    params: Sequence[ParamShape],
+    plan: NvmePlan,
+    layout: _Layout,
+    element_size: int,
+    aio: R.Aio,
+    sub_group_size: int,
+    optimizer_buffers: int | None,
+) -> tuple[Alternative, ...]:
     """Cheaper settings than the plan's, each with its pinned memory per rank; each combined with
     smaller optimizer sub-groups where that is cheaper still."""
     found: list[Alternative] = []
@@ -321,36 +398,58 @@ def _alternatives(params: Sequence[ParamShape], plan: NvmePlan, layout: _Layout,
             largest = max((s.partition_numel for s in lay.swapped), default=0)
             size = R.io_aligned_numel(largest, aio_.numel_alignment(element_size)) if largest else 0
             return _pinned(lay, element_size, aio_, size, len(lay.swapped), mic, optimizer_buffers).total
+
         return cost
 
     total, extra, lay = cheapest(plan.world_size, aio, swap_cost(plan.world_size, aio, max_in_cpu))
     if extra:
-        found.append(Alternative(
-            f"smaller optimizer sub-groups (sub_group_size {extra[sub_group_key]})", extra, total,
-            f"each optimizer swap buffer holds only the largest sub-group ({len(lay.sub_group_numels)} sub-groups instead of "
-            f"{len(layout.sub_group_numels)}); more, smaller NVMe reads per optimizer step"))
+        found.append(
+            Alternative(
+                f"smaller optimizer sub-groups (sub_group_size {extra[sub_group_key]})",
+                extra,
+                total,
+                f"each optimizer swap buffer holds only the largest sub-group ({len(lay.sub_group_numels)} sub-groups instead of "
+                f"{len(layout.sub_group_numels)}); more, smaller NVMe reads per optimizer step",
+            )
+        )
     if layout.sub_group_numels and max_in_cpu > 0:
         total, extra, _ = cheapest(plan.world_size, aio, swap_cost(plan.world_size, aio, 0))
-        found.append(Alternative(
-            "trainable params on NVMe too (max_in_cpu 0)", {param_key(R.MAX_IN_CPU): 0, **extra}, total,
-            "no pinned CPU copy of the trainable params; every optimizer step reads and writes them on NVMe"))
+        found.append(
+            Alternative(
+                "trainable params on NVMe too (max_in_cpu 0)",
+                {param_key(R.MAX_IN_CPU): 0, **extra},
+                total,
+                "no pinned CPU copy of the trainable params; every optimizer step reads and writes them on NVMe",
+            )
+        )
     by_size = sorted(layout.swapped, key=lambda s: s.partition_numel, reverse=True)
     if len(by_size) >= 2 and by_size[0].partition_numel > by_size[1].partition_numel:
         # a larger aio block raises DeepSpeed's swap threshold: the params below it stay in CPU memory
-        block = 1 << (by_size[1].partition_numel * element_size).bit_length()  # next power of two above the second largest
+        block = (
+            1 << (by_size[1].partition_numel * element_size).bit_length()
+        )  # next power of two above the second largest
         if block <= by_size[0].partition_numel * element_size:
             aio2 = R.Aio(block, aio.intra_op_parallelism)
             total, extra, lay = cheapest(plan.world_size, aio2, swap_cost(plan.world_size, aio2, max_in_cpu))
             on_nvme = {s.name for s in lay.swapped}
             kept = [p for p in params if p.name not in on_nvme]
             kept_bytes = sum(R.partition_numel(p.numel, plan.world_size) for p in kept) * element_size
-            frozen_kept = sum(R.partition_numel(p.numel, plan.world_size) for p in kept if not p.trainable) * element_size
-            found.append(Alternative(
-                f"only the {len(lay.swapped)} largest tensor(s) on NVMe (aio.block_size {block})",
-                {R.setting_name(R.CONFIG_AIO, R.AIO_BLOCK_SIZE): block, param_key(R.BUFFER_COUNT): len(lay.swapped), **extra},
-                total + frozen_kept,
-                f"the other params ({format_size(kept_bytes)} per rank) live in CPU memory; DeepSpeed has no setting that keeps "
-                "one large tensor off NVMe while smaller ones swap, so the threshold is raised instead"))
+            frozen_kept = (
+                sum(R.partition_numel(p.numel, plan.world_size) for p in kept if not p.trainable) * element_size
+            )
+            found.append(
+                Alternative(
+                    f"only the {len(lay.swapped)} largest tensor(s) on NVMe (aio.block_size {block})",
+                    {
+                        R.setting_name(R.CONFIG_AIO, R.AIO_BLOCK_SIZE): block,
+                        param_key(R.BUFFER_COUNT): len(lay.swapped),
+                        **extra,
+                    },
+                    total + frozen_kept,
+                    f"the other params ({format_size(kept_bytes)} per rank) live in CPU memory; DeepSpeed has no setting that keeps "
+                    "one large tensor off NVMe while smaller ones swap, so the threshold is raised instead",
+                )
+            )
     if layout.swapped:
         ws2 = plan.world_size * 2
         total, extra, lay = cheapest(ws2, aio, swap_cost(ws2, aio, max_in_cpu))
@@ -358,20 +457,31 @@ def _alternatives(params: Sequence[ParamShape], plan: NvmePlan, layout: _Layout,
         settings = {param_key(R.BUFFER_COUNT): len(lay.swapped), **extra}
         if largest2:
             settings[param_key(R.BUFFER_SIZE)] = R.io_aligned_numel(largest2, aio.numel_alignment(element_size))
-        found.append(Alternative(f"twice the ranks ({ws2}): every partition halves", settings, total, "needs the extra processes"))
+        found.append(
+            Alternative(
+                f"twice the ranks ({ws2}): every partition halves", settings, total, "needs the extra processes"
+            )
+        )
 
     def cpu_cost(lay: _Layout) -> int:
         everything = sum(R.partition_numel(p.numel, plan.world_size) for p in params) * element_size
         return everything + _pinned(lay, element_size, aio, 0, 0, 0, optimizer_buffers).optimizer_swap_buffers
 
     total, extra, _ = cheapest(plan.world_size, aio, cpu_cost)
-    found.append(Alternative(
-        "params in CPU memory instead of NVMe", {param_key(R.DEVICE): "cpu", **extra}, total,
-        "no param swap buffers or files; every param partition lives in pinned CPU memory"))
+    found.append(
+        Alternative(
+            "params in CPU memory instead of NVMe",
+            {param_key(R.DEVICE): "cpu", **extra},
+            total,
+            "no param swap buffers or files; every param partition lives in pinned CPU memory",
+        )
+    )
     return tuple(a for a in found if a.pinned_bytes_per_rank < plan.pinned.total)
 
 
-def _problems(swap: RunConfig, plan: NvmePlan, layout: _Layout, element_size: int, optimizer_states: int) -> tuple[Problem, ...]:
+def _problems(
+    swap: RunConfig, plan: NvmePlan, layout: _Layout, element_size: int, optimizer_states: int
+) -> tuple[Problem, ...]:
     """What in the given config fails, with the assertion DeepSpeed raises."""
     found: list[Problem] = []
     param, opt = swap.offload_param, swap.offload_optimizer
@@ -379,58 +489,124 @@ def _problems(swap: RunConfig, plan: NvmePlan, layout: _Layout, element_size: in
     on_nvme = [(N.CONFIG_OFFLOAD_PARAM, param), (N.CONFIG_OFFLOAD_OPTIMIZER, opt)]
     for section, offload in on_nvme:
         if offload and offload.device == R.NVME and not offload.nvme_path:
-            found.append(Problem(key(section, R.NVME_PATH), None, "a folder on a fast local disk",
-                                 R.NVME_PATH_MISSING,
-                                 "the device is nvme but no nvme_path is set"))
+            found.append(
+                Problem(
+                    key(section, R.NVME_PATH),
+                    None,
+                    "a folder on a fast local disk",
+                    R.NVME_PATH_MISSING,
+                    "the device is nvme but no nvme_path is set",
+                )
+            )
         if offload and offload.device == R.NVME and swap.stage != 3 and STAGE_KEY not in swap.filled:
-            found.append(Problem(f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}", swap.stage, 3,
-                                 f"{section} to NVMe needs ZeRO stage 3", "DeepSpeed swaps to NVMe only under ZeRO-3"))
+            found.append(
+                Problem(
+                    f"{N.CONFIG_ZERO}.{N.CONFIG_STAGE}",
+                    swap.stage,
+                    3,
+                    f"{section} to NVMe needs ZeRO stage 3",
+                    "DeepSpeed swaps to NVMe only under ZeRO-3",
+                )
+            )
     if param and param.device == R.NVME and layout.swapped:
         too_big = next((s for s in layout.swapped if s.partition_numel > param.buffer_size), None)
         largest = max(layout.swapped, key=lambda s: s.partition_numel)
         if too_big:
-            found.append(Problem(
-                key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_SIZE), param.buffer_size, largest.partition_numel,
-                R.MORE_ELEMENTS.format(numel=too_big.partition_numel, buffer_size=param.buffer_size),
-                f"at zero.Init each swapped partition must fit one buffer; {too_big.name} has {too_big.partition_numel} elements per rank "
-                f"(the largest, {largest.name}, {largest.partition_numel})"))
+            found.append(
+                Problem(
+                    key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_SIZE),
+                    param.buffer_size,
+                    largest.partition_numel,
+                    R.MORE_ELEMENTS.format(numel=too_big.partition_numel, buffer_size=param.buffer_size),
+                    f"at zero.Init each swapped partition must fit one buffer; {too_big.name} has {too_big.partition_numel} elements per rank "
+                    f"(the largest, {largest.name}, {largest.partition_numel})",
+                )
+            )
         if param.buffer_count == 0:
-            found.append(Problem(key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_COUNT), 0, len(layout.swapped),
-                                 R.NO_SWAP_BUFFERS.format(ds_id=0, numel=layout.swapped[0].partition_numel),
-                                 "zero.Init needs a buffer to swap out the first param"))
+            found.append(
+                Problem(
+                    key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_COUNT),
+                    0,
+                    len(layout.swapped),
+                    R.NO_SWAP_BUFFERS.format(ds_id=0, numel=layout.swapped[0].partition_numel),
+                    "zero.Init needs a buffer to swap out the first param",
+                )
+            )
         elif param.buffer_count < len(layout.swapped):
-            found.append(Problem(
-                key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_COUNT), param.buffer_count, len(layout.swapped),
-                R.NOT_ENOUGH_BUFFERS.format(available=param.buffer_count, count=len(layout.swapped)),
-                f"{len(layout.swapped)} params are swapped and gathering them all at once (transformers and PEFT do at init under "
-                "ZeRO-3; DeepSpeed's own fetches can hold as many) swaps every one in, one buffer each"))
+            found.append(
+                Problem(
+                    key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_COUNT),
+                    param.buffer_count,
+                    len(layout.swapped),
+                    R.NOT_ENOUGH_BUFFERS.format(available=param.buffer_count, count=len(layout.swapped)),
+                    f"{len(layout.swapped)} params are swapped and gathering them all at once (transformers and PEFT do at init under "
+                    "ZeRO-3; DeepSpeed's own fetches can hold as many) swaps every one in, one buffer each",
+                )
+            )
         in_cpu, _ = R.cpu_sub_groups(layout.sub_group_numels, param.max_in_cpu)
         if opt and opt.device == R.NVME and opt.fast_init and not all(in_cpu):
             master_align = swap.aio.numel_alignment(R.MASTER_ELEMENT_SIZE)
             needed = R.io_aligned_numel(max(layout.sub_group_numels), master_align)
             have = R.io_aligned_numel(param.buffer_size, swap.aio.numel_alignment(element_size))
             if have < needed:
-                found.append(Problem(key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_SIZE), param.buffer_size, needed,
-                                     R.FP16_BUFFERS_TOO_SMALL.format(buffers=[have] * param.buffer_count, numel=needed),
-                                     "with offload_optimizer.fast_init and params beyond max_in_cpu, each param swap buffer must hold "
-                                     "the largest optimizer sub-group"))
-    if opt and opt.device == R.NVME and any(R.swapped(n, R.MASTER_ELEMENT_SIZE, swap.aio) for n in layout.sub_group_numels):
+                found.append(
+                    Problem(
+                        key(N.CONFIG_OFFLOAD_PARAM, R.BUFFER_SIZE),
+                        param.buffer_size,
+                        needed,
+                        R.FP16_BUFFERS_TOO_SMALL.format(buffers=[have] * param.buffer_count, numel=needed),
+                        "with offload_optimizer.fast_init and params beyond max_in_cpu, each param swap buffer must hold "
+                        "the largest optimizer sub-group",
+                    )
+                )
+    if (
+        opt
+        and opt.device == R.NVME
+        and any(R.swapped(n, R.MASTER_ELEMENT_SIZE, swap.aio) for n in layout.sub_group_numels)
+    ):
         needed = R.optimizer_buffers_needed(optimizer_states, opt.pipeline_read, opt.pipeline_write)
         if opt.buffer_count < needed:
             pipelined = opt.pipeline_read or opt.pipeline_write
-            found.append(Problem(key(N.CONFIG_OFFLOAD_OPTIMIZER, R.BUFFER_COUNT), opt.buffer_count, needed,
-                                 R.OPTIMIZER_OUT_OF_BUFFERS if pipelined else R.OPTIMIZER_NO_PINNED_BUFFERS,
-                                 f"each swapped sub-group needs a buffer for its fp32 master, each of the {optimizer_states} optimizer "
-                                 f"states and its gradient{', for each swap in flight' if pipelined else ''}"))
+            found.append(
+                Problem(
+                    key(N.CONFIG_OFFLOAD_OPTIMIZER, R.BUFFER_COUNT),
+                    opt.buffer_count,
+                    needed,
+                    R.OPTIMIZER_OUT_OF_BUFFERS if pipelined else R.OPTIMIZER_NO_PINNED_BUFFERS,
+                    f"each swapped sub-group needs a buffer for its fp32 master, each of the {optimizer_states} optimizer "
+                    f"states and its gradient{', for each swap in flight' if pipelined else ''}",
+                )
+            )
     if swap.known_dtype not in (None, plan.dtype):
-        found.append(Problem("bf16/fp16", swap.dtype, plan.dtype, "the plan was made for another dtype",
-                             f"the config trains in {swap.dtype}; plan with --dtype {swap.dtype}"))
+        found.append(
+            Problem(
+                "bf16/fp16",
+                swap.dtype,
+                plan.dtype,
+                "the plan was made for another dtype",
+                f"the config trains in {swap.dtype}; plan with --dtype {swap.dtype}",
+            )
+        )
     if plan.memory_budget is not None and param and param.device == R.NVME:
-        given = _pinned(layout, element_size, swap.aio, param.buffer_size, param.buffer_count, param.max_in_cpu,
-                        opt.buffer_count if opt and opt.device == R.NVME else None)
+        given = _pinned(
+            layout,
+            element_size,
+            swap.aio,
+            param.buffer_size,
+            param.buffer_count,
+            param.max_in_cpu,
+            opt.buffer_count if opt and opt.device == R.NVME else None,
+        )
         if given.total > plan.memory_budget:
-            found.append(Problem("pinned memory", given.total, plan.memory_budget, "over the memory budget",
-                                 f"this config pins {format_size(given.total)} per rank, more than the budget of {format_size(plan.memory_budget)}"))
+            found.append(
+                Problem(
+                    "pinned memory",
+                    given.total,
+                    plan.memory_budget,
+                    "over the memory budget",
+                    f"this config pins {format_size(given.total)} per rank, more than the budget of {format_size(plan.memory_budget)}",
+                )
+            )
     return tuple(found)
 
 
@@ -451,8 +627,11 @@ def shapes_from_hf_config(config: dict[str, Any], path: str = "config.json") -> 
             return _gpt2_shapes(config)
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptFileError(path, f"model_type {model_type!r} config lacks a usable {exc}") from None
-    raise UsageError(path, f"model_type {model_type!r} is not supported; supported: {', '.join(_DECODERS)}, gpt2 "
-                           "(pass a checkpoint or a weights folder of the model instead)")
+    raise UsageError(
+        path,
+        f"model_type {model_type!r} is not supported; supported: {', '.join(_DECODERS)}, gpt2 "
+        "(pass a checkpoint or a weights folder of the model instead)",
+    )
 
 
 def _decoder_shapes(c: dict[str, Any], model_type: str) -> list[ParamShape]:
@@ -465,7 +644,11 @@ def _decoder_shapes(c: dict[str, Any], model_type: str) -> list[ParamShape]:
     out: list[ParamShape] = [ParamShape("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(int(c["num_hidden_layers"])):
         p = f"model.layers.{i}."
-        for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim), ("v_proj", kv_heads * head_dim)):
+        for proj, rows in (
+            ("q_proj", heads * head_dim),
+            ("k_proj", kv_heads * head_dim),
+            ("v_proj", kv_heads * head_dim),
+        ):
             out.append(ParamShape(f"{p}self_attn.{proj}.weight", (rows, hidden)))
             if attn_bias:
                 out.append(ParamShape(f"{p}self_attn.{proj}.bias", (rows,)))
@@ -473,12 +656,22 @@ def _decoder_shapes(c: dict[str, Any], model_type: str) -> list[ParamShape]:
         if attn_bias and model_type != "qwen2":
             out.append(ParamShape(f"{p}self_attn.o_proj.bias", (hidden,)))
         if model_type == "qwen3":
-            out += [ParamShape(f"{p}self_attn.q_norm.weight", (head_dim,)), ParamShape(f"{p}self_attn.k_norm.weight", (head_dim,))]
-        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+            out += [
+                ParamShape(f"{p}self_attn.q_norm.weight", (head_dim,)),
+                ParamShape(f"{p}self_attn.k_norm.weight", (head_dim,)),
+            ]
+        for proj, shape in (
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
             out.append(ParamShape(f"{p}mlp.{proj}.weight", shape))
             if mlp_bias:
                 out.append(ParamShape(f"{p}mlp.{proj}.bias", (shape[0],)))
-        out += [ParamShape(f"{p}input_layernorm.weight", (hidden,)), ParamShape(f"{p}post_attention_layernorm.weight", (hidden,))]
+        out += [
+            ParamShape(f"{p}input_layernorm.weight", (hidden,)),
+            ParamShape(f"{p}post_attention_layernorm.weight", (hidden,)),
+        ]
     out.append(ParamShape("model.norm.weight", (hidden,)))
     if not c.get("tie_word_embeddings", False):  # False is these configs' default
         out.append(ParamShape("lm_head.weight", (vocab, hidden)))
@@ -491,12 +684,20 @@ def _gpt2_shapes(c: dict[str, Any]) -> list[ParamShape]:
     out = [ParamShape("transformer.wte.weight", (vocab, d)), ParamShape("transformer.wpe.weight", (positions, d))]
     for i in range(int(c["n_layer"])):
         p = f"transformer.h.{i}."
-        out += [ParamShape(f"{p}ln_1.weight", (d,)), ParamShape(f"{p}ln_1.bias", (d,)),
-                ParamShape(f"{p}attn.c_attn.weight", (d, 3 * d)), ParamShape(f"{p}attn.c_attn.bias", (3 * d,)),
-                ParamShape(f"{p}attn.c_proj.weight", (d, d)), ParamShape(f"{p}attn.c_proj.bias", (d,)),
-                ParamShape(f"{p}ln_2.weight", (d,)), ParamShape(f"{p}ln_2.bias", (d,)),
-                ParamShape(f"{p}mlp.c_fc.weight", (d, inner)), ParamShape(f"{p}mlp.c_fc.bias", (inner,)),
-                ParamShape(f"{p}mlp.c_proj.weight", (inner, d)), ParamShape(f"{p}mlp.c_proj.bias", (d,))]
+        out += [
+            ParamShape(f"{p}ln_1.weight", (d,)),
+            ParamShape(f"{p}ln_1.bias", (d,)),
+            ParamShape(f"{p}attn.c_attn.weight", (d, 3 * d)),
+            ParamShape(f"{p}attn.c_attn.bias", (3 * d,)),
+            ParamShape(f"{p}attn.c_proj.weight", (d, d)),
+            ParamShape(f"{p}attn.c_proj.bias", (d,)),
+            ParamShape(f"{p}ln_2.weight", (d,)),
+            ParamShape(f"{p}ln_2.bias", (d,)),
+            ParamShape(f"{p}mlp.c_fc.weight", (d, inner)),
+            ParamShape(f"{p}mlp.c_fc.bias", (inner,)),
+            ParamShape(f"{p}mlp.c_proj.weight", (inner, d)),
+            ParamShape(f"{p}mlp.c_proj.bias", (d,)),
+        ]
     out += [ParamShape("transformer.ln_f.weight", (d,)), ParamShape("transformer.ln_f.bias", (d,))]
     if not c.get("tie_word_embeddings", True):
         out.append(ParamShape("lm_head.weight", (vocab, d)))
@@ -526,22 +727,39 @@ def load_params(path: str | os.PathLike[str]) -> LoadedModel:
     path = os.fspath(path)
     found = classify(path)
     config_json = path if path.endswith(".json") and not path.endswith(".index.json") else None
-    if config_json is None and os.path.isdir(path) and not found.is_checkpoint and _holds_no_weights(path) \
-            and os.path.isfile(os.path.join(path, "config.json")):
+    if (
+        config_json is None
+        and os.path.isdir(path)
+        and not found.is_checkpoint
+        and _holds_no_weights(path)
+        and os.path.isfile(os.path.join(path, "config.json"))
+    ):
         config_json = os.path.join(path, "config.json")
     if config_json is not None:
         config = read_json_object(config_json, "model config")
-        note = ("shapes computed from config.json: every param counted as trainable (a PEFT run trains far fewer; "
-                "pass its checkpoint for exact optimizer sizes)")
+        note = (
+            "shapes computed from config.json: every param counted as trainable (a PEFT run trains far fewer; "
+            "pass its checkpoint for exact optimizer sizes)"
+        )
         return LoadedModel(tuple(shapes_from_hf_config(config, config_json)), "hf_config", notes=(note,))
-    if found.is_checkpoint or os.path.basename(path) == N.LATEST_FILE:  # any file named latest, as nvme-plan always took it
+    if (
+        found.is_checkpoint or os.path.basename(path) == N.LATEST_FILE
+    ):  # any file named latest, as nvme-plan always took it
         index = open_checkpoint(os.path.dirname(path) if os.path.basename(path) == N.LATEST_FILE else path)
-        params = tuple(ParamShape(e.name, e.source.shape, e.kind == "param") for e in index.entries if e.kind in ("param", "frozen"))
+        params = tuple(
+            ParamShape(e.name, e.source.shape, e.kind == "param")
+            for e in index.entries
+            if e.kind in ("param", "frozen")
+        )
         return LoadedModel(params, "checkpoint", index.world_size, index.dtype.short, index.notes)
     found = open_tensors(path)
     if found.is_checkpoint:
         index = open_checkpoint(path)
-        params = tuple(ParamShape(e.name, e.source.shape, e.kind == "param") for e in index.entries if e.kind in ("param", "frozen"))
+        params = tuple(
+            ParamShape(e.name, e.source.shape, e.kind == "param")
+            for e in index.entries
+            if e.kind in ("param", "frozen")
+        )
         return LoadedModel(params, "checkpoint", index.world_size, index.dtype.short, index.notes)
     seen: set = set()
     params_list, skipped = [], []
@@ -581,7 +799,9 @@ def nvme_plan(
     else bf16. The world size is `world_size`, else the checkpoint's, else 1.
     """
     config_dict = load_config(config) if config is not None else None
-    config_dtype = read_run_config(config_dict, os.fspath(config), swaps=True).known_dtype if config is not None else None
+    config_dtype = (
+        read_run_config(config_dict, os.fspath(config), swaps=True).known_dtype if config is not None else None
+    )
     loaded = load_params(model)
     params = tuple(replace(p, trainable=False) for p in loaded.params) if frozen else loaded.params
     chosen = dtypes.output_dtype(dtype).short if dtype else config_dtype or loaded.dtype or "bf16"
@@ -590,8 +810,10 @@ def nvme_plan(
         notes.append("every param counted as frozen (--frozen): the adapters a PEFT run adds are small and not planned")
     if not dtype and config_dtype is None:
         if config is not None:  # the config leaves the dtype to the Trainer
-            notes.append(f'{config}: bf16/fp16 "enabled" is "auto", filled in by the Hugging Face Trainer from its arguments: '
-                         f"the plan takes {chosen} (pass --dtype)")
+            notes.append(
+                f'{config}: bf16/fp16 "enabled" is "auto", filled in by the Hugging Face Trainer from its arguments: '
+                f"the plan takes {chosen} (pass --dtype)"
+            )
         elif not loaded.dtype:
             notes.append("dtype bf16 assumed (pass --dtype or --config)")
     return plan_nvme(
@@ -626,12 +848,17 @@ def render(plan: NvmePlan) -> str:
         f"offload_param: buffer_size {plan.offload_param[R.BUFFER_SIZE]}, buffer_count {plan.offload_param[R.BUFFER_COUNT]}, "
         f"max_in_cpu {plan.offload_param[R.MAX_IN_CPU]} (a buffer holds the largest swapped partition; one buffer per swapped "
         "param, since a whole-model gather, as transformers and PEFT run at init under ZeRO-3, swaps them all in at once)",
-        f"offload_optimizer: buffer_count {plan.offload_optimizer[R.BUFFER_COUNT]}" if plan.offload_optimizer else "offload_optimizer: not on NVMe",
+        f"offload_optimizer: buffer_count {plan.offload_optimizer[R.BUFFER_COUNT]}"
+        if plan.offload_optimizer
+        else "offload_optimizer: not on NVMe",
         f"pinned memory per rank: {format_size(p.total)} (param swap buffers {format_size(p.param_swap_buffers)}, "
         f"param CPU copy {format_size(p.param_cpu_copy)}, param swap-out buffer {format_size(p.param_swap_out_buffer)}, "
         f"optimizer swap buffers {format_size(p.optimizer_swap_buffers)})"
-        + ("" if plan.memory_budget is None else f"; budget {format_size(plan.memory_budget)}: "
-           + ("fits" if plan.fits_budget else "does NOT fit")),
+        + (
+            ""
+            if plan.memory_budget is None
+            else f"; budget {format_size(plan.memory_budget)}: " + ("fits" if plan.fits_budget else "does NOT fit")
+        ),
         f"swap folder: {format_size(plan.disk.total)} per rank (params {format_size(plan.disk.params)}, optimizer at most "
         f"{format_size(plan.disk.optimizer)}), {format_size(plan.disk.total * plan.world_size)} for {plan.world_size} rank(s)",
     ]
@@ -645,19 +872,35 @@ def render(plan: NvmePlan) -> str:
         lines.append("alternatives:")
         for a in plan.alternatives:
             settings = ", ".join(f"{k} = {v}" for k, v in a.settings.items())
-            fits = "" if plan.memory_budget is None else " (fits the budget)" if a.pinned_bytes_per_rank <= plan.memory_budget else ""
-            lines.append(f"  {a.what}: {settings}; pinned {format_size(a.pinned_bytes_per_rank)} per rank{fits}; {a.tradeoff}")
+            fits = (
+                ""
+                if plan.memory_budget is None
+                else " (fits the budget)"
+                if a.pinned_bytes_per_rank <= plan.memory_budget
+                else ""
+            )
+            lines.append(
+                f"  {a.what}: {settings}; pinned {format_size(a.pinned_bytes_per_rank)} per rank{fits}; {a.tradeoff}"
+            )
     lines += [f"note: {n}" for n in plan.notes]
     if plan.fits_budget is False:
         fitting = [a for a in plan.alternatives if a.pinned_bytes_per_rank <= plan.memory_budget]
         cheapest = min(plan.alternatives, key=lambda a: a.pinned_bytes_per_rank, default=None)
         if fitting:
-            lines.append(f"over the budget of {format_size(plan.memory_budget)} per rank: these settings pin {format_size(plan.pinned.total)}; "
-                         f"the alternatives marked 'fits the budget' fit ({', '.join(a.what for a in fitting)})")
+            lines.append(
+                f"over the budget of {format_size(plan.memory_budget)} per rank: these settings pin {format_size(plan.pinned.total)}; "
+                f"the alternatives marked 'fits the budget' fit ({', '.join(a.what for a in fitting)})"
+            )
         else:
-            least = f"; the cheapest alternative ({cheapest.what}) pins {format_size(cheapest.pinned_bytes_per_rank)}" if cheapest else ""
-            lines.append(f"NOTHING FITS the budget of {format_size(plan.memory_budget)} per rank: these settings pin "
-                         f"{format_size(plan.pinned.total)}{least}; raise the budget, or run on more ranks")
+            least = (
+                f"; the cheapest alternative ({cheapest.what}) pins {format_size(cheapest.pinned_bytes_per_rank)}"
+                if cheapest
+                else ""
+            )
+            lines.append(
+                f"NOTHING FITS the budget of {format_size(plan.memory_budget)} per rank: these settings pin "
+                f"{format_size(plan.pinned.total)}{least}; raise the budget, or run on more ranks"
+            )
         lines.append(f"the settings above (they do NOT fit the budget of {format_size(plan.memory_budget)} per rank):")
     else:
         lines.append("paste into the DeepSpeed config:")

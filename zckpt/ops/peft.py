@@ -84,7 +84,9 @@ MERGE_REFUSED_OPTIONS = {
 # the adapter only merges into that rewritten base, which the checkpoint does not hold
 BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga", "mica")
 # the per-module tensor names of PEFT's adapter layers, the adapter name after them
-_ADAPTER_PART = re.compile(r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|modules_to_save|lora_[A-Za-z]+|ia3_l|hada_w\w*|lokr_w\w*|oft_\w+|boft_\w+|vera_lambda_\w+)\.([^.]+)(?:\.|$)")
+_ADAPTER_PART = re.compile(
+    r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector|modules_to_save|lora_[A-Za-z]+|ia3_l|hada_w\w*|lokr_w\w*|oft_\w+|boft_\w+|vera_lambda_\w+)\.([^.]+)(?:\.|$)"
+)
 
 
 @dataclass(frozen=True)
@@ -149,13 +151,22 @@ def find_adapter(index: CheckpointIndex, peft: bool | None = None) -> Adapter | 
     where = config_path if has_config else index.tag_dir
     peft_type = config.get("peft_type")
     if has_config and peft_type != LORA:
-        raise LayoutError(config_path, f"adapter type {peft_type} is not supported (zckpt writes and merges LoRA adapters); pass --no-peft for the raw tensors under their training names")
+        raise LayoutError(
+            config_path,
+            f"adapter type {peft_type} is not supported (zckpt writes and merges LoRA adapters); pass --no-peft for the raw tensors under their training names",
+        )
     trainable = [e for e in index.entries if e.kind == "param"]
     found = adapter_names([e.name for e in trainable])
     if not found:
-        raise LayoutError(where, "no LoRA tensor (lora_A.<adapter>, ...) among the checkpoint's trainable params: not a PEFT run's checkpoint; pass --no-peft")
+        raise LayoutError(
+            where,
+            "no LoRA tensor (lora_A.<adapter>, ...) among the checkpoint's trainable params: not a PEFT run's checkpoint; pass --no-peft",
+        )
     if len(found) > 1:
-        raise LayoutError(where, f"holds {len(found)} adapters ({', '.join(found)}); zckpt writes one adapter at a time, pass --no-peft for the raw tensors")
+        raise LayoutError(
+            where,
+            f"holds {len(found)} adapters ({', '.join(found)}); zckpt writes one adapter at a time, pass --no-peft for the raw tensors",
+        )
     tensors = tuple((peft_key(e.name, found[0]), e) for e in trainable)
     keys = [k for k, _ in tensors]
     if len(set(keys)) != len(keys):
@@ -240,12 +251,22 @@ def write_adapter(
     PEFT's keys, in fp32 by default (the masters), beside the adapter's config, model card and
     the tokenizer files the Trainer saved."""
     renamed = tuple(replace(entry, name=key) for key, entry in adapter.tensors)
-    plan = plan_consolidation(replace(index, entries=renamed), dtype=FP32 if dtype is None else dtype, format=format, max_shard_size=1 << 62)
+    plan = plan_consolidation(
+        replace(index, entries=renamed), dtype=FP32 if dtype is None else dtype, format=format, max_shard_size=1 << 62
+    )
     name = weights_format(format).adapter_file
     tensors = tuple(t for f in plan.files for t in f.tensors)
     extra = hf.files_to_copy(index.checkpoint_dir, hf.ADAPTER_FILES)
-    plan = replace(plan, files=(PlannedFile(name, tensors),), index_file=None, weight_map={t.name: name for t in tensors}, extra_files=extra)
-    result = write_consolidated(index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
+    plan = replace(
+        plan,
+        files=(PlannedFile(name, tensors),),
+        index_file=None,
+        weight_map={t.name: name for t in tensors},
+        extra_files=extra,
+    )
+    result = write_consolidated(
+        index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify, wait=wait
+    )
     return replace(result, dtype=plan.dtype, peft="adapter")
 
 
@@ -301,11 +322,16 @@ class MergePlan:
         return sum(t.nbytes for _, tensors in self.files for t in tensors)
 
 
-def plan_merge(adapter: Adapter, base_dir: str, *, dtype: DTypeLike | None = None, max_shard_size: str | int = "5GB") -> MergePlan:
+def plan_merge(
+    adapter: Adapter, base_dir: str, *, dtype: DTypeLike | None = None, max_shard_size: str | int = "5GB"
+) -> MergePlan:
     """Which base tensor each adapter tensor changes, and how; reads only adapter_config.json
     and the base's safetensors headers."""
     if adapter.config_path is None:
-        raise UsageError(None, f"--merge-into needs the adapter's {hf.ADAPTER_CONFIG_FILE} beside the checkpoint (for r, lora_alpha and the rest)")
+        raise UsageError(
+            None,
+            f"--merge-into needs the adapter's {hf.ADAPTER_CONFIG_FILE} beside the checkpoint (for r, lora_alpha and the rest)",
+        )
     config, where = adapter.config, adapter.config_path
     if refused := merge_refusal(config):
         raise LayoutError(where, f"cannot merge: {refused}")
@@ -318,9 +344,13 @@ def plan_merge(adapter: Adapter, base_dir: str, *, dtype: DTypeLike | None = Non
     parts: dict[str, dict[str, Entry]] = {}  # module -> {"lora_A.weight": entry, ...}
     for key, entry in adapter.tensors:
         if not key.startswith(PEFT_PREFIX):
-            raise LayoutError(where, f"{entry.name}: not under PEFT's {PEFT_PREFIX} prefix, so no base tensor is known for it")
-        path = key[len(PEFT_PREFIX):]
-        match = re.fullmatch(r"(.+)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_embedding_A|lora_embedding_B)", path)
+            raise LayoutError(
+                where, f"{entry.name}: not under PEFT's {PEFT_PREFIX} prefix, so no base tensor is known for it"
+            )
+        path = key[len(PEFT_PREFIX) :]
+        match = re.fullmatch(
+            r"(.+)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_embedding_A|lora_embedding_B)", path
+        )
         if match:
             parts.setdefault(match[1], {})[match[2]] = entry
         elif re.search(r"(^|\.)(lora_\w+|token_adapter)(\.|$)", path):
@@ -340,7 +370,14 @@ def plan_merge(adapter: Adapter, base_dir: str, *, dtype: DTypeLike | None = Non
         _check_target(base_dir, shapes, name, _delta_shape(delta), f"the LoRA of {delta.module}")
 
     merged = [
-        MergedTensor(name, target if source.dtype.is_floating else source.dtype, source.shape, source, replacements.get(name), deltas.get(name))
+        MergedTensor(
+            name,
+            target if source.dtype.is_floating else source.dtype,
+            source.shape,
+            source,
+            replacements.get(name),
+            deltas.get(name),
+        )
         for name, source in base
     ]
     by_name = {t.name: t for t in merged}
@@ -367,25 +404,47 @@ def _default_dtype(base: list[tuple[str, TensorSource]]) -> DType:
     return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in OUTPUT_DTYPES.values() else FP32
 
 
-def _module_deltas(module: str, found: dict[str, Entry], config: dict[str, Any], where: str) -> list[tuple[str, LoraDelta]]:
+def _module_deltas(
+    module: str, found: dict[str, Entry], config: dict[str, Any], where: str
+) -> list[tuple[str, LoraDelta]]:
     """The LoRA deltas of one module: its weight's (and its bias's with lora_bias)."""
     embedding = "lora_embedding_A" in found or "lora_embedding_B" in found
     a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight")
     if a_key not in found or b_key not in found:
-        raise LayoutError(where, f"{module}: the checkpoint holds {', '.join(sorted(found))} but not both LoRA matrices")
+        raise LayoutError(
+            where, f"{module}: the checkpoint holds {', '.join(sorted(found))} but not both LoRA matrices"
+        )
     a, b = found[a_key].source, found[b_key].source
     if len(a.shape) != 2 or len(b.shape) != 2:
-        raise LayoutError(where, f"{module}: LoRA of a {len(a.shape)}-D layer (a convolution) is not merged by zckpt; merge with PEFT")
+        raise LayoutError(
+            where, f"{module}: LoRA of a {len(a.shape)}-D layer (a convolution) is not merged by zckpt; merge with PEFT"
+        )
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
     r = rank_pattern.get(pattern_key(list(rank_pattern), module), config.get("r"))
     alpha = alpha_pattern.get(pattern_key(list(alpha_pattern), module), config.get("lora_alpha"))
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1 or not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+    if (
+        not isinstance(r, int)
+        or isinstance(r, bool)
+        or r < 1
+        or not isinstance(alpha, (int, float))
+        or isinstance(alpha, bool)
+    ):
         raise CorruptFileError(where, f"{module}: r={r!r}, lora_alpha={alpha!r} are not a positive rank and a number")
     if a.shape[0] != r or b.shape[1] != r:
-        raise LayoutError(where, f"{module}: r is {r} here, but its LoRA matrices have shapes {list(a.shape)} and {list(b.shape)}: config and checkpoint do not belong together")
+        raise LayoutError(
+            where,
+            f"{module}: r is {r} here, but its LoRA matrices have shapes {list(a.shape)} and {list(b.shape)}: config and checkpoint do not belong together",
+        )
     scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r  # LoraLayer.update_layer
-    out = [(f"{module}.weight", LoraDelta(module, b, a, scaling, transpose=embedding or bool(config.get("fan_in_fan_out")), round_first=embedding))]
+    out = [
+        (
+            f"{module}.weight",
+            LoraDelta(
+                module, b, a, scaling, transpose=embedding or bool(config.get("fan_in_fan_out")), round_first=embedding
+            ),
+        )
+    ]
     if "lora_B.bias" in found:
         out.append((f"{module}.bias", LoraDelta(module, found["lora_B.bias"].source, None, scaling)))
     return out
@@ -398,34 +457,70 @@ def _delta_shape(delta: LoraDelta) -> tuple[int, ...]:
     return (cols, rows) if delta.transpose else (rows, cols)
 
 
-def _check_target(base_dir: str, shapes: dict[str, tuple[int, ...]], name: str, shape: tuple[int, ...], what: str) -> None:
+def _check_target(
+    base_dir: str, shapes: dict[str, tuple[int, ...]], name: str, shape: tuple[int, ...], what: str
+) -> None:
     if name not in shapes:
-        raise LayoutError(base_dir, f"has no tensor {name} for {what}: not the base this adapter was trained on, or {name} is tied to another weight (absent from the files, so not mergeable)")
+        raise LayoutError(
+            base_dir,
+            f"has no tensor {name} for {what}: not the base this adapter was trained on, or {name} is tied to another weight (absent from the files, so not mergeable)",
+        )
     if shapes[name] != tuple(shape):
-        raise LayoutError(base_dir, f"{name} has shape {list(shapes[name])}, {what} has {list(shape)}: not the base this adapter was trained on")
+        raise LayoutError(
+            base_dir,
+            f"{name} has shape {list(shapes[name])}, {what} has {list(shape)}: not the base this adapter was trained on",
+        )
 
 
 def write_merged(
-    index: CheckpointIndex, plan: MergePlan, output_dir: str, *, overwrite: bool, progress: "Progress | None", verify: bool, wait: bool = False
+    index: CheckpointIndex,
+    plan: MergePlan,
+    output_dir: str,
+    *,
+    overwrite: bool,
+    progress: "Progress | None",
+    verify: bool,
+    wait: bool = False,
 ) -> "ConsolidationResult":
     """Execute a merge plan: the base streamed tensor by tensor into staged files (unchanged
     tensors copied, changed ones computed one at a time), then moved into place."""
-    names = [f for f, _ in plan.files] + ([plan.index_file] if plan.index_file else []) + [os.path.basename(p) for p in plan.extra_files]
+    names = (
+        [f for f, _ in plan.files]
+        + ([plan.index_file] if plan.index_file else [])
+        + [os.path.basename(p) for p in plan.extra_files]
+    )
     total = plan.bytes_to_write
     advance = byte_counter(progress, total)
-    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged, FileReader(verify=verify) as reader:
+    with (
+        StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged,
+        FileReader(verify=verify) as reader,
+    ):
         loras: dict[TensorSource, "torch.Tensor"] = {}  # the adapter's fp32 masters (small), read once
         for filename, tensors in plan.files:
-            write_staged(staged, output_dir, filename, lambda path, t=tensors: _write_merged_file(path, t, reader, loras, advance))
+            write_staged(
+                staged,
+                output_dir,
+                filename,
+                lambda path, t=tensors: _write_merged_file(path, t, reader, loras, advance),
+            )
         if plan.index_file:
-            write_staged(staged, output_dir, plan.index_file, lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)))
+            write_staged(
+                staged,
+                output_dir,
+                plan.index_file,
+                lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)),
+            )
         write_extra_files(staged, output_dir, plan.extra_files, plan.dtype)
         reader.verify_now()  # before anything is moved into place
         staged.commit()
-    return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index, dtype=plan.dtype, peft="merged")
+    return ConsolidationResult(
+        output_dir, tuple(names), len(plan.weight_map), total, index, dtype=plan.dtype, peft="merged"
+    )
 
 
-def _write_merged_file(path: str, tensors: tuple[MergedTensor, ...], reader: FileReader, loras: dict, advance: Callable[[int], None]) -> None:
+def _write_merged_file(
+    path: str, tensors: tuple[MergedTensor, ...], reader: FileReader, loras: dict, advance: Callable[[int], None]
+) -> None:
     import torch
 
     writer = StreamWriter(reader, advance)
@@ -492,11 +587,23 @@ def consolidate_peft(
     if adapter is None:
         return None
     if merge_into is None:
-        return write_adapter(index, adapter, output_dir, dtype=dtype, format=format, overwrite=overwrite, progress=progress, verify=verify, wait=wait)
+        return write_adapter(
+            index,
+            adapter,
+            output_dir,
+            dtype=dtype,
+            format=format,
+            overwrite=overwrite,
+            progress=progress,
+            verify=verify,
+            wait=wait,
+        )
     if find_format(format) is not SAFETENSORS:
         raise UsageError(None, "--merge-into writes safetensors; --format torch is not supported with it")
     base_dir = os.fspath(merge_into)
     if os.path.realpath(base_dir) == os.path.realpath(output_dir):
-        raise UsageError(output_dir, "is the base model folder given to --merge-into; write the merged model to another folder")
+        raise UsageError(
+            output_dir, "is the base model folder given to --merge-into; write the merged model to another folder"
+        )
     plan = plan_merge(adapter, base_dir, dtype=dtype, max_shard_size=max_shard_size)
     return write_merged(index, plan, output_dir, overwrite=overwrite, progress=progress, verify=verify, wait=wait)

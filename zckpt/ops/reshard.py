@@ -55,7 +55,9 @@ def plan_reshard(
     return plan_checkpoint(state, _target(state, world_size, stage, config))
 
 
-def _target(state: TrainingState, world_size: int, stage: int | None, config: dict | str | os.PathLike[str] | None) -> Target:
+def _target(
+    state: TrainingState, world_size: int, stage: int | None, config: dict | str | os.PathLike[str] | None
+) -> Target:
     """The target run: the input's config, `config` over it. A ZeRO-3 target that offloads its
     optimizer to NVMe gets its swapped sub-groups written to ``offloaded_tensors/rankRR/``."""
     if isinstance(config, dict) or config is None:
@@ -77,7 +79,9 @@ def carried_files(checkpoint_dir: str, world_size: int) -> tuple[dict[str, str],
     carried, dropped = {}, []
     for name in sorted(os.listdir(checkpoint_dir)):
         path = os.path.join(checkpoint_dir, name)
-        skipped = name in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) or name.startswith(".") or os.path.isdir(path)  # tag folders, linked or not
+        skipped = (
+            name in (N.LATEST_FILE, N.LATEST_UNIVERSAL_FILE) or name.startswith(".") or os.path.isdir(path)
+        )  # tag folders, linked or not
         if skipped or not regular_file_inside(path, checkpoint_dir):
             continue
         path_component(name, checkpoint_dir, "file name")  # it names the copy in the output
@@ -134,7 +138,18 @@ def reshard(
             replace_atomically(path_inside(output_dir, name), lambda temp, source=path: shutil.copyfile(source, temp))
 
     result: SaveResult = write_checkpoint(
-        plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier,
-        progress=progress, verify=verify, before_latest=copy_carried, wait=wait,
+        plan,
+        output_dir,
+        overwrite=overwrite,
+        workers=workers,
+        part=part,
+        parts=parts,
+        barrier=barrier,
+        progress=progress,
+        verify=verify,
+        before_latest=copy_carried,
+        wait=wait,
     )
-    return ReshardResult(output_dir, plan.tag, source, plan.target, result.files, result.bytes_written, tuple(carried), tuple(dropped))
+    return ReshardResult(
+        output_dir, plan.tag, source, plan.target, result.files, result.bytes_written, tuple(carried), tuple(dropped)
+    )

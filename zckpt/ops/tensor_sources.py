@@ -30,7 +30,6 @@ from .classify import Kind, classify
 InputKind = Literal["zero_checkpoint", "universal_checkpoint", "safetensors", "torch"]
 
 
-
 @dataclass(frozen=True)
 class NamedTensors:
     """What one input holds, by name; no tensor data.
@@ -146,7 +145,9 @@ def _is_torch_file(path: str) -> bool:
 def _safetensors_file(path: str) -> dict[str, TensorSource]:
     header = read_header(path)
     return {
-        t.name: TensorSource(t.dtype, t.shape, (Segment(path, header.data_start + t.begin, t.numel),) if t.numel else ())
+        t.name: TensorSource(
+            t.dtype, t.shape, (Segment(path, header.data_start + t.begin, t.numel),) if t.numel else ()
+        )
         for t in header.tensors
     }
 
@@ -181,7 +182,9 @@ def _sharded(path: str) -> NamedTensors:
     try:
         with open(path, encoding="utf-8") as handle:
             weight_map = json.load(handle)["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
             raise TypeError("weight_map is not a {name: file} object")
     except OSError as exc:
         raise CorruptFileError(path, f"cannot read: {exc.strerror or exc}") from None

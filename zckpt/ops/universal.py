@@ -35,7 +35,11 @@ class UniversalResult:
 
 
 def plan_to_universal(
-    checkpoint: str | os.PathLike[str], *, tag: str | None = None, target_stage: int | None = None, swap_folder: str | os.PathLike[str] | None = None
+    checkpoint: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    target_stage: int | None = None,
+    swap_folder: str | os.PathLike[str] | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every file of its universal folder."""
     return plan_universal(open_training_state(checkpoint, tag, swap_folder), target_stage=_stage(target_stage))
@@ -70,10 +74,22 @@ def to_universal(
     plan = plan_universal(source, target_stage=_stage(target_stage))
     index = source.index
     # beside the tag folders, as DeepSpeed's ds_to_universal is used, but nowhere else inside the input
-    refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=index.checkpoint_dir)
+    refuse_output_inside_input(
+        os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=index.checkpoint_dir
+    )
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
         raise UsageError(output_dir, f"would replace the input {index.tag_dir}; choose another folder")
     part, parts, barrier = job_share(output_dir)
-    result = write_checkpoint(plan, output_dir, overwrite=overwrite, workers=workers, part=part, parts=parts, barrier=barrier, progress=progress, verify=verify,
-                              wait=wait)
+    result = write_checkpoint(
+        plan,
+        output_dir,
+        overwrite=overwrite,
+        workers=workers,
+        part=part,
+        parts=parts,
+        barrier=barrier,
+        progress=progress,
+        verify=verify,
+        wait=wait,
+    )
     return UniversalResult(output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written)

@@ -86,12 +86,19 @@ class _Findings:
             self.checks.append(Check(name, None, skipped))
             return
         self.problems.extend(problems)
-        self.checks.append(Check(name, not problems, passed if not problems else f"{len(problems)} problem{'s' * (len(problems) > 1)}"))
+        self.checks.append(
+            Check(name, not problems, passed if not problems else f"{len(problems)} problem{'s' * (len(problems) > 1)}")
+        )
 
 
 def verify(
-    path: str | os.PathLike[str], *, tag: str | None = None, scan: bool = False, workers: int = 2,
-    checkpoint: str | os.PathLike[str] | None = None, swap_folder: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    scan: bool = False,
+    workers: int = 2,
+    checkpoint: str | os.PathLike[str] | None = None,
+    swap_folder: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Check `path` (a ZeRO checkpoint folder or tag folder, a universal folder, consolidated
     weights: a folder, a .safetensors, a .index.json or a torch .bin, or a live ZeRO-Infinity
@@ -103,7 +110,10 @@ def verify(
         raise CheckpointNotFoundError(path, "no such file or directory")
     if swap_folder is not None:
         if checkpoint is not None:
-            raise UsageError(path, "give the checkpoint either as PATH with --swap-folder, or with --checkpoint and the swap folder as PATH")
+            raise UsageError(
+                path,
+                "give the checkpoint either as PATH with --swap-folder, or with --checkpoint and the swap folder as PATH",
+            )
         return _verify_swap_folder(os.fspath(swap_folder), path, tag, scan, workers)
     if found.kind is Kind.SWAP_FOLDER:
         return _verify_swap_folder(path, checkpoint, tag, scan, workers)
@@ -131,7 +141,11 @@ def _verify_checkpoint(path: str, tag: str | None, scan: bool, workers: int) -> 
     )
     folder = found.location.checkpoint_dir if found.location is not None else path if os.path.isdir(path) else None
     if folder is not None:  # no location: `latest` names a missing tag (a run killed while replacing it?)
-        findings.add("leftovers", [l.describe() for l in find_leftovers(folder) if l.alive is False], "no leftovers of an interrupted zckpt run")
+        findings.add(
+            "leftovers",
+            [left.describe() for left in find_leftovers(folder) if left.alive is False],
+            "no leftovers of an interrupted zckpt run",
+        )
     _check_crcs(files, findings, workers)
     state = found.state
     if state is not None and not found.universal:
@@ -145,8 +159,15 @@ def _verify_checkpoint(path: str, tag: str | None, scan: bool, workers: int) -> 
         findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
     needs = _needs(found) if found.complete else ()
     return VerifyReport(
-        path, kind, tuple(findings.checks), tuple(dict.fromkeys(findings.problems)), tuple(findings.notes), tuple(needs),
-        files=len(files), bytes=sum(_size(f) for f in files), scanned=scan,
+        path,
+        kind,
+        tuple(findings.checks),
+        tuple(dict.fromkeys(findings.problems)),
+        tuple(findings.notes),
+        tuple(needs),
+        files=len(files),
+        bytes=sum(_size(f) for f in files),
+        scanned=scan,
     )
 
 
@@ -179,7 +200,11 @@ def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
     records = sum(r for r, _, _ in results)
     checked = sum(b for _, b, _ in results)
     if archives:
-        findings.add("checksums", problems, f"{records} records in {len(archives)} files match their CRC-32 ({format_size(checked)})")
+        findings.add(
+            "checksums",
+            problems,
+            f"{records} records in {len(archives)} files match their CRC-32 ({format_size(checked)})",
+        )
     else:
         findings.add("checksums", [], "", skipped="no torch archives: nothing carries a checksum")
     swaps = [f for f in unchecked if f.endswith(".swp")]
@@ -219,10 +244,16 @@ def _check_optimizer_state(found: Survey, findings: _Findings) -> None:
     for param in state.params:
         missing = sorted(by_group[param.group] - set(param.states))
         if missing:
-            problems.append(f"{found.location.tag_dir if found.location else found.path}: param {param.name} lacks optimizer state {', '.join(missing)} that its group has")
+            problems.append(
+                f"{found.location.tag_dir if found.location else found.path}: param {param.name} lacks optimizer state {', '.join(missing)} that its group has"
+            )
     names = ", ".join(state.state_names) or "none"
     groups = len(state.groups)
-    findings.add("optimizer state", problems, f"{len(state.params)} params, states: {names}; {groups} param group{'s' * (groups != 1)}")
+    findings.add(
+        "optimizer state",
+        problems,
+        f"{len(state.params)} params, states: {names}; {groups} param group{'s' * (groups != 1)}",
+    )
 
 
 def _checkpoint_sources(found: Survey) -> list[tuple[str, TensorSource]]:
@@ -238,7 +269,9 @@ def _checkpoint_sources(found: Survey) -> list[tuple[str, TensorSource]]:
 # --- live swap folders -------------------------------------------------------------------------
 
 
-def _verify_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None, tag: str | None, scan: bool, workers: int) -> VerifyReport:
+def _verify_swap_folder(
+    path: str, checkpoint: str | os.PathLike[str] | None, tag: str | None, scan: bool, workers: int
+) -> VerifyReport:
     """What can be checked on raw swap files, which carry no checksum: every rank holds the same
     files with the same sizes; with a checkpoint of the run, every file its layout needs is
     there with the partition's size, none is foreign, and the 16-bit param swaps agree with the
@@ -246,29 +279,57 @@ def _verify_swap_folder(path: str, checkpoint: str | os.PathLike[str] | None, ta
     `scan`, no NaN or Inf."""
     folder = swap.scan(path)
     findings = _Findings()
-    findings.add("ranks", swap.rank_problems(folder), f"{len(folder.optimizer_ranks)} rank(s) hold the same files with the same sizes")
+    findings.add(
+        "ranks",
+        swap.rank_problems(folder),
+        f"{len(folder.optimizer_ranks)} rank(s) hold the same files with the same sizes",
+    )
     found = survey(checkpoint, tag, path) if checkpoint is not None else None
     if found is None:
         no_layout = "not run: pass --checkpoint, a checkpoint of the same run (any step), for the layout"
         findings.add("layout", [], "", skipped=no_layout)
         findings.add("16-bit params", [], "", skipped=no_layout)
     else:
-        findings.add("layout", [str(p) for p in found.problems], f"every swapped sub-group of {found.location.tag if found.location else checkpoint} has its files, sizes fit, no foreign sub-group files")
+        findings.add(
+            "layout",
+            [str(p) for p in found.problems],
+            f"every swapped sub-group of {found.location.tag if found.location else checkpoint} has its files, sizes fit, no foreign sub-group files",
+        )
         agreement = found.swap.agreement if found.swap is not None else None
         if agreement is None:
-            findings.add("16-bit params", [], "", skipped="not run: " + ("the layout has problems" if found.problems else "no 16-bit param swap files"))
+            findings.add(
+                "16-bit params",
+                [],
+                "",
+                skipped="not run: " + ("the layout has problems" if found.problems else "no 16-bit param swap files"),
+            )
         else:
             findings.checks.append(Check("16-bit params", True, agreement.describe()))
         if found.swap is not None:
             findings.notes.extend(n for n in found.swap.notes() if n != (agreement.describe() if agreement else None))
     orphans = folder.of_kind("orphan")
-    findings.checks.append(Check("orphans", True, f"{len(orphans)} file(s) DeepSpeed does not name this way (ignored)" + (f": {', '.join(f.path for f in orphans[:4])}" if orphans else "")))
+    findings.checks.append(
+        Check(
+            "orphans",
+            True,
+            f"{len(orphans)} file(s) DeepSpeed does not name this way (ignored)"
+            + (f": {', '.join(f.path for f in orphans[:4])}" if orphans else ""),
+        )
+    )
     findings.checks.append(Check("checksums", None, swap.NO_CRC_NOTE))
     if scan:
         sources = _swap_sources(folder, found)
         findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
-    return VerifyReport(path, "swap_folder", tuple(findings.checks), tuple(dict.fromkeys(findings.problems)), tuple(findings.notes),
-                        files=len(folder.files), bytes=folder.total_bytes, scanned=scan)
+    return VerifyReport(
+        path,
+        "swap_folder",
+        tuple(findings.checks),
+        tuple(dict.fromkeys(findings.problems)),
+        tuple(findings.notes),
+        files=len(folder.files),
+        bytes=folder.total_bytes,
+        scanned=scan,
+    )
 
 
 def _swap_sources(folder: swap.SwapFolder, found: Survey | None) -> list[tuple[str, TensorSource]]:
@@ -281,7 +342,10 @@ def _swap_sources(folder: swap.SwapFolder, found: Survey | None) -> list[tuple[s
             sources.append((param.name, param.master))
             sources += [(f"{param.name}.{key}", source) for key, source in param.states.items()]
     else:
-        sources += [(f.path, TensorSource(FP32, (f.size // 4,), (Segment(f.path, 0, f.size // 4),))) for f in folder.of_kind("sub_group")]
+        sources += [
+            (f.path, TensorSource(FP32, (f.size // 4,), (Segment(f.path, 0, f.size // 4),)))
+            for f in folder.of_kind("sub_group")
+        ]
     return sources
 
 
@@ -316,7 +380,11 @@ def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
             bad = sum(_non_finite(chunk, source.dtype) for chunk in _chunks(reader, source))
         if not bad:
             return None
-        where = source.segments[0].path if len({s.path for s in source.segments}) == 1 else f"{len({s.path for s in source.segments})} files"
+        where = (
+            source.segments[0].path
+            if len({s.path for s in source.segments}) == 1
+            else f"{len({s.path for s in source.segments})} files"
+        )
         return f"{where}: {name} holds {bad} NaN/Inf of {source.numel} elements"
 
     with WorkerPool(max(1, workers), "zckpt-verify") as pool:
@@ -373,25 +441,48 @@ def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
         leftovers = find_leftovers(path) if os.path.isdir(path) else []
         if os.path.isdir(path) and not leftovers and not any(n.endswith(_WEIGHTS_SUFFIXES) for n in os.listdir(path)):
             # nothing here to judge (not a damaged output): bad input, as for every command (exit 1)
-            raise CheckpointNotFoundError(path, "no checkpoint and no weights here (no 'latest', tag folder, universal folder, "
-                                                ".safetensors, .bin, .pt or .index.json)") from None
+            raise CheckpointNotFoundError(
+                path,
+                "no checkpoint and no weights here (no 'latest', tag folder, universal folder, "
+                ".safetensors, .bin, .pt or .index.json)",
+            ) from None
         findings.add("files", [str(exc)], "")
         if os.path.isdir(path):  # a folder holding only what a killed run left: list it too
-            findings.add("leftovers", [l.describe() for l in leftovers if l.alive is False], "no leftovers of an interrupted zckpt run")
+            findings.add(
+                "leftovers",
+                [left.describe() for left in leftovers if left.alive is False],
+                "no leftovers of an interrupted zckpt run",
+            )
         return VerifyReport(path, "weights", tuple(findings.checks), tuple(findings.problems))
     files = list(found.files)
     sources = list(found.tensors.items())
-    findings.add("files", [], f"{len(files)} weights file{'s' * (len(files) != 1)}, {len(sources)} tensors, headers, index and sizes consistent")
+    findings.add(
+        "files",
+        [],
+        f"{len(files)} weights file{'s' * (len(files) != 1)}, {len(sources)} tensors, headers, index and sizes consistent",
+    )
     _check_crcs(files, findings, workers)
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
-    findings.add("leftovers", [l.describe() for l in find_leftovers(folder) if l.alive is False], "no leftovers of an interrupted zckpt run")
+    findings.add(
+        "leftovers",
+        [left.describe() for left in find_leftovers(folder) if left.alive is False],
+        "no leftovers of an interrupted zckpt run",
+    )
     if scan:
         findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
     if found.kind == "safetensors":
-        findings.notes.append("safetensors files carry no checksum: their headers and sizes were checked, their bytes cannot be")
+        findings.notes.append(
+            "safetensors files carry no checksum: their headers and sizes were checked, their bytes cannot be"
+        )
     return VerifyReport(
-        path, "weights", tuple(findings.checks), tuple(dict.fromkeys(findings.problems)), tuple(findings.notes),
-        files=len(files), bytes=sum(map(_size, files)), scanned=scan,
+        path,
+        "weights",
+        tuple(findings.checks),
+        tuple(dict.fromkeys(findings.problems)),
+        tuple(findings.notes),
+        files=len(files),
+        bytes=sum(map(_size, files)),
+        scanned=scan,
     )
 
 
@@ -411,6 +502,12 @@ def render(report: VerifyReport) -> str:
     if report.needs:
         lines.append("needs:")
         for need in report.needs:
-            lines.append(f"  {need.operation}: {format_size(need.disk_bytes)} of disk, about {format_size(need.memory_bytes)} of memory")
-    lines.append("verified: OK" if report.ok else f"verified: {len(report.problems)} problem{'s' * (len(report.problems) > 1)} found")
+            lines.append(
+                f"  {need.operation}: {format_size(need.disk_bytes)} of disk, about {format_size(need.memory_bytes)} of memory"
+            )
+    lines.append(
+        "verified: OK"
+        if report.ok
+        else f"verified: {len(report.problems)} problem{'s' * (len(report.problems) > 1)} found"
+    )
     return "\n".join(lines)

@@ -98,12 +98,16 @@ def plan_consolidation(
     names = {e.name for e in kept}
     kept = [e for e in kept if e.alias_of is None or e.alias_of in names]
     tensors = {
-        e.name: PlannedTensor(e.name, target if e.source.dtype.is_floating else e.source.dtype, e.source.shape, e.source, e.alias_of)
+        e.name: PlannedTensor(
+            e.name, target if e.source.dtype.is_floating else e.source.dtype, e.source.shape, e.source, e.alias_of
+        )
         for e in kept
     }
     items = [ShardItem(t.name, t.nbytes, t.alias_of) for t in tensors.values()]
     shards = plan_shards(items, limit, fmt.pattern)
-    files = [PlannedFile(filename, tuple(fmt.order([tensors[n] for n in members]))) for filename, members in shards.files]
+    files = [
+        PlannedFile(filename, tuple(fmt.order([tensors[n] for n in members]))) for filename, members in shards.files
+    ]
     extra = hf.files_to_copy(index.checkpoint_dir, hf.MODEL_FILES)
     return ConsolidationPlan(
         format=fmt.name,  # type: ignore[arg-type]
@@ -136,12 +140,25 @@ def write_consolidated(
     names += [os.path.basename(p) for p in extra]
     total = plan.bytes_to_write
     advance = byte_counter(progress, total)
-    with StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged, FileReader(verify=verify) as reader:
+    with (
+        StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged,
+        FileReader(verify=verify) as reader,
+    ):
         fmt = weights_format(plan.format)
         for planned in plan.files:
-            write_staged(staged, output_dir, planned.name, lambda path, f=planned: fmt.write(path, f.tensors, plan.tied, reader, advance))
+            write_staged(
+                staged,
+                output_dir,
+                planned.name,
+                lambda path, f=planned: fmt.write(path, f.tensors, plan.tied, reader, advance),
+            )
         if plan.index_file:
-            write_staged(staged, output_dir, plan.index_file, lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)))
+            write_staged(
+                staged,
+                output_dir,
+                plan.index_file,
+                lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)),
+            )
         write_extra_files(staged, output_dir, extra, plan.dtype)
         reader.verify_now()  # before anything is moved into place
         staged.commit()
@@ -173,9 +190,16 @@ def write_extra_files(staged: StagedOutput, output_dir: str, sources: Sequence[s
     """The Hugging Face files copied along; config.json told the dtype written."""
     for source in sources:
         if os.path.basename(source) == hf.CONFIG_FILE:
-            write_staged(staged, output_dir, hf.CONFIG_FILE, lambda path, source=source: write_text(path, hf.config_with_dtype(source, dtype.name)))
+            write_staged(
+                staged,
+                output_dir,
+                hf.CONFIG_FILE,
+                lambda path, source=source: write_text(path, hf.config_with_dtype(source, dtype.name)),
+            )
         else:
-            write_staged(staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path))
+            write_staged(
+                staged, output_dir, os.path.basename(source), lambda path, source=source: shutil.copyfile(source, path)
+            )
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -1,2 +1,1 @@
-"""The ``torch.save`` container, read and written: the zip archive, the restricted unpickler, the pickler.
-"""
+"""The ``torch.save`` container, read and written: the zip archive, the restricted unpickler, the pickler."""

@@ -183,7 +183,23 @@ _REBUILD_TENSOR_V3 = GlobalName("torch._utils", "_rebuild_tensor_v3")  # dtypes 
 _UNTYPED_STORAGE = GlobalName("torch.storage", "UntypedStorage")
 _REBUILD_FROM_TYPE = GlobalName("torch._tensor", "_rebuild_from_type_v2")
 _TENSOR = GlobalName("torch", "Tensor")
-_PLAIN = (dict, OrderedDict, list, tuple, str, int, float, bool, type(None), bytes, set, frozenset, bytearray, complex, slice)
+_PLAIN = (
+    dict,
+    OrderedDict,
+    list,
+    tuple,
+    str,
+    int,
+    float,
+    bool,
+    type(None),
+    bytes,
+    set,
+    frozenset,
+    bytearray,
+    complex,
+    slice,
+)
 _ALLOWED = frozenset(_PLAIN) | {GlobalName, DType, PickledInstance, PickledEnum, PickledReduce, OutTensor, _StorageRef}
 _LOCATION = "cpu"  # torch's location tag; one (interned) object, so torch's pickle memoizes it
 
@@ -270,7 +286,9 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
             self.write(pickle.NEWOBJ)
         self.memoize(obj)
         self._batched(list(obj.list_items), pickle.APPEND, pickle.APPENDS, lambda item: self.save(item))
-        self._batched(list(obj.dict_items), pickle.SETITEM, pickle.SETITEMS, lambda pair: (self.save(pair[0]), self.save(pair[1])))
+        self._batched(
+            list(obj.dict_items), pickle.SETITEM, pickle.SETITEMS, lambda pair: (self.save(pair[0]), self.save(pair[1]))
+        )
         if obj.state is not None and not (isinstance(obj.state, dict) and not obj.state):
             self.save(obj.state)
             self.write(pickle.BUILD)
@@ -317,7 +335,9 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
             if obj.parts or storage.dtype != obj.dtype:
                 raise ValueError("a tensor viewing a storage has no parts of its own and the storage's dtype")
             if not (type(offset) is int and offset >= 0 and offset + numel <= storage.numel):
-                raise ValueError(f"view [{offset}, {offset + numel}) reaches past its storage of {storage.numel} elements")
+                raise ValueError(
+                    f"view [{offset}, {offset + numel}) reaches past its storage of {storage.numel} elements"
+                )
         key = self._storage_key(storage)
         # Fresh tuples, as torch builds them per tensor (tuple(size), stride()): never memo hits.
         stride = _contiguous_stride(shape)
@@ -353,8 +373,18 @@ def _is_numpy(obj: Any) -> bool:
 # class, bytes to codecs.encode (protocol 2), numpy scalars to numpy's scalar() and np.dtype,
 # numpy arrays to numpy's _reconstruct(np.ndarray, ...).
 _INTERNAL_OBJECTS = (
-    OrderedDict, set, frozenset, bytes, bytearray, complex, slice, codecs.encode,
-    np.dtype, np.float64(0).__reduce__()[0], np.ndarray, np.empty(0).__reduce__()[0],
+    OrderedDict,
+    set,
+    frozenset,
+    bytes,
+    bytearray,
+    complex,
+    slice,
+    codecs.encode,
+    np.dtype,
+    np.float64(0).__reduce__()[0],
+    np.ndarray,
+    np.empty(0).__reduce__()[0],
 )
 _INTERNAL = frozenset(id(o) for o in _INTERNAL_OBJECTS)
 

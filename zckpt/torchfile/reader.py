@@ -34,8 +34,19 @@ from .records import (  # re-exported: what a pickle is read as
 from .unpickler import unpickle
 
 __all__ = [
-    "LEGACY_PROBLEM", "PickledEnumMember", "PickledGlobal", "PickledObject", "TensorRef", "TorchDevice", "TorchSize",
-    "ZeroStageEnum", "global_name", "is_legacy_torch_file", "load", "unpickle", "walk_tensor_refs",
+    "LEGACY_PROBLEM",
+    "PickledEnumMember",
+    "PickledGlobal",
+    "PickledObject",
+    "TensorRef",
+    "TorchDevice",
+    "TorchSize",
+    "ZeroStageEnum",
+    "global_name",
+    "is_legacy_torch_file",
+    "load",
+    "unpickle",
+    "walk_tensor_refs",
 ]
 
 
@@ -59,8 +70,14 @@ def _check_record(handle: Any, info: zipfile.ZipInfo, path: str) -> None:
     handle.seek(info.header_offset + 26)
     name = handle.read(int.from_bytes(handle.read(2), "little") + 2)[2:]
     expected = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
-    if name != expected or info.volume != 0 or (info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size):
-        raise CorruptFileError(path, f"zip record {info.filename}: its directory entry and its header disagree (damaged)")
+    if (
+        name != expected
+        or info.volume != 0
+        or (info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size)
+    ):
+        raise CorruptFileError(
+            path, f"zip record {info.filename}: its directory entry and its header disagree (damaged)"
+        )
 
 
 _END = struct.Struct("<4sHHHHIIH")  # end of central directory record
@@ -79,7 +96,12 @@ def _check_end_records(handle: Any, file_size: int, count: int, path: str) -> No
     if at < 0 or at + _END.size > len(data):
         return  # zipfile has refused such a file already
     _, disk, cd_disk, entries_disk, entries, _, _, _ = _END.unpack_from(data, at)
-    damaged = disk not in (0, 0xFFFF) or cd_disk not in (0, 0xFFFF) or entries_disk != entries or entries not in (count, 0xFFFF)
+    damaged = (
+        disk not in (0, 0xFFFF)
+        or cd_disk not in (0, 0xFFFF)
+        or entries_disk != entries
+        or entries not in (count, 0xFFFF)
+    )
     end = file_size - tail + at
     if end >= _LOCATOR.size:
         handle.seek(end - _LOCATOR.size)
@@ -94,7 +116,10 @@ def _check_end_records(handle: Any, file_size: int, count: int, path: str) -> No
                 _, _, _, _, disk64, cd_disk64, entries_disk64, entries64, _, _ = _END64.unpack(record)
                 damaged = damaged or (disk64, cd_disk64, entries_disk64, entries64) != (0, 0, count, count)
     if damaged:
-        raise CorruptFileError(path, "damaged zip end records (disk numbers, entry counts or the zip64 locator); torch.load would refuse it too")
+        raise CorruptFileError(
+            path,
+            "damaged zip end records (disk numbers, entry counts or the zip64 locator); torch.load would refuse it too",
+        )
 
 
 def load(path: str | os.PathLike[str]) -> Any:

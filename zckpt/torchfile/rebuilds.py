@@ -42,7 +42,10 @@ __all__ = ["ENUM_CLASSES", "allowed", "named_rebuild", "resolve_placeholders", "
 def _refuse_stand_in(value: Any, role: str) -> None:
     """A global that is not allowlisted, met where it would be called or subclassed: a payload."""
     if isinstance(value, PickledGlobal):
-        raise UnsafePickleError(None, f"pickle uses {value.qualified_name} {role}, which is not on zckpt's allowlist; refusing to load it (a payload?)")
+        raise UnsafePickleError(
+            None,
+            f"pickle uses {value.qualified_name} {role}, which is not on zckpt's allowlist; refusing to load it (a payload?)",
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,7 +57,9 @@ _NUMPY_NAME = re.compile(r"[biufcSU][0-9]{1,5}")  # numeric, bytes and str dtype
 
 
 def _numpy_refused(what: str) -> UnsafePickleError:
-    return UnsafePickleError(None, f"pickle holds numpy data of {what}, which zckpt does not read (numeric and string arrays only)")
+    return UnsafePickleError(
+        None, f"pickle holds numpy data of {what}, which zckpt does not read (numeric and string arrays only)"
+    )
 
 
 class _PendingDType(NoState):
@@ -115,7 +120,9 @@ def _array_from_bytes(raw: Any, dtype: np.dtype, shape: Any, order: Any) -> np.n
         raise CorruptFileError(None, f"corrupted pickle: bad numpy array shape {shape!r:.60}")
     raw = memoryview(raw).cast("B")
     if len(raw) != math.prod(shape) * dtype.itemsize:
-        raise CorruptFileError(None, f"corrupted pickle: {len(raw)} bytes for a numpy array of shape {list(shape)} and dtype {dtype}")
+        raise CorruptFileError(
+            None, f"corrupted pickle: {len(raw)} bytes for a numpy array of shape {list(shape)} and dtype {dtype}"
+        )
     array = np.frombuffer(raw, dtype=dtype).reshape(shape, order=order)
     # numpy (2.x) gives unpickled arrays its native byte order, values unchanged: so does zckpt.
     return array.astype(dtype.newbyteorder("="), order=order) if not dtype.isnative else array.copy(order=order)
@@ -257,7 +264,9 @@ def _tensor_ref(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype
         raise CorruptFileError(None, f"corrupted pickle: tensor without a storage ({storage!r:.60})")
     metadata = extra[2] if len(extra) > 2 else None  # (requires_grad, backward_hooks, metadata)
     if metadata:  # torch's conj and neg bits: the bytes alone would give other values
-        raise CorruptFileError(storage.path, f"tensor saved as a view with {metadata!r:.60} (conjugate or negative bit): not supported")
+        raise CorruptFileError(
+            storage.path, f"tensor saved as a view with {metadata!r:.60} (conjugate or negative bit): not supported"
+        )
     shape, steps = _ints(storage.path, "shape", size), _ints(storage.path, "stride", stride)
     if type(storage_offset) is not int or storage_offset < 0 or len(shape) != len(steps):
         raise CorruptFileError(storage.path, "corrupted pickle: inconsistent tensor geometry")
@@ -285,7 +294,16 @@ def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any
     return _tensor_ref(storage, storage_offset, size, stride, dtype, extra)
 
 
-def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False, hooks: Any = None, dtype: Any = None, *metadata: Any) -> TensorRef:
+def _rebuild_tensor_v3(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    hooks: Any = None,
+    dtype: Any = None,
+    *metadata: Any,
+) -> TensorRef:
     """torch's rebuild for the dtypes it pickles untyped (uint16-64, float8, complex32...)."""
     if not isinstance(dtype, DType):
         _refuse_stand_in(dtype, "as a tensor dtype")
@@ -433,7 +451,9 @@ def _enum_member(qualified: str) -> Callable[[Any], PickledEnumMember]:
 def named_rebuild(module: str, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     """An allowlisted callable global: a copy of zckpt's `function`, one object per name. The
     C unpickler calls it directly; BUILD on it finds its own __setstate__, which refuses."""
-    named = types.FunctionType(function.__code__, function.__globals__, name, function.__defaults__, function.__closure__)
+    named = types.FunctionType(
+        function.__code__, function.__globals__, name, function.__defaults__, function.__closure__
+    )
     named.__kwdefaults__ = function.__kwdefaults__
     named.__setstate__ = refuse_build(f"{module}.{name}")  # type: ignore[attr-defined]
     named.pickled_global = (module, name)  # type: ignore[attr-defined]
@@ -475,8 +495,14 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     for qualified, function in functions.items():
         module, name = qualified.rsplit(".", 1)
         table[(module, name)] = named_rebuild(module, name, function)
-    names = [_AllowedGlobal("numpy", "ndarray", "ndarray"), _AllowedGlobal("torch.storage", "UntypedStorage", "storage")]
-    names += [_AllowedGlobal("torch", "Tensor", "tensor type"), _AllowedGlobal("torch.nn.parameter", "Parameter", "tensor type")]
+    names = [
+        _AllowedGlobal("numpy", "ndarray", "ndarray"),
+        _AllowedGlobal("torch.storage", "UntypedStorage", "storage"),
+    ]
+    names += [
+        _AllowedGlobal("torch", "Tensor", "tensor type"),
+        _AllowedGlobal("torch.nn.parameter", "Parameter", "tensor type"),
+    ]
     names += [_AllowedGlobal("torch", storage, "storage", dtype) for storage, dtype in BY_STORAGE.items()]
     table.update({(n.module, n.name): n for n in names})
     for dtype in BY_NAME.values():

@@ -20,8 +20,18 @@ from ..core.errors import CorruptFileError, UnsafePickleError
 from ..core.index import TensorRef
 
 __all__ = [
-    "NoState", "PickledEnumMember", "PickledGlobal", "PickledObject", "TorchDevice", "TorchSize", "ZeroStageEnum",
-    "global_name", "record_class", "refuse_build", "stand_in", "walk_tensor_refs",
+    "NoState",
+    "PickledEnumMember",
+    "PickledGlobal",
+    "PickledObject",
+    "TorchDevice",
+    "TorchSize",
+    "ZeroStageEnum",
+    "global_name",
+    "record_class",
+    "refuse_build",
+    "stand_in",
+    "walk_tensor_refs",
 ]
 
 
@@ -67,7 +77,10 @@ class PickledObject:
         self.pickle_state, self._built = state, True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # REDUCE on an instance (functools.partial's way)
-        raise UnsafePickleError(None, f"pickle calls an instance of {self.original_class}, which is not on zckpt's allowlist; refusing to load it (a payload?)")
+        raise UnsafePickleError(
+            None,
+            f"pickle calls an instance of {self.original_class}, which is not on zckpt's allowlist; refusing to load it (a payload?)",
+        )
 
     def append(self, item: Any) -> None:
         self.pickle_list_items.append(item)
@@ -124,10 +137,15 @@ def _refuse_special_attributes(owner: str, state: Any) -> None:
         if isinstance(part, dict):
             for key, value in part.items():
                 if isinstance(key, str) and key.startswith("__") and (name := global_name(value)):
-                    raise UnsafePickleError(None, f"pickle sets attribute {key} of its {owner} object to {'.'.join(name)}; refusing to load it (a payload?)")
+                    raise UnsafePickleError(
+                        None,
+                        f"pickle sets attribute {key} of its {owner} object to {'.'.join(name)}; refusing to load it (a payload?)",
+                    )
 
 
-def _restore_object(module: str, name: str, args: tuple, kwargs: dict, state: Any, items: list, dict_items: list) -> PickledObject:
+def _restore_object(
+    module: str, name: str, args: tuple, kwargs: dict, state: Any, items: list, dict_items: list
+) -> PickledObject:
     obj = record_class(module, name)(args, kwargs, state)
     obj.pickle_list_items, obj.pickle_dict_items = list(items), list(dict_items)
     return obj
@@ -142,7 +160,12 @@ def record_class(module: str, name: str) -> type[PickledObject]:
     of one class share a type; past a bound, files naming ever more classes get fresh ones)."""
     cls = _record_classes.get((module, name))
     if cls is None:
-        namespace = {"__slots__": (), "original_module": module, "original_name": name, "original_class": f"{module}.{name}"}
+        namespace = {
+            "__slots__": (),
+            "original_module": module,
+            "original_name": name,
+            "original_class": f"{module}.{name}",
+        }
         cls = type(name.rsplit(".", 1)[-1], (PickledObject,), namespace)
         if len(_record_classes) < _MAX_CACHED_CLASSES:
             _record_classes[(module, name)] = cls
@@ -165,10 +188,16 @@ class PickledGlobal(type):
         return f"{cls.module}.{cls.name}"
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:  # REDUCE, INST, OBJ: how a payload runs
-        raise UnsafePickleError(None, f"pickle calls {cls.qualified_name}, which is not on zckpt's allowlist; refusing to load it (a payload?)")
+        raise UnsafePickleError(
+            None,
+            f"pickle calls {cls.qualified_name}, which is not on zckpt's allowlist; refusing to load it (a payload?)",
+        )
 
     def __setstate__(cls, state: object) -> None:  # would set attributes of the real class
-        raise UnsafePickleError(None, f"pickle modifies {cls.qualified_name} (BUILD on a global), which zckpt does not allow; refusing to load it (a payload?)")
+        raise UnsafePickleError(
+            None,
+            f"pickle modifies {cls.qualified_name} (BUILD on a global), which zckpt does not allow; refusing to load it (a payload?)",
+        )
 
     def __eq__(cls, other: object) -> bool:
         return isinstance(other, PickledGlobal) and (other.module, other.name) == (cls.module, cls.name)
@@ -211,7 +240,10 @@ def refuse_build(qualified: str) -> Callable[[object], None]:
     """The ``__setstate__`` of an allowlisted global: BUILD on it would change it for every reader."""
 
     def refuse(state: object) -> None:
-        raise UnsafePickleError(None, f"pickle modifies {qualified} (BUILD on a global), which zckpt does not allow; refusing to load it (a payload?)")
+        raise UnsafePickleError(
+            None,
+            f"pickle modifies {qualified} (BUILD on a global), which zckpt does not allow; refusing to load it (a payload?)",
+        )
 
     return refuse
 
@@ -277,7 +309,10 @@ class PickledEnumMember(NoState):
         raise AttributeError("PickledEnumMember is immutable")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PickledEnumMember) and (self.original_class, self.value) == (other.original_class, other.value)
+        return isinstance(other, PickledEnumMember) and (self.original_class, self.value) == (
+            other.original_class,
+            other.value,
+        )
 
     def __hash__(self) -> int:
         return hash((self.original_class, self.value))
@@ -327,5 +362,11 @@ def walk_tensor_refs(obj: Any, visit: Callable[[TensorRef], None]) -> None:
         for value in obj:
             walk_tensor_refs(value, visit)
     elif isinstance(obj, PickledObject):
-        for value in (obj.pickle_args, obj.pickle_kwargs, obj.pickle_state, obj.pickle_list_items, obj.pickle_dict_items):
+        for value in (
+            obj.pickle_args,
+            obj.pickle_kwargs,
+            obj.pickle_state,
+            obj.pickle_list_items,
+            obj.pickle_dict_items,
+        ):
             walk_tensor_refs(value, visit)

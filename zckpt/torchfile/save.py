@@ -34,6 +34,7 @@ from ..io.checksums import checksum_range, crc32_combine
 from ..io.direct_write import DirectFile, open_output
 from ..io.materialize import CHUNK_BYTES, convert, write_all
 from ..io.reading import FileReader
+from ..io.workers import WorkerPool
 from . import ziparchive
 from .pickler import (
     Copy,
@@ -49,12 +50,28 @@ from .pickler import (
     pickle_tree,
     torch_size,
 )
-from ..io.workers import WorkerPool
 
 __all__ = [
-    "ArchivePlan", "Copy", "GlobalName", "Inline", "OutStorage", "OutTensor", "Part", "PickledEnum", "PickledInstance",
-    "PickledReduce", "RawPlan", "Record", "Zeros", "archive_name_for", "plan_archive", "plan_raw", "save", "torch_size",
-    "write_archive", "write_raw",
+    "ArchivePlan",
+    "Copy",
+    "GlobalName",
+    "Inline",
+    "OutStorage",
+    "OutTensor",
+    "Part",
+    "PickledEnum",
+    "PickledInstance",
+    "PickledReduce",
+    "RawPlan",
+    "Record",
+    "Zeros",
+    "archive_name_for",
+    "plan_archive",
+    "plan_raw",
+    "save",
+    "torch_size",
+    "write_archive",
+    "write_raw",
 ]
 
 _PARALLEL_CRC_BYTES = 1 << 20  # chunks from this size on are checksummed while being written
@@ -86,7 +103,9 @@ class ArchivePlan:
     storages: Mapping[str, OutStorage] = field(repr=False)  # storage key -> storage, in pickling order
     # torch's own serialization id (:mod:`.torch_id`): the last record's 40 bytes computed while
     # writing, from the records before it and their CRC-32s; None keeps the planned content
-    serialization_id: Callable[[tuple[Record, ...], list[int]], bytes] | None = field(default=None, repr=False, compare=False)
+    serialization_id: Callable[[tuple[Record, ...], list[int]], bytes] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def tensor_bytes(self) -> int:
@@ -195,7 +214,9 @@ def plan_raw(tensor: OutTensor) -> RawPlan:
     return RawPlan(storage)
 
 
-def write_raw(path: str | os.PathLike[str], plan: RawPlan, reader: FileReader, progress: Callable[[int], None] | None = None) -> None:
+def write_raw(
+    path: str | os.PathLike[str], plan: RawPlan, reader: FileReader, progress: Callable[[int], None] | None = None
+) -> None:
     """Write the planned raw file at `path` (created or truncated), through the same stream as
     archive storages: one reused buffer, kernel copies where no conversion is needed, every
     source byte read once (and CRC-checked by the reader's checker)."""
@@ -258,7 +279,9 @@ class _TensorStream:
     one copy per byte, none through the page cache.
     """
 
-    def __init__(self, fd: int, reader: FileReader, progress: Callable[[int], None], helpers: WorkerPool, *, direct: bool = False) -> None:
+    def __init__(
+        self, fd: int, reader: FileReader, progress: Callable[[int], None], helpers: WorkerPool, *, direct: bool = False
+    ) -> None:
         self.fd, self.reader, self.progress, self.helpers = fd, reader, progress, helpers
         self._buffer: np.ndarray | None = None
         self.kernel_copy = hasattr(os, "copy_file_range")
@@ -346,7 +369,9 @@ class _TensorStream:
                 while copied < count:
                     moved = os.copy_file_range(src, self.fd, count - copied, position + copied)
                     if moved == 0:
-                        raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+                        raise CorruptFileError(
+                            path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner"
+                        )
                     copied += moved
             except OSError as exc:
                 pending.result()
@@ -386,7 +411,9 @@ class _TensorStream:
             while got < len(view):
                 count = os.preadv(src, [view[got:]], position + got)
                 if count == 0:
-                    raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
+                    raise CorruptFileError(
+                        path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner"
+                    )
                 got += count
             future = self.helpers.submit(zlib.crc32, view)
             self.direct.advance(len(view), future)

@@ -51,14 +51,20 @@ def names_hash(storages: int) -> bytes:
         return archive.read(last)[:20]
 
 
-def torch_serialization_id(storages: dict[str, OutStorage], reader: FileReader) -> Callable[[tuple[Record, ...], list[int]], bytes]:
+def torch_serialization_id(
+    storages: dict[str, OutStorage], reader: FileReader
+) -> Callable[[tuple[Record, ...], list[int]], bytes]:
     """The id function for :attr:`.save.ArchivePlan.serialization_id`: `storages` are the plan's."""
 
     def serialization_id(records: tuple[Record, ...], crcs: list[int]) -> bytes:
         combined = 0
         for record, crc in zip(records, crcs):
             if record.size >= 8:
-                head = record.content[:8] if record.content is not None else _head(storages[record.storage_key or ""], reader)
+                head = (
+                    record.content[:8]
+                    if record.content is not None
+                    else _head(storages[record.storage_key or ""], reader)
+                )
                 if head[:4] == _DESCRIPTOR:
                     combined = hash_combine(combined, struct.unpack("<I", head[4:8])[0])
             combined = hash_combine(combined, crc)

@@ -100,7 +100,9 @@ def unpickle(data: bytes, path: str, storages: dict[str, tuple[int, int]] | None
         raise
     except ValueError as exc:
         if str(exc).startswith("unregistered extension code"):
-            raise UnsafePickleError(path, f"pickle uses copyreg's extension registry ({exc}), which zckpt does not allow") from None
+            raise UnsafePickleError(
+                path, f"pickle uses copyreg's extension registry ({exc}), which zckpt does not allow"
+            ) from None
         raise CorruptFileError(path, f"corrupted pickle (ValueError: {exc})") from None
     except Exception as exc:  # any unpickling failure of a garbled stream
         raise CorruptFileError(path, f"corrupted pickle ({type(exc).__name__}: {exc})") from None
@@ -118,7 +120,10 @@ def _refuse_extensions(data: bytes, path: str) -> None:
             if opcode.name.startswith("EXT"):
                 named = ".".join(copyreg._inverted_registry.get(argument, ()))  # type: ignore[attr-defined]
                 named = f": {named}" if named else ""
-                raise UnsafePickleError(path, f"pickle names a global through copyreg's extension registry (EXT code {argument}{named}), which zckpt does not allow")
+                raise UnsafePickleError(
+                    path,
+                    f"pickle names a global through copyreg's extension registry (EXT code {argument}{named}), which zckpt does not allow",
+                )
     except ZckptError:
         raise
     except Exception:

@@ -102,14 +102,31 @@ def _central_entry(record: RecordLayout, crc: int) -> bytes:
     name = record.name.encode("utf-8")
     big_size, big_offset = record.size >= ZIP64_LIMIT, record.header_offset >= ZIP64_LIMIT
     extra = _zip64_extra(
-        record.size if big_size else None, record.size if big_size else None, record.header_offset if big_offset else None
+        record.size if big_size else None,
+        record.size if big_size else None,
+        record.header_offset if big_offset else None,
     )
     flags = _FLAG_UTF8 | (_FLAG_DESCRIPTOR if record.size else 0)
     size32 = min(record.size, ZIP64_LIMIT)
     return (
         _CENTRAL.pack(
-            0x02014B50, 0, 0, flags, 0, 0, 0, crc if record.size else 0, size32, size32,
-            len(name), len(extra), 0, 0, 0, 0, min(record.header_offset, ZIP64_LIMIT),
+            0x02014B50,
+            0,
+            0,
+            flags,
+            0,
+            0,
+            0,
+            crc if record.size else 0,
+            size32,
+            size32,
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            min(record.header_offset, ZIP64_LIMIT),
         )
         + name
         + extra
@@ -126,10 +143,19 @@ def directory(records: Sequence[RecordLayout], crcs: Sequence[int]) -> bytes:
     start = records[-1].end_offset if records else 0
     central = b"".join(_central_entry(r, c) for r, c in zip(records, crcs))
     count = len(records)
-    zip64_end = _ZIP64_END.pack(0x06064B50, _ZIP64_END.size - 12, 0x031E, 0x002D, 0, 0, count, count, len(central), start)
+    zip64_end = _ZIP64_END.pack(
+        0x06064B50, _ZIP64_END.size - 12, 0x031E, 0x002D, 0, 0, count, count, len(central), start
+    )
     locator = _ZIP64_LOCATOR.pack(0x07064B50, 0, start + len(central), 1)
     end = _END.pack(
-        0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF), min(len(central), ZIP64_LIMIT), min(start, ZIP64_LIMIT), 0
+        0x06054B50,
+        0,
+        0,
+        min(count, 0xFFFF),
+        min(count, 0xFFFF),
+        min(len(central), ZIP64_LIMIT),
+        min(start, ZIP64_LIMIT),
+        0,
     )
     return central + zip64_end + locator + end
 

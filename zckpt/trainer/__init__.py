@@ -10,4 +10,15 @@ from .loop import StepLog, Trainer, TrainResult, train
 from .model import GPT, GPTConfig, build_model
 from .resume import TrainPlan, plan_training
 
-__all__ = ["GPT", "GPTConfig", "StepLog", "TrainConfig", "TrainPlan", "TrainResult", "Trainer", "build_model", "plan_training", "train"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "StepLog",
+    "TrainConfig",
+    "TrainPlan",
+    "TrainResult",
+    "Trainer",
+    "build_model",
+    "plan_training",
+    "train",
+]

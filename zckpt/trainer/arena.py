@@ -50,7 +50,11 @@ class MemoryArena:
         self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def tensor(self, slot: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=self.offsets[slot]) if numel else torch.empty(0, dtype=dtype)
+        return (
+            torch.frombuffer(self._map, dtype=dtype, count=numel, offset=self.offsets[slot])
+            if numel
+            else torch.empty(0, dtype=dtype)
+        )
 
     def byte_offset(self, slot: int) -> int:
         return self.offsets[slot]

@@ -73,7 +73,9 @@ def _whole_param(path: str, byte_offset: int, numel: int, share: int, rank: int,
     for owner in range(world):
         length = max(0, min(share, numel - owner * share))
         if length:
-            segments.append(Segment(path, byte_offset, length) if owner == rank else Segment(f"<rank {owner}'s memory>", 0, length))
+            segments.append(
+                Segment(path, byte_offset, length) if owner == rank else Segment(f"<rank {owner}'s memory>", 0, length)
+            )
     return tuple(segments)
 
 
@@ -96,7 +98,13 @@ def training_state(trainer: CheckpointedTrainer, checkpoint_dir: str, tag: str) 
                 return TensorSource(FP32, spec.shape, _whole_param(path, offset, spec.numel, spec.share, rank, world))
 
             master = source(0)
-            params[spec.name] = ParamState(spec.name, spec.shape, plan.group_names.index(spec.group), master, {k: source(1 + i) for i, k in enumerate(ADAM_STATES)})
+            params[spec.name] = ParamState(
+                spec.name,
+                spec.shape,
+                plan.group_names.index(spec.group),
+                master,
+                {k: source(1 + i) for i, k in enumerate(ADAM_STATES)},
+            )
             entries.append(Entry(spec.name, "param", master))
         else:
             path, offset = trainer.model.store.location(index)
@@ -105,15 +113,27 @@ def training_state(trainer: CheckpointedTrainer, checkpoint_dir: str, tag: str) 
     sources = {e.name: e.source for e in entries}
     entries += [Entry(alias, "tied", sources[origin], alias_of=origin) for alias, origin in plan.tied.items()]
     index = CheckpointIndex(
-        checkpoint_dir=checkpoint_dir, tag=tag, tag_dir=os.path.join(checkpoint_dir, tag), tags=(tag,), zero_stage=3, world_size=world,
-        dtype=dtype, ds_version=E.FORMAT_VERSION, offload="nvme" if optimizer.swapper is not None else "none", entries=tuple(entries),
+        checkpoint_dir=checkpoint_dir,
+        tag=tag,
+        tag_dir=os.path.join(checkpoint_dir, tag),
+        tags=(tag,),
+        zero_stage=3,
+        world_size=world,
+        dtype=dtype,
+        ds_version=E.FORMAT_VERSION,
+        offload="nvme" if optimizer.swapper is not None else "none",
+        entries=tuple(entries),
     )
     groups = []
     for g, _ in enumerate(plan.group_names):
         flats = [f for f, group in enumerate(plan.layout.flat_groups) if group.param_group == g]
         step = OutTensor(FP32, (), (Inline(np.float32(float(optimizer.steps[flats[0]])).tobytes()),))
         names = tuple(plan.layout.params[i].name for f in flats for i in plan.layout.flat_groups[f].params)
-        groups.append(ParamGroupState(dict(optimizer.hyperparams[g]), {STEP: ScalarState(value=step)}, names, (STEP, *ADAM_STATES)))
+        groups.append(
+            ParamGroupState(
+                dict(optimizer.hyperparams[g]), {STEP: ScalarState(value=step)}, names, (STEP, *ADAM_STATES)
+            )
+        )
     scaler = optimizer.loss_scale
     return TrainingState(
         index=index,
@@ -147,7 +167,12 @@ def save_checkpoint(trainer: CheckpointedTrainer, checkpoint_dir: str) -> str:
     # them waiting or committing a checkpoint without its files; every rank returns once `latest`
     # names the new checkpoint (or knows that it could not)
     write_checkpoint(
-        plan, checkpoint_dir, overwrite=True, part=comm.rank, parts=comm.world, barrier=JobSync(max_of if comm.world > 1 else None, checkpoint_dir),
+        plan,
+        checkpoint_dir,
+        overwrite=True,
+        part=comm.rank,
+        parts=comm.world,
+        barrier=JobSync(max_of if comm.world > 1 else None, checkpoint_dir),
         before_latest=lambda: write_text_atomic(os.path.join(checkpoint_dir, MODEL_CONFIG_FILE), config_text),
         verify=False,  # the sources are memory, not archives with checksums
         by_rank=True,
@@ -170,37 +195,55 @@ def load_checkpoint(trainer: CheckpointedTrainer, path: str) -> None:
                 param = saved.get(spec.name)
                 if param is None or tuple(param.shape) != spec.shape:
                     found = "absent" if param is None else f"of shape {list(param.shape)}"
-                    raise LayoutError(path, f"trainable param {spec.name} of shape {list(spec.shape)} is {found} in the checkpoint (another model?)")
+                    raise LayoutError(
+                        path,
+                        f"trainable param {spec.name} of shape {list(spec.shape)} is {found} in the checkpoint (another model?)",
+                    )
                 targets = [(param.master, "master")] + [(param.states.get(k), k) for k in ADAM_STATES]
                 for source, key in targets:
                     if source is None:
-                        raise LayoutError(path, f"param {spec.name} has no Adam moments (exp_avg, exp_avg_sq) in the checkpoint")
+                        raise LayoutError(
+                            path, f"param {spec.name} has no Adam moments (exp_avg, exp_avg_sq) in the checkpoint"
+                        )
                     if source.dtype != FP32:
-                        raise LayoutError(path, f"param {spec.name}: optimizer state stored as {source.dtype}, fp32 expected")
+                        raise LayoutError(
+                            path, f"param {spec.name}: optimizer state stored as {source.dtype}, fp32 expected"
+                        )
                     share = torch.zeros(spec.share)
                     read_range(reader, source, start, share[:length].numpy())
                     optimizer.write_share(index, key, share)  # into memory, or the live swap file
             else:
                 entry = entries.get(spec.name)
                 if entry is None or tuple(entry.source.shape) != spec.shape:
-                    raise LayoutError(path, f"frozen param {spec.name} of shape {list(spec.shape)} is absent or mis-shaped in the checkpoint")
+                    raise LayoutError(
+                        path,
+                        f"frozen param {spec.name} of shape {list(spec.shape)} is absent or mis-shaped in the checkpoint",
+                    )
                 whole = read_tensor(reader, entry.source, from_torch(trainer.dtype)).reshape(-1)
                 shard = torch.zeros(spec.share, dtype=trainer.dtype)
                 shard[:length] = whole[start : start + length]
                 trainer.model.store.write(index, shard)
         for g, group in enumerate(state.groups[: len(plan.group_names)]):
             step = group.scalars.get(STEP)
-            value = float(read_tensor(reader, step.tensor)) if step is not None and step.tensor is not None else float(step.value if step else 0)
+            value = (
+                float(read_tensor(reader, step.tensor))
+                if step is not None and step.tensor is not None
+                else float(step.value if step else 0)
+            )
             for f, flat in enumerate(plan.layout.flat_groups):
                 if flat.param_group == g:
                     optimizer.steps[f].fill_(value)
     optimizer.copy_to_shards(trainer.model.store)
     trainer.global_steps = int(state.global_steps or 0)
     # the samples seen so far, so the data continues where it stopped even when the global batch changed
-    trainer.global_samples = int(state.global_samples) if state.global_samples is not None else trainer.global_steps * trainer.global_batch
+    trainer.global_samples = (
+        int(state.global_samples) if state.global_samples is not None else trainer.global_steps * trainer.global_batch
+    )
     trainer.skipped_steps = int(state.skipped_steps or 0)
     iteration = E.scheduler_iteration(state.lr_scheduler)
-    trainer.last_batch_iteration = iteration if iteration is not None else trainer.global_steps - trainer.skipped_steps - 1
+    trainer.last_batch_iteration = (
+        iteration if iteration is not None else trainer.global_steps - trainer.skipped_steps - 1
+    )
     for group in optimizer.hyperparams:
         group["lr"] = trainer.lr()
     scaler = optimizer.loss_scale

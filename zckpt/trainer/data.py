@@ -25,11 +25,17 @@ class TokenData:
             if vocab < 256:
                 raise UsageError(None, f"--data reads bytes (256 symbols): --vocab must be at least 256, got {vocab}")
             try:
-                self.tokens = np.memmap(os.fspath(path), dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+                self.tokens = (
+                    np.memmap(os.fspath(path), dtype=np.uint8, mode="r")
+                    if os.path.getsize(path)
+                    else np.zeros(0, np.uint8)
+                )
             except OSError as exc:
                 raise CorruptFileError(os.fspath(path), f"cannot read the training data: {exc.strerror}") from None
             if len(self.tokens) < seq_len + 1:
-                raise CorruptFileError(os.fspath(path), f"holds {len(self.tokens)} bytes; one sequence needs {seq_len + 1}")
+                raise CorruptFileError(
+                    os.fspath(path), f"holds {len(self.tokens)} bytes; one sequence needs {seq_len + 1}"
+                )
 
     def sample(self, number: int) -> torch.Tensor:
         """Sequence `number` of the run: seq_len + 1 tokens (inputs, then targets shifted by one)."""

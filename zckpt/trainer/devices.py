@@ -49,10 +49,15 @@ def rank_device(choice: str) -> torch.device:
     if dist.is_available() and dist.is_initialized():
         backend = str(dist.get_backend())
         if backend != "gloo" and "cpu:gloo" not in backend:
-            raise UsageError(None, f"the trainer's host-side collectives need gloo, the process group is {backend!r} (use 'cpu:gloo,cuda:nccl')")
+            raise UsageError(
+                None,
+                f"the trainer's host-side collectives need gloo, the process group is {backend!r} (use 'cpu:gloo,cuda:nccl')",
+            )
         if "nccl" not in backend:
             if choice == "cuda":
-                raise UsageError(None, f"--device cuda in a {backend} process group: nccl is needed to move CUDA tensors")
+                raise UsageError(
+                    None, f"--device cuda in a {backend} process group: nccl is needed to move CUDA tensors"
+                )
             cuda = False
     device = compute_device(choice, int(os.environ.get("LOCAL_RANK", "0")), cuda)
     if device.type == "cuda":
@@ -60,7 +65,10 @@ def rank_device(choice: str) -> torch.device:
         # (one rank refusing alone leaves the others waiting there for it)
         per_node = max(device.index + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if per_node > torch.cuda.device_count():
-            raise UsageError(None, f"{per_node} processes on this node but torch sees {torch.cuda.device_count()} CUDA device(s): "
-                                   "start at most one process per GPU (--nproc-per-node), or --device cpu")
+            raise UsageError(
+                None,
+                f"{per_node} processes on this node but torch sees {torch.cuda.device_count()} CUDA device(s): "
+                "start at most one process per GPU (--nproc-per-node), or --device cpu",
+            )
         torch.cuda.set_device(device)
     return device

@@ -17,14 +17,14 @@ import torch.distributed as dist
 from ..deepspeed import engine_config as E
 from ..deepspeed.run_config import read_run_config
 from ..deepspeed.swap_rules import param_buffers
-from .config import TrainConfig
 from .arena import return_big_frees_to_the_system
+from .config import TrainConfig
 from .data import TokenData
 from .devices import process_group_backend, rank_device
 from .model import build_empty_model, initial_value
+from .optim import DynamicLossScale, LRSchedule, ShardedAdamW, param_group_defaults
 from .param_store import ParamStore, live_param_folder
 from .swap import live_optimizer_folder
-from .optim import DynamicLossScale, LRSchedule, ShardedAdamW, param_group_defaults
 from .zero3 import DECAY, Comm, ShardedModel, plan_zero3
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,7 +48,9 @@ class TrainResult:
     skipped_steps: int
     checkpoints: tuple[str, ...]
     swapped_sub_groups: tuple[int, int] | None = None  # NVMe offload: (swapped, all) sub-groups of rank 0
-    swapped_params: tuple[int, int, str] | None = None  # NVMe offload of params: (swapped, all) params of rank 0, their folder (less rank<R>)
+    swapped_params: tuple[int, int, str] | None = (
+        None  # NVMe offload of params: (swapped, all) params of rank 0, their folder (less rank<R>)
+    )
 
 
 def init_distributed(device_choice: str = "auto") -> bool:
@@ -80,16 +82,33 @@ class Trainer:
         # never holds the whole model (the values are build_model(model_config, seed)'s)
         full = build_empty_model(self.model_config)
         self.plan = plan_zero3(full, self.comm.world, run.sub_group_size, config.freeze)
-        hyper = [param_group_defaults(self.schedule.at(-1), config.betas, config.eps, config.weight_decay if g == DECAY else 0.0) for g in self.plan.group_names]
+        hyper = [
+            param_group_defaults(
+                self.schedule.at(-1), config.betas, config.eps, config.weight_decay if g == DECAY else 0.0
+            )
+            for g in self.plan.group_names
+        ]
         scaler = DynamicLossScale() if config.dtype == "fp16" else None
         swap_folder = live_optimizer_folder(config.nvme_path, self.comm.rank) if config.nvme_path else None
         rule = run.swap_rule
         self.optimizer = ShardedAdamW(self.plan, self.comm, hyper, config.clip, scaler, swap_folder, rule)
-        param_folder = live_param_folder(config.nvme_path, self.dtype, self.comm.rank) if config.nvme_path and config.nvme_params else None
+        param_folder = (
+            live_param_folder(config.nvme_path, self.dtype, self.comm.rank)
+            if config.nvme_path and config.nvme_params
+            else None
+        )
         store = ParamStore([s.share for s in self.plan.params], self.dtype, param_folder, rule)
         specs = self.plan.params
-        self.model = ShardedModel(full, self.plan, self.comm, self.dtype, grad_ready=self.optimizer.accumulate, store=store,
-                                  values=lambda i: initial_value(self.model_config, i, specs[i].name, specs[i].shape, config.seed), device=self.device)
+        self.model = ShardedModel(
+            full,
+            self.plan,
+            self.comm,
+            self.dtype,
+            grad_ready=self.optimizer.accumulate,
+            store=store,
+            values=lambda i: initial_value(self.model_config, i, specs[i].name, specs[i].shape, config.seed),
+            device=self.device,
+        )
         self.optimizer.load_masters(self.model.store)
         self.data = TokenData(self.model_config.vocab, self.model_config.seq_len, config.seed, config.data)
         self.global_steps = 0
@@ -113,9 +132,19 @@ class Trainer:
     def _engine_config(self, param_buffers: tuple[int, int] | None) -> dict:
         config = self.config
         return E.engine_config(
-            micro_batch=config.micro_batch, grad_accum=config.grad_accum, world_size=self.comm.world, dtype=config.dtype, lr=config.lr, betas=config.betas,
-            eps=config.eps, weight_decay=config.weight_decay, clip=config.clip, sub_group_size=config.sub_group_size, scheduler=self.schedule.ds_scheduler(),
-            nvme_path=config.nvme_path, param_buffers=param_buffers,
+            micro_batch=config.micro_batch,
+            grad_accum=config.grad_accum,
+            world_size=self.comm.world,
+            dtype=config.dtype,
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            clip=config.clip,
+            sub_group_size=config.sub_group_size,
+            scheduler=self.schedule.ds_scheduler(),
+            nvme_path=config.nvme_path,
+            param_buffers=param_buffers,
         )
 
     @property
@@ -152,7 +181,14 @@ class Trainer:
         elapsed = time.perf_counter() - started
         loss_value = float(total) / (config.grad_accum * self.comm.world)
         tokens = self.global_batch * self.model_config.seq_len
-        return StepLog(self.global_steps, loss_value, lr, result.grad_norm, result.skipped, tokens / elapsed if elapsed > 0 else 0.0)
+        return StepLog(
+            self.global_steps,
+            loss_value,
+            lr,
+            result.grad_norm,
+            result.skipped,
+            tokens / elapsed if elapsed > 0 else 0.0,
+        )
 
     def save(self) -> str:
         from .checkpoint import save_checkpoint
@@ -174,7 +210,10 @@ def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None)
         while trainer.global_steps < config.steps:
             log = trainer.train_step()
             losses.append(log.loss)
-            due = config.out and (trainer.global_steps == config.steps or (config.save_every and trainer.global_steps % config.save_every == 0))
+            due = config.out and (
+                trainer.global_steps == config.steps
+                or (config.save_every and trainer.global_steps % config.save_every == 0)
+            )
             if due:
                 saved.append(trainer.save())
                 log = StepLog(**{**log.__dict__, "saved": saved[-1]})
@@ -183,7 +222,11 @@ def train(config: TrainConfig, on_step: Callable[[StepLog], None] | None = None)
         trainer.close()
         swapped = (len(trainer.optimizer.swapped), len(trainer.plan.layout.flat_groups)) if config.nvme_path else None
         store = trainer.model.store
-        params = (len(store.swapped), len(trainer.plan.params), os.path.dirname(store.folder)) if store.folder is not None else None
+        params = (
+            (len(store.swapped), len(trainer.plan.params), os.path.dirname(store.folder))
+            if store.folder is not None
+            else None
+        )
         return TrainResult(tuple(losses), trainer.global_steps, trainer.skipped_steps, tuple(saved), swapped, params)
     finally:
         if created:

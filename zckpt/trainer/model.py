@@ -131,7 +131,9 @@ def load_model_config(source: GPTConfig | dict[str, Any] | str | os.PathLike[str
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
     except FileNotFoundError:
-        raise CorruptFileError(path, "no such model config (the trainer writes model_config.json beside its checkpoints)") from None
+        raise CorruptFileError(
+            path, "no such model config (the trainer writes model_config.json beside its checkpoints)"
+        ) from None
     except (OSError, ValueError) as exc:
         raise CorruptFileError(path, f"not a readable JSON model config: {exc}") from None
     if not isinstance(data, dict) or data.get("model_type") != TRAINER_MODEL_TYPE:

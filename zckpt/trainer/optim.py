@@ -93,8 +93,13 @@ class LRSchedule:
         return self.min_lr + (self.max_lr - self.min_lr) * gamma
 
     def ds_scheduler(self) -> dict:
-        params = {"total_num_steps": self.total_steps, "warmup_min_lr": self.min_lr, "warmup_max_lr": self.max_lr,
-                  "warmup_num_steps": max(1, self.warmup_steps), "warmup_type": "linear"}
+        params = {
+            "total_num_steps": self.total_steps,
+            "warmup_min_lr": self.min_lr,
+            "warmup_max_lr": self.max_lr,
+            "warmup_num_steps": max(1, self.warmup_steps),
+            "warmup_type": "linear",
+        }
         return {"type": "WarmupDecayLR", "params": params}
 
 
@@ -115,7 +120,9 @@ class Slot:
 
 def param_group_defaults(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict:
     """A param group's hyperparameters exactly as torch.optim.AdamW keeps (and saves) them."""
-    group = dict(torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).param_groups[0])
+    group = dict(
+        torch.optim.AdamW([torch.zeros(1)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay).param_groups[0]
+    )
     group.pop("params")
     return group
 
@@ -134,19 +141,41 @@ class ShardedAdamW:
     def __post_init__(self) -> None:
         layout = self.plan.layout
         rule = self.swap_rule if self.swap_folder is not None else None
-        self.swapped = frozenset(f for f, g in enumerate(layout.flat_groups) if rule is not None and rule.swapped(g.partition))
-        sizes = [0 if f in self.swapped else g.partition * 4 for f, g in enumerate(layout.flat_groups) for _ in range(3)]
+        self.swapped = frozenset(
+            f for f, g in enumerate(layout.flat_groups) if rule is not None and rule.swapped(g.partition)
+        )
+        sizes = [
+            0 if f in self.swapped else g.partition * 4 for f, g in enumerate(layout.flat_groups) for _ in range(3)
+        ]
         self.arena = MemoryArena(sizes)
         count = len(layout.flat_groups)
         # swapped sub-groups hold nothing here (empty tensors): their bytes are in the swap files
-        self.masters = [self.arena.tensor(3 * f, 0 if f in self.swapped else g.partition) for f, g in enumerate(layout.flat_groups)]
-        self.states = {key: [self.arena.tensor(3 * f + 1 + k, 0 if f in self.swapped else g.partition) for f, g in enumerate(layout.flat_groups)]
-                       for k, key in enumerate(ADAM_STATES)}
+        self.masters = [
+            self.arena.tensor(3 * f, 0 if f in self.swapped else g.partition) for f, g in enumerate(layout.flat_groups)
+        ]
+        self.states = {
+            key: [
+                self.arena.tensor(3 * f + 1 + k, 0 if f in self.swapped else g.partition)
+                for f, g in enumerate(layout.flat_groups)
+            ]
+            for k, key in enumerate(ADAM_STATES)
+        }
         self.swapper: OptimizerSwapper | None = None
         if self.swap_folder is not None and rule is not None:
-            ds_id = {s.name: i for i, s in enumerate(self.plan.params)}  # module order, tied params once: DeepSpeed's ds_id
-            groups = [SwappedGroup(f, g.partition, rule.file_numel(g.partition), ds_id[layout.params[g.params[0]].name], ds_id[layout.params[g.params[-1]].name])
-                      for f, g in enumerate(layout.flat_groups) if f in self.swapped]
+            ds_id = {
+                s.name: i for i, s in enumerate(self.plan.params)
+            }  # module order, tied params once: DeepSpeed's ds_id
+            groups = [
+                SwappedGroup(
+                    f,
+                    g.partition,
+                    rule.file_numel(g.partition),
+                    ds_id[layout.params[g.params[0]].name],
+                    ds_id[layout.params[g.params[-1]].name],
+                )
+                for f, g in enumerate(layout.flat_groups)
+                if f in self.swapped
+            ]
             self.swapper = OptimizerSwapper(self.swap_folder, groups)
         # fp32 gradients: swapped sub-groups' are in their gradient swap files
         self.grads = [torch.zeros(0 if f in self.swapped else g.partition) for f, g in enumerate(layout.flat_groups)]
@@ -206,7 +235,9 @@ class ShardedAdamW:
         assert self.swapper is not None
         accumulate = index in self._written
         self._written.add(index)
-        on_written = (lambda values: self._square_sums.__setitem__(index, _square_sum(values))) if self.last_micro_step else None
+        on_written = (
+            (lambda values: self._square_sums.__setitem__(index, _square_sum(values))) if self.last_micro_step else None
+        )
         self.swapper.put_gradient(slot.flat, slot.offset, grad.detach().float(), accumulate, on_written)
 
     def zero_grad(self) -> None:
@@ -257,7 +288,11 @@ class ShardedAdamW:
         if self.clip > 0:
             combined = max(1.0, (norm / scale + 1e-6) / self.clip) * scale
         flats = self.plan.layout.flat_groups
-        in_memory = [(f, [self.masters[f], self.states["exp_avg"][f], self.states["exp_avg_sq"][f], self.grads[f]]) for f in range(len(flats)) if f not in self.swapped]
+        in_memory = [
+            (f, [self.masters[f], self.states["exp_avg"][f], self.states["exp_avg_sq"][f], self.grads[f]])
+            for f in range(len(flats))
+            if f not in self.swapped
+        ]
         streamed = self.swapper.stream(sorted(self.swapped)) if self.swapper is not None else iter(())
         for source in (streamed, iter(in_memory)):
             for f, (master, exp_avg, exp_avg_sq, grad) in source:
@@ -268,9 +303,22 @@ class ShardedAdamW:
                 group = flats[f]
                 hyper = self.hyperparams[group.param_group]
                 # torch's own AdamW update (it counts the step itself), on this sub-group's flat tensors
-                adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [self.steps[f]],
-                      foreach=False, amsgrad=False, beta1=hyper["betas"][0], beta2=hyper["betas"][1], lr=lrs[group.param_group],
-                      weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=False)
+                adamw(
+                    [master],
+                    [grad],
+                    [exp_avg],
+                    [exp_avg_sq],
+                    [],
+                    [self.steps[f]],
+                    foreach=False,
+                    amsgrad=False,
+                    beta1=hyper["betas"][0],
+                    beta2=hyper["betas"][1],
+                    lr=lrs[group.param_group],
+                    weight_decay=hyper["weight_decay"],
+                    eps=hyper["eps"],
+                    maximize=False,
+                )
                 if shards is not None:
                     self._copy_flat_to_shards(f, master, shards)
         self.zero_grad()

@@ -36,13 +36,19 @@ def live_param_folder(nvme_path: str, dtype: torch.dtype, rank: int) -> str:
 class ParamStore:
     """The shares of every param (the plan's order, which is DeepSpeed's ds_id) of one rank."""
 
-    def __init__(self, shares: Sequence[int], dtype: torch.dtype, folder: str | None = None, rule: SwapRule | None = None) -> None:
+    def __init__(
+        self, shares: Sequence[int], dtype: torch.dtype, folder: str | None = None, rule: SwapRule | None = None
+    ) -> None:
         """`rule` is the run's swap rule; the store applies it to elements of `dtype`."""
         self.shares, self.dtype = tuple(shares), dtype
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         rule = replace(rule, itemsize=self.itemsize) if rule is not None else None
-        self.swapped = frozenset(i for i, share in enumerate(shares) if folder is not None and rule is not None and rule.swapped(share))
-        self.arena = MemoryArena([0 if i in self.swapped else share * self.itemsize for i, share in enumerate(shares)], "zckpt-shards")
+        self.swapped = frozenset(
+            i for i, share in enumerate(shares) if folder is not None and rule is not None and rule.swapped(share)
+        )
+        self.arena = MemoryArena(
+            [0 if i in self.swapped else share * self.itemsize for i, share in enumerate(shares)], "zckpt-shards"
+        )
         self.folder = folder
         self.rule = rule if folder is not None else None  # which shares the folder holds, how padded
         self.paths: dict[int, str] = {}
@@ -84,7 +90,9 @@ class ParamStore:
             held.copy_(values)
             return
         try:
-            pwrite_all(self._fds[index], memoryview(values.detach().to(self.dtype).contiguous().view(torch.uint8).numpy()), 0)
+            pwrite_all(
+                self._fds[index], memoryview(values.detach().to(self.dtype).contiguous().view(torch.uint8).numpy()), 0
+            )
         except OSError as exc:
             raise OutputError(self.paths[index], f"NVMe param swap write failed: {exc.strerror or exc}") from exc
 

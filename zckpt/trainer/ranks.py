@@ -29,7 +29,9 @@ def _entry(rank: int, world: int, folder: str, fn: Callable[..., Any], args: tup
     exit_without_teardown(0)
 
 
-def run_ranks(world: int, folder: str | os.PathLike[str], fn: Callable[..., Any], *args: Any, backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    world: int, folder: str | os.PathLike[str], fn: Callable[..., Any], *args: Any, backend: str = "gloo"
+) -> list[Any]:
     """fn(rank, world, *args) on every rank, in a process group made with `backend`; returns
     what each rank returned, by rank. One rank runs in this process (one thread, like a spawned
     rank), without a process group.

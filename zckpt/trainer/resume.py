@@ -95,8 +95,15 @@ def checkpoint_facts(path: str) -> CheckpointFacts:
     if index.dtype.short not in ("fp32", "bf16", "fp16"):
         raise CorruptFileError(index.tag_dir, f"trained in {index.dtype.short}; zckpt train runs fp32, bf16 or fp16")
     return CheckpointFacts(
-        path=path, model=model, tied=aliases.get(TIED_HEAD[0]) == TIED_HEAD[1], dtype=index.dtype.short, params=params, frozen=frozen,
-        world_size=index.world_size, global_steps=int(state.global_steps or 0), run=recorded_run(state.ds_config, index.world_size, index.ds_version, index.tag_dir),
+        path=path,
+        model=model,
+        tied=aliases.get(TIED_HEAD[0]) == TIED_HEAD[1],
+        dtype=index.dtype.short,
+        params=params,
+        frozen=frozen,
+        world_size=index.world_size,
+        global_steps=int(state.global_steps or 0),
+        run=recorded_run(state.ds_config, index.world_size, index.ds_version, index.tag_dir),
     )
 
 
@@ -110,16 +117,30 @@ def resolve_resume(given: Mapping[str, Any], facts: CheckpointFacts, world: int)
         check_dtype(given["dtype"])
     for name, value in fixed.items():
         if name in given and given[name] != value:
-            raise UsageError(facts.path, f"{_flag(name, given[name])} contradicts the checkpoint, which has {_flag(name, value)}: "
-                                         f"a resumed run keeps its model, dtype and frozen params (leave {_option(name)} out)")
+            raise UsageError(
+                facts.path,
+                f"{_flag(name, given[name])} contradicts the checkpoint, which has {_flag(name, value)}: "
+                f"a resumed run keeps its model, dtype and frozen params (leave {_option(name)} out)",
+            )
         options[name] = value
     options["freeze"] = _freeze(given.get("freeze"), facts)
     run = facts.run
     if run.other_scheduler is not None and not {"lr", "warmup", "steps"} <= set(given):
-        raise UsageError(facts.path, f"its lr schedule ({run.other_scheduler}) is not one zckpt train runs (WarmupDecayLR warming up linearly "
-                                     "from 0, or a constant lr): give --lr, --warmup and --steps")
-    recorded = {"lr": run.lr, "warmup": run.warmup, "clip": run.clip, "sub_group_size": run.sub_group_size, "betas": run.betas, "eps": run.eps,
-                "weight_decay": run.weight_decay, "steps": run.total_steps}
+        raise UsageError(
+            facts.path,
+            f"its lr schedule ({run.other_scheduler}) is not one zckpt train runs (WarmupDecayLR warming up linearly "
+            "from 0, or a constant lr): give --lr, --warmup and --steps",
+        )
+    recorded = {
+        "lr": run.lr,
+        "warmup": run.warmup,
+        "clip": run.clip,
+        "sub_group_size": run.sub_group_size,
+        "betas": run.betas,
+        "eps": run.eps,
+        "weight_decay": run.weight_decay,
+        "steps": run.total_steps,
+    }
     for name, value in recorded.items():
         if name not in given and value is not None:
             options[name] = value
@@ -140,8 +161,11 @@ def _model(given: Mapping[str, Any], facts: CheckpointFacts) -> dict[str, Any]:
         return {f.name: getattr(facts.model, f.name) for f in fields(GPTConfig)}
     missing = [_option(name) for name in MODEL_SHAPE if name not in given]
     if missing:
-        raise UsageError(facts.path, f"no {MODEL_CONFIG_FILE} beside the checkpoint (zckpt train writes one, DeepSpeed does not): "
-                                     f"give the model's {' '.join(map(_option, MODEL_SHAPE))} (missing: {' '.join(missing)})")
+        raise UsageError(
+            facts.path,
+            f"no {MODEL_CONFIG_FILE} beside the checkpoint (zckpt train writes one, DeepSpeed does not): "
+            f"give the model's {' '.join(map(_option, MODEL_SHAPE))} (missing: {' '.join(missing)})",
+        )
     return {**{name: given[name] for name in MODEL_SHAPE}, "tie_embeddings": facts.tied}
 
 
@@ -156,8 +180,11 @@ def _freeze(pattern: str | None, facts: CheckpointFacts) -> str | None:
         raise UsageError(None, f"--freeze {pattern!r} is not a regular expression: {exc}") from None
     frozen = tuple(name for name in facts.params if matcher.search(name))
     if set(frozen) != set(facts.frozen):
-        raise UsageError(facts.path, f"--freeze {pattern!r} freezes {_names(frozen)}, the checkpoint froze {_names(facts.frozen)}: "
-                                     "a resumed run keeps its model, dtype and frozen params (leave --freeze out)")
+        raise UsageError(
+            facts.path,
+            f"--freeze {pattern!r} freezes {_names(frozen)}, the checkpoint froze {_names(facts.frozen)}: "
+            "a resumed run keeps its model, dtype and frozen params (leave --freeze out)",
+        )
     return pattern
 
 
@@ -168,12 +195,20 @@ def _check_steps(given: Mapping[str, Any], steps: int | None, facts: CheckpointF
     if steps is None:
         raise UsageError(facts.path, f"the checkpoint (step {done}) records no end of its lr schedule: give --steps")
     if steps <= done and "steps" in given:
-        raise UsageError(facts.path, f"--steps {steps}: the checkpoint is at step {done} already (--steps counts from the start of the run)")
+        raise UsageError(
+            facts.path,
+            f"--steps {steps}: the checkpoint is at step {done} already (--steps counts from the start of the run)",
+        )
     if steps <= done:
-        raise UsageError(facts.path, f"the checkpoint is at step {done}, the end of its run (--steps {steps}): give a larger --steps to train on")
+        raise UsageError(
+            facts.path,
+            f"the checkpoint is at step {done}, the end of its run (--steps {steps}): give a larger --steps to train on",
+        )
 
 
-def _batch(run: RecordedRun, saved_world: int, world: int, micro: int | None, accum: int | None) -> tuple[int, int, str | None]:
+def _batch(
+    run: RecordedRun, saved_world: int, world: int, micro: int | None, accum: int | None
+) -> tuple[int, int, str | None]:
     """(micro-batch, grad-accum) at `world` ranks, and a note when they differ from the
     checkpoint's. The checkpoint's global batch is kept where a split gives it: the fewest
     micro-steps with no more sequences per rank than its micro-batch (memory per rank does not
@@ -183,10 +218,14 @@ def _batch(run: RecordedRun, saved_world: int, world: int, micro: int | None, ac
     target, old_micro, old_accum = run.global_batch, run.micro_batch, run.grad_accum
     assert target is not None and old_micro is not None and old_accum is not None
     if target % (old_micro * old_accum) == 0:
-        saved_world = target // (old_micro * old_accum)  # the ranks the batch was recorded for (a resharded checkpoint keeps them)
+        saved_world = target // (
+            old_micro * old_accum
+        )  # the ranks the batch was recorded for (a resharded checkpoint keeps them)
     was = f"the checkpoint's global batch of {target} sequences ({old_micro} x {_ranks(saved_world)} x {old_accum})"
     if micro is None or accum is None:
-        kept_option = f"--micro-batch {micro}" if micro is not None else f"--grad-accum {accum}" if accum is not None else None
+        kept_option = (
+            f"--micro-batch {micro}" if micro is not None else f"--grad-accum {accum}" if accum is not None else None
+        )
         most = old_micro if accum is None else max(old_micro, math.ceil(target / (world * accum)))
         candidates = []
         for m in [micro] if micro is not None else range(1, most + 1):
@@ -196,9 +235,15 @@ def _batch(run: RecordedRun, saved_world: int, world: int, micro: int | None, ac
         _, accum, minus_micro = min(candidates)
         micro = -minus_micro
         if kept_option is None:
-            why, closest = f"{target} is not a multiple of {world}", f"the closest with at most {old_micro} sequences per rank"
+            why, closest = (
+                f"{target} is not a multiple of {world}",
+                f"the closest with at most {old_micro} sequences per rank",
+            )
         else:
-            why, closest = f"{target} is not a multiple of {kept_option} x {_ranks(world)}", f"the closest with {kept_option}"
+            why, closest = (
+                f"{target} is not a multiple of {kept_option} x {_ranks(world)}",
+                f"the closest with {kept_option}",
+            )
         unkept = f"{was} cannot be kept at {_ranks(world)} ({why}): using {micro * world * accum} ({_split(micro, world, accum)}), {closest}"
     else:
         unkept = f"{was} becomes {micro * world * accum} at {_ranks(world)} ({_split(micro, world, accum)}, as given)"

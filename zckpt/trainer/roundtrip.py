@@ -95,15 +95,31 @@ def _resume(rank: int, world: int, config: TrainConfig) -> dict:
     swapped, swapped_params = len(trainer.optimizer.swapped), len(trainer.model.store.swapped)
     final = _state(trainer)
     trainer.close()
-    return {"start": start, "loaded": loaded, "losses": losses, "final": final, "swapped": swapped, "swapped_params": swapped_params}
+    return {
+        "start": start,
+        "loaded": loaded,
+        "losses": losses,
+        "final": final,
+        "swapped": swapped,
+        "swapped_params": swapped_params,
+    }
 
 
 def _nvme(config: TrainConfig, work_dir: str, run: str, nvme: bool, nvme_params: bool) -> TrainConfig:
-    return replace(config, nvme_path=os.path.join(work_dir, f"nvme_{run}") if nvme else None, nvme_params=nvme and nvme_params)
+    return replace(
+        config, nvme_path=os.path.join(work_dir, f"nvme_{run}") if nvme else None, nvme_params=nvme and nvme_params
+    )
 
 
-def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int, work_dir: str | None = None, nvme: bool = False,
-              nvme_params: bool = False) -> RoundtripReport:
+def roundtrip(
+    config: TrainConfig,
+    from_world: int,
+    to_world: int,
+    save_at: int,
+    work_dir: str | None = None,
+    nvme: bool = False,
+    nvme_params: bool = False,
+) -> RoundtripReport:
     """Run the round trip for `config` (its `steps` is the end of the run; the checkpoint is at
     `save_at`); `config.micro_batch` is the micro-batch at `from_world`; with `nvme`, every run
     offloads its optimizer state and gradients (with `nvme_params` its params too) to a swap
@@ -115,32 +131,63 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
     if not 0 < save_at < config.steps:
         raise UsageError(None, f"the save step must lie inside the run: 0 < {save_at} < {config.steps}")
     if (config.micro_batch * from_world) % to_world:
-        raise UsageError(None, f"a global batch of {config.micro_batch * from_world} sequences cannot be split over {to_world} ranks")
+        raise UsageError(
+            None, f"a global batch of {config.micro_batch * from_world} sequences cannot be split over {to_world} ranks"
+        )
     config = replace(config, device="cpu")
     own_dir = work_dir or tempfile.mkdtemp(prefix="zckpt-roundtrip-")
     ckpt = os.path.join(own_dir, "ckpt")
-    first = on_ranks(from_world, os.path.join(own_dir, "run_a"), _train_save_continue, _nvme(replace(config, out=ckpt, resume=None, save_every=0), own_dir, "a", nvme, nvme_params), save_at)
+    first = on_ranks(
+        from_world,
+        os.path.join(own_dir, "run_a"),
+        _train_save_continue,
+        _nvme(replace(config, out=ckpt, resume=None, save_every=0), own_dir, "a", nvme, nvme_params),
+        save_at,
+    )
     checks: list[Check] = []
     if nvme:
         tag_dir = os.path.join(ckpt, f"global_step{save_at}", "offloaded_tensors")
         held = sorted(os.listdir(tag_dir)) if os.path.isdir(tag_dir) else []
         saved_files = sorted(os.listdir(os.path.join(tag_dir, "rank00"))) if "rank00" in held else []
-        ok = held == [f"rank{r:02d}" for r in range(from_world)] and bool(first["swap_files"]) and saved_files == first["swap_files"]
-        checks.append(Check(f"checkpoint holds offloaded_tensors/ of the {from_world} ranks", ok,
-                            f"{len(saved_files)} swap files per rank, named as the live swap folder's" if ok else f"found {held}, rank 0: {saved_files} vs live {first['swap_files']}"))
+        ok = (
+            held == [f"rank{r:02d}" for r in range(from_world)]
+            and bool(first["swap_files"])
+            and saved_files == first["swap_files"]
+        )
+        checks.append(
+            Check(
+                f"checkpoint holds offloaded_tensors/ of the {from_world} ranks",
+                ok,
+                f"{len(saved_files)} swap files per rank, named as the live swap folder's"
+                if ok
+                else f"found {held}, rank 0: {saved_files} vs live {first['swap_files']}",
+            )
+        )
 
     weights = load_state_dict(ckpt)
     masters = {k[: -len(".master")]: v for k, v in first["saved"].items() if k.endswith(".master")}
     differing = [n for n, t in masters.items() if not torch.equal(weights[n], t)]
-    checks.append(Check(f"consolidate == masters held by the {from_world} ranks", not differing,
-                        f"{len(masters)} params equal bit for bit" if not differing else f"differ: {', '.join(differing[:3])}"))
+    checks.append(
+        Check(
+            f"consolidate == masters held by the {from_world} ranks",
+            not differing,
+            f"{len(masters)} params equal bit for bit" if not differing else f"differ: {', '.join(differing[:3])}",
+        )
+    )
 
     resharded, universal = os.path.join(own_dir, f"ws{to_world}"), os.path.join(own_dir, "universal")
     reshard(ckpt, resharded, world_size=to_world)
     to_universal(ckpt, universal)
     later = replace(config, micro_batch=config.micro_batch * from_world // to_world, save_every=0)
-    resumed = {kind: on_ranks(to_world, os.path.join(own_dir, f"run_b_{kind}"), _resume, _nvme(replace(later, resume=path, out=None), own_dir, f"b_{kind}", nvme, nvme_params))
-               for kind, path in (("resharded", resharded), ("universal", universal))}
+    resumed = {
+        kind: on_ranks(
+            to_world,
+            os.path.join(own_dir, f"run_b_{kind}"),
+            _resume,
+            _nvme(replace(later, resume=path, out=None), own_dir, f"b_{kind}", nvme, nvme_params),
+        )
+        for kind, path in (("resharded", resharded), ("universal", universal))
+    }
     tolerance = TOLERANCE[config.dtype]
     reference_losses = first["losses"][save_at:]
     for kind, run in resumed.items():
@@ -148,20 +195,46 @@ def roundtrip(config: TrainConfig, from_world: int, to_world: int, save_at: int,
         params = f" and {run['swapped_params']} param(s)" if nvme_params else ""
         swapped = f", {run['swapped']} sub-group(s){params} per rank on NVMe" if nvme else ""
         on_nvme = (run["swapped"] > 0 and (run["swapped_params"] > 0 or not nvme_params)) or not nvme
-        checks.append(Check(f"{kind} at {to_world} ranks loads the saved state", not differing and run["start"] == save_at and on_nvme,
-                            f"step {run['start']}, {len(first['saved'])} masters/moments equal bit for bit{swapped}" if not differing else f"differ: {', '.join(differing[:3])}"))
+        checks.append(
+            Check(
+                f"{kind} at {to_world} ranks loads the saved state",
+                not differing and run["start"] == save_at and on_nvme,
+                f"step {run['start']}, {len(first['saved'])} masters/moments equal bit for bit{swapped}"
+                if not differing
+                else f"differ: {', '.join(differing[:3])}",
+            )
+        )
         worst = max((abs(a - b) / abs(b) for a, b in zip(run["losses"], reference_losses)), default=0.0)
-        checks.append(Check(f"{kind}: {len(run['losses'])} losses vs uninterrupted {from_world}-rank run", worst <= tolerance and len(run["losses"]) == len(reference_losses),
-                            f"max relative difference {worst:.2e} (tolerance {tolerance:g})"))
+        checks.append(
+            Check(
+                f"{kind}: {len(run['losses'])} losses vs uninterrupted {from_world}-rank run",
+                worst <= tolerance and len(run["losses"]) == len(reference_losses),
+                f"max relative difference {worst:.2e} (tolerance {tolerance:g})",
+            )
+        )
         # Adam moves every element by about lr per step whatever its gradient's size, so an element
         # whose gradient nearly cancels can move either way after a rounding-level change: the
         # bound on the masters is absolute, lr per step since the resume
         bound = config.lr * len(reference_losses)
-        worst = max((run["final"][n] - t).abs().max().item() for n, t in first["final"].items() if n.endswith(".master"))
-        checks.append(Check(f"{kind}: final masters vs uninterrupted run", worst <= bound, f"max difference {worst:.2e} (bound: lr x steps = {bound:.1e})"))
+        worst = max(
+            (run["final"][n] - t).abs().max().item() for n, t in first["final"].items() if n.endswith(".master")
+        )
+        checks.append(
+            Check(
+                f"{kind}: final masters vs uninterrupted run",
+                worst <= bound,
+                f"max difference {worst:.2e} (bound: lr x steps = {bound:.1e})",
+            )
+        )
     a, b = resumed["resharded"], resumed["universal"]
     same = a["losses"] == b["losses"] and all(torch.equal(a["final"][n], t) for n, t in b["final"].items())
-    checks.append(Check("resharded and universal resumes identical", same, "same losses and final state bit for bit" if same else "they differ"))
+    checks.append(
+        Check(
+            "resharded and universal resumes identical",
+            same,
+            "same losses and final state bit for bit" if same else "they differ",
+        )
+    )
     return RoundtripReport(tuple(checks))
 
 

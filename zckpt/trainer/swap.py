@@ -99,7 +99,9 @@ class OptimizerSwapper:
                 self.paths[group.flat] = tuple(os.path.join(folder, name) for name in group.file_names())
                 self._fds[group.flat] = [self._create(path, group.file_numel * 4) for path in self.paths[group.flat]]
                 self.gradient_paths[group.flat] = os.path.join(folder, group.gradient_file_name())
-                self._gradient_fds[group.flat] = self._create(self.gradient_paths[group.flat], group.numel * 4, direct=False)[0]
+                self._gradient_fds[group.flat] = self._create(
+                    self.gradient_paths[group.flat], group.numel * 4, direct=False
+                )[0]
         except OSError as exc:
             self.close()
             raise OutputError(folder, f"cannot create the NVMe swap files: {exc.strerror or exc}") from exc
@@ -107,7 +109,10 @@ class OptimizerSwapper:
         self.buffer_bytes = _round_up(max(largest * 4, 1), BLOCK)
         # three sets pipeline reads, AdamW and writes; fewer sub-groups than that need fewer.
         # A set: master, exp_avg, exp_avg_sq, gradient
-        self._buffers = [[mmap.mmap(-1, self.buffer_bytes) for _ in range(len(SWAP_KEYS) + 1)] for _ in range(min(in_flight, len(groups)))]
+        self._buffers = [
+            [mmap.mmap(-1, self.buffer_bytes) for _ in range(len(SWAP_KEYS) + 1)]
+            for _ in range(min(in_flight, len(groups)))
+        ]
         self._views = [[torch.frombuffer(b, dtype=torch.float32) for b in slot] for slot in self._buffers]
         self._io = WorkerPool(1, "zckpt-swap")
         self._gradient_writes: deque[Future] = deque()
@@ -123,7 +128,9 @@ class OptimizerSwapper:
         filesystem takes O_DIRECT (and `direct`), an O_DIRECT one (None elsewhere)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fd, size)
-        if not direct or not wants_direct(path, DIRECT_MIN_BYTES):  # the filesystem check (swap files stream whatever their size)
+        if not direct or not wants_direct(
+            path, DIRECT_MIN_BYTES
+        ):  # the filesystem check (swap files stream whatever their size)
             return fd, None
         try:
             return fd, os.open(path, os.O_RDWR | os.O_DIRECT)
@@ -151,7 +158,9 @@ class OptimizerSwapper:
             try:
                 move(flat, slot)
             except OSError as exc:
-                raise OutputError(self.folder, f"NVMe swap I/O of sub-group {flat} failed: {exc.strerror or exc}") from exc
+                raise OutputError(
+                    self.folder, f"NVMe swap I/O of sub-group {flat} failed: {exc.strerror or exc}"
+                ) from exc
 
         return self._io.submit(run)
 
@@ -174,15 +183,23 @@ class OptimizerSwapper:
         self.counters.write_seconds += time.perf_counter() - started
 
     # -- gradients, a share at a time during backward -------------------------------------------
-    def put_gradient(self, flat: int, offset: int, grad: torch.Tensor, accumulate: bool,
-                     on_written: Callable[[torch.Tensor], None] | None = None) -> None:
+    def put_gradient(
+        self,
+        flat: int,
+        offset: int,
+        grad: torch.Tensor,
+        accumulate: bool,
+        on_written: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         """Write the fp32 `grad` at element `offset` of sub-group `flat`'s gradient file, or add
         it to what is there (`accumulate`), on the I/O thread; `on_written` then gets the values
         the file now holds (on that thread). `grad` is the swapper's from now on. Waits while
         GRADIENT_SHARES_IN_FLIGHT shares are still on their way."""
         while len(self._gradient_writes) >= GRADIENT_SHARES_IN_FLIGHT:
             self._gradient_writes.popleft().result()
-        self._gradient_writes.append(self._io.submit(self._put_gradient, flat, offset, grad.contiguous(), accumulate, on_written))
+        self._gradient_writes.append(
+            self._io.submit(self._put_gradient, flat, offset, grad.contiguous(), accumulate, on_written)
+        )
 
     def _put_gradient(self, flat: int, offset: int, grad: torch.Tensor, accumulate: bool, on_written) -> None:
         started, fd, position = time.perf_counter(), self._gradient_fds[flat], offset * 4
@@ -194,7 +211,9 @@ class OptimizerSwapper:
                 self.counters.bytes_read += grad.numel() * 4
             pwrite_all(fd, memoryview(grad.numpy()).cast("B"), position)
         except OSError as exc:
-            raise OutputError(self.folder, f"NVMe swap of a gradient of sub-group {flat} failed: {exc.strerror or exc}") from exc
+            raise OutputError(
+                self.folder, f"NVMe swap of a gradient of sub-group {flat} failed: {exc.strerror or exc}"
+            ) from exc
         self.counters.bytes_written += grad.numel() * 4
         self.counters.write_seconds += time.perf_counter() - started
         if on_written is not None:
@@ -245,7 +264,9 @@ class OptimizerSwapper:
         try:
             pwrite_all(self._fds[flat][key][0], memoryview(data).cast("B"), offset * 4)
         except OSError as exc:
-            raise OutputError(self.folder, f"NVMe swap write of sub-group {flat} failed: {exc.strerror or exc}") from exc
+            raise OutputError(
+                self.folder, f"NVMe swap write of sub-group {flat} failed: {exc.strerror or exc}"
+            ) from exc
 
     def flush(self) -> None:
         """Every swap file on the disk (before a checkpoint copies them)."""

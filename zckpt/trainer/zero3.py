@@ -121,7 +121,9 @@ def plan_zero3(model: nn.Module, world_size: int, sub_group_size: int, freeze: s
         seen[id(param)] = name
         trainable = param.requires_grad and not (pattern and pattern.search(name))
         group = (DECAY if param.dim() >= 2 else NO_DECAY) if trainable else None
-        specs.append(ParamSpec(name, tuple(param.shape), zero3_partition(param.numel(), world_size)[0], bool(trainable), group))
+        specs.append(
+            ParamSpec(name, tuple(param.shape), zero3_partition(param.numel(), world_size)[0], bool(trainable), group)
+        )
     if not any(s.trainable for s in specs):
         raise UsageError(None, f"--freeze {freeze!r} freezes every param: nothing to train")
     group_names = tuple(g for g in (DECAY, NO_DECAY) if any(s.group == g for s in specs))
@@ -155,8 +157,17 @@ class ShardedModel(nn.Module):
     their gradients are always host tensors.
     """
 
-    def __init__(self, model: nn.Module, plan: Zero3Plan, comm: Comm, dtype: torch.dtype, grad_ready: Callable[[int, torch.Tensor], None] | None = None,
-                 store: ParamStore | None = None, values: Callable[[int], torch.Tensor] | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Zero3Plan,
+        comm: Comm,
+        dtype: torch.dtype,
+        grad_ready: Callable[[int, torch.Tensor], None] | None = None,
+        store: ParamStore | None = None,
+        values: Callable[[int], torch.Tensor] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         super().__init__()
         if comm.world != plan.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks used by a group of {comm.world}")
@@ -233,7 +244,11 @@ class ShardedModel(nn.Module):
     def _gather_hook(self, module: nn.Module, args: tuple) -> None:
         for attr, index in self._users[module]:
             shard = self.shards[index]
-            full = _Gather.apply(shard, self, index) if shard.requires_grad and torch.is_grad_enabled() else self.gather(index)
+            full = (
+                _Gather.apply(shard, self, index)
+                if shard.requires_grad and torch.is_grad_enabled()
+                else self.gather(index)
+            )
             self._live[full.untyped_storage().data_ptr()] = index
             setattr(module, attr, full)
 
