@@ -272,7 +272,7 @@ def test_inspect_reports_adapter_excluded_base_and_dangling_alias() -> None:
         "base_model.model.lm_head.weight": "base_model.model.model.embed_tokens.weight"
     }
     assert report["complete"]
-    from zckpt.ops.inspect import render
+    from zckpt.cli.inspect import render
 
     text = render(report)
     assert "adapter        LORA r=4 alpha=8" in text and "frozen base    not in these files" in text

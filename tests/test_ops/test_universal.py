@@ -200,7 +200,8 @@ def test_torchrun_processes_split_the_params_byte_identically(tmp_path: Path) ->
 
 
 def test_inspect_tells_a_universal_folder_and_the_stage_that_loads_it(tmp_path: Path) -> None:
-    from zckpt.ops.inspect import inspect_path, render
+    from zckpt.cli.inspect import render
+    from zckpt.ops.inspect import inspect_path
 
     to_universal(sample("z2_fp16_ws4_tied").checkpoint, tmp_path / "u", target_stage=3)
     report = inspect_path(tmp_path / "u")
