@@ -1,15 +1,22 @@
-"""``zckpt verify``: judge a checkpoint or weights output before use; exit 3 on any problem."""
+"""``zckpt verify``: judge a checkpoint or weights output before use; exit 3 on any problem.
+
+:func:`render` writes the :class:`~zckpt.ops.verify.VerifyReport` as the readable verdict.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from ..core.sizes import format_size
 from .errors import EXIT_INCOMPLETE, guarded
 from .shared import Command, SwapFolderOption, TagOption, app
+
+if TYPE_CHECKING:
+    from ..ops.verify import VerifyReport
 
 
 @app.command(
@@ -54,7 +61,6 @@ def verify(
     an interrupted zckpt run, with --scan no NaN/Inf; and says the disk and memory each zckpt
     operation on it would need.
     """
-    from ..ops.verify import render
     from ..ops.verify import verify as run_verify
 
     report = guarded(
@@ -65,3 +71,27 @@ def verify(
     typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
     if not report.ok:
         raise typer.Exit(EXIT_INCOMPLETE)
+
+
+def render(report: VerifyReport) -> str:
+    """The readable verdict: one line per check, the problems, the notes and the needs."""
+    lines = [f"{report.path}: {report.kind.replace('_', ' ')}, {report.files} files, {format_size(report.bytes)}"]
+    for check in report.checks:
+        mark = {True: "ok  ", False: "FAIL", None: "skip"}[check.ok]
+        lines.append(f"  {mark} {check.name}: {check.detail}")
+    for problem in report.problems:
+        lines.append(f"problem: {problem}")
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    if report.needs:
+        lines.append("needs:")
+        for need in report.needs:
+            lines.append(
+                f"  {need.operation}: {format_size(need.disk_bytes)} of disk, about {format_size(need.memory_bytes)} of memory"
+            )
+    lines.append(
+        "verified: OK"
+        if report.ok
+        else f"verified: {len(report.problems)} problem{'s' * (len(report.problems) > 1)} found"
+    )
+    return "\n".join(lines)

@@ -484,30 +484,3 @@ def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
         bytes=sum(map(_size, files)),
         scanned=scan,
     )
-
-
-# --- text -------------------------------------------------------------------------------------
-
-
-def render(report: VerifyReport) -> str:
-    """The readable verdict: one line per check, the problems, the notes and the needs."""
-    lines = [f"{report.path}: {report.kind.replace('_', ' ')}, {report.files} files, {format_size(report.bytes)}"]
-    for check in report.checks:
-        mark = {True: "ok  ", False: "FAIL", None: "skip"}[check.ok]
-        lines.append(f"  {mark} {check.name}: {check.detail}")
-    for problem in report.problems:
-        lines.append(f"problem: {problem}")
-    for note in report.notes:
-        lines.append(f"note: {note}")
-    if report.needs:
-        lines.append("needs:")
-        for need in report.needs:
-            lines.append(
-                f"  {need.operation}: {format_size(need.disk_bytes)} of disk, about {format_size(need.memory_bytes)} of memory"
-            )
-    lines.append(
-        "verified: OK"
-        if report.ok
-        else f"verified: {len(report.problems)} problem{'s' * (len(report.problems) > 1)} found"
-    )
-    return "\n".join(lines)
