@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 import zckpt
 from helpers import run_cli, sample
 from zckpt.cli.app import app
+from zckpt.cli.diff import render
 from zckpt.io.reading import FileReader
-from zckpt.ops.diff import DiffReport, TensorDiff, render
+from zckpt.ops.diff import DiffReport, TensorDiff
 
 try:  # click < 8.2 mixes stderr into output unless told not to
     runner = CliRunner(mix_stderr=False)
