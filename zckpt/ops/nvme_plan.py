@@ -12,7 +12,6 @@ checkpoint, a weights file or folder, or a Hugging Face ``config.json`` first.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -827,82 +826,3 @@ def nvme_plan(
         config_path=os.fspath(config) if config is not None else None,
         notes=notes,
     )
-
-
-# --------------------------------------------------------------------------------------
-# Text
-# --------------------------------------------------------------------------------------
-def render(plan: NvmePlan) -> str:
-    """The plan for people: facts, settings, costs, problems, alternatives, then the JSON to paste."""
-    swapped = plan.swapped
-    largest = max(swapped, key=lambda s: s.partition_numel, default=None)
-    lines = [
-        f"model: {plan.model} ({plan.model_kind}), {plan.params} params, {plan.numel:,} elements; "
-        f"world size {plan.world_size}, {plan.dtype}",
-        f"swapped to NVMe: {len(swapped)} params (partitions of at least {format_size(plan.swap_threshold_bytes)} per rank)",
-    ]
-    if largest:
-        lines.append(f"largest: {largest.name} ({largest.partition_numel:,} elements per rank)")
-    p = plan.pinned
-    lines += [
-        f"offload_param: buffer_size {plan.offload_param[R.BUFFER_SIZE]}, buffer_count {plan.offload_param[R.BUFFER_COUNT]}, "
-        f"max_in_cpu {plan.offload_param[R.MAX_IN_CPU]} (a buffer holds the largest swapped partition; one buffer per swapped "
-        "param, since a whole-model gather, as transformers and PEFT run at init under ZeRO-3, swaps them all in at once)",
-        f"offload_optimizer: buffer_count {plan.offload_optimizer[R.BUFFER_COUNT]}"
-        if plan.offload_optimizer
-        else "offload_optimizer: not on NVMe",
-        f"pinned memory per rank: {format_size(p.total)} (param swap buffers {format_size(p.param_swap_buffers)}, "
-        f"param CPU copy {format_size(p.param_cpu_copy)}, param swap-out buffer {format_size(p.param_swap_out_buffer)}, "
-        f"optimizer swap buffers {format_size(p.optimizer_swap_buffers)})"
-        + (
-            ""
-            if plan.memory_budget is None
-            else f"; budget {format_size(plan.memory_budget)}: " + ("fits" if plan.fits_budget else "does NOT fit")
-        ),
-        f"swap folder: {format_size(plan.disk.total)} per rank (params {format_size(plan.disk.params)}, optimizer at most "
-        f"{format_size(plan.disk.optimizer)}), {format_size(plan.disk.total * plan.world_size)} for {plan.world_size} rank(s)",
-    ]
-    if plan.config is not None:
-        if plan.problems:
-            lines.append(f"{plan.config}: {len(plan.problems)} setting(s) would fail:")
-            lines += [f"  {pr.setting} = {pr.value} (needs {pr.needed}): {pr.error}; {pr.why}" for pr in plan.problems]
-        else:
-            lines.append(f"{plan.config}: no swap setting would fail")
-    if plan.alternatives:
-        lines.append("alternatives:")
-        for a in plan.alternatives:
-            settings = ", ".join(f"{k} = {v}" for k, v in a.settings.items())
-            fits = (
-                ""
-                if plan.memory_budget is None
-                else " (fits the budget)"
-                if a.pinned_bytes_per_rank <= plan.memory_budget
-                else ""
-            )
-            lines.append(
-                f"  {a.what}: {settings}; pinned {format_size(a.pinned_bytes_per_rank)} per rank{fits}; {a.tradeoff}"
-            )
-    lines += [f"note: {n}" for n in plan.notes]
-    if plan.fits_budget is False:
-        fitting = [a for a in plan.alternatives if a.pinned_bytes_per_rank <= plan.memory_budget]
-        cheapest = min(plan.alternatives, key=lambda a: a.pinned_bytes_per_rank, default=None)
-        if fitting:
-            lines.append(
-                f"over the budget of {format_size(plan.memory_budget)} per rank: these settings pin {format_size(plan.pinned.total)}; "
-                f"the alternatives marked 'fits the budget' fit ({', '.join(a.what for a in fitting)})"
-            )
-        else:
-            least = (
-                f"; the cheapest alternative ({cheapest.what}) pins {format_size(cheapest.pinned_bytes_per_rank)}"
-                if cheapest
-                else ""
-            )
-            lines.append(
-                f"NOTHING FITS the budget of {format_size(plan.memory_budget)} per rank: these settings pin "
-                f"{format_size(plan.pinned.total)}{least}; raise the budget, or run on more ranks"
-            )
-        lines.append(f"the settings above (they do NOT fit the budget of {format_size(plan.memory_budget)} per rank):")
-    else:
-        lines.append("paste into the DeepSpeed config:")
-    lines.append(json.dumps(plan.snippet(), indent=2))
-    return "\n".join(lines)
