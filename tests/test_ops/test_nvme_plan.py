@@ -25,7 +25,8 @@ from helpers import ROOT
 from zckpt.cli.app import app
 from zckpt.core.errors import UsageError
 from zckpt.deepspeed import swap_rules as R
-from zckpt.ops.nvme_plan import ParamShape, load_params, nvme_plan, plan_nvme, shapes_from_hf_config
+from zckpt.ops.nvme_plan import nvme_plan, plan_nvme
+from zckpt.ops.nvme_shapes import ParamShape, load_params, shapes_from_hf_config
 
 DATA = ROOT / "tests" / "data"
 MEASURED = json.loads((DATA / "nvme_plan_measured.json").read_text())["runs"]
