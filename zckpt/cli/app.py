@@ -1,5 +1,6 @@
-"""The ``zckpt`` command line: parse options, call one library function, print. One module per
-command registers it on the app (:mod:`.shared`); :mod:`.errors` maps errors to exit codes,
+"""The ``zckpt`` command line: parse options, call one library function, print (the text of a
+report is rendered here, in the command's module, never in the library). One module per command
+registers it on the app (:mod:`.shared`); :mod:`.errors` maps errors to exit codes,
 :mod:`.signals` turns termination signals into the cleanup that errors get.
 
 Exit codes: 0 success; 1 bad input or a failed write (one line on stderr naming the file and
