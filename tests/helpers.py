@@ -138,7 +138,6 @@ def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedP
     return result
 
 
-# from test_bad_input.py
 def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m zckpt ARGS` in a child process, run from `cwd`: what a user's shell gets."""
     return subprocess.run(
@@ -151,7 +150,6 @@ def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedP
     )
 
 
-# from test_reshard.py
 RESHARDABLE = [
     s
     for s in SAMPLE_LIST
@@ -159,12 +157,10 @@ RESHARDABLE = [
 ]
 
 
-# from test_reshard.py
 def _padding_free(ref: TensorRef, other: TensorRef, reader: FileReader) -> tuple[np.ndarray, np.ndarray]:
     return read_ref(reader, ref).reshape(-1), read_ref(reader, other).reshape(-1)
 
 
-# from test_reshard.py
 def compare_trees(original, ours, reader: FileReader, path: str = "", padded: set[str] | None = None) -> list[str]:
     """Differences between two unpickled object trees; tensors compared by bytes. Tensors whose
     path is in `padded` hold DeepSpeed's uninitialised padding: there, elements that are zero in
@@ -210,27 +206,23 @@ def compare_trees(original, ours, reader: FileReader, path: str = "", padded: se
     return [] if original == ours else [f"{path}: {original!r:.80} became {ours!r:.80}"]
 
 
-# from test_reshard.py
 def tag_files(folder: Path) -> dict[str, Path]:
     tag = (folder / "latest").read_text().strip()
     return {p.name: p for p in sorted((folder / tag).glob("*.pt"))}
 
 
-# from test_reshard.py
 def one_line(result) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("zckpt: error: ") and "Traceback" not in result.stderr, result.stderr
     return lines[0]
 
 
-# from test_checksums.py
 def data_records(path: Path) -> list[zipfile.ZipInfo]:
     """The tensor records of a torch archive, as Python's zipfile lists them."""
     with zipfile.ZipFile(path) as archive:
         return [i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 0]
 
 
-# from test_checksums.py
 def record_start(path: Path, info: zipfile.ZipInfo) -> int:
     with open(path, "rb") as handle:
         handle.seek(info.header_offset + 26)
@@ -238,7 +230,6 @@ def record_start(path: Path, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
-# from test_checksums.py
 def flip(path: Path, offset: int) -> None:
     with open(path, "r+b") as handle:
         handle.seek(offset)
@@ -247,7 +238,6 @@ def flip(path: Path, offset: int) -> None:
         handle.write(bytes([byte[0] ^ 0x10]))
 
 
-# from test_torchsave.py
 class Source:
     """A scratch file holding tensors' raw bytes; hands out Copy parts that point into it."""
 
@@ -265,13 +255,11 @@ class Source:
         return OutTensor(dtype, tuple(tensor.shape), parts, **kwargs)
 
 
-# from test_torchsave.py
 def inline(tensor: torch.Tensor) -> OutTensor:
     raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return OutTensor(from_torch(tensor.dtype), tuple(tensor.shape), (Inline(raw),) if raw else ())
 
 
-# from test_torchsave.py
 def serialization_id(path: Path) -> tuple[bytes, int]:
     with zipfile.ZipFile(path) as archive:
         info = archive.infolist()[-1]
@@ -279,7 +267,6 @@ def serialization_id(path: Path) -> tuple[bytes, int]:
         return archive.read(info), info.CRC
 
 
-# from test_torchsave.py
 def same_except_serialization_id(ours: Path, theirs: Path) -> None:
     """Every byte equal once torch's random serialization id (content and CRC) is swapped in."""
     (our_id, our_crc), (their_id, their_crc) = serialization_id(ours), serialization_id(theirs)
@@ -293,7 +280,6 @@ def same_except_serialization_id(ours: Path, theirs: Path) -> None:
     assert first is None, f"first difference at byte {first}"
 
 
-# from test_torchsave.py
 def torch_and_ours(source: Source) -> tuple[dict, dict]:
     """The same state as torch objects and as writer objects."""
     shared = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -338,7 +324,6 @@ def torch_and_ours(source: Source) -> tuple[dict, dict]:
     return {"state": torch_state, **extras}, {"state": ours, **our_extras}
 
 
-# from test_untrusted.py
 def listing(root: Path, skip: Path | None = None) -> dict[str, str]:
     """Every path under `root` (not following links) and what it is: a link's target, a file's
     content hash, or 'folder'; `skip` and what lies under it left out."""
@@ -361,7 +346,6 @@ def listing(root: Path, skip: Path | None = None) -> dict[str, str]:
     return found
 
 
-# from test_untrusted.py
 def renamed(obj: Any, old: str, new: str) -> Any:
     """A tree read by zckpt's unpickler (made writable by `carry`) with every dict key `old`
     renamed `new`, in place in its order."""
@@ -375,7 +359,6 @@ def renamed(obj: Any, old: str, new: str) -> Any:
     return obj
 
 
-# from test_untrusted.py
 def rename_everywhere(tag_dir: Path, old: str, new: str) -> None:
     """Rename a param or optimizer-state key in every torch file of a tag folder (module, shapes,
     param_slice_mappings, optimizer state), so the checkpoint stays consistent."""
@@ -385,7 +368,6 @@ def rename_everywhere(tag_dir: Path, old: str, new: str) -> None:
         os.replace(str(path) + ".new", path)
 
 
-# from test_consolidate.py
 def load_output(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a consolidated folder, whatever its format and sharding."""
     state: dict[str, torch.Tensor] = {}
@@ -396,11 +378,9 @@ def load_output(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-# from test_trainer_cli.py
 SMALL = ["--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "31", "--seq-len", "8", "--micro-batch", "2"]
 
 
-# from test_defects.py
 def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "ZCKPT_DEBUG"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

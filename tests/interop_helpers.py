@@ -306,7 +306,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-# from test_interop.py
 def _check_loaded(case: Sample, live: dict, optim: dict, state: dict, world_size: int, stage: int) -> None:
     """What DeepSpeed holds after load_checkpoint equals what the original engine held."""
     from safetensors.torch import load_file
@@ -346,11 +345,9 @@ def _check_loaded(case: Sample, live: dict, optim: dict, state: dict, world_size
     assert state["lr_scheduler"] == original.lr_scheduler
 
 
-# from test_interop_universal.py
 GEN = sample_generator()
 
 
-# from test_interop_universal.py
 def _plain(value: Any) -> Any:
     """A JSON-like rendering (tuples as lists, 0-dim tensors as numbers), as ds_probe dumps state."""
     if torch.is_tensor(value) and value.numel() == 1 and value.dim() == 0:
@@ -362,7 +359,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# from test_interop_universal.py
 def _saved(checkpoint: Path, tag: str | None = None) -> dict[str, Any]:
     """Rank 0's model_states and optim_states of a DeepSpeed checkpoint (any stage, BF16_Optimizer
     included): counters, lr scheduler, loss scaler, per-group hyperparameters, Adam steps."""
@@ -396,13 +392,11 @@ def _saved(checkpoint: Path, tag: str | None = None) -> dict[str, Any]:
     }
 
 
-# from test_interop_universal.py
 def _fresh_buffers(case: Any) -> dict[str, torch.Tensor]:
     """The buffers of the model as the probe builds it before any load (make_sample_ckpts' seed)."""
     return {n: b.detach().clone() for n, b in GEN.build_model(case).named_buffers()}
 
 
-# from test_interop_universal.py
 def _check_resumed(
     case: Sample,
     spec: Any,
@@ -475,7 +469,6 @@ def _check_resumed(
         assert state["dynamic_loss_scale"] == saved["dynamic_loss_scale"]
 
 
-# from test_interop_universal.py
 FRESH = GEN.Case(
     "fresh_uc_z3_bf16_ws3_subgroups_groups_tied_frozen_sched",
     "ds19",
@@ -494,7 +487,6 @@ FRESH = GEN.Case(
 )
 
 
-# from test_interop_universal.py
 DS_TO_UNIVERSAL = r"""
 import contextlib, io, json, sys, traceback
 from argparse import Namespace

@@ -91,7 +91,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import SAMPLE_LIST, sample, same_bits
-from test_untrusted import listing, rename_everywhere
+from helpers import listing, rename_everywhere
 from zckpt import ZckptError, consolidate, inspect_path, reshard, to_universal
 from zckpt.core.index import Segment, TensorSource
 from zckpt.deepspeed.writer import carry, tensor_of
