@@ -20,7 +20,8 @@ def natural_key(text: str) -> list[int | str]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def _is_tag_dir(path: str) -> bool:
+def is_tag_dir(path: str) -> bool:
+    """A tag folder: it holds a *_model_states.pt."""
     try:
         return any(N.MODEL_STATES_RE.match(name) for name in os.listdir(path))
     except OSError:
@@ -47,13 +48,13 @@ def list_tags(checkpoint_dir: str) -> list[str]:
     except OSError:
         return []
     # zckpt's staging and moved-aside folders (`.<tag>.zckpt-staging`) are not tags
-    tags = [c for c in children if ".zckpt-" not in c and _is_tag_dir(os.path.join(checkpoint_dir, c))]
+    tags = [c for c in children if ".zckpt-" not in c and is_tag_dir(os.path.join(checkpoint_dir, c))]
     return sorted(tags, key=natural_key)
 
 
 def looks_like_checkpoint(path: str) -> bool:
     """A folder with `latest`, a tag folder, or one holding tag folders."""
-    return os.path.isfile(os.path.join(path, N.LATEST_FILE)) or _is_tag_dir(path) or bool(list_tags(path))
+    return os.path.isfile(os.path.join(path, N.LATEST_FILE)) or is_tag_dir(path) or bool(list_tags(path))
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
         )
     if tag is not None:
         path_component(tag, path, "tag")
-    if _is_tag_dir(path):
+    if is_tag_dir(path):
         parent, own_tag = os.path.split(os.path.normpath(path))
         if tag is not None and tag != own_tag:
             raise UsageError(path, f"is the folder of tag '{own_tag}', but --tag {tag} was given")

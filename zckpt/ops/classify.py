@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..core.run_folders import TRAINER_CHECKPOINT_RE, newest_trainer_checkpoint
 from ..deepspeed import names as N
 from ..deepspeed import swap_folder as swap
-from ..deepspeed.locate import is_universal_dir, looks_like_checkpoint
+from ..deepspeed.locate import is_tag_dir, is_universal_dir, looks_like_checkpoint
 from .formats import FORMATS
 
 # Weights files looked for in a folder that holds no checkpoint, in the order they win.
@@ -99,11 +99,7 @@ def classify(path: str | os.PathLike[str]) -> InputKind:
 
 def _checkpoint_kind(path: str) -> Kind:
     """Which DeepSpeed folder: a tag folder first (as locate() takes it), then a checkpoint folder."""
-    try:
-        holds_model_states = any(N.MODEL_STATES_RE.match(n) for n in os.listdir(path))
-    except OSError:
-        holds_model_states = False
-    if holds_model_states:
+    if is_tag_dir(path):
         return Kind.UNIVERSAL_FOLDER if is_universal_dir(path) else Kind.TAG_FOLDER
     if TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path))):
         return Kind.TRAINER_CHECKPOINT

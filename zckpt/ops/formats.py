@@ -85,9 +85,8 @@ class WeightsFormat:
 @dataclass(frozen=True)
 class SafetensorsFormat(WeightsFormat):
     def order(self, tensors: Sequence[ShardTensor]) -> list[ShardTensor]:
-        return sorted(
-            tensors, key=lambda t: -t.dtype.itemsize
-        )  # widest first keeps every tensor aligned, as safetensors does
+        # widest first keeps every tensor aligned, as safetensors does
+        return sorted(tensors, key=lambda t: -t.dtype.itemsize)
 
     def file_overhead(self, tensors: Sequence[ShardTensor], tied: dict[str, str]) -> int:
         return len(safetensors_header(tensors, tied))
