@@ -90,7 +90,8 @@ def test_cases_are_not_the_bundled_ones() -> None:
 
 # --- reshard: real DeepSpeed loads zckpt's output at a new world size / stage ---------------------
 from helpers import sample  # noqa: E402
-from interop_helpers import _check_loaded, run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
+from interop_checks import _check_loaded  # noqa: E402
+from interop_helpers import run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
 from zckpt import reshard  # noqa: E402
 
 RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change, fp16 scaler, 0.14 format

@@ -31,13 +31,8 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
-    _check_loaded,  # noqa: E402
-    ds_env,
-    ds_python,
-    run_probe,
-    shm_leak_safety_net,
-)
+from interop_checks import _check_loaded  # noqa: E402
+from interop_helpers import ds_env, ds_python, run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
 
 NVME = {"device": "nvme", "nvme_path": "/tmp/zckpt_nvme"}
 

@@ -49,13 +49,8 @@ if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
 from helpers import load_output  # noqa: E402
+from interop_checks import DS_TO_UNIVERSAL, FRESH, GEN, _check_resumed, _plain, _saved  # noqa: E402
 from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
-    DS_TO_UNIVERSAL,
-    FRESH,
-    GEN,
-    _check_resumed,
-    _plain,
-    _saved,
     ds_env,
     ds_python,
     run_logged,

@@ -31,11 +31,9 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-from interop_helpers import (  # noqa: E402,F401 (autouse fixture)  # noqa: E402
-    DS_TO_UNIVERSAL,
-    GEN,
+from interop_checks import DS_TO_UNIVERSAL, GEN, _check_resumed  # noqa: E402
+from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     ProbeError,
-    _check_resumed,
     ds_env,
     ds_python,
     run_logged,
