@@ -399,6 +399,7 @@ def sample_runs(sample: Sample) -> list[Run]:
 
 
 TRAIN_SMALL = ("--layers", "2", "--dim", "64", "--vocab", "97", "--seq-len", "16", "--micro-batch", "2")
+TRAIN_TINY = ("--layers", "1", "--dim", "32", "--heads", "2", "--vocab", "61", "--seq-len", "8")
 
 
 def train_runs() -> list[Run]:
@@ -466,16 +467,7 @@ def train_runs() -> list[Run]:
                     "3",
                     "--dtype",
                     "fp16",
-                    "--layers",
-                    "1",
-                    "--dim",
-                    "32",
-                    "--heads",
-                    "2",
-                    "--vocab",
-                    "61",
-                    "--seq-len",
-                    "8",
+                    *TRAIN_TINY,
                     "--grad-accum",
                     "2",
                     "--clip",
@@ -496,16 +488,7 @@ def train_runs() -> list[Run]:
                     "uc",
                     "--steps",
                     "4",
-                    "--layers",
-                    "1",
-                    "--dim",
-                    "32",
-                    "--heads",
-                    "2",
-                    "--vocab",
-                    "61",
-                    "--seq-len",
-                    "8",
+                    *TRAIN_TINY,
                 ),
             ),
             heavy=True,
