@@ -125,6 +125,9 @@ class CheckpointIndex:
     universal: bool = False  # a universal folder (one file per param and state), not rank partitions
     # how the saving run's ranks were arranged; None given: data-parallel over world_size ranks
     topology: Topology | None = field(default=None, compare=False)
+    # other copies of entries' tensors that must hold the same bits (a tied param that several
+    # pipeline stages keep): verify compares them, the outputs write each name once
+    replicas: tuple[Entry, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.topology is None:

@@ -86,7 +86,7 @@ def describe(result: Survey, model0: dict, inner0: dict | None, prefix: str, zer
 
 
 def describe_readable(
-    result: Survey, models: dict, optims: dict, optim_files: dict, zero3: bool, tag_dir: str
+    result: Survey, models: dict, optims: dict, optim_files: dict, zero3: bool, tag_dir: str, mp_rank: int = 0
 ) -> RunConfig:
     """Where some files cannot be read, describe the checkpoint from those that can (rank 0's
     first), rather than leave stage, world size and dtype unknown."""
@@ -111,7 +111,7 @@ def describe_readable(
         inner,
         prefix,
         zero3,
-        os.path.join(tag_dir, N.model_states_name(3 if zero3 else 1, rank or 0)),
+        os.path.join(tag_dir, N.model_states_name(3 if zero3 else 1, rank or 0, mp_rank)),
     )
     dp = (model or {}).get(N.DP_WORLD_SIZE)
     if result.world_size is None and isinstance(dp, int) and dp > 0:

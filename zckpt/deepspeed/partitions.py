@@ -62,7 +62,7 @@ class Partitions:
             if missing:
                 self._problem(
                     LayoutError,
-                    os.path.join(self.tag_dir, N.model_states_name(3, 0)),
+                    ranks.model0_path,
                     f"param {missing[0]} is missing from the module state dict (DeepSpeed numbers params by it)",
                 )
                 return None

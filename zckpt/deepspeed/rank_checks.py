@@ -28,7 +28,7 @@ _MAX_MISSING_RANKS = 4096  # beyond this many absent rank files, a world size is
 
 
 def check_file_kinds(
-    result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict, tag_dir: str
+    result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict, tag_dir: str, mp_rank: int = 0
 ) -> bool:
     """Every model file a model-states pickle, every optimizer file a ZeRO optimizer's, each
     key as DeepSpeed writes it, and rank 0's optimizer file there."""
@@ -60,7 +60,7 @@ def check_file_kinds(
         bf16 = any(p for p, _ in optim_files.values())
         result.add(
             CheckpointNotFoundError,
-            os.path.join(tag_dir, N.optim_states_name(0, bf16=bf16)),
+            os.path.join(tag_dir, N.optim_states_name(0, mp_rank, bf16=bf16)),
             "missing (rank 0 optimizer states)",
         )
         ok = False
@@ -108,7 +108,7 @@ def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
     for rank in missing:
         result.add(
             CheckpointNotFoundError,
-            os.path.join(tag_dir, N.optim_states_name(rank, bf16=bf16)),
+            os.path.join(tag_dir, N.optim_states_name(rank, ranks.mp_rank, bf16=bf16)),
             f"missing (world size {world} needs ranks 0-{world - 1})",
         )
         ok = False
@@ -129,7 +129,7 @@ def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
             if rank not in models:
                 result.add(
                     CheckpointNotFoundError,
-                    os.path.join(tag_dir, N.model_states_name(3, rank)),
+                    os.path.join(tag_dir, N.model_states_name(3, rank, ranks.mp_rank)),
                     f"missing (world size {world} needs ranks 0-{world - 1})",
                 )
                 ok = False
@@ -148,8 +148,14 @@ def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
             )
             ok = False
         mp = state.get(N.MP_WORLD_SIZE)
-        if mp not in (None, 1):
-            result.add(LayoutError, model_paths[rank], f"model-parallel world size {mp} is not supported")
+        if mp not in (None, ranks.mp_world):
+            result.add(
+                LayoutError,
+                model_paths[rank],
+                f"model-parallel world size {mp} is not supported"
+                if ranks.mp_world == 1
+                else f"records model-parallel world size {mp}, the folder holds {ranks.mp_world} pipeline stages: files of different runs are mixed",
+            )
             ok = False
     return ok
 

@@ -50,6 +50,33 @@ class RankFiles:
     files: tuple[RankFile, ...] = ()
     problems: tuple[ZckptError, ...] = ()
     fatal: ZckptError | None = None
+    mp_rank: int = 0  # the model-parallel rank its model and optimizer files are named with
+
+    @property
+    def pipeline(self) -> bool:
+        """A pipeline-parallel run: its layers saved one file each (``layer_NN-model_states.pt``)."""
+        return any(f.kind == "layer" for f in self.files)
+
+    @property
+    def layers(self) -> dict[int, str]:
+        """The pipeline layer files by global layer index."""
+        return dict(sorted((f.layer, f.path) for f in self.files if f.kind == "layer" and f.layer is not None))
+
+    @property
+    def stages(self) -> list[int]:
+        """The pipeline stages that have model or optimizer files."""
+        return sorted({f.coords.pipe for f in self.files if f.kind in ("model", "optim")})
+
+    def stage(self, pipe: int) -> "RankFiles":
+        """The model and optimizer files of one pipeline stage, as the data-parallel checkpoint
+        each stage is (its own ZeRO partitioning over its own data-parallel group), named with
+        the stage's model-parallel rank."""
+        own = tuple(
+            dataclasses.replace(f, coords=RankCoords.dp(f.coords.data))
+            for f in self.files
+            if f.kind in ("model", "optim") and f.coords.pipe == pipe
+        )
+        return RankFiles(self.tag_dir, own, mp_rank=pipe)
 
     @property
     def model(self) -> dict[int | None, str]:
@@ -116,13 +143,15 @@ def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
     except OSError as exc:
         return RankFiles(tag_dir, fatal=CheckpointNotFoundError(tag_dir, f"cannot list {folder_kind} ({exc.strerror})"))
     found = [f for f in (parse_rank_file(os.path.join(tag_dir, name)) for name in listing) if f is not None]
+    if _pipeline_only(found):
+        found = [_as_stage(f) for f in found]
     refusal = layout_refusal(tag_dir, found)
     if refusal is not None:
         return RankFiles(tag_dir, tuple(found), fatal=refusal)
-    files: dict[tuple[str, RankCoords, bool], RankFile] = {}
+    files: dict[tuple[str, RankCoords, bool, int | None], RankFile] = {}
     problems: list[ZckptError] = []
     for file in found:
-        key = (file.kind, file.coords, file.per_rank)
+        key = (file.kind, file.coords, file.per_rank, file.layer)
         if file.kind == "optim" and key in files:
             other = files[key].name
             problems.append(
@@ -136,9 +165,30 @@ def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
     return RankFiles(tag_dir, tuple(files.values()), tuple(problems))
 
 
+def _pipeline_only(files: list[RankFile]) -> bool:
+    """Layer files of one tensor rank and no expert files: a pipeline(-and-data)-parallel run,
+    whose ``mp_rank_NN`` is the pipeline stage."""
+    return (
+        any(f.kind == "layer" for f in files)
+        and all(f.coords.tensor == 0 for f in files if f.kind == "layer")
+        and not any(f.kind in ("expert", "expert_optim") for f in files)
+    )
+
+
+def _as_stage(file: RankFile) -> RankFile:
+    """A model or optimizer file of a pipeline run: its ``mp_rank`` is its stage."""
+    if file.kind not in ("model", "optim"):
+        return file
+    coords = file.coords
+    return dataclasses.replace(file, coords=RankCoords(coords.tensor, 0, 0, coords.data))
+
+
 def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
-    """The one refusal of a folder holding files of a layout other than data parallelism:
-    which layouts (pipeline, tensor, expert parallel) and a file of each; None if there are none."""
+    """The one refusal of a folder holding files of a layout zckpt does not read (tensor and
+    expert parallel): which layouts and a file of each; None if there are none. Pipeline runs
+    of one tensor rank are read (their model and optimizer files carry their stage)."""
+    if _pipeline_only(files):
+        return None
     layers = [f for f in files if f.kind == "layer"]
     model_parallel = [f for f in files if f.kind in ("model", "optim") and f.coords.tensor > 0]
     experts = [f for f in files if f.kind in ("expert", "expert_optim")]
@@ -160,8 +210,8 @@ def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
         return None
     return LayoutError(
         tag_dir,
-        f"a {' and '.join(layouts)} checkpoint ({'; '.join(details)}): zckpt reads data-parallel ZeRO checkpoints only "
-        "(pipeline, tensor and expert parallel layouts are not supported yet)",
+        f"a {' and '.join(layouts)} checkpoint ({'; '.join(details)}): zckpt reads data- and pipeline-parallel ZeRO "
+        "checkpoints only (tensor and expert parallel layouts are not supported yet)",
     )
 
 
@@ -215,6 +265,8 @@ class LoadedRanks:
     model_paths: dict[int | None, str]
     optim_files: dict[int, tuple[str, str]]  # (prefix, path)
     zero3: bool
+    mp_rank: int = 0  # the model-parallel rank the files are named with (a pipeline stage)
+    mp_world: int = 1  # the model-parallel world size the files must record
 
     @property
     def first(self) -> int | None:

@@ -21,7 +21,7 @@ from enum import IntEnum
 from typing import Any
 
 from ..core.dtypes import BF16, BY_SHORT, FP32, DType
-from ..core.errors import UsageError
+from ..core.errors import LayoutError, UsageError
 from ..core.index import Segment, TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
 from ..core.topology import RankCoords, Topology
@@ -121,6 +121,13 @@ def plan_target(
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(None, f"--world-size must be at least 1, got {world_size}")
     index = state.index
+    if not index.topology.data_parallel_only:
+        topology = index.topology
+        raise LayoutError(
+            index.tag_dir,
+            f"a pipeline-parallel checkpoint ({topology.pp} stages x {topology.dp} data-parallel ranks): zckpt "
+            "writes data-parallel checkpoints only so far (consolidate, inspect and verify read this one)",
+        )
     given = read_run_config(config, config_path) if config is not None else None
     if stage is None and given is not None and given.stage_set:
         given.require(STAGE_KEY, config_path, "pass --stage")

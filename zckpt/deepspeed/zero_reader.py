@@ -7,7 +7,7 @@ checked against what the reader relies on (:mod:`.rank_checks`), the model descr
 
 from __future__ import annotations
 
-from ..core.errors import ZckptError
+from ..core.errors import UsageError, ZckptError
 from ..core.index import CheckpointIndex
 from ..core.topology import Topology
 from ..io.reading import FileReader
@@ -17,7 +17,7 @@ from .live_swap import check_swap_folder, report_swap_folder
 from .model_states import declare, describe, describe_readable, module_entries, tied_entries
 from .partitions import Partitions
 from .rank_checks import check_file_kinds, check_padding, check_same_run, check_steps, check_world
-from .rank_files import LoadedRanks, load, zero_rank_files
+from .rank_files import LoadedRanks, RankFiles, load, zero_rank_files
 from .schema import MODEL_SCHEMA, schema_problems
 from .survey import Survey
 
@@ -27,22 +27,47 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
     when the checkpoint is complete, every problem found otherwise."""
     location = result.location
     assert location is not None
-    tag_dir = location.tag_dir
-    files = zero_rank_files(tag_dir)
+    files = zero_rank_files(location.tag_dir)
     result.problems.extend(files.problems)
     if files.fatal is not None:
         result.problems.append(files.fatal)
         return
+    if files.pipeline:
+        from .pipeline import read_pipeline  # composes read_ranks per stage
+
+        if swap_folder is not None:
+            result.add(UsageError, location.tag_dir, "--swap-folder is for ZeRO-3 runs; a pipeline run is ZeRO-0/1")
+            return
+        read_pipeline(result, files)
+        return
+    read_ranks(result, files, swap_folder)
+
+
+def read_ranks(
+    result: Survey,
+    files: RankFiles,
+    swap_folder: swap.SwapFolder | None = None,
+    modules: dict[int | None, dict] | None = None,
+    mp_world: int = 1,
+) -> None:
+    """Read one data-parallel set of rank files (a whole data-parallel checkpoint, or one
+    pipeline stage) into `result`. `modules`: the module state dict of each model-states file
+    where the file holds none (a pipeline stage's, rebuilt from its layer files)."""
+    location = result.location
+    assert location is not None
+    tag_dir = location.tag_dir
     result.files = files.paths
     models = {rank: load(result, p) for rank, p in files.model.items()}
+    if modules is not None:
+        models = {rank: _with_module(m, modules.get(rank)) for rank, m in models.items()}
     optims = {rank: load(result, p) for rank, (_, p) in files.optim.items()}
     model0 = models.get(files.first)
     if isinstance(model0, dict) and not schema_problems(model0, MODEL_SCHEMA):
         declare(result, model0)
     if any(v is None for v in list(models.values()) + list(optims.values())) or not check_file_kinds(
-        result, models, optims, files.model, files.optim, tag_dir
+        result, models, optims, files.model, files.optim, tag_dir, files.mp_rank
     ):
-        describe_readable(result, models, optims, files.optim, files.zero3, tag_dir)
+        describe_readable(result, models, optims, files.optim, files.zero3, tag_dir, files.mp_rank)
         return
     ranks = LoadedRanks(
         models=models,
@@ -51,6 +76,8 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
         model_paths=files.model,
         optim_files=files.optim,
         zero3=files.zero3,
+        mp_rank=files.mp_rank,
+        mp_world=mp_world,
     )
     run_config = describe(result, ranks.model0, ranks.inner[0], ranks.optim_files[0][0], ranks.zero3, ranks.model0_path)
     if not check_world(result, ranks, tag_dir):
@@ -100,3 +127,10 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
         return
     if swap_folder is not None:
         report_swap_folder(result, swap_folder, partitions)
+
+
+def _with_module(model: object, module: dict | None) -> object:
+    """A model-states dict whose ``module`` (None in a pipeline run's files) is `module`."""
+    if module is None or not isinstance(model, dict) or model.get(N.MODULE) is not None:
+        return model
+    return {**model, N.MODULE: module}

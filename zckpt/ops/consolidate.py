@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 
 from ..core.dtypes import FP32, DTypeLike
-from ..core.errors import UsageError
+from ..core.errors import LayoutError, UsageError
 from ..core.run_folders import TRAINER_CHECKPOINT_RE
 from ..deepspeed.reader import open_checkpoint
 from ..io.output import refuse_output_inside_input
 from .formats import FORMATS, SAFETENSORS, WeightsFormat, find_format
 from .peft import consolidate_peft
+from .replicas import replica_problems
 from .weights_folder import ConsolidationResult, OutputFormat, Progress, plan_consolidation, write_consolidated
 
 
@@ -66,6 +67,9 @@ def consolidate(
         else None
     )
     refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=in_place)
+    differing = replica_problems(index)  # a tied param is written once: its other copies must agree
+    if differing:
+        raise LayoutError(index.tag_dir, differing[0])
     done = consolidate_peft(
         index,
         os.fspath(output_dir),

@@ -34,6 +34,7 @@ from ..io.output import find_leftovers
 from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
 from .classify import Kind, classify
+from .replicas import replica_problems
 from .tensor_sources import open_tensors
 
 
@@ -151,6 +152,13 @@ def _verify_checkpoint(path: str, tag: str | None, scan: bool, workers: int) -> 
     if state is not None and not found.universal:
         _check_identity(found, findings)
         _check_optimizer_state(found, findings)
+        if state.index.replicas:
+            replicas = state.index.replicas
+            findings.add(
+                "tied copies",
+                replica_problems(state.index),
+                f"{len(replicas)} cop{'ies' if len(replicas) != 1 else 'y'} of tied params kept by other pipeline stages equal the one written",
+            )
     elif state is None:
         for name in ("rank identity", "optimizer state"):
             findings.add(name, [], "", skipped="not run: the layout has problems")

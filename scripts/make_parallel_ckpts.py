@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Regenerate the pipeline-parallel DeepSpeed fixtures under ``sample_ckpts/`` (``pp*`` cases).
+
+Like ``make_sample_ckpts.py``, one file is both the driver (stdlib only: launches
+``python -m torch.distributed.run`` with the DeepSpeed venv's python, removes the DeepSpeed code
+copied into the checkpoint folder, records what DeepSpeed's own ``zero_to_fp32`` does with the
+result, writes ``meta.json``) and the per-rank worker (``--worker``): a seeded ``PipelineModule``
+trained a few steps with real DeepSpeed (CPU, gloo), its live values captured, then saved.
+
+The model, in pipeline layers (partitioned uniformly over the stages)::
+
+    0  TiedLayerSpec("embed", Embedding(23, 16))        stage 0
+    1  Block: LayerNorm(16), Linear(16, 12), Linear(12, 16), buffer `scale`
+    2  Frozen: Linear(16, 16) with requires_grad=False
+    3  tanh (a function: no state, no layer file)      stage 1
+    4  Block
+    5  TiedLayerSpec("embed", forward_fn=head): logits = h @ embed.weight.T
+
+Stage 1 keeps its own copy of the tied embedding (DeepSpeed all-reduces its gradient between the
+stages), so both stages' files hold ``tied_modules.embed.weight``.
+
+Live truth per stage (``reference/live_stage{S}.safetensors``, written by the stage's data rank 0):
+every param under ``engine.module.named_parameters()`` names, trainable ones as
+``safe_get_full_fp32_param`` (the stage's fp32 master, gathered over its data-parallel group),
+frozen ones and buffers as held. ``reference/live.safetensors`` is their union (the tied weight
+once, after checking the stages hold the same bits): the state dict of the model built as one
+stage, which is what ``zckpt consolidate`` must write.
+
+Usage::
+
+    python scripts/make_parallel_ckpts.py                  # every case
+    python scripts/make_parallel_ckpts.py --only pp2_z1_fp32_dp1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_sample_ckpts import free_port, run  # noqa: E402
+from shm_leaks import removing_shm_leaks  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PY = str(REPO / ".venv-interop" / "bin" / "python")
+SEED = 4321
+MICRO_BATCH = 2
+SEQ_LEN = 5
+VOCAB = 23
+DIM = 16
+HIDDEN = 12
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    stage: int  # ZeRO stage (pipeline runs: 0 or 1)
+    dtype: str  # fp32 | bf16
+    pp: int
+    dp: int
+    steps: int = 3
+    grad_accum: int = 2  # micro-batches per step (the pipeline's schedule)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+
+CASES = [
+    Case("pp2_z1_fp32_dp1", 1, "fp32", pp=2, dp=1),
+    Case("pp2_z1_bf16_dp2", 1, "bf16", pp=2, dp=2),
+]
+
+
+def ds_config(case: Case) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": case.grad_accum,
+        "train_batch_size": MICRO_BATCH * case.grad_accum * case.dp,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": case.stage},
+        "steps_per_print": 1000,
+        "wall_clock_breakdown": False,
+    }
+    if case.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+# --------------------------------------------------------------------------------------
+# Worker
+# --------------------------------------------------------------------------------------
+def build_pipeline(case: Case) -> Any:
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(DIM)
+            self.up = nn.Linear(DIM, HIDDEN)
+            self.down = nn.Linear(HIDDEN, DIM)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.down(torch.relu(self.up(self.norm(h) * self.scale.to(h.dtype))))
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(DIM, DIM)
+            for p in self.parameters():
+                p.requires_grad_(False)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.proj(h)
+
+    def head(embed: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return h @ embed.weight.t()
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+
+    layers = [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
+        LayerSpec(Block),
+        LayerSpec(Frozen),
+        torch.tanh,
+        LayerSpec(Block),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head),
+    ]
+    return PipelineModule(
+        layers=layers, num_stages=case.pp, loss_fn=loss_fn, partition_method="uniform", base_seed=SEED
+    )
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    import deepspeed.comm as dist
+    import torch
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def capture_live(engine: Any) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """This stage's params (fp32 masters of the trainable ones), buffers, and Adam moments where
+    DeepSpeed's API gives them (collective over the stage's data-parallel group)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    module = engine.module
+    live: dict[str, Any] = {}
+    for name, p in module.named_parameters():
+        value = safe_get_full_fp32_param(p) if p.requires_grad else p.data
+        live[name] = value.detach().cpu().clone().contiguous()
+    for name, b in module.named_buffers():
+        live[name] = b.detach().cpu().clone().contiguous()
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    readable = all(
+        getattr(getattr(p, "_hp_mapping", None), "optim_fragment", None) is not None
+        and "exp_avg" in p._hp_mapping.optim_fragment
+        for _, p in trainable
+    )
+    if not all_ranks_ok(readable):
+        return live, None, "safe_get_full_optimizer_state: no optimizer fragment linked on some rank"
+    optim = {}
+    for name, p in trainable:
+        for key in ("exp_avg", "exp_avg_sq"):
+            optim[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().float().clone().contiguous()
+    return live, optim, "safe_get_full_optimizer_state worked"
+
+
+def worker(case: Case, casedir: Path) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    model = build_pipeline(case)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config(case))
+    stage, dp_rank = engine.stage_id, engine.grid.data_parallel_id
+    gen = torch.Generator().manual_seed(SEED + 1000 * dp_rank)
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+            yield tokens, torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+
+    data = batches()
+    for _ in range(case.steps):
+        engine.train_batch(data_iter=data)
+    live, optim, optim_note = capture_live(engine)
+    ref = casedir / "reference"
+    if dp_rank == 0:
+        ref.mkdir(parents=True, exist_ok=True)
+        save_file(live, str(ref / f"live_stage{stage}.safetensors"), metadata={"format": "pt"})
+        if optim is not None:
+            save_file(optim, str(ref / f"live_optimizer_stage{stage}.safetensors"), metadata={"format": "pt"})
+    ckpt_dir = casedir / "checkpoint"
+    engine.save_checkpoint(str(ckpt_dir))
+    dist.barrier()
+    if rank == 0:
+        info = {
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "tag": (ckpt_dir / "latest").read_text().strip(),
+            "global_steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__,
+            "live_optimizer": optim_note,
+        }
+        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+def merge_live(casedir: Path, case: Case, python: str, log: Path, env: dict[str, str]) -> None:
+    """reference/live*.safetensors: the stages' files merged, tied copies checked bit-equal."""
+    code = r"""
+import sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+ref, pp = Path(sys.argv[1]), int(sys.argv[2])
+for kind in ("live", "live_optimizer"):
+    parts = [ref / f"{kind}_stage{s}.safetensors" for s in range(pp)]
+    if not all(p.exists() for p in parts):
+        continue
+    merged = {}
+    for part in parts:
+        for name, value in load_file(str(part)).items():
+            if name in merged:
+                assert torch.equal(merged[name], value), f"{kind}: {name} differs between stages"
+            merged[name] = value
+    save_file(merged, str(ref / f"{kind}.safetensors"), metadata={"format": "pt"})
+"""
+    run([python, "-c", code, str(casedir / "reference"), str(case.pp)], cwd=REPO, log=log, env=env)
+
+
+def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
+    started = time.time()
+    casedir = out / case.name
+    shutil.rmtree(casedir, ignore_errors=True)
+    casedir.mkdir(parents=True)
+    log = logdir / f"{case.name}.log"
+    log.write_text("")
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+        "LOCAL_SIZE": str(case.world_size),
+    }
+    with removing_shm_leaks():
+        run(
+            [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(case.world_size),
+                "--master_port",
+                str(free_port()),
+                str(Path(__file__).resolve()),
+                "--worker",
+                "--case-json",
+                json.dumps(asdict(case)),
+                "--outdir",
+                str(casedir.resolve()),
+            ],
+            cwd=REPO,
+            log=log,
+            env=env,
+        )
+    ckpt = casedir / "checkpoint"
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (ckpt / name).unlink(missing_ok=True)
+    merge_live(casedir, case, python, log, env)
+    for f in (casedir / "reference").glob("*.safetensors"):
+        f.chmod(0o644)
+    zero_to_fp32 = subprocess.run(
+        [python, "-m", "deepspeed.utils.zero_to_fp32", "checkpoint", str(Path("/tmp") / f"ztf_{case.name}")],
+        cwd=casedir,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    shutil.rmtree(Path("/tmp") / f"ztf_{case.name}", ignore_errors=True)
+    last_line = ([line for line in (zero_to_fp32.stderr or "").splitlines() if line.strip()] or [""])[-1]
+    info = json.loads((casedir / "_worker_info.json").read_text())
+    (casedir / "_worker_info.json").unlink()
+    meta = {
+        "case": case.name,
+        **{k: info[k] for k in ("deepspeed_version", "torch_version", "tag", "global_steps", "optimizer")},
+        "zero_stage": case.stage,
+        "dtype": case.dtype,
+        "pp": case.pp,
+        "dp": case.dp,
+        "world_size": case.world_size,
+        "checkpoint": "checkpoint",
+        "steps": case.steps,
+        "gradient_accumulation_steps": case.grad_accum,
+        "frozen": ["2.proj.weight", "2.proj.bias"],
+        "tied": {"embed": "tied_modules.embed.weight (layers 0 and 5; a copy in each stage)"},
+        "buffers": ["1.scale", "4.scale"],
+        "live_source": "per stage: safe_get_full_fp32_param (trainable), module params (frozen) and buffers",
+        "live_optimizer": info["live_optimizer"],
+        "reference_command": "python -m deepspeed.utils.zero_to_fp32 checkpoint OUT",
+        # as in make_sample_ckpts.py: where DeepSpeed's own tool fails, the live values are the reference
+        "reference_error": None if zero_to_fp32.returncode == 0 else last_line[:300],
+        "model": {"vocab": VOCAB, "dim": DIM, "hidden": HIDDEN, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH},
+        "ds_config": ds_config(case),
+    }
+    (casedir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return time.time() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", help="case names")
+    parser.add_argument("--out", default=str(REPO / "sample_ckpts"))
+    parser.add_argument("--python", default=DEFAULT_PY, help="python of a venv with deepspeed 0.19.8")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--case-json", help=argparse.SUPPRESS)
+    parser.add_argument("--outdir", help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args(argv)  # the launcher may append --local_rank
+    if args.worker:
+        worker(Case(**json.loads(args.case_json)), Path(args.outdir))
+        return 0
+    if args.list:
+        for case in CASES:
+            print(json.dumps(asdict(case)))
+        return 0
+    chosen = [c for c in CASES if not args.only or c.name in args.only]
+    logdir = Path("/tmp/make_parallel_ckpts_logs")
+    logdir.mkdir(exist_ok=True)
+    for case in chosen:
+        seconds = generate(case, Path(args.out), args.python, logdir)
+        print(f"{case.name}: {seconds:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Pipeline-parallel checkpoints (issue 19): samples written by real DeepSpeed's PipelineModule
+(scripts/make_parallel_ckpts.py: 2 stages, ZeRO-1, fp32 at 1 data rank and bf16 at 2, a tied
+embedding kept by both stages, a frozen layer, buffers, a function layer) read as one model.
+The truth is what the live engine held: each stage's fp32 masters gathered by DeepSpeed's
+``safe_get_full_fp32_param``, frozen params and buffers as the modules held them
+(``reference/live_stage{S}.safetensors``, merged in ``live.safetensors``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import PIPELINE_SAMPLES, Sample, run_cli, same_bits
+from zckpt import load_state_dict
+from zckpt.core.errors import CheckpointNotFoundError, LayoutError
+from zckpt.core.topology import Topology
+from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
+from zckpt.ops.verify import verify
+
+IDS = [s.name for s in PIPELINE_SAMPLES]
+
+
+def test_the_samples_are_there() -> None:
+    assert {s.name for s in PIPELINE_SAMPLES} >= {"pp2_z1_fp32_dp1", "pp2_z1_bf16_dp2"}
+
+
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)
+def test_topology_and_names_are_the_one_stage_models(case: Sample) -> None:
+    index = open_checkpoint(case.checkpoint)
+    assert index.topology == Topology(pp=case.meta["pp"], dp=case.meta["dp"])
+    assert index.world_size == case.meta["world_size"] and index.zero_stage == 1
+    live = case.live()
+    assert sorted(index.names()) == sorted(live)
+    # PipelineModule registers tied_modules before its layers: the one-stage state dict's order
+    assert index.names()[0] == "tied_modules.embed.weight"
+    layers = [int(n.split(".")[0]) for n in index.names()[1:]]
+    assert layers == sorted(layers)
+    kinds = {e.name: e.kind for e in index.entries}
+    assert {n for n, k in kinds.items() if k == "frozen"} == set(case.meta["frozen"])
+    assert {n for n, k in kinds.items() if k == "buffer"} == set(case.meta["buffers"])
+    assert [r.name for r in index.replicas] == ["tied_modules.embed.weight"]  # stage 1's copy
+
+
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)
+def test_consolidated_values_are_the_live_engines(case: Sample) -> None:
+    """Trainable params: the fp32 masters of their stage; frozen params and buffers from the layer
+    files, in the training dtype; every stage's tied copy equal to the one written."""
+    state_dict = load_state_dict(case.checkpoint, dtype="fp32")
+    live = case.live()
+    for name, value in live.items():
+        expected = value.float() if value.is_floating_point() else value
+        assert same_bits(state_dict[name], expected), name
+    for stage in range(case.meta["pp"]):
+        own = load_file(case.folder / "reference" / f"live_stage{stage}.safetensors")
+        assert same_bits(own["tied_modules.embed.weight"], state_dict["tied_modules.embed.weight"])
+
+
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)
+def test_optimizer_states_are_the_live_engines(case: Sample) -> None:
+    """Moments where DeepSpeed's API gave them (meta.json's live_optimizer says where not)."""
+    state = open_training_state(case.checkpoint)
+    moments = case.folder / "reference" / "live_optimizer.safetensors"
+    live = load_file(moments) if moments.exists() else None
+    assert live is not None or "no optimizer fragment" in case.meta["live_optimizer"]
+    assert {k for p in state.params for k in p.states} == {"exp_avg", "exp_avg_sq"}
+    with FileReader() as reader:
+        for param in state.params:
+            for key, source in param.states.items() if live is not None else ():
+                value = read_tensor(reader, source).reshape(param.shape)
+                assert same_bits(value, live[f"{param.name}.{key}"]), (param.name, key)
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), case.live()[param.name].float())
+    assert state.global_steps == case.meta["global_steps"] and len(state.groups) == 1
+    assert [p.name for p in state.params] == list(state.groups[0].params)
+    assert len(set(state.groups[0].params)) == len(state.groups[0].params)  # the tied param once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)
+def test_cli_consolidate_inspect_verify(tmp_path: Path, case: Sample) -> None:
+    out = tmp_path / "out"
+    done = run_cli("consolidate", case.checkpoint, out, "--dtype", "bf16")
+    assert done.returncode == 0, done.stderr
+    written = load_file(out / "model.safetensors")
+    live = case.live()
+    assert sorted(written) == sorted(live)
+    for name, value in live.items():
+        if value.dtype in (torch.float32, torch.bfloat16):
+            assert same_bits(written[name], value.to(torch.bfloat16)), name
+    inspected = run_cli("inspect", case.checkpoint)
+    assert inspected.returncode == 0 and "pipeline-parallel: 2 stages" in inspected.stdout, inspected.stdout
+    verified = run_cli("verify", case.checkpoint)
+    assert verified.returncode == 0 and "tied copies" in verified.stdout, verified.stdout
+
+
+def _copy(tmp_path: Path, case: Sample) -> Path:
+    checkpoint = tmp_path / case.name
+    shutil.copytree(case.checkpoint, checkpoint)
+    return checkpoint / (checkpoint / "latest").read_text().strip()
+
+
+BF16 = next(s for s in PIPELINE_SAMPLES if s.name == "pp2_z1_bf16_dp2")
+FP32 = next(s for s in PIPELINE_SAMPLES if s.name == "pp2_z1_fp32_dp1")
+
+
+def test_a_changed_tied_copy_is_caught(tmp_path: Path) -> None:
+    """Stage 1's master of the tied embedding edited in place: verify names the file, consolidate
+    refuses rather than write one of two different values."""
+    tag = _copy(tmp_path, FP32)
+    index = open_checkpoint(tag.parent)
+    replica = index.replicas[0].source.segments[0]
+    assert os.path.basename(replica.path) == "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    with open(replica.path, "r+b") as f:
+        f.seek(replica.offset + 4 * 5)
+        f.write(b"\x00\x00\x80\x3f")  # element 5 := 1.0
+    report = verify(tag.parent)
+    assert not report.ok
+    assert any("tied_modules.embed.weight differs in 1 of 368 elements" in p for p in report.problems), report.problems
+    with pytest.raises(LayoutError, match="the copies of a tied param must be equal"):
+        from zckpt.ops.consolidate import consolidate
+
+        consolidate(tag.parent, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "remove, expected",
+    [
+        ("mp_rank_01_model_states.pt", "mp_rank_01_model_states.pt: missing (the model states of pipeline stage 1)"),
+        ("layer_04-model_states.pt", "layer_04-model_states.pt: missing: stage 1 lists 4.norm.weight and 6 more"),
+        ("bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt: missing"),
+    ],
+)
+def test_a_missing_stage_file_is_named(tmp_path: Path, remove: str, expected: str) -> None:
+    tag = _copy(tmp_path, BF16)
+    (tag / remove).unlink()
+    found = survey(tag.parent)
+    assert found.index is None and found.problems
+    assert any(expected in str(p) for p in found.problems), [str(p) for p in found.problems]
+    with pytest.raises((CheckpointNotFoundError, LayoutError)):
+        open_checkpoint(tag.parent)
+
+
+def test_stages_of_different_saves_are_refused(tmp_path: Path) -> None:
+    """Stage 1's files from the bf16 run beside stage 0's of the fp32 one."""
+    tag = _copy(tmp_path, FP32)
+    other = BF16.checkpoint / "global_step3"
+    for name in ("mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"):
+        (tag / name).unlink()
+    shutil.copy(other / "mp_rank_01_model_states.pt", tag)
+    for rank in (0, 1):
+        shutil.copy(other / f"bf16_zero_pp_rank_{rank}_mp_rank_01_optim_states.pt", tag)
+    found = survey(tag.parent)
+    assert found.index is None and found.problems
+
+
+def test_writing_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    for args in (("reshard", "--world-size", "2"), ("to-universal",)):
+        out = tmp_path / args[0]
+        done = run_cli(args[0], FP32.checkpoint, out, *args[1:])
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode != 0 and len(lines) == 1, done.stderr
+        assert "a pipeline-parallel checkpoint (2 stages x 1 data-parallel ranks)" in lines[0]
+        assert not out.exists()

@@ -1,0 +1,351 @@
+"""Pipeline-parallel checkpoints (DeepSpeed's ``PipelineModule``, ZeRO-0/1): read as one model.
+
+What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``):
+
+* per stage, ``mp_rank_{stage:02d}_model_states.pt`` with ``module=None``: the stage's trainable
+  param names and shapes (``<layer>.<name>``, ``tied_modules.<key>.<name>``), its buffer names,
+  the counters, ``checkpoint_parallel_dimensions`` ({pp_degree, tp_degree});
+* per stage and data rank, its ZeRO-1 optimizer file: each stage is its own ZeRO partitioning
+  over its own data-parallel group (the arithmetic zckpt already has, applied per stage);
+* per layer, ``layer_{index:02d}-model_states.pt``: the layer's own ``state_dict()`` (local
+  names): the only place frozen params and buffers are. A tied layer's file holds the tied
+  module's state (``weight``, not ``0.weight``); a function layer has none.
+
+:func:`read_pipeline` rebuilds each stage's module state dict from its layer files, reads each
+stage with the data-parallel reader (:func:`~.zero_reader.read_ranks`), then merges the stages
+under the names the model's ``state_dict()`` has when built as one stage: ``tied_modules.*``
+first, then the layers in order. A tied param that several stages hold is written once; the
+other stages' copies are kept as ``replicas`` for verify, which checks them equal.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..core.index import CheckpointIndex, Entry, TensorRef
+from ..core.state import ParamState, TrainingState
+from ..core.topology import Topology
+from . import names as N
+from .rank_files import RankFiles, load
+from .survey import Survey
+
+TIED_PREFIX = "tied_modules."
+
+
+@dataclass(frozen=True)
+class StageDeclaration:
+    """What a stage's model-states file names: its trainable params and its buffers."""
+
+    stage: int
+    path: str
+    trainable: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.trainable) | set(self.buffers)
+
+    @property
+    def layers(self) -> set[int]:
+        """The indices of the (untied) layers whose names the stage lists."""
+        return {layer for name in self.names if (layer := layer_of(name)) is not None}
+
+
+@dataclass(frozen=True)
+class LayerFile:
+    """One layer's saved state: its global index, its file and its tensors under global names."""
+
+    index: int
+    path: str
+    tensors: dict[str, TensorRef]  # global name -> tensor, in the file's order
+    stage: int
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index a pipeline param name starts with (``4.up.weight`` -> 4); None for tied ones."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def read_pipeline(result: Survey, files: RankFiles) -> None:
+    """Read a pipeline-parallel tag folder into `result`: each stage as the data-parallel ZeRO
+    checkpoint it is, merged into one index and one training state."""
+    from .zero_reader import read_ranks  # zero_reader dispatches here: imported late, one way
+
+    location = result.location
+    assert location is not None
+    tag_dir = location.tag_dir
+    declarations = _declarations(result, files)
+    if declarations is None:
+        return
+    stages = len(declarations)
+    layers = _layer_files(result, files, declarations)
+    if layers is None:
+        return
+    surveys: list[Survey] = []
+    for stage in range(stages):
+        module = {name: ref for layer in layers if layer.stage == stage for name, ref in layer.tensors.items()}
+        sub = Survey(result.path, location=location)
+        read_ranks(sub, files.stage(stage), modules={None: module}, mp_world=stages)
+        surveys.append(sub)
+    first = surveys[0]
+    for field in ("zero_stage", "dtype", "ds_version", "offload"):
+        setattr(result, field, getattr(first, field))
+    result.declared = [d for sub in surveys for d in sub.declared]
+    result.declared_dtypes = {k: v for sub in surveys for k, v in sub.declared_dtypes.items()}
+    result.problems.extend(p for sub in surveys for p in sub.problems)
+    # the stages' notes, less the one telling where frozen params came from (said below, for all)
+    result.notes.extend(dict.fromkeys(n for sub in surveys for n in sub.notes if "frozen params read from" not in n))
+    result.files = sorted({*(p for sub in surveys for p in sub.files), *(layer.path for layer in layers)})
+    dp_sizes = {sub.world_size for sub in surveys}
+    result.world_size = stages * first.world_size if first.world_size else None
+    if result.problems or any(sub.index is None or sub.state is None for sub in surveys):
+        return
+    if len(dp_sizes) > 1:
+        odd = next(s for s, sub in enumerate(surveys) if sub.world_size != first.world_size)
+        result.add(
+            LayoutError,
+            declarations[odd].path,
+            f"stage {odd} has {surveys[odd].world_size} data-parallel ranks, stage 0 {first.world_size}: "
+            "files of different runs are mixed",
+        )
+        return
+    _check_counters(result, declarations, surveys)
+    if result.problems:
+        return
+    dp = first.world_size
+    assert dp is not None
+    order = _module_order(declarations, layers)
+    entries, replicas = _merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order)
+    result.notes.append(
+        f"pipeline-parallel: {stages} stage{'s' * (stages != 1)} x {dp} data-parallel rank{'s' * (dp != 1)}, "
+        f"{len(layers)} layer files (frozen params and buffers read from them)"
+        + (
+            f"; {len({r.name for r in replicas})} tied param(s) held by several stages, written once"
+            if replicas
+            else ""
+        )
+    )
+    index0 = first.index
+    assert index0 is not None
+    result.index = CheckpointIndex(
+        checkpoint_dir=location.checkpoint_dir,
+        tag=location.tag,
+        tag_dir=tag_dir,
+        tags=location.tags,
+        zero_stage=index0.zero_stage,
+        world_size=stages * dp,
+        topology=Topology(pp=stages, dp=dp),
+        dtype=index0.dtype,
+        ds_version=index0.ds_version,
+        offload=index0.offload,
+        entries=tuple(entries),
+        files=tuple(result.files),
+        notes=tuple(result.notes),
+        replicas=tuple(replicas),
+    )
+    try:
+        result.state = _merged_state(result.index, [sub.state for sub in surveys if sub.state is not None], order)
+    except LayoutError as exc:
+        result.problems.append(exc)
+        result.index = None
+
+
+def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | None:
+    """Each stage's model-states file read for its names; every stage of the run there."""
+    tag_dir = files.tag_dir
+    heads: dict[int, tuple[str, dict]] = {}
+    for stage in files.stages:
+        model = files.stage(stage).model
+        if None not in model:
+            result.add(
+                CheckpointNotFoundError,
+                os.path.join(tag_dir, N.model_states_name(1, 0, stage)),
+                f"missing (the model states of pipeline stage {stage})",
+            )
+            continue
+        state = load(result, model[None])
+        if state is None:
+            continue
+        if not isinstance(state, dict) or not isinstance(state.get(N.PARAM_SHAPES), (list, dict)):
+            result.add(CorruptFileError, model[None], "not a DeepSpeed model-states file (no 'param_shapes')")
+            continue
+        heads[stage] = (model[None], state)
+    if result.problems:
+        return None
+    if not heads:
+        result.add(CheckpointNotFoundError, tag_dir, "no mp_rank_*_model_states.pt file in the tag folder")
+        return None
+    declared_stages = {_stage_count(state) for _, state in heads.values()} - {None}
+    stages = max([*declared_stages, max(heads) + 1])
+    for stage in range(stages):
+        if stage not in heads:
+            result.add(
+                CheckpointNotFoundError,
+                os.path.join(tag_dir, N.model_states_name(1, 0, stage)),
+                f"missing (pipeline stage {stage} of {stages})",
+            )
+    if len(declared_stages) > 1:
+        result.add(
+            LayoutError, tag_dir, f"the stages' files record different pipeline degrees {sorted(declared_stages)}"
+        )
+    if result.problems:
+        return None
+    declarations = []
+    for stage in range(stages):
+        path, state = heads[stage]
+        shapes = state[N.PARAM_SHAPES]
+        groups = [shapes] if isinstance(shapes, dict) else shapes
+        trainable = tuple(str(name) for group in groups if isinstance(group, dict) for name in group)
+        buffers = tuple(str(name) for name in state.get(N.BUFFER_NAMES) or [])
+        declarations.append(StageDeclaration(stage, path, trainable, buffers))
+    return declarations
+
+
+def _stage_count(state: dict) -> int | None:
+    """The pipeline degree a stage's file records (``checkpoint_parallel_dimensions``, or the
+    model-parallel world size of a run with one tensor rank)."""
+    dims = state.get(N.CHECKPOINT_PARALLEL_DIMENSIONS)
+    if isinstance(dims, dict) and isinstance(dims.get("pp_degree"), int):
+        return dims["pp_degree"]
+    mp = state.get(N.MP_WORLD_SIZE)
+    return mp if isinstance(mp, int) and mp > 0 else None
+
+
+def _layer_files(result: Survey, files: RankFiles, declarations: list[StageDeclaration]) -> list[LayerFile] | None:
+    """Every layer file, its tensors under the one-stage model's names and the stage it is in."""
+    trainable = {name for d in declarations for name in d.trainable}
+    declared = {name for d in declarations for name in d.names}
+    tied = sorted(name for name in trainable if name.startswith(TIED_PREFIX))
+    owner = {layer: d.stage for d in declarations for layer in d.layers}
+    starts = {d.stage: min(d.layers) for d in declarations if d.layers}
+    layers: list[LayerFile] = []
+    for index, path in files.layers.items():
+        state = load(result, path)
+        if state is None:
+            continue
+        if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
+            result.add(CorruptFileError, path, "not a pipeline layer file (a state dict of tensors)")
+            continue
+        local = {str(k): v for k, v in state.items()}
+        if any(f"{index}.{name}" in declared for name in local):
+            names = {name: f"{index}.{name}" for name in local}
+        else:
+            key = _tied_key(local, tied, path, result)
+            if key is False:
+                continue
+            names = {name: (f"{TIED_PREFIX}{key}.{name}" if key else f"{index}.{name}") for name in local}
+        # a layer listed by a stage is in that stage; a tied or all-frozen one in the stage whose
+        # layers start at or before it (stages hold consecutive layers)
+        stage = owner.get(index, max((s for s, start in starts.items() if start <= index), default=0))
+        layers.append(LayerFile(index, path, {names[k]: v for k, v in local.items()}, stage))
+    if result.problems:
+        return None
+    held = {name for layer in layers for name in layer.tensors}
+    for d in declarations:
+        missing = [name for name in (*d.trainable, *d.buffers) if name not in held and layer_of(name) is not None]
+        if missing:
+            layer = layer_of(missing[0])
+            assert layer is not None
+            result.add(
+                CheckpointNotFoundError,
+                os.path.join(files.tag_dir, N.layer_states_name(layer)),
+                f"missing: stage {d.stage} lists {missing[0]}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                + " (the layer's weights and buffers are only in its layer file)",
+            )
+            return None
+    return layers
+
+
+def _tied_key(local: dict[str, TensorRef], tied: list[str], path: str, result: Survey) -> str | None | bool:
+    """The key of the tied module a layer file holds (its trainable tensors are all
+    ``tied_modules.<key>.<name>``), None for a layer of no declared name (all frozen), False
+    when two tied modules fit (a problem listed)."""
+    keys = set()
+    for name in tied:
+        rest = name[len(TIED_PREFIX) :]
+        for local_name in local:
+            if rest.endswith("." + local_name):
+                keys.add(rest[: -len(local_name) - 1])
+    fitting = [
+        key
+        for key in sorted(keys)
+        if all(n[len(TIED_PREFIX) + len(key) + 1 :] in local for n in tied if n.startswith(f"{TIED_PREFIX}{key}."))
+    ]
+    if len(fitting) > 1:
+        result.add(LayoutError, path, f"holds the state of a tied module, but tied modules {fitting} all fit it")
+        return False
+    return fitting[0] if fitting else None
+
+
+def _check_counters(result: Survey, declarations: list[StageDeclaration], surveys: list[Survey]) -> None:
+    """Every stage saved at the same step (one save of one run)."""
+    steps = [sub.state.global_steps if sub.state else None for sub in surveys]
+    for d, step in zip(declarations, steps):
+        if step != steps[0]:
+            result.add(
+                LayoutError,
+                d.path,
+                f"stage {d.stage} is at global step {step}, stage 0 at {steps[0]}: files of different saves are mixed",
+            )
+
+
+def _module_order(declarations: list[StageDeclaration], layers: list[LayerFile]) -> dict[str, int]:
+    """The position of each name in the state dict of the model built as one stage:
+    ``tied_modules`` first (PipelineModule creates it before its layers), then layer by layer."""
+    names: list[str] = []
+    for d in declarations:
+        names.extend(n for n in d.trainable if n.startswith(TIED_PREFIX))
+    for layer in sorted(layers, key=lambda f: f.index):
+        names.extend(n for n in layer.tensors if n.startswith(TIED_PREFIX))
+    for layer in sorted(layers, key=lambda f: f.index):
+        names.extend(n for n in layer.tensors if not n.startswith(TIED_PREFIX))
+    for d in declarations:
+        names.extend(d.trainable)
+    return {name: position for position, name in enumerate(dict.fromkeys(names))}
+
+
+def _merged_entries(stage_entries: list[tuple[Entry, ...]], order: dict[str, int]) -> tuple[list[Entry], list[Entry]]:
+    """The stages' entries, each name once (the first stage's), in module order; the later
+    stages' copies of a name (tied params) as replicas."""
+    kept: dict[str, Entry] = {}
+    replicas: list[Entry] = []
+    for entries in stage_entries:
+        for entry in entries:
+            if entry.name in kept:
+                replicas.append(entry)
+            else:
+                kept[entry.name] = entry
+    return sorted(kept.values(), key=lambda e: order.get(e.name, len(order))), replicas
+
+
+def _merged_state(index: CheckpointIndex, states: list[TrainingState], order: dict[str, int]) -> TrainingState:
+    """One training state of the stages': their params (tied ones once), their param groups
+    joined group by group, the counters and the rest from stage 0 (checked alike)."""
+    first = states[0]
+    counts = {len(s.groups) for s in states}
+    if len(counts) > 1:
+        raise LayoutError(
+            index.tag_dir, f"the stages' optimizers have different numbers of param groups {sorted(counts)}"
+        )
+    params: dict[str, ParamState] = {}
+    for state in states:
+        for param in state.params:
+            params.setdefault(param.name, param)
+    groups = []
+    for g, group in enumerate(first.groups):
+        members = list(dict.fromkeys(name for state in states for name in state.groups[g].params))
+        groups.append(replace(group, params=tuple(members)))
+    module_names = sorted({n for s in states for n in s.module_names}, key=lambda n: order.get(n, len(order)))
+    return replace(
+        first,
+        index=index,
+        params=tuple(params[name] for group in groups for name in group.params),
+        groups=tuple(groups),
+        module_names=tuple(module_names),
+        module_dtype_names={k: v for s in states for k, v in s.module_dtype_names.items()},
+        state_padding=tuple(p for s in states for p in s.state_padding),
+    )
