@@ -8,6 +8,7 @@ The truth is what the live engine held: each stage's fp32 masters gathered by De
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -15,14 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PIPELINE_SAMPLES, Sample, run_cli, same_bits
-from zckpt import load_state_dict
-from zckpt.core.errors import CheckpointNotFoundError, LayoutError
+from helpers import PIPELINE_SAMPLES, Sample, compare_trees, run_cli, same_bits, sample, tag_files
+from zckpt import load_state_dict, reshard
+from zckpt.core.errors import CheckpointNotFoundError, LayoutError, UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
 
 IDS = [s.name for s in PIPELINE_SAMPLES]
 
@@ -160,11 +162,61 @@ def test_stages_of_different_saves_are_refused(tmp_path: Path) -> None:
     assert found.index is None and found.problems
 
 
-def test_writing_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
-    for args in (("reshard", "--world-size", "2"), ("to-universal",)):
-        out = tmp_path / args[0]
-        done = run_cli(args[0], FP32.checkpoint, out, *args[1:])
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode != 0 and len(lines) == 1, done.stderr
-        assert "a pipeline-parallel checkpoint (2 stages x 1 data-parallel ranks)" in lines[0]
-        assert not out.exists()
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)
+def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, case: Sample) -> None:
+    """Every file DeepSpeed wrote, rewritten by zckpt at the run's own stages and data ranks: the
+    same pickled trees and tensor bytes (layer files: the same bytes)."""
+    out = tmp_path / "same"
+    reshard(case.checkpoint, out, world_size=case.meta["dp"])
+    original, ours = tag_files(case.checkpoint), tag_files(out)
+    assert sorted(original) == sorted(ours)
+    with FileReader() as reader:
+        for name, path in original.items():
+            if name.startswith("layer_"):
+                assert path.read_bytes() == ours[name].read_bytes(), name
+            assert compare_trees(torchfile.load(str(path)), torchfile.load(str(ours[name])), reader) == [], name
+
+
+def test_reshard_to_one_stage_and_back_to_the_values(tmp_path: Path) -> None:
+    """bf16 at 2 stages x 2 data ranks -> 1 stage x 3 ranks: one model-states file, every param in
+    the one-stage model's order, and the same values read back."""
+    out = tmp_path / "one"
+    reshard(BF16.checkpoint, out, world_size=3, pipeline_stages=1)
+    files = sorted(tag_files(out))
+    assert [f for f in files if "model_states" in f and not f.startswith("layer_")] == ["mp_rank_00_model_states.pt"]
+    assert [f for f in files if f.endswith("optim_states.pt")] == [
+        f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)
+    ]
+    index = open_checkpoint(out)
+    assert index.topology == Topology(pp=1, dp=3) and index.replicas == ()
+    assert index.names() == open_checkpoint(BF16.checkpoint).names()
+    written = load_state_dict(out, dtype="fp32")
+    for name, value in BF16.live().items():
+        assert same_bits(written[name], value.float() if value.is_floating_point() else value), name
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"pipeline_stages": 3}, "--pipeline-stages 3: zckpt writes a pipeline checkpoint at its own 2 stages or as 1"),
+        ({"stage": 3}, "--stage 3: DeepSpeed's pipeline engine runs ZeRO-0/1 only"),
+    ],
+)
+def test_pipeline_writes_it_cannot_make_are_refused(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        reshard(FP32.checkpoint, tmp_path / "out", world_size=1, **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_stages_of_a_data_parallel_checkpoint_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--pipeline-stages is for pipeline-parallel checkpoints"):
+        reshard(sample("z1_fp32_ws2_frozen_tied").checkpoint, tmp_path / "out", world_size=1, pipeline_stages=1)
+
+
+def test_to_universal_of_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "universal"
+    done = run_cli("to-universal", FP32.checkpoint, out)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert "a pipeline-parallel checkpoint (2 stages x 1 data-parallel ranks): to-universal of pipeline" in lines[0]
+    assert not out.exists()

@@ -15,8 +15,8 @@ import pytest
 from helpers import ROOT, sample
 from zckpt.core.errors import CorruptFileError, LayoutError
 from zckpt.core.topology import RankCoords, Topology
+from zckpt.deepspeed import dp_reader
 from zckpt.deepspeed import names as N
-from zckpt.deepspeed import zero_reader
 from zckpt.deepspeed.layout import LayoutParam, zero3_layout, zero12_layout
 from zckpt.deepspeed.rank_files import parse_rank_file, scan_rank_files
 from zckpt.deepspeed.reader import open_checkpoint, survey
@@ -199,14 +199,14 @@ def test_a_bug_of_zckpt_is_not_reported_as_damage(monkeypatch: pytest.MonkeyPatc
     def bug(result, state):  # noqa: ANN001
         return result.no_such_field
 
-    monkeypatch.setattr(zero_reader, "check_padding", bug)
+    monkeypatch.setattr(dp_reader, "check_padding", bug)
     with pytest.raises(AttributeError, match="no_such_field"):
         survey(sample(ZERO3).checkpoint)
 
     def content(result, state):  # noqa: ANN001
         return [].get("state")
 
-    monkeypatch.setattr(zero_reader, "check_padding", content)
+    monkeypatch.setattr(dp_reader, "check_padding", content)
     found = survey(sample(ZERO3).checkpoint)
     assert len(found.problems) == 1 and isinstance(found.problems[0], CorruptFileError)
     assert "files not as DeepSpeed writes them (AttributeError: 'list' object has no attribute 'get')" in str(

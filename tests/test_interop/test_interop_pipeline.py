@@ -5,6 +5,11 @@ zckpt consolidates a 2-stage pipeline checkpoint under the names the model's ``s
 when built as one stage. Here DeepSpeed builds that model (the samples' PipelineModule with
 ``num_stages=1``, from scripts/make_parallel_ckpts.py) and loads the consolidated file with
 ``strict=True``: its keys, in its order, are the independent fact. One single-process run (~10 s).
+
+``zckpt reshard`` of a pipeline checkpoint to another data-parallel size (same stages) or to one
+stage is loaded by DeepSpeed's PipelineEngine with a plain ``load_checkpoint``, and what the
+engine then holds (``safe_get_full_fp32_param`` per stage, the Adam moments where DeepSpeed's API
+gives them, the step) is compared with what the saving run held. Four runs of 1-4 ranks (~60 s).
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     run_logged,
     shm_leak_safety_net,
 )
-from zckpt import consolidate  # noqa: E402
-from zckpt.deepspeed.reader import open_checkpoint  # noqa: E402
+from zckpt import consolidate, reshard  # noqa: E402
+from zckpt.deepspeed.reader import open_checkpoint, open_training_state  # noqa: E402
+from zckpt.io.materialize import read_tensor  # noqa: E402
+from zckpt.io.reading import FileReader  # noqa: E402
 
 WORKER = r"""
 import json, sys
@@ -50,6 +57,104 @@ for name in sys.argv[3:]:
     missing, unexpected = module.load_state_dict(weights, strict=True)
     (out / name / "one_stage.json").write_text(json.dumps({"keys": list(module.state_dict()), "loaded": True}))
 """
+
+
+LOADER = r"""
+import json, sys
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+from safetensors.torch import save_file
+
+sys.path.insert(0, sys.argv[1])
+from make_parallel_ckpts import Case, build_pipeline, capture_live, ds_config
+
+checkpoint, out, dtype, pp, dp = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+deepspeed.init_distributed(dist_backend="gloo")
+case = Case("load", 1, dtype, pp=pp, dp=dp)
+model = build_pipeline(case)
+engine, _, _, _ = deepspeed.initialize(
+    model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config(case)
+)
+path, client = engine.load_checkpoint(str(checkpoint))
+assert path is not None, "load_checkpoint found nothing"
+live, optim, note = capture_live(engine)
+if engine.grid.data_parallel_id == 0:
+    save_file(live, str(out / f"live_stage{engine.stage_id}.safetensors"))
+    if optim is not None:
+        save_file(optim, str(out / f"optim_stage{engine.stage_id}.safetensors"))
+if dist.get_rank() == 0:
+    (out / "engine.json").write_text(json.dumps({"global_steps": engine.global_steps, "optim": note}))
+engine.save_checkpoint(str(out / "resaved"))  # what the engine loaded, as DeepSpeed saves it
+dist.barrier()
+"""
+
+
+def _load_with_deepspeed(checkpoint: Path, out: Path, dtype: str, pp: int, dp: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    script = out / "loader.py"
+    script.write_text(LOADER)
+    python = ds_python()
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(pp * dp), "--master-port", str(free_port())]
+    cmd += [str(script), str(ROOT / "scripts"), str(checkpoint), str(out), dtype, str(pp), str(dp)]
+    log = out / "run.log"
+    returncode = run_logged(cmd, ds_env(pp * dp, python), log, timeout=600)
+    if returncode != 0:
+        pytest.fail(
+            f"DeepSpeed load: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        )
+
+
+# (sample, data-parallel ranks per stage, stages of the output): another dp size, and one stage
+RESHARDS = [
+    ("pp2_z1_bf16_dp2", 1, None),
+    ("pp2_z1_fp32_dp1", 2, None),
+    ("pp2_z1_bf16_dp2", 2, 1),
+    ("pp2_z1_fp32_dp1", 1, 1),
+]
+
+
+@pytest.mark.parametrize("name, dp, stages", RESHARDS, ids=[f"{n}-dp{d}-pp{s or 2}" for n, d, s in RESHARDS])
+def test_deepspeed_resumes_a_resharded_pipeline_checkpoint(
+    tmp_path: Path, name: str, dp: int, stages: int | None
+) -> None:
+    case = next(s for s in PIPELINE_SAMPLES if s.name == name)
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=dp, pipeline_stages=stages)
+    pp = stages or case.meta["pp"]
+    loaded = tmp_path / "loaded"
+    _load_with_deepspeed(out, loaded, case.meta["dtype"], pp, dp)
+    from safetensors.torch import load_file
+
+    from helpers import same_bits
+
+    truth = case.live()
+    held: dict = {}
+    for stage in range(pp):
+        for key, value in load_file(loaded / f"live_stage{stage}.safetensors").items():
+            assert key not in held or same_bits(held[key], value), key  # a tied copy per stage, equal
+            held[key] = value
+    assert sorted(held) == sorted(truth)
+    for key, value in truth.items():
+        assert same_bits(held[key], value), key
+    engine = json.loads((loaded / "engine.json").read_text())
+    assert engine["global_steps"] == case.meta["global_steps"]
+    # the optimizer state the engine loaded, as DeepSpeed saved it again, against the saving run's
+    # (the live moments where DeepSpeed's API gave them, else the sample's own files)
+    resaved = open_training_state(loaded / "resaved")
+    original = open_training_state(case.checkpoint)
+    moments = case.folder / "reference" / "live_optimizer.safetensors"
+    saved = load_file(moments) if moments.exists() else None
+    with FileReader() as reader:
+        for param in original.params:
+            again = resaved.param(param.name)
+            for key, source in param.states.items():
+                value = read_tensor(reader, again.states[key]).reshape(param.shape)
+                expected = saved[f"{param.name}.{key}"] if saved else read_tensor(reader, source).reshape(param.shape)
+                assert same_bits(value, expected), (param.name, key)
+        step = read_tensor(reader, resaved.groups[0].scalars["step"].tensor)
+        assert step.item() == case.meta["global_steps"]
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,14 @@ def reshard(
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
     wait: WaitOption = False,
+    pipeline_stages: Annotated[
+        Optional[int],
+        typer.Option(
+            "--pipeline-stages",
+            metavar="P",
+            help="A pipeline-parallel checkpoint: 1 puts every layer in one stage (default: its own stages; --world-size is then the data-parallel ranks per stage).",
+        ),
+    ] = None,
 ) -> None:
     """Rewrite a ZeRO checkpoint for another world size and/or ZeRO stage, with the whole training state.
 
@@ -107,14 +115,19 @@ def reshard(
             verify=not no_verify,
             swap_folder=swap_folder,
             wait=wait,
+            pipeline_stages=pipeline_stages,
         ),
     )
     if primary:
         swap_notes(swap_folder, result.source.index.notes, quiet)
     if not quiet and primary:
         source = result.source.index
+        stages = ""
+        if result.source.stages:
+            out_stages = pipeline_stages or len(result.source.stages)
+            stages = f" x {out_stages} pipeline stage{'s' * (out_stages != 1)}"
         typer.echo(
-            f"wrote {result.tag} for world size {result.target.world_size} (ZeRO-{result.target.stage}) from world size "
+            f"wrote {result.tag} for world size {result.target.world_size}{stages} (ZeRO-{result.target.stage}) from world size "
             f"{source.world_size} (ZeRO-{source.zero_stage}): {len(result.files)} files, {format_size(result.bytes_written)}"
             + (f", {len(result.carried)} files carried" if result.carried else "")
             + (f", {len(result.dropped)} left out ({', '.join(result.dropped)})" if result.dropped else "")

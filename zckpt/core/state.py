@@ -59,6 +59,16 @@ class PaddingRun:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """What one pipeline stage of the run held: its trainable params in its optimizer's order,
+    its buffers, and the layer files it saved (carried to a pipeline output as they are)."""
+
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    layer_files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class TrainingState:
     """Everything a checkpoint holds for resuming training, laid out by param, not by rank."""
 
@@ -81,6 +91,7 @@ class TrainingState:
     optimizer_kind: str = "zero"  # "zero" or "bf16_optimizer" (DeepSpeed's BF16_Optimizer file layout)
     round_robin: bool = False  # the input's flat groups were in round-robin order
     state_padding: tuple[PaddingRun, ...] = ()  # optimizer-state padding, by rank (see PaddingRun)
+    stages: tuple[PipelineStage, ...] = ()  # a pipeline-parallel run's stages (empty: data-parallel)
 
     @property
     def state_names(self) -> list[str]:

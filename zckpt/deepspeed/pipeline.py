@@ -12,7 +12,7 @@ What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``
   module's state (``weight``, not ``0.weight``); a function layer has none.
 
 :func:`read_pipeline` rebuilds each stage's module state dict from its layer files, reads each
-stage with the data-parallel reader (:func:`~.zero_reader.read_ranks`), then merges the stages
+stage with the data-parallel reader (:func:`~.dp_reader.read_ranks`), then merges the stages
 under the names the model's ``state_dict()`` has when built as one stage: ``tied_modules.*``
 first, then the layers in order. A tied param that several stages hold is written once; the
 other stages' copies are kept as ``replicas`` for verify, which checks them equal.
@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
 from ..core.index import CheckpointIndex, Entry, TensorRef
-from ..core.state import ParamState, TrainingState
+from ..core.state import ParamState, PipelineStage, TrainingState
 from ..core.topology import Topology
 from . import names as N
+from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
 from .survey import Survey
 
@@ -72,8 +73,6 @@ def layer_of(name: str) -> int | None:
 def read_pipeline(result: Survey, files: RankFiles) -> None:
     """Read a pipeline-parallel tag folder into `result`: each stage as the data-parallel ZeRO
     checkpoint it is, merged into one index and one training state."""
-    from .zero_reader import read_ranks  # zero_reader dispatches here: imported late, one way
-
     location = result.location
     assert location is not None
     tag_dir = location.tag_dir
@@ -147,7 +146,8 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
         replicas=tuple(replicas),
     )
     try:
-        result.state = _merged_state(result.index, [sub.state for sub in surveys if sub.state is not None], order)
+        stage_states = [sub.state for sub in surveys if sub.state is not None]
+        result.state = _merged_state(result.index, stage_states, order, declarations, layers)
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
@@ -322,9 +322,16 @@ def _merged_entries(stage_entries: list[tuple[Entry, ...]], order: dict[str, int
     return sorted(kept.values(), key=lambda e: order.get(e.name, len(order))), replicas
 
 
-def _merged_state(index: CheckpointIndex, states: list[TrainingState], order: dict[str, int]) -> TrainingState:
+def _merged_state(
+    index: CheckpointIndex,
+    states: list[TrainingState],
+    order: dict[str, int],
+    declarations: list[StageDeclaration],
+    layers: list[LayerFile],
+) -> TrainingState:
     """One training state of the stages': their params (tied ones once), their param groups
-    joined group by group, the counters and the rest from stage 0 (checked alike)."""
+    joined group by group in the one-stage model's order (its optimizer's), the counters and the
+    rest from stage 0 (checked alike), and what each stage held."""
     first = states[0]
     counts = {len(s.groups) for s in states}
     if len(counts) > 1:
@@ -337,8 +344,19 @@ def _merged_state(index: CheckpointIndex, states: list[TrainingState], order: di
             params.setdefault(param.name, param)
     groups = []
     for g, group in enumerate(first.groups):
-        members = list(dict.fromkeys(name for state in states for name in state.groups[g].params))
+        members = sorted(
+            dict.fromkeys(name for state in states for name in state.groups[g].params),
+            key=lambda n: order.get(n, len(order)),
+        )
         groups.append(replace(group, params=tuple(members)))
+    stages = tuple(
+        PipelineStage(
+            params=tuple(p.name for p in state.params),
+            buffers=declaration.buffers,
+            layer_files=tuple(layer.path for layer in layers if layer.stage == declaration.stage),
+        )
+        for state, declaration in zip(states, declarations)
+    )
     module_names = sorted({n for s in states for n in s.module_names}, key=lambda n: order.get(n, len(order)))
     return replace(
         first,
@@ -348,4 +366,5 @@ def _merged_state(index: CheckpointIndex, states: list[TrainingState], order: di
         module_names=tuple(module_names),
         module_dtype_names={k: v for s in states for k, v in s.module_dtype_names.items()},
         state_padding=tuple(p for s in states for p in s.state_padding),
+        stages=stages,
     )

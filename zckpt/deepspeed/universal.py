@@ -29,6 +29,7 @@ from .writer import (
     PlannedFile,
     plan_model_states,
     plan_target,
+    require_data_parallel,
     scalar_of,
     target_layout,
     tensor_of,
@@ -40,6 +41,7 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
 
     `target_stage`: the ZeRO stage of the run that will load it (default: the input's).
     """
+    require_data_parallel(state, "to-universal")
     target = plan_target(state, state.index.world_size, target_stage)
     layout = target_layout(state, target)
     files = plan_model_states(state, target, layout)

@@ -121,13 +121,6 @@ def plan_target(
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(None, f"--world-size must be at least 1, got {world_size}")
     index = state.index
-    if not index.topology.data_parallel_only:
-        topology = index.topology
-        raise LayoutError(
-            index.tag_dir,
-            f"a pipeline-parallel checkpoint ({topology.pp} stages x {topology.dp} data-parallel ranks): zckpt "
-            "writes data-parallel checkpoints only so far (consolidate, inspect and verify read this one)",
-        )
     given = read_run_config(config, config_path) if config is not None else None
     if stage is None and given is not None and given.stage_set:
         given.require(STAGE_KEY, config_path, "pass --stage")
@@ -208,8 +201,21 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
     )
 
 
+def require_data_parallel(state: TrainingState, what: str) -> None:
+    """The data-parallel writers refuse a pipeline run's state (its stages are written by
+    :mod:`.pipeline_writer`), rather than write a checkpoint its engine could not load."""
+    topology = state.index.topology
+    if state.stages or not topology.data_parallel_only:
+        raise LayoutError(
+            state.index.tag_dir,
+            f"a pipeline-parallel checkpoint ({topology.pp} stages x {topology.dp} data-parallel ranks): "
+            f"{what} of pipeline checkpoints is not supported yet",
+        )
+
+
 def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None) -> CheckpointPlan:
     """Every file of the target checkpoint as an object tree (swap files as RawFiles); pure."""
+    require_data_parallel(state, "this writing")
     layout = target_layout(state, target)
     optim = OptimPlanner(state, target, layout)
     ranks = list(target.topology.data_ranks())

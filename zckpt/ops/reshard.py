@@ -18,6 +18,7 @@ from ..core.errors import OutputError, UsageError
 from ..core.state import TrainingState
 from ..core.untrusted import path_component, regular_file_inside
 from ..deepspeed import names as N
+from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.run_config import load_config
 from ..deepspeed.save import SaveResult, write_checkpoint
@@ -49,10 +50,20 @@ def plan_reshard(
     tag: str | None = None,
     config: dict | str | os.PathLike[str] | None = None,
     swap_folder: str | os.PathLike[str] | None = None,
+    pipeline_stages: int | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
     state = open_training_state(checkpoint, tag, swap_folder)
-    return plan_checkpoint(state, _target(state, world_size, stage, config))
+    return _plan(state, _target(state, world_size, stage, config), pipeline_stages)
+
+
+def _plan(state: TrainingState, target: Target, pipeline_stages: int | None) -> CheckpointPlan:
+    """A pipeline run's checkpoint stays one (at its stages or one); any other is data-parallel."""
+    if state.stages:
+        return plan_pipeline_checkpoint(state, target, pipeline_stages)
+    if pipeline_stages is not None:
+        raise UsageError(None, "--pipeline-stages is for pipeline-parallel checkpoints; this one is data-parallel")
+    return plan_checkpoint(state, target)
 
 
 def _target(
@@ -111,6 +122,7 @@ def reshard(
     verify: bool = True,
     swap_folder: str | os.PathLike[str] | None = None,
     wait: bool = False,
+    pipeline_stages: int | None = None,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -119,10 +131,12 @@ def reshard(
     `swap_folder`: a live ZeRO-Infinity ``<nvme_path>`` of the same run; the masters and
     optimizer states of its swapped sub-groups replace the checkpoint's (see consolidate).
     `wait`: another zckpt run writing `output_dir` is waited for instead of refused.
+    A pipeline-parallel checkpoint stays one: `world_size` data-parallel ranks per stage, at its
+    own number of stages or at `pipeline_stages` = 1 (the layers all in one stage).
     """
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder)
-    plan = plan_checkpoint(source, _target(source, world_size, stage, config))
+    plan = _plan(source, _target(source, world_size, stage, config), pipeline_stages)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):

@@ -1,0 +1,112 @@
+"""Pipeline-parallel checkpoints written (:func:`plan_pipeline_checkpoint`): the training state of a
+pipeline run laid out for another number of data-parallel ranks, at the same number of stages
+or as one stage, as DeepSpeed's ``PipelineEngine`` saves it, so a plain ``load_checkpoint`` of
+the new run reads it.
+
+Each stage is an ordinary ZeRO-1 checkpoint over its data ranks, so the data-parallel writer
+(:func:`~.writer.plan_checkpoint`) plans it from the stage's share of the state; its files take
+the stage's ``mp_rank`` and its model-states file the pipeline form (``module=None``, the stage's
+buffer names, the pipeline degree). The layer files hold each layer's own state under global
+layer numbers, whatever the stage count: they are copied as they are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from ..core.dtypes import BY_SHORT
+from ..core.errors import UsageError
+from ..core.index import Segment
+from ..core.state import PipelineStage, TrainingState
+from ..core.topology import Topology
+from ..torchfile.save import Copy, OutTensor
+from . import names as N
+from .writer import CheckpointPlan, PlannedFile, RawFile, Target, plan_checkpoint
+
+UINT8 = BY_SHORT["uint8"]  # a layer file copied as its bytes
+
+
+def pipeline_stages(state: TrainingState, stages: int | None) -> tuple[PipelineStage, ...]:
+    """The stages of the output: the input's (`stages` None or the same number), or one stage
+    holding every param in the one-stage model's order. Other stage counts need the model's
+    partitioning of its layers, which the checkpoint does not record."""
+    source = state.stages
+    if stages is None or stages == len(source):
+        return source
+    if stages == 1:
+        params = tuple(name for group in state.groups for name in group.params)
+        by_module = {name: i for i, name in enumerate(state.module_names)}
+        return (
+            PipelineStage(
+                params=tuple(sorted(params, key=lambda n: by_module.get(n, len(by_module)))),
+                buffers=tuple(b for stage in source for b in stage.buffers),
+                layer_files=tuple(f for stage in source for f in stage.layer_files),
+            ),
+        )
+    raise UsageError(
+        None,
+        f"--pipeline-stages {stages}: zckpt writes a pipeline checkpoint at its own {len(source)} stages or as 1; "
+        "another split of the layers needs the model's partitioning, which the checkpoint does not record",
+    )
+
+
+def plan_pipeline_checkpoint(state: TrainingState, target: Target, stages: int | None = None) -> CheckpointPlan:
+    """Every file of the pipeline checkpoint for `target` (its data-parallel size and ZeRO stage)
+    at `stages` pipeline stages (default: the input's); pure."""
+    if target.stage != 1:
+        raise UsageError(None, f"--stage {target.stage}: DeepSpeed's pipeline engine runs ZeRO-0/1 only")
+    out_stages = pipeline_stages(state, stages)
+    files: list[PlannedFile] = []
+    plans = []
+    for number, stage in enumerate(out_stages):
+        plan = plan_checkpoint(_stage_state(state, stage), target)
+        plans.append(plan)
+        for planned in plan.files:
+            files.append(_as_stage_file(planned, number, len(out_stages), stage))
+    for path in sorted({f for stage in state.stages for f in stage.layer_files}):
+        size = os.path.getsize(path)
+        copy = OutTensor(UINT8, (size,), (Copy(Segment(path, 0, size), UINT8),))
+        files.append(PlannedFile(os.path.basename(path), RawFile(copy), None))
+    first = plans[0]
+    return CheckpointPlan(first.tag, first.target, first.layout, tuple(files), folders=first.folders)
+
+
+def _stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
+    """One stage's share of the state: its params, its groups' members, its buffers."""
+    own = set(stage.params) | set(stage.buffers)
+    by_name = {p.name: p for p in state.params}
+    index = replace(
+        state.index,
+        entries=tuple(e for e in state.index.entries if e.name in own),
+        replicas=(),
+        topology=Topology.data_parallel(state.index.topology.dp),
+    )
+    groups = tuple(replace(g, params=tuple(n for n in stage.params if n in set(g.params))) for g in state.groups)
+    return replace(
+        state,
+        index=index,
+        params=tuple(by_name[name] for name in stage.params),
+        groups=groups,
+        module_names=tuple(n for n in state.module_names if n in own),
+        state_padding=(),
+        stages=(),
+    )
+
+
+def _as_stage_file(planned: PlannedFile, stage: int, stages: int, held: PipelineStage) -> PlannedFile:
+    """A file the data-parallel writer planned, as pipeline stage `stage` names and holds it."""
+    name = planned.name
+    optim = N.OPTIM_STATES_RE.match(name)
+    if optim is not None:
+        return replace(planned, name=N.optim_states_name(int(optim["dp"]), stage, bool(optim["prefix"])))
+    model = N.MODEL_STATES_RE.match(name)
+    assert model is not None and model["dp"] is None, name  # ZeRO-1: one model-states file per stage
+    obj = dict(planned.obj)
+    obj[N.MODULE] = None  # the weights are in the layer files
+    obj[N.BUFFER_NAMES] = list(held.buffers)
+    obj[N.SHARED_PARAMS] = {}
+    obj[N.MP_WORLD_SIZE] = stages
+    if N.CHECKPOINT_PARALLEL_DIMENSIONS in obj:
+        obj[N.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": stages, "tp_degree": 1}
+    return PlannedFile(N.model_states_name(1, 0, stage), obj, planned.rank)
