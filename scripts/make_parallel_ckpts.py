@@ -68,6 +68,8 @@ class Case:
     dp: int
     steps: int = 3
     grad_accum: int = 2  # micro-batches per step (the pipeline's schedule)
+    ep: int = 0  # expert-parallel degree of a mixture-of-experts case (0: a pipeline case)
+    experts: int = 4
 
     @property
     def world_size(self) -> int:
@@ -77,6 +79,8 @@ class Case:
 CASES = [
     Case("pp2_z1_fp32_dp1", 1, "fp32", pp=2, dp=1),
     Case("pp2_z1_bf16_dp2", 1, "bf16", pp=2, dp=2),
+    Case("moe_z2_fp32_ep2_dp2", 2, "fp32", pp=1, dp=2, ep=2, grad_accum=1),
+    Case("moe_z1_bf16_ep2_dp4", 1, "bf16", pp=1, dp=4, ep=2, grad_accum=1),
 ]
 
 
@@ -141,6 +145,97 @@ def build_pipeline(case: Case) -> Any:
     return PipelineModule(
         layers=layers, num_stages=case.pp, loss_fn=loss_fn, partition_method="uniform", base_seed=SEED
     )
+
+
+def build_moe(case: Case) -> Any:
+    """Embedding -> LayerNorm -> MoE (``case.experts`` MLP experts over ``case.ep`` ranks, top-1) ->
+    head; a buffer. At ep 1 the experts' names are their global ids: the consolidated names."""
+    import torch
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    class MoEModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.norm = nn.LayerNorm(DIM)
+            expert = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM))
+            self.moe = MoE(
+                hidden_size=DIM, expert=expert, num_experts=case.experts, ep_size=case.ep, k=1, min_capacity=8
+            )
+            self.head = nn.Linear(DIM, VOCAB)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+
+        def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.embed(tokens)
+            out, aux, _ = self.moe(self.norm(h) * self.scale.to(h.dtype))
+            return self.head(h + out), aux
+
+    return MoEModel()
+
+
+def expert_global_name(name: str, param: Any, experts: int, ep: int) -> str:
+    """An expert param's name at ep 1: its local expert id made global (DeepSpeed's rule, engine.py
+    _save_moe_checkpoint: ep_rank * num_local_experts + local id)."""
+    import re
+
+    from deepspeed.utils import groups
+
+    found = re.search(r"deepspeed_experts\.(\d+)\.", name)
+    if found is None or getattr(param, "allreduce", True):
+        return name
+    local = experts // ep
+    global_id = groups._get_expert_parallel_rank(param.group_name) * local + int(found[1])
+    return name[: found.start(1)] + str(global_id) + name[found.end(1) :]
+
+
+def moe_worker(case: Case, casedir: Path) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import safe_get_full_fp32_param
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    model = build_moe(case)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"}
+    )
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(case))
+    gen = torch.Generator().manual_seed(SEED + 1000 * rank)
+    for _ in range(case.steps):
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+        labels = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+        logits, aux = engine(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1)) + 0.01 * aux
+        engine.backward(loss)
+        engine.step()
+    live: dict[str, Any] = {}
+    for name, p in engine.module.named_parameters():  # every rank, same order: the collectives pair up
+        value = safe_get_full_fp32_param(p) if p.requires_grad else p.data
+        live[expert_global_name(name, p, case.experts, case.ep)] = value.detach().cpu().float().clone().contiguous()
+    for name, b in engine.module.named_buffers():
+        live[name] = b.detach().cpu().clone().contiguous()
+    ref = casedir / "reference"
+    ref.mkdir(parents=True, exist_ok=True)
+    save_file(live, str(ref / f"live_rank{rank}.safetensors"), metadata={"format": "pt"})
+    ckpt_dir = casedir / "checkpoint"
+    engine.save_checkpoint(str(ckpt_dir))
+    dist.barrier()
+    if rank == 0:
+        info = {
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "tag": (ckpt_dir / "latest").read_text().strip(),
+            "global_steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__,
+            "live_optimizer": "not captured (safe_get_full_optimizer_state needs linked fragments)",
+        }
+        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
+    dist.barrier()
 
 
 def all_ranks_ok(ok: bool) -> bool:
@@ -234,20 +329,21 @@ def merge_live(casedir: Path, case: Case, python: str, log: Path, env: dict[str,
 import sys, torch
 from pathlib import Path
 from safetensors.torch import load_file, save_file
-ref, pp = Path(sys.argv[1]), int(sys.argv[2])
+ref, count, part = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 for kind in ("live", "live_optimizer"):
-    parts = [ref / f"{kind}_stage{s}.safetensors" for s in range(pp)]
+    parts = [ref / f"{kind}_{part}{s}.safetensors" for s in range(count)]
     if not all(p.exists() for p in parts):
         continue
     merged = {}
     for part in parts:
         for name, value in load_file(str(part)).items():
             if name in merged:
-                assert torch.equal(merged[name], value), f"{kind}: {name} differs between stages"
+                assert torch.equal(merged[name], value), f"{kind}: {name} differs between {part}s"
             merged[name] = value
     save_file(merged, str(ref / f"{kind}.safetensors"), metadata={"format": "pt"})
 """
-    run([python, "-c", code, str(casedir / "reference"), str(case.pp)], cwd=REPO, log=log, env=env)
+    count, part = (case.world_size, "rank") if case.ep else (case.pp, "stage")
+    run([python, "-c", code, str(casedir / "reference"), str(count), part], cwd=REPO, log=log, env=env)
 
 
 def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
@@ -313,10 +409,20 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         "checkpoint": "checkpoint",
         "steps": case.steps,
         "gradient_accumulation_steps": case.grad_accum,
-        "frozen": ["2.proj.weight", "2.proj.bias"],
-        "tied": {"embed": "tied_modules.embed.weight (layers 0 and 5; a copy in each stage)"},
-        "buffers": ["1.scale", "4.scale"],
-        "live_source": "per stage: safe_get_full_fp32_param (trainable), module params (frozen) and buffers",
+        **(
+            {"ep": case.ep, "experts": case.experts, "frozen": [], "buffers": ["scale"]}
+            if case.ep
+            else {
+                "frozen": ["2.proj.weight", "2.proj.bias"],
+                "tied": {"embed": "tied_modules.embed.weight (layers 0 and 5; a copy in each stage)"},
+                "buffers": ["1.scale", "4.scale"],
+            }
+        ),
+        "live_source": (
+            "per rank: safe_get_full_fp32_param of every param (experts under their global ids), module buffers"
+            if case.ep
+            else "per stage: safe_get_full_fp32_param (trainable), module params (frozen) and buffers"
+        ),
         "live_optimizer": info["live_optimizer"],
         "reference_command": "python -m deepspeed.utils.zero_to_fp32 checkpoint OUT",
         # as in make_sample_ckpts.py: where DeepSpeed's own tool fails, the live values are the reference
@@ -339,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outdir", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)  # the launcher may append --local_rank
     if args.worker:
-        worker(Case(**json.loads(args.case_json)), Path(args.outdir))
+        case = Case(**json.loads(args.case_json))
+        (moe_worker if case.ep else worker)(case, Path(args.outdir))
         return 0
     if args.list:
         for case in CASES:

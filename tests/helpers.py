@@ -93,10 +93,11 @@ def load_samples() -> list[Sample]:
 
 ALL_SAMPLES = load_samples()
 # the data-parallel samples (scripts/make_sample_ckpts.py), which the generic tests go over, and the
-# pipeline-parallel ones (scripts/make_parallel_ckpts.py: another model, meta.json of its own),
-# which tests/test_deepspeed/test_pipeline.py covers
-SAMPLE_LIST = [s for s in ALL_SAMPLES if not s.meta.get("pp")]
-PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("pp")]
+# pipeline-parallel and mixture-of-experts ones (scripts/make_parallel_ckpts.py: other models, a
+# meta.json of their own), which tests/test_deepspeed/test_pipeline.py and test_moe.py cover
+SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta]
+PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep")]
+MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep")]
 
 
 def sample(name: str) -> Sample:

@@ -218,5 +218,5 @@ def test_to_universal_of_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path: 
     done = run_cli("to-universal", FP32.checkpoint, out)
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1, done.stderr
-    assert "a pipeline-parallel checkpoint (2 stages x 1 data-parallel ranks): to-universal of pipeline" in lines[0]
+    assert "a pipeline-parallel checkpoint (2 stages x 1 data-parallel rank): to-universal of such" in lines[0]
     assert not out.exists()

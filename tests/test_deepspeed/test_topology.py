@@ -23,7 +23,7 @@ from zckpt.deepspeed.reader import open_checkpoint, survey
 
 ZERO3 = "z3_fp32_ws2_tied_frozen"
 ZERO2 = "z2_fp32_ws2_twotags"
-REFUSED = "zckpt reads data- and pipeline-parallel ZeRO checkpoints only (tensor and expert parallel layouts are not supported yet)"
+REFUSED = "zckpt reads data- and pipeline-parallel ZeRO checkpoints and mixture-of-experts ZeRO-1/2 checkpoints only (tensor-parallel layouts, pipelines with experts and ZeRO-0 experts are not supported yet)"
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -132,13 +132,6 @@ CASES = {
         {"zero_pp_rank_0_mp_rank_01_optim_states.pt": Z3_OPTIM},
         ["tensor/pipeline-parallel", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
     ),
-    "expert": (
-        ZERO3,
-        {"layer_0_expert_1_mp_rank_00_model_states.pt": Z3_MODEL},
-        [
-            "a mixture-of-experts (expert-parallel) checkpoint (1 expert file: layer_0_expert_1_mp_rank_00_model_states.pt)"
-        ],
-    ),
     "expert-optim": (
         ZERO2,
         {"expp_rank_1_mp_rank_00_optim_states.pt": Z2_OPTIM},
@@ -166,6 +159,15 @@ def test_other_layouts_are_refused_in_one_line(tmp_path: Path, case: str) -> Non
         assert text in str(problem), str(problem)
     with pytest.raises(LayoutError, match="not supported yet"):
         open_checkpoint(checkpoint)
+
+
+def test_expert_files_beside_zero3_files_are_refused(tmp_path: Path) -> None:
+    checkpoint = _with_files(tmp_path, ZERO3, {"layer_0_expert_1_mp_rank_00_model_states.pt": Z3_MODEL})
+    found = survey(checkpoint)
+    assert len(found.problems) == 1 and found.index is None
+    assert "expert files (layer_0_expert_1_mp_rank_00_model_states.pt ...) beside ZeRO-3 files" in str(
+        found.problems[0]
+    )
 
 
 def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -60,6 +60,21 @@ class Topology:
         """The ranks of the run: experts are spread over the data-parallel ranks, so they add none."""
         return self.pp * self.tp * self.dp
 
+    def describe(self) -> str:
+        """The layout in words: "a pipeline-parallel checkpoint (2 stages x 1 data-parallel rank)"."""
+        kinds, parts = [], []
+        if self.pp > 1:
+            kinds.append("pipeline-parallel")
+            parts.append(f"{self.pp} stages")
+        if self.tp > 1:
+            kinds.append("tensor-parallel")
+            parts.append(f"{self.tp} tensor ranks")
+        if self.ep > 1:
+            kinds.append("mixture-of-experts")
+            parts.append(f"expert-parallel degree {self.ep}")
+        parts.append(f"{self.dp} data-parallel rank{'s' * (self.dp != 1)}")
+        return f"a {' and '.join(kinds) or 'data-parallel'} checkpoint ({' x '.join(parts)})"
+
     def data_ranks(self) -> Iterator[RankCoords]:
         """The coordinates of every data-parallel rank of stage 0, tensor rank 0."""
         return (RankCoords.dp(rank) for rank in range(self.dp))

@@ -7,6 +7,8 @@ data-parallel checkpoint is one such set; a pipeline run is one per stage (:mod:
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from ..core.errors import ZckptError
 from ..core.index import CheckpointIndex
 from ..core.topology import Topology
@@ -28,10 +30,13 @@ def read_ranks(
     swap_folder: swap.SwapFolder | None = None,
     modules: dict[int | None, dict] | None = None,
     mp_world: int = 1,
+    view: Callable[[str, int | None, Any], Any] | None = None,
 ) -> None:
     """Read one data-parallel set of rank files (a whole data-parallel checkpoint, or one
     pipeline stage) into `result`. `modules`: the module state dict of each model-states file
-    where the file holds none (a pipeline stage's, rebuilt from its layer files)."""
+    where the file holds none (a pipeline stage's, rebuilt from its layer files). `view`: what
+    the reader sees of each loaded file ("model" or "optim", its rank, its state): one part of
+    it (a mixture-of-experts run's dense or expert param groups)."""
     location = result.location
     assert location is not None
     tag_dir = location.tag_dir
@@ -40,6 +45,9 @@ def read_ranks(
     if modules is not None:
         models = {rank: _with_module(m, modules.get(rank)) for rank, m in models.items()}
     optims = {rank: load(result, p) for rank, (_, p) in files.optim.items()}
+    if view is not None:
+        models = {rank: view("model", rank, m) for rank, m in models.items()}
+        optims = {rank: view("optim", rank, o) for rank, o in optims.items()}
     model0 = models.get(files.first)
     if isinstance(model0, dict) and not schema_problems(model0, MODEL_SCHEMA):
         declare(result, model0)

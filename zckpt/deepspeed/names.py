@@ -162,6 +162,8 @@ DATA_SAMPLER = "data_sampler"
 RANDOM_LTD = "random_ltd"
 SPARSE_TENSOR_MODULE_NAMES = "sparse_tensor_module_names"  # DeepSpeed < 0.15
 CHECKPOINT_PARALLEL_DIMENSIONS = "checkpoint_parallel_dimensions"  # DeepSpeed >= 0.15
+NUM_EXPERTS = "num_experts"  # a mixture-of-experts run: experts per MoE layer
+DS_AUTOEP_LAYERS = "ds_autoep_layers"  # a mixture-of-experts run, DeepSpeed >= 0.19
 
 # --- optim_states keys -------------------------------------------------------------------------
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"

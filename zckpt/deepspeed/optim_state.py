@@ -40,6 +40,8 @@ ENGINE_KEYS = (
     N.CHECKPOINT_PARALLEL_DIMENSIONS,
     N.DS_CONFIG,
     N.DS_VERSION,
+    N.NUM_EXPERTS,
+    N.DS_AUTOEP_LAYERS,
 )
 # engine keys carried as saved (the rest are rebuilt by a writer)
 CARRIED_ENGINE_KEYS = (
@@ -48,6 +50,8 @@ CARRIED_ENGINE_KEYS = (
     N.RANDOM_LTD,
     N.SPARSE_TENSOR_MODULE_NAMES,
     N.CHECKPOINT_PARALLEL_DIMENSIONS,
+    N.NUM_EXPERTS,
+    N.DS_AUTOEP_LAYERS,
 )
 # ZeRO optimizer keys that are neither layout nor per-param state
 OPTIMIZER_EXTRA_KEYS = (N.DYNAMIC_LOSS_SCALE, N.OVERFLOW, N.CLIP_GRAD)

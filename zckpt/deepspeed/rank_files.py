@@ -58,6 +58,15 @@ class RankFiles:
         return any(f.kind == "layer" for f in self.files)
 
     @property
+    def moe(self) -> bool:
+        """A mixture-of-experts run: its experts saved one file each (``layer_L_expert_E_...``)."""
+        return any(f.kind == "expert" for f in self.files)
+
+    @property
+    def expert_paths(self) -> list[str]:
+        return sorted(f.path for f in self.files if f.kind == "expert")
+
+    @property
     def layers(self) -> dict[int, str]:
         """The pipeline layer files by global layer index."""
         return dict(sorted((f.layer, f.path) for f in self.files if f.kind == "layer" and f.layer is not None))
@@ -175,6 +184,16 @@ def _pipeline_only(files: list[RankFile]) -> bool:
     )
 
 
+def _moe_only(files: list[RankFile]) -> bool:
+    """Expert files beside ZeRO files of one model-parallel rank: a mixture-of-experts run over
+    data-parallel ranks (ZeRO-0's ``expp_rank_*`` optimizer files are not read)."""
+    return (
+        any(f.kind == "expert" for f in files)
+        and not any(f.kind in ("layer", "expert_optim") for f in files)
+        and all(f.coords.tensor == 0 for f in files)
+    )
+
+
 def _as_stage(file: RankFile) -> RankFile:
     """A model or optimizer file of a pipeline run: its ``mp_rank`` is its stage."""
     if file.kind not in ("model", "optim"):
@@ -187,7 +206,7 @@ def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
     """The one refusal of a folder holding files of a layout zckpt does not read (tensor and
     expert parallel): which layouts and a file of each; None if there are none. Pipeline runs
     of one tensor rank are read (their model and optimizer files carry their stage)."""
-    if _pipeline_only(files):
+    if _pipeline_only(files) or _moe_only(files):
         return None
     layers = [f for f in files if f.kind == "layer"]
     model_parallel = [f for f in files if f.kind in ("model", "optim") and f.coords.tensor > 0]
@@ -211,7 +230,7 @@ def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
     return LayoutError(
         tag_dir,
         f"a {' and '.join(layouts)} checkpoint ({'; '.join(details)}): zckpt reads data- and pipeline-parallel ZeRO "
-        "checkpoints only (tensor and expert parallel layouts are not supported yet)",
+        "checkpoints and mixture-of-experts ZeRO-1/2 checkpoints only (tensor-parallel layouts, pipelines with experts and ZeRO-0 experts are not supported yet)",
     )
 
 

@@ -202,20 +202,18 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
 
 
 def require_data_parallel(state: TrainingState, what: str) -> None:
-    """The data-parallel writers refuse a pipeline run's state (its stages are written by
-    :mod:`.pipeline_writer`), rather than write a checkpoint its engine could not load."""
+    """The data-parallel writers refuse the state of another layout (a pipeline run's stages are
+    written by :mod:`.pipeline_writer`), rather than write a checkpoint its engine could not load."""
     topology = state.index.topology
     if state.stages or not topology.data_parallel_only:
         raise LayoutError(
-            state.index.tag_dir,
-            f"a pipeline-parallel checkpoint ({topology.pp} stages x {topology.dp} data-parallel ranks): "
-            f"{what} of pipeline checkpoints is not supported yet",
+            state.index.tag_dir, f"{topology.describe()}: {what} of such checkpoints is not supported yet"
         )
 
 
 def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None) -> CheckpointPlan:
     """Every file of the target checkpoint as an object tree (swap files as RawFiles); pure."""
-    require_data_parallel(state, "this writing")
+    require_data_parallel(state, "reshard")
     layout = target_layout(state, target)
     optim = OptimPlanner(state, target, layout)
     ranks = list(target.topology.data_ranks())

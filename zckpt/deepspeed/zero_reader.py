@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..core.errors import UsageError
 from . import swap_folder as swap
 from .dp_reader import read_ranks
+from .moe import read_moe
 from .pipeline import read_pipeline
 from .rank_files import zero_rank_files
 from .survey import Survey
@@ -29,5 +30,13 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
             result.add(UsageError, location.tag_dir, "--swap-folder is for ZeRO-3 runs; a pipeline run is ZeRO-0/1")
             return
         read_pipeline(result, files)
+        return
+    if files.moe:
+        if swap_folder is not None:
+            result.add(
+                UsageError, location.tag_dir, "--swap-folder is for ZeRO-3 runs; a mixture-of-experts run is ZeRO-1/2"
+            )
+            return
+        read_moe(result, files)
         return
     read_ranks(result, files, swap_folder)

@@ -1,5 +1,9 @@
-"""Pipeline-parallel checkpoints against DeepSpeed's own PipelineModule (issue 19). Needs DeepSpeed:
-``pytest -m deepspeed -p interop_helpers tests/test_interop/test_interop_pipeline.py``.
+"""Pipeline-parallel and mixture-of-experts checkpoints against DeepSpeed's own modules (issue 19).
+Needs DeepSpeed: ``pytest -m deepspeed -p interop_helpers tests/test_interop/test_interop_parallel.py``.
+
+A mixture-of-experts checkpoint is consolidated under the names of the model built with every
+expert on one rank (``MoE(ep_size=1)``); DeepSpeed builds that model and loads the file with
+``strict=True`` in the same run as the one-stage pipeline models.
 
 zckpt consolidates a 2-stage pipeline checkpoint under the names the model's ``state_dict()`` has
 when built as one stage. Here DeepSpeed builds that model (the samples' PipelineModule with
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PIPELINE_SAMPLES, ROOT, Sample
+from helpers import MOE_SAMPLES, PIPELINE_SAMPLES, ROOT, Sample
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -47,12 +51,15 @@ import deepspeed
 from safetensors.torch import load_file
 
 sys.path.insert(0, sys.argv[1])
-from make_parallel_ckpts import Case, build_pipeline
+from make_parallel_ckpts import Case, build_moe, build_pipeline
 
 deepspeed.init_distributed(dist_backend="gloo")
 out = Path(sys.argv[2])
 for name in sys.argv[3:]:
-    module = build_pipeline(Case(name, 1, "fp32", pp=1, dp=1))
+    if name.startswith("moe_"):  # every expert on this one rank
+        module = build_moe(Case(name, 1, "fp32", pp=1, dp=1, ep=1))
+    else:
+        module = build_pipeline(Case(name, 1, "fp32", pp=1, dp=1))
     weights = load_file(str(out / name / "model.safetensors"))
     missing, unexpected = module.load_state_dict(weights, strict=True)
     (out / name / "one_stage.json").write_text(json.dumps({"keys": list(module.state_dict()), "loaded": True}))
@@ -161,13 +168,13 @@ def test_deepspeed_resumes_a_resharded_pipeline_checkpoint(
 def one_stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each sample consolidated by zckpt, then loaded by the one-stage PipelineModule."""
     out = tmp_path_factory.mktemp("pipeline")
-    for case in PIPELINE_SAMPLES:
+    for case in PIPELINE_SAMPLES + MOE_SAMPLES:
         consolidate(case.checkpoint, out / case.name)
     script = out / "worker.py"
     script.write_text(WORKER)
     python = ds_python()
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port())]
-    cmd += [str(script), str(ROOT / "scripts"), str(out), *(c.name for c in PIPELINE_SAMPLES)]
+    cmd += [str(script), str(ROOT / "scripts"), str(out), *(c.name for c in PIPELINE_SAMPLES + MOE_SAMPLES)]
     log = out / "run.log"
     returncode = run_logged(cmd, ds_env(1, python), log, timeout=600)
     if returncode != 0:
@@ -177,7 +184,7 @@ def one_stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=[s.name for s in PIPELINE_SAMPLES])
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES + MOE_SAMPLES, ids=[s.name for s in PIPELINE_SAMPLES + MOE_SAMPLES])
 def test_the_one_stage_model_loads_the_consolidated_weights(one_stage: Path, case: Sample) -> None:
     found = json.loads((one_stage / case.name / "one_stage.json").read_text())
     assert found["loaded"]  # strict: no key missing, none unexpected, every shape right

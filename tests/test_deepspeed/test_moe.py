@@ -1,0 +1,102 @@
+"""Mixture-of-experts checkpoints (issue 19): samples written by real DeepSpeed with a native
+``deepspeed.moe.layer.MoE`` of 4 experts at expert-parallel degree 2 (scripts/make_parallel_ckpts.py:
+ZeRO-2 fp32 on 2 ranks, one rank per expert group; ZeRO-1 bf16 on 4 ranks, expert data-parallel
+groups of 2), read as the model with every expert on one rank. The truth is what the live engine
+held: every param's fp32 master from DeepSpeed's ``safe_get_full_fp32_param`` on each rank, expert
+params under their global ids (``reference/live.safetensors``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import MOE_SAMPLES, Sample, run_cli, same_bits
+from zckpt import load_state_dict, reshard
+from zckpt.core.errors import LayoutError
+from zckpt.core.topology import Topology
+from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
+from zckpt.ops.verify import verify
+
+IDS = [s.name for s in MOE_SAMPLES]
+EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.0.weight"
+
+
+def test_the_samples_are_there() -> None:
+    assert {s.name for s in MOE_SAMPLES} >= {"moe_z2_fp32_ep2_dp2", "moe_z1_bf16_ep2_dp4"}
+
+
+@pytest.mark.parametrize("case", MOE_SAMPLES, ids=IDS)
+def test_every_expert_of_every_rank_is_the_live_engines(case: Sample) -> None:
+    index = open_checkpoint(case.checkpoint)
+    assert index.topology == Topology(ep=case.meta["ep"], dp=case.meta["world_size"])
+    assert index.world_size == case.meta["world_size"] and index.zero_stage == case.meta["zero_stage"]
+    live = case.live()
+    assert sorted(index.names()) == sorted(live)
+    assert all(EXPERT.format(e) in live for e in range(case.meta["experts"]))
+    state_dict = load_state_dict(case.checkpoint, dtype="fp32")
+    for name, value in live.items():
+        assert same_bits(state_dict[name], value.float() if value.is_floating_point() else value), name
+
+
+@pytest.mark.parametrize("case", MOE_SAMPLES, ids=IDS)
+def test_the_training_state_keeps_the_expert_group(case: Sample) -> None:
+    state = open_training_state(case.checkpoint)
+    assert len(state.groups) == 2 and state.global_steps == case.meta["global_steps"]
+    experts = [p.name for p in state.params if "deepspeed_experts" in p.name]
+    assert list(state.groups[1].params) == experts and {p.group for p in state.params if p.name in experts} == {1}
+    assert len(experts) == 4 * case.meta["experts"]  # 2 Linear layers (weight, bias) per expert
+    assert state.client_state == {}  # num_experts and ds_autoep_layers are the engine's keys
+    assert (
+        state.index.names().index(EXPERT.format(0)) == state.index.names().index("moe.deepspeed_moe.gate.wg.weight") + 1
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MOE_SAMPLES, ids=IDS)
+def test_cli_inspect_verify_consolidate(tmp_path: Path, case: Sample) -> None:
+    inspected = run_cli("inspect", case.checkpoint)
+    assert inspected.returncode == 0 and "mixture-of-experts: 4 experts in 1 MoE layer" in inspected.stdout
+    assert verify(case.checkpoint).ok
+    done = run_cli("consolidate", case.checkpoint, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+
+
+def _copy(tmp_path: Path, case: Sample) -> Path:
+    checkpoint = tmp_path / case.name
+    shutil.copytree(case.checkpoint, checkpoint)
+    return checkpoint / (checkpoint / "latest").read_text().strip()
+
+
+BF16 = next(s for s in MOE_SAMPLES if s.name == "moe_z1_bf16_ep2_dp4")
+
+
+def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
+    tag = _copy(tmp_path, BF16)
+    (tag / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt").unlink()
+    found = survey(tag.parent)
+    assert found.index is None
+    assert any("bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt: missing" in str(p) for p in found.problems), [
+        str(p) for p in found.problems
+    ]
+
+
+def test_swapped_expert_rank_files_are_caught(tmp_path: Path) -> None:
+    """Ranks 0 and 1 hold different experts under the same local names: swapping their files is
+    caught by the slice mappings of the dense groups (each file names its own rank's part)."""
+    tag = _copy(tmp_path, BF16)
+    a, b = (tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
+    a.rename(tag / "x")
+    b.rename(a)
+    (tag / "x").rename(b)
+    found = survey(tag.parent)
+    assert found.index is None and found.problems
+
+
+def test_reshard_of_experts_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(
+        LayoutError, match="a mixture-of-experts checkpoint .expert-parallel degree 2 x 4 data-parallel ranks.: reshard"
+    ):
+        reshard(BF16.checkpoint, tmp_path / "out", world_size=2)
+    assert not (tmp_path / "out").exists()

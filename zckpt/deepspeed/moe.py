@@ -1,0 +1,318 @@
+"""Mixture-of-experts checkpoints (DeepSpeed's native ``deepspeed.moe.layer.MoE``, ZeRO-1/2): read
+as the model built with every expert on one rank.
+
+What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``): one model-states
+file without the expert params, ``param_shapes`` listing the dense groups and then the expert
+groups under rank 0's *local* expert ids; per rank, an optimizer file whose dense groups are
+partitioned over all ranks and whose expert groups (``moe: True``) over the rank's
+expert-data-parallel group only (the group's ``partition_count`` is that group's size); per global
+expert, ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` with its 16-bit weights under global ids.
+
+DeepSpeed's default grouping ("E + D", ``groups._create_expert_and_data_parallel``): with W ranks
+and expert-parallel degree E, rank r holds the experts of expert rank ``r % E``, and its expert
+partitions are part ``r // E`` of those experts' flat groups. Local expert l of expert rank e is
+global expert ``e * experts_per_rank + l`` (engine ``_save_moe_checkpoint``).
+
+:func:`read_moe` reads the checkpoint as views the data-parallel reader
+(:func:`~.dp_reader.read_ranks`) already knows: the dense groups over all W ranks, then, for each
+expert rank, its expert groups over its D = W / E ranks under global names; and merges them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+from ..core.errors import LayoutError
+from ..core.index import CheckpointIndex
+from ..core.state import TrainingState
+from ..core.topology import RankCoords, Topology
+from . import names as N
+from .dp_reader import read_ranks
+from .optim_state import flat_states
+from .rank_files import RankFiles, load
+from .survey import Survey
+
+EXPERT_ID = re.compile(r"(?<=\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(?=\.)")
+# the lists of a ZeRO-1/2 optimizer file with one entry per param group
+_PER_GROUP = (
+    N.SINGLE_PARTITION_OF_FP32_GROUPS,
+    N.GROUP_PADDINGS,
+    N.PARAM_ALIGNMENT_PADDINGS,
+    N.PARTITION_COUNT,
+    N.PARAM_SLICE_MAPPINGS,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroups:
+    """Which param groups hold experts, the expert-parallel degree, and experts per rank per
+    MoE module (keyed by the name prefix before ``deepspeed_experts.<id>``)."""
+
+    world: int
+    groups: tuple[int, ...]  # indices of the expert param groups
+    ep: int
+    per_rank: dict[str, int]
+
+    @property
+    def dense(self) -> list[int]:
+        return [g for g in range(self.count) if g not in self.groups]
+
+    count: int = 0  # param groups in all
+
+    def global_name(self, name: str, ep_rank: int) -> str:
+        """An expert param's name at expert rank `ep_rank` under its global expert id."""
+        found = EXPERT_ID.search(name)
+        if found is None:
+            return name
+        prefix = name[: found.start()]
+        return name[: found.start()] + str(ep_rank * self.per_rank[prefix] + int(found[1])) + name[found.end() :]
+
+
+def expert_groups(result: Survey, files: RankFiles) -> ExpertGroups | None:
+    """The expert groups, read from rank 0's files; None (a problem listed) when they do not add up."""
+    optim0 = files.optim.get(0)
+    model_path = files.model.get(None)
+    if optim0 is None or model_path is None:
+        return None  # the data-parallel reader names what is missing
+    inner = (load(result, optim0[1]) or {}).get(N.OPTIMIZER_STATE_DICT)
+    model = load(result, model_path)
+    if not isinstance(inner, dict) or not isinstance(model, dict):
+        return None
+    counts = inner.get(N.PARTITION_COUNT)
+    param_groups = flat_states(inner).get("param_groups")
+    shapes = model.get(N.PARAM_SHAPES)
+    if not (isinstance(counts, list) and isinstance(param_groups, list) and isinstance(shapes, list)):
+        return None
+    world = max(counts)
+    moe = tuple(g for g, group in enumerate(param_groups) if isinstance(group, dict) and group.get("moe"))
+    sizes = {counts[g] for g in moe if g < len(counts)}
+    if not moe or len(sizes) != 1 or world % next(iter(sizes)):
+        result.add(
+            LayoutError,
+            optim0[1],
+            f"expert param groups {list(moe)} partitioned over {sorted(sizes)} of {world} ranks: not one expert-parallel degree",
+        )
+        return None
+    per_rank: dict[str, int] = {}
+    for g in moe:
+        for name in shapes[g] if g < len(shapes) and isinstance(shapes[g], dict) else {}:
+            found = EXPERT_ID.search(name)
+            if found is None:
+                result.add(LayoutError, model_path, f"param {name} of expert group {g} names no expert")
+                return None
+            prefix = name[: found.start()]
+            per_rank[prefix] = max(per_rank.get(prefix, 0), int(found[1]) + 1)
+    ep = world // next(iter(sizes))
+    return ExpertGroups(world, moe, ep, per_rank, count=len(counts))
+
+
+def read_moe(result: Survey, files: RankFiles) -> None:
+    """Read a mixture-of-experts tag folder into `result`: the dense groups over every rank, each
+    expert rank's expert groups over its own ranks, merged into one index and training state."""
+    location = result.location
+    assert location is not None
+    if files.zero3:
+        result.add(
+            LayoutError,
+            files.tag_dir,
+            f"expert files ({files.expert_paths[0].rsplit('/', 1)[-1]} ...) beside ZeRO-3 files: DeepSpeed runs native "
+            "mixture-of-experts at ZeRO-0/1/2 only, so these are files of two runs",
+        )
+        return
+    experts = expert_groups(result, files)
+    if experts is None:
+        if not result.problems:
+            result.add(LayoutError, files.tag_dir, "a mixture-of-experts checkpoint without expert param groups")
+        return
+    dense = Survey(result.path, location=location)
+    read_ranks(dense, files, view=lambda kind, rank, state: _dense_view(kind, state, experts))
+    surveys = [dense]
+    for ep_rank in range(experts.ep):
+        own = _expert_rank_files(files, ep_rank, experts.ep)
+        sub = Survey(result.path, location=location)
+        read_ranks(sub, own, view=lambda kind, rank, state, e=ep_rank: _expert_view(kind, state, experts, e))
+        surveys.append(sub)
+    for field in ("zero_stage", "dtype", "ds_version", "offload", "declared_dtypes", "tied"):
+        setattr(result, field, getattr(dense, field))
+    result.declared = [d for sub in surveys for d in sub.declared]
+    result.problems.extend(p for sub in surveys for p in sub.problems)
+    result.notes.extend(dict.fromkeys(n for sub in surveys for n in sub.notes))
+    result.files = sorted({*(p for sub in surveys for p in sub.files), *files.expert_paths})
+    result.world_size = dense.world_size
+    if result.problems or any(sub.index is None or sub.state is None for sub in surveys):
+        return
+    assert dense.index is not None and dense.state is not None
+    order = _module_order(dense.state.module_names, [s.state for s in surveys[1:] if s.state is not None])
+    entries = sorted(
+        (e for sub in surveys if sub.index is not None for e in sub.index.entries), key=lambda e: order[e.name]
+    )
+    experts_total = sum(n * experts.ep for n in experts.per_rank.values())
+    result.notes.append(
+        f"mixture-of-experts: {experts_total} experts in {len(experts.per_rank)} MoE layer(s), expert-parallel "
+        f"degree {experts.ep} over {experts.world} ranks (expert data-parallel groups of {experts.world // experts.ep})"
+    )
+    result.index = CheckpointIndex(
+        checkpoint_dir=location.checkpoint_dir,
+        tag=location.tag,
+        tag_dir=location.tag_dir,
+        tags=location.tags,
+        zero_stage=dense.index.zero_stage,
+        world_size=experts.world,
+        topology=Topology(ep=experts.ep, dp=experts.world),
+        dtype=dense.index.dtype,
+        ds_version=dense.index.ds_version,
+        offload=dense.index.offload,
+        entries=tuple(entries),
+        files=tuple(result.files),
+        notes=tuple(result.notes),
+    )
+    try:
+        result.state = _merged_state(result.index, dense.state, surveys[1:], experts, order)
+    except LayoutError as exc:
+        result.problems.append(exc)
+        result.index = None
+
+
+def _expert_rank_files(files: RankFiles, ep_rank: int, ep: int) -> RankFiles:
+    """The files of the ranks holding expert rank `ep_rank`'s experts, numbered within its expert
+    data-parallel group; the one model-states file with them."""
+    own = []
+    for f in files.files:
+        if f.kind == "optim" and f.coords.data % ep == ep_rank:
+            own.append(dataclasses.replace(f, coords=RankCoords.dp(f.coords.data // ep)))
+        elif f.kind == "model":
+            own.append(f)
+    return RankFiles(files.tag_dir, tuple(own))
+
+
+def _pick(values: Any, keep: list[int]) -> Any:
+    return [values[g] for g in keep] if isinstance(values, list) else values
+
+
+def _inner_view(inner: Any, keep: list[int], rename: Any = None) -> Any:
+    """An optimizer file's inner dict with only the param groups `keep`, renumbered from 0, and
+    the slice mappings' names passed through `rename`."""
+    if not isinstance(inner, dict):
+        return inner
+    view = dict(inner)
+    for key in _PER_GROUP:
+        if key in view:
+            view[key] = _pick(view[key], keep)
+    if rename is not None and isinstance(view.get(N.PARAM_SLICE_MAPPINGS), list):
+        view[N.PARAM_SLICE_MAPPINGS] = [
+            OrderedDict((rename(n), a) for n, a in m.items()) if isinstance(m, dict) else m
+            for m in view[N.PARAM_SLICE_MAPPINGS]
+        ]
+    base = view.get(N.BASE_OPTIMIZER_STATE)
+    if isinstance(base, dict) and isinstance(base.get("state"), dict):
+        groups = base.get("param_groups")
+        view[N.BASE_OPTIMIZER_STATE] = {
+            **base,
+            "state": {new: base["state"][old] for new, old in enumerate(keep) if old in base["state"]},
+            "param_groups": [{**groups[old], "params": [new]} for new, old in enumerate(keep)]
+            if isinstance(groups, list) and all(isinstance(groups[g], dict) for g in keep if g < len(groups))
+            else groups,
+        }
+    return view
+
+
+def _dense_view(kind: str, state: Any, experts: ExpertGroups) -> Any:
+    """A file as the dense groups' data-parallel checkpoint sees it."""
+    if not isinstance(state, dict):
+        return state
+    if kind == "model":
+        return {**state, N.PARAM_SHAPES: _pick(state.get(N.PARAM_SHAPES), experts.dense)}
+    return {**state, N.OPTIMIZER_STATE_DICT: _inner_view(state.get(N.OPTIMIZER_STATE_DICT), experts.dense)}
+
+
+def _expert_view(kind: str, state: Any, experts: ExpertGroups, ep_rank: int) -> Any:
+    """A file as expert rank `ep_rank`'s expert groups see it: their params under global ids, no
+    dense module (its buffers and frozen params are the dense view's)."""
+    if not isinstance(state, dict):
+        return state
+
+    def rename(name: str) -> str:
+        return experts.global_name(name, ep_rank)
+
+    if kind == "model":
+        shapes = _pick(state.get(N.PARAM_SHAPES), list(experts.groups))
+        if isinstance(shapes, list):
+            shapes = [OrderedDict((rename(n), s) for n, s in g.items()) if isinstance(g, dict) else g for g in shapes]
+        empty = {
+            key: ({} if state.get(key) is not None else None)
+            for key in (N.FROZEN_PARAM_SHAPES, N.FROZEN_PARAM_FRAGMENTS)
+        }
+        return {
+            **state,
+            N.MODULE: OrderedDict(),
+            N.PARAM_SHAPES: shapes,
+            N.BUFFER_NAMES: [],
+            N.SHARED_PARAMS: {},
+            N.DP_WORLD_SIZE: experts.world // experts.ep,
+            **empty,
+        }
+    return {
+        **state,
+        N.OPTIMIZER_STATE_DICT: _inner_view(state.get(N.OPTIMIZER_STATE_DICT), list(experts.groups), rename),
+    }
+
+
+def _module_order(dense_names: tuple[str, ...], expert_states: list[TrainingState]) -> dict[str, int]:
+    """The state dict order of the model with every expert on one rank: each MoE module's
+    experts (by global id) right after its gate, as ``MOELayer`` registers them."""
+    experts: dict[str, list[str]] = {}
+    for state in expert_states:
+        for param in state.params:
+            found = EXPERT_ID.search(param.name)
+            prefix = param.name[: found.start()] if found else ""
+            experts.setdefault(prefix, []).append(param.name)
+    for prefix in experts:
+        experts[prefix].sort(key=lambda n: int(EXPERT_ID.search(n)[1]))  # type: ignore[index]
+    after: dict[int, list[str]] = {}  # position in the dense order -> the experts that follow it
+    for prefix, members in experts.items():
+        gate = prefix.replace("experts.deepspeed_experts.", "gate.")
+        last = max((i for i, n in enumerate(dense_names) if n.startswith(gate)), default=len(dense_names) - 1)
+        after.setdefault(last, []).extend(members)
+    names: list[str] = []
+    for i, name in enumerate(dense_names):
+        names.append(name)
+        names.extend(after.get(i, []))
+    if not dense_names:
+        names.extend(n for members in after.values() for n in members)
+    return {name: i for i, name in enumerate(names)}
+
+
+def _merged_state(
+    index: CheckpointIndex,
+    dense: TrainingState,
+    expert_states: list[Survey],
+    experts: ExpertGroups,
+    order: dict[str, int],
+) -> TrainingState:
+    """One training state: the dense view's, with each expert group's params from every expert
+    rank under its original group index."""
+    states = [s.state for s in expert_states if s.state is not None]
+    groups: list[Any] = [None] * experts.count
+    for new, old in enumerate(experts.dense):
+        groups[old] = dense.groups[new]
+    params = [replace(p, group=experts.dense[p.group]) for p in dense.params]
+    for new, old in enumerate(experts.groups):
+        members = [name for state in states for name in state.groups[new].params]
+        groups[old] = replace(states[0].groups[new], params=tuple(members))
+        params += [replace(p, group=old) for state in states for p in state.params if p.group == new]
+    if any(g is None for g in groups):
+        raise LayoutError(index.tag_dir, "the expert and dense views do not cover every param group")
+    by_name = {p.name: p for p in params}
+    module_names = sorted([*dense.module_names, *(p.name for s in states for p in s.params)], key=lambda n: order[n])
+    return replace(
+        dense,
+        index=index,
+        params=tuple(by_name[name] for group in groups for name in group.params),
+        groups=tuple(groups),
+        module_names=tuple(module_names),
+        state_padding=(*dense.state_padding, *(p for s in states for p in s.state_padding)),
+    )
