@@ -7,17 +7,20 @@ params under their global ids (``reference/live.safetensors``)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import MOE_SAMPLES, Sample, run_cli, same_bits
-from zckpt import load_state_dict, reshard
-from zckpt.core.errors import LayoutError
+from helpers import MOE_SAMPLES, Sample, compare_trees, run_cli, same_bits, tag_files
+from zckpt import load_state_dict, reshard, to_universal
+from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
+from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
 
 IDS = [s.name for s in MOE_SAMPLES]
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.0.weight"
@@ -94,9 +97,47 @@ def test_swapped_expert_rank_files_are_caught(tmp_path: Path) -> None:
     assert found.index is None and found.problems
 
 
-def test_reshard_of_experts_is_refused_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", MOE_SAMPLES, ids=IDS)
+def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, case: Sample) -> None:
+    """Every file DeepSpeed wrote, rewritten by zckpt at the run's own ranks: the same pickled trees
+    and tensor bytes (its shapes as plain tuples, as a MoE engine saves them; expert files copied)."""
+    out = tmp_path / "same"
+    reshard(case.checkpoint, out, world_size=case.meta["world_size"])
+    original, ours = tag_files(case.checkpoint), tag_files(out)
+    assert sorted(original) == sorted(ours)
+    with FileReader() as reader:
+        for name, path in original.items():
+            assert compare_trees(torchfile.load(str(path)), torchfile.load(str(ours[name])), reader) == [], name
+
+
+def test_reshard_to_other_ranks_keeps_every_value(tmp_path: Path) -> None:
+    out = tmp_path / "two"
+    reshard(BF16.checkpoint, out, world_size=2)
+    index = open_checkpoint(out)
+    assert index.topology == Topology(ep=2, dp=2)
+    written = load_state_dict(out, dtype="fp32")
+    for name, value in BF16.live().items():
+        assert same_bits(written[name], value.float()), name
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"world_size": 3}, "--world-size 3: a multiple of the expert-parallel degree 2"),
+        ({"world_size": 2, "stage": 3}, "--stage 3: DeepSpeed runs native mixture-of-experts at ZeRO-0/1/2 only"),
+        ({"world_size": 2, "pipeline_stages": 1}, "--pipeline-stages is for pipeline-parallel checkpoints"),
+    ],
+)
+def test_moe_writes_it_cannot_make_are_refused(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        reshard(BF16.checkpoint, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_to_universal_of_experts_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(
-        LayoutError, match="a mixture-of-experts checkpoint .expert-parallel degree 2 x 4 data-parallel ranks.: reshard"
+        LayoutError,
+        match="a mixture-of-experts checkpoint .expert-parallel degree 2 x 4 data-parallel ranks.: to-universal",
     ):
-        reshard(BF16.checkpoint, tmp_path / "out", world_size=2)
+        to_universal(BF16.checkpoint, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -164,6 +164,82 @@ def test_deepspeed_resumes_a_resharded_pipeline_checkpoint(
         assert step.item() == case.meta["global_steps"]
 
 
+MOE_LOADER = r"""
+import json, sys
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import safe_get_full_fp32_param
+from safetensors.torch import save_file
+
+sys.path.insert(0, sys.argv[1])
+from make_parallel_ckpts import Case, build_moe, ds_config, expert_global_name
+
+checkpoint, out, dtype, stage, dp, ep = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:8])
+deepspeed.init_distributed(dist_backend="gloo")
+case = Case("load", stage, dtype, pp=1, dp=dp, ep=ep, grad_accum=1)
+model = build_moe(case)
+groups = split_params_into_different_moe_groups_for_optimizer(
+    {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"}
+)
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(case))
+path, client = engine.load_checkpoint(str(checkpoint))
+assert path is not None, "load_checkpoint found nothing"
+live = {}
+for name, p in engine.module.named_parameters():
+    live[expert_global_name(name, p, case.experts, ep)] = safe_get_full_fp32_param(p).detach().float().clone()
+save_file(live, str(out / f"live_rank{dist.get_rank()}.safetensors"))
+if dist.get_rank() == 0:
+    (out / "engine.json").write_text(json.dumps({"global_steps": engine.global_steps}))
+engine.save_checkpoint(str(out / "resaved"))
+dist.barrier()
+"""
+
+# (sample, ranks of the loading run): the same experts over twice or half the ranks
+MOE_RESHARDS = [("moe_z2_fp32_ep2_dp2", 4), ("moe_z1_bf16_ep2_dp4", 2)]
+
+
+@pytest.mark.parametrize("name, world", MOE_RESHARDS, ids=[f"{n}-to-{w}" for n, w in MOE_RESHARDS])
+def test_deepspeed_resumes_a_resharded_moe_checkpoint(tmp_path: Path, name: str, world: int) -> None:
+    """DeepSpeed refuses another data-parallel size itself ("used a DP world size of ..."); zckpt's
+    reshard at the same expert-parallel degree is loaded plainly, with every expert's master and
+    moments as saved."""
+    from safetensors.torch import load_file
+
+    from helpers import same_bits
+
+    case = next(s for s in MOE_SAMPLES if s.name == name)
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=world)
+    loaded = tmp_path / "loaded"
+    loaded.mkdir()
+    script = loaded / "loader.py"
+    script.write_text(MOE_LOADER)
+    python = ds_python()
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
+    cmd += [str(script), str(ROOT / "scripts"), str(out), str(loaded), case.meta["dtype"]]
+    cmd += [str(case.meta["zero_stage"]), str(world), str(case.meta["ep"])]
+    log = loaded / "run.log"
+    returncode = run_logged(cmd, ds_env(world, python), log, timeout=600)
+    if returncode != 0:
+        pytest.fail(
+            f"DeepSpeed load: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        )
+    truth = case.live()
+    for rank in range(world):
+        for key, value in load_file(loaded / f"live_rank{rank}.safetensors").items():
+            assert same_bits(value, truth[key].float()), (rank, key)
+    assert json.loads((loaded / "engine.json").read_text())["global_steps"] == case.meta["global_steps"]
+    resaved, original = open_training_state(loaded / "resaved"), open_training_state(case.checkpoint)
+    with FileReader() as reader:
+        for param in original.params:
+            again = resaved.param(param.name)
+            for key, source in param.states.items():
+                assert same_bits(read_tensor(reader, again.states[key]), read_tensor(reader, source)), (param.name, key)
+
+
 @pytest.fixture(scope="module")
 def one_stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each sample consolidated by zckpt, then loaded by the one-stage PipelineModule."""

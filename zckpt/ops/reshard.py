@@ -18,6 +18,7 @@ from ..core.errors import OutputError, UsageError
 from ..core.state import TrainingState
 from ..core.untrusted import path_component, regular_file_inside
 from ..deepspeed import names as N
+from ..deepspeed.moe_writer import plan_moe_checkpoint
 from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.run_config import load_config
@@ -61,6 +62,8 @@ def _plan(state: TrainingState, target: Target, pipeline_stages: int | None) -> 
     """A pipeline run's checkpoint stays one (at its stages or one); any other is data-parallel."""
     if state.stages:
         return plan_pipeline_checkpoint(state, target, pipeline_stages)
+    if state.index.topology.ep > 1 and pipeline_stages is None:
+        return plan_moe_checkpoint(state, target)
     if pipeline_stages is not None:
         raise UsageError(None, "--pipeline-stages is for pipeline-parallel checkpoints; this one is data-parallel")
     return plan_checkpoint(state, target)

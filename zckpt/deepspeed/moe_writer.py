@@ -1,0 +1,202 @@
+"""Mixture-of-experts checkpoints written (:func:`plan_moe_checkpoint`): the training state of a
+native-MoE run laid out for another number of data-parallel ranks at the same expert-parallel
+degree, as DeepSpeed saves it, so a plain ``load_checkpoint`` of the new run reads it.
+
+As the reader (:mod:`.moe`) does, the writer works on views the data-parallel writer
+(:func:`~.writer.plan_checkpoint`) already lays out: the dense groups over all W ranks, and each
+expert rank's experts (under their local ids) over its W / E expert data-parallel ranks. Rank
+``r`` gets the dense part ``r`` and part ``r // E`` of expert rank ``r % E``'s experts, merged
+group by group into one optimizer file. The expert files hold each expert's module tensors under
+its global id, whatever the data-parallel size: they are copied as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+from ..core.dtypes import BY_SHORT
+from ..core.errors import UsageError
+from ..core.index import Segment
+from ..core.state import TrainingState
+from ..core.topology import Topology
+from ..torchfile.pickler import PickledReduce
+from ..torchfile.save import Copy, OutTensor
+from . import names as N
+from .writer import CheckpointPlan, PlannedFile, RawFile, Target, carry, plan_checkpoint
+
+UINT8 = BY_SHORT["uint8"]
+EXPERT_ID = re.compile(r"(?<=\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(?=\.)")
+_PER_GROUP = (
+    N.SINGLE_PARTITION_OF_FP32_GROUPS,
+    N.GROUP_PADDINGS,
+    N.PARAM_ALIGNMENT_PADDINGS,
+    N.PARTITION_COUNT,
+    N.PARAM_SLICE_MAPPINGS,
+)
+
+
+def expert_group_indices(state: TrainingState) -> list[int]:
+    """The param groups DeepSpeed marked ``moe: True``."""
+    return [g for g, group in enumerate(state.groups) if group.hyperparams.get("moe")]
+
+
+def plan_moe_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
+    """Every file of the mixture-of-experts checkpoint for `target` (its data-parallel size and
+    ZeRO-1/2 stage) at the input's expert-parallel degree; pure."""
+    ep = state.index.topology.ep
+    if target.stage not in (1, 2):
+        raise UsageError(None, f"--stage {target.stage}: DeepSpeed runs native mixture-of-experts at ZeRO-0/1/2 only")
+    if target.world_size % ep:
+        raise UsageError(
+            None,
+            f"--world-size {target.world_size}: a multiple of the expert-parallel degree {ep} "
+            "(each expert rank's experts are partitioned over world size / degree ranks)",
+        )
+    expert = expert_group_indices(state)
+    dense = [g for g in range(len(state.groups)) if g not in expert]
+    per_rank = _experts_per_rank(state, expert, ep)
+    dense_plan = plan_checkpoint(_view(state, dense, lambda name: name), target)
+    expert_target = replace(target, world_size=target.world_size // ep)
+    expert_plans = [
+        plan_checkpoint(
+            _view(state, expert, lambda name, e=e: _local_name(name, e, per_rank), per_rank=per_rank, ep_rank=e),
+            expert_target,
+        )
+        for e in range(ep)
+    ]
+    optim = {f.rank: f for f in dense_plan.files if N.OPTIM_STATES_RE.match(f.name)}
+    experts_optim = [{f.rank: f for f in plan.files if N.OPTIM_STATES_RE.match(f.name)} for plan in expert_plans]
+    files: list[PlannedFile] = []
+    for f in dense_plan.files:
+        if f.rank in optim and f is optim[f.rank]:
+            assert f.rank is not None
+            part = experts_optim[f.rank % ep][f.rank // ep]
+            files.append(replace(f, obj=_merged_optim(f.obj, part.obj, dense, expert)))
+        else:
+            expert_model = next(p for p in expert_plans[0].files if N.MODEL_STATES_RE.match(p.name))
+            files.append(replace(f, obj=_merged_model(f.obj, expert_model.obj, dense, expert, state)))
+    for path in sorted(p for p in state.index.files if N.EXPERT_STATES_RE.match(os.path.basename(p))):
+        size = os.path.getsize(path)
+        copy = OutTensor(UINT8, (size,), (Copy(Segment(path, 0, size), UINT8),))
+        files.append(PlannedFile(os.path.basename(path), RawFile(copy), None))
+    return replace(dense_plan, files=tuple(files))
+
+
+def _experts_per_rank(state: TrainingState, expert: list[int], ep: int) -> dict[str, int]:
+    """Experts per expert rank, per MoE module (the name before ``deepspeed_experts.<id>``)."""
+    ids: dict[str, set[int]] = {}
+    for g in expert:
+        for name in state.groups[g].params:
+            found = EXPERT_ID.search(name)
+            if found is not None:
+                ids.setdefault(name[: found.start()], set()).add(int(found[1]))
+    return {prefix: len(found) // ep for prefix, found in ids.items()}
+
+
+def _local_name(name: str, ep_rank: int, per_rank: dict[str, int]) -> str:
+    found = EXPERT_ID.search(name)
+    if found is None:
+        return name
+    local = int(found[1]) - ep_rank * per_rank[name[: found.start()]]
+    return name[: found.start()] + str(local) + name[found.end() :]
+
+
+def _view(
+    state: TrainingState,
+    keep: list[int],
+    rename: Any,
+    per_rank: dict[str, int] | None = None,
+    ep_rank: int = 0,
+) -> TrainingState:
+    """The state of the param groups `keep` (renumbered from 0), for the experts of `ep_rank`
+    only when `per_rank` is given, under the names `rename` gives; a data-parallel state."""
+
+    def mine(name: str) -> bool:
+        found = EXPERT_ID.search(name)
+        if per_rank is None or found is None:
+            return True
+        count = per_rank[name[: found.start()]]
+        return ep_rank * count <= int(found[1]) < (ep_rank + 1) * count
+
+    groups = [state.groups[g] for g in keep]
+    members = {name for group in groups for name in group.params if mine(name)}
+    others = {n for g in range(len(state.groups)) if g not in keep for n in state.groups[g].params}
+
+    def kept(name: str) -> bool:
+        """The expert view holds its experts only; the dense view everything but the experts."""
+        return name in members if per_rank is not None else name not in others
+
+    params = tuple(
+        replace(p, name=rename(p.name), group=keep.index(p.group)) for p in state.params if p.name in members
+    )
+    entries = tuple(replace(e, name=rename(e.name)) for e in state.index.entries if kept(e.name))
+    index = replace(state.index, entries=entries, topology=Topology.data_parallel(state.index.world_size), replicas=())
+    return replace(
+        state,
+        index=index,
+        params=params,
+        groups=tuple(replace(g, params=tuple(rename(n) for n in g.params if mine(n))) for g in groups),
+        module_names=tuple(rename(n) for n in state.module_names if kept(n)),
+        state_padding=(),
+    )
+
+
+def _merge_lists(dense: Any, expert: Any, dense_groups: list[int], expert_groups: list[int]) -> Any:
+    count = len(dense_groups) + len(expert_groups)
+    merged: list[Any] = [None] * count
+    for new, g in enumerate(dense_groups):
+        merged[g] = dense[new]
+    for new, g in enumerate(expert_groups):
+        merged[g] = expert[new]
+    return merged
+
+
+def _merged_optim(dense_file: dict, expert_file: dict, dense: list[int], expert: list[int]) -> dict:
+    """One rank's optimizer file: its dense groups' part and its expert groups' part."""
+    a, b = dense_file[N.OPTIMIZER_STATE_DICT], expert_file[N.OPTIMIZER_STATE_DICT]
+    inner: dict[str, Any] = {}
+    for key, value in a.items():
+        if key in _PER_GROUP and isinstance(value, list):
+            inner[key] = _merge_lists(value, b[key], dense, expert)
+        elif key == N.BASE_OPTIMIZER_STATE:
+            state = {}
+            for new, g in enumerate(dense):
+                if new in value["state"]:
+                    state[g] = value["state"][new]
+            for new, g in enumerate(expert):
+                if new in b[key]["state"]:
+                    state[g] = b[key]["state"][new]
+            groups = _merge_lists(value["param_groups"], b[key]["param_groups"], dense, expert)
+            inner[key] = {
+                "state": dict(sorted(state.items())),
+                "param_groups": [{**group, "params": [g]} for g, group in enumerate(groups)],
+            }
+        else:
+            inner[key] = value
+    return {**dense_file, N.OPTIMIZER_STATE_DICT: inner}
+
+
+def _merged_model(
+    dense_file: dict, expert_file: dict, dense: list[int], expert: list[int], state: TrainingState
+) -> dict:
+    """The model-states file: the dense module and shapes, the expert groups' shapes under expert
+    rank 0's local names, and the engine's MoE keys as saved."""
+    out = OrderedDict(dense_file)
+    shapes = _merge_lists(dense_file[N.PARAM_SHAPES], expert_file[N.PARAM_SHAPES], dense, expert)
+    # a MoE run's engine saves its shapes as plain tuples, not torch.Size (FORMAT_OBSERVED.md)
+    out[N.PARAM_SHAPES] = [
+        OrderedDict((n, v.args[0] if isinstance(v, PickledReduce) else v) for n, v in group.items()) for group in shapes
+    ]
+    client = set(state.client_state)
+    tail = [(k, v) for k, v in list(out.items()) if k in client]
+    for key, _ in tail:
+        del out[key]
+    for key in (N.NUM_EXPERTS, N.DS_AUTOEP_LAYERS):  # saved after the engine's own keys
+        if key in state.engine_extras:
+            out[key] = carry(state.engine_extras[key])
+    out.update(tail)
+    return dict(out)
