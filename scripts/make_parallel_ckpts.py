@@ -70,10 +70,15 @@ class Case:
     grad_accum: int = 2  # micro-batches per step (the pipeline's schedule)
     ep: int = 0  # expert-parallel degree of a mixture-of-experts case (0: a pipeline case)
     experts: int = 4
+    tp: int = 0  # AutoTP degree of a tensor-parallel case
+
+    @property
+    def kind(self) -> str:
+        return "moe" if self.ep else "autotp" if self.tp else "pipeline"
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * max(self.tp, 1)
 
 
 CASES = [
@@ -81,6 +86,8 @@ CASES = [
     Case("pp2_z1_bf16_dp2", 1, "bf16", pp=2, dp=2),
     Case("moe_z2_fp32_ep2_dp2", 2, "fp32", pp=1, dp=2, ep=2, grad_accum=1),
     Case("moe_z1_bf16_ep2_dp4", 1, "bf16", pp=1, dp=4, ep=2, grad_accum=1),
+    Case("autotp_z1_fp32_tp2", 1, "fp32", pp=1, dp=1, tp=2, grad_accum=1),
+    Case("autotp_z2_bf16_tp2_dp2", 2, "bf16", pp=1, dp=2, tp=2, grad_accum=1),
 ]
 
 
@@ -96,6 +103,9 @@ def ds_config(case: Case) -> dict[str, Any]:
     }
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if case.tp:
+        config["tensor_parallel"] = {"autotp_size": case.tp}
+        del config["train_batch_size"]  # AutoTP checks it against every rank, tensor ones included
     return config
 
 
@@ -236,6 +246,83 @@ def moe_worker(case: Case, casedir: Path) -> None:
         }
         (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
     dist.barrier()
+
+
+def build_llama(case: Case) -> Any:
+    """A tiny seeded Hugging Face Llama (GQA: 4 query heads, 2 key/value heads), which AutoTP
+    shards: q/k/v, gate/up by rows, o/down by columns, lm_head by vocabulary; norms and the
+    embedding replicated."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def autotp_worker(case: Case, casedir: Path) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    model = build_llama(case)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(case))
+    gen = torch.Generator().manual_seed(SEED + 1000 * (rank // case.tp))  # the tensor ranks of a replica see one batch
+    for _ in range(case.steps):
+        ids = torch.randint(0, 64, (MICRO_BATCH, 8), generator=gen)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    ckpt_dir = casedir / "checkpoint"
+    engine.save_checkpoint(str(ckpt_dir))
+    dist.barrier()
+    if rank == 0:
+        info = {
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "tag": (ckpt_dir / "latest").read_text().strip(),
+            "global_steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__,
+            "live_optimizer": "the reference is ds_to_universal's merge (exact for AutoTP)",
+        }
+        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
+    dist.barrier()
+
+
+def universal_reference(casedir: Path, python: str, log: Path, env: dict[str, str]) -> None:
+    """reference/universal.safetensors: DeepSpeed's own merge of every param's fp32 master and
+    Adam moments (``ds_to_universal``, exact for AutoTP's affine maps), as ``<name>``,
+    ``<name>.exp_avg``, ``<name>.exp_avg_sq``."""
+    code = r"""
+import os, shutil, subprocess, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+casedir = Path(sys.argv[1])
+tag = (casedir / "checkpoint" / "latest").read_text().strip()
+out = casedir / "_universal"
+subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                str(casedir / "checkpoint" / tag), "--output_folder", str(out)], check=True)
+merged = {}
+for name in sorted(os.listdir(out / "zero")):
+    if not (out / "zero" / name).is_dir():
+        continue
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        value = torch.load(out / "zero" / name / f"{state}.pt", weights_only=False)["param"]
+        merged[name if state == "fp32" else f"{name}.{state}"] = value.contiguous()
+save_file(merged, str(casedir / "reference" / "universal.safetensors"), metadata={"format": "pt"})
+shutil.rmtree(out)
+"""
+    (casedir / "reference").mkdir(exist_ok=True)
+    run([python, "-c", code, str(casedir)], cwd=REPO, log=log, env=env)
 
 
 def all_ranks_ok(ok: bool) -> bool:
@@ -384,7 +471,10 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
     ckpt = casedir / "checkpoint"
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         (ckpt / name).unlink(missing_ok=True)
-    merge_live(casedir, case, python, log, env)
+    if case.tp:
+        universal_reference(casedir, python, log, env)
+    else:
+        merge_live(casedir, case, python, log, env)
     for f in (casedir / "reference").glob("*.safetensors"):
         f.chmod(0o644)
     zero_to_fp32 = subprocess.run(
@@ -410,7 +500,9 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         "steps": case.steps,
         "gradient_accumulation_steps": case.grad_accum,
         **(
-            {"ep": case.ep, "experts": case.experts, "frozen": [], "buffers": ["scale"]}
+            {"tp": case.tp, "frozen": [], "buffers": []}
+            if case.tp
+            else {"ep": case.ep, "experts": case.experts, "frozen": [], "buffers": ["scale"]}
             if case.ep
             else {
                 "frozen": ["2.proj.weight", "2.proj.bias"],
@@ -419,7 +511,9 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
             }
         ),
         "live_source": (
-            "per rank: safe_get_full_fp32_param of every param (experts under their global ids), module buffers"
+            "reference/universal.safetensors: DeepSpeed ds_to_universal's merged fp32 masters and Adam moments"
+            if case.tp
+            else "per rank: safe_get_full_fp32_param of every param (experts under their global ids), module buffers"
             if case.ep
             else "per stage: safe_get_full_fp32_param (trainable), module params (frozen) and buffers"
         ),
@@ -427,7 +521,11 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         "reference_command": "python -m deepspeed.utils.zero_to_fp32 checkpoint OUT",
         # as in make_sample_ckpts.py: where DeepSpeed's own tool fails, the live values are the reference
         "reference_error": None if zero_to_fp32.returncode == 0 else last_line[:300],
-        "model": {"vocab": VOCAB, "dim": DIM, "hidden": HIDDEN, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH},
+        "model": (
+            {"llama": "vocab 64, hidden 32, intermediate 48, 2 layers, 4 heads, 2 kv heads", "micro_batch": MICRO_BATCH}
+            if case.tp
+            else {"vocab": VOCAB, "dim": DIM, "hidden": HIDDEN, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH}
+        ),
         "ds_config": ds_config(case),
     }
     (casedir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -446,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = parser.parse_known_args(argv)  # the launcher may append --local_rank
     if args.worker:
         case = Case(**json.loads(args.case_json))
-        (moe_worker if case.ep else worker)(case, Path(args.outdir))
+        {"moe": moe_worker, "autotp": autotp_worker, "pipeline": worker}[case.kind](case, Path(args.outdir))
         return 0
     if args.list:
         for case in CASES:

@@ -96,8 +96,9 @@ ALL_SAMPLES = load_samples()
 # pipeline-parallel and mixture-of-experts ones (scripts/make_parallel_ckpts.py: other models, a
 # meta.json of their own), which tests/test_deepspeed/test_pipeline.py and test_moe.py cover
 SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta]
-PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep")]
+PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep") and not s.meta.get("tp")]
 MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep")]
+TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp")]
 
 
 def sample(name: str) -> Sample:

@@ -122,16 +122,6 @@ CASES = {
             "pipeline- and tensor-parallel checkpoint (1 stage x 2 tensor ranks; 2 layer files: layer_01-model_00-model_states.pt ...)"
         ],
     ),
-    "tensor": (
-        ZERO2,
-        {"mp_rank_01_model_states.pt": Z2_MODEL},
-        ["a tensor/pipeline-parallel checkpoint (mp_rank > 0: mp_rank_01_model_states.pt)"],
-    ),
-    "tensor-optim": (
-        ZERO3,
-        {"zero_pp_rank_0_mp_rank_01_optim_states.pt": Z3_OPTIM},
-        ["tensor/pipeline-parallel", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
-    ),
     "expert-optim": (
         ZERO2,
         {"expp_rank_1_mp_rank_00_optim_states.pt": Z2_OPTIM},
@@ -159,6 +149,34 @@ def test_other_layouts_are_refused_in_one_line(tmp_path: Path, case: str) -> Non
         assert text in str(problem), str(problem)
     with pytest.raises(LayoutError, match="not supported yet"):
         open_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "name, copies, expected",
+    [
+        (
+            ZERO2,
+            {"mp_rank_01_model_states.pt": Z2_MODEL, "zero_pp_rank_0_mp_rank_01_optim_states.pt": Z2_OPTIM},
+            "a tensor-parallel checkpoint (2 tensor ranks) that does not say how its shards merge: it records no "
+            "universal_checkpoint_info",
+        ),
+        (
+            ZERO3,
+            {"zero_pp_rank_0_mp_rank_01_optim_states.pt": Z3_OPTIM},
+            "a ZeRO-3 tensor-parallel checkpoint: zckpt reads AutoTP at ZeRO-1/2 only so far",
+        ),
+    ],
+    ids=["no-merge-rules", "zero3"],
+)
+def test_tensor_parallel_files_zckpt_cannot_merge_are_refused(
+    tmp_path: Path, name: str, copies: dict[str, str], expected: str
+) -> None:
+    """mp_rank > 0 files beside a data-parallel run's: read as tensor ranks, and refused in one line
+    that says what is missing rather than merged by a guess."""
+    checkpoint = _with_files(tmp_path, name, copies)
+    found = survey(checkpoint)
+    assert found.index is None and found.problems
+    assert any(expected in str(p) for p in found.problems), [str(p) for p in found.problems]
 
 
 def test_expert_files_beside_zero3_files_are_refused(tmp_path: Path) -> None:

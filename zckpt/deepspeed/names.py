@@ -164,6 +164,7 @@ SPARSE_TENSOR_MODULE_NAMES = "sparse_tensor_module_names"  # DeepSpeed < 0.15
 CHECKPOINT_PARALLEL_DIMENSIONS = "checkpoint_parallel_dimensions"  # DeepSpeed >= 0.15
 NUM_EXPERTS = "num_experts"  # a mixture-of-experts run: experts per MoE layer
 DS_AUTOEP_LAYERS = "ds_autoep_layers"  # a mixture-of-experts run, DeepSpeed >= 0.19
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # a model's merge rules (AutoTP, Megatron)
 
 # --- optim_states keys -------------------------------------------------------------------------
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"

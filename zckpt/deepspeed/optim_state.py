@@ -42,6 +42,7 @@ ENGINE_KEYS = (
     N.DS_VERSION,
     N.NUM_EXPERTS,
     N.DS_AUTOEP_LAYERS,
+    N.UNIVERSAL_CHECKPOINT_INFO,
 )
 # engine keys carried as saved (the rest are rebuilt by a writer)
 CARRIED_ENGINE_KEYS = (
@@ -52,6 +53,7 @@ CARRIED_ENGINE_KEYS = (
     N.CHECKPOINT_PARALLEL_DIMENSIONS,
     N.NUM_EXPERTS,
     N.DS_AUTOEP_LAYERS,
+    N.UNIVERSAL_CHECKPOINT_INFO,
 )
 # ZeRO optimizer keys that are neither layout nor per-param state
 OPTIMIZER_EXTRA_KEYS = (N.DYNAMIC_LOSS_SCALE, N.OVERFLOW, N.CLIP_GRAD)

@@ -58,6 +58,25 @@ class RankFiles:
         return any(f.kind == "layer" for f in self.files)
 
     @property
+    def tensor_ranks(self) -> list[int]:
+        """The tensor ranks that have model or optimizer files (a tensor-parallel run)."""
+        return sorted({f.coords.tensor for f in self.files if f.kind in ("model", "optim")})
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return any(t > 0 for t in self.tensor_ranks) and not self.pipeline and not self.moe
+
+    def tensor_rank(self, tensor: int) -> "RankFiles":
+        """The model and optimizer files of one tensor rank: a data-parallel checkpoint of its
+        shards, named with its model-parallel rank."""
+        own = tuple(
+            dataclasses.replace(f, coords=RankCoords.dp(f.coords.data))
+            for f in self.files
+            if f.kind in ("model", "optim") and f.coords.tensor == tensor
+        )
+        return RankFiles(self.tag_dir, own, mp_rank=tensor)
+
+    @property
     def moe(self) -> bool:
         """A mixture-of-experts run: its experts saved one file each (``layer_L_expert_E_...``)."""
         return any(f.kind == "expert" for f in self.files)
@@ -194,6 +213,12 @@ def _moe_only(files: list[RankFile]) -> bool:
     )
 
 
+def _tensor_only(files: list[RankFile]) -> bool:
+    """Model and optimizer files of several model-parallel ranks and nothing else: a tensor-parallel
+    run (its reader says whether it can merge the shards)."""
+    return any(f.coords.tensor > 0 for f in files) and all(f.kind in ("model", "optim") for f in files)
+
+
 def _as_stage(file: RankFile) -> RankFile:
     """A model or optimizer file of a pipeline run: its ``mp_rank`` is its stage."""
     if file.kind not in ("model", "optim"):
@@ -206,7 +231,7 @@ def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
     """The one refusal of a folder holding files of a layout zckpt does not read (tensor and
     expert parallel): which layouts and a file of each; None if there are none. Pipeline runs
     of one tensor rank are read (their model and optimizer files carry their stage)."""
-    if _pipeline_only(files) or _moe_only(files):
+    if _pipeline_only(files) or _moe_only(files) or _tensor_only(files):
         return None
     layers = [f for f in files if f.kind == "layer"]
     model_parallel = [f for f in files if f.kind in ("model", "optim") and f.coords.tensor > 0]

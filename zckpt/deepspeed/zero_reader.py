@@ -13,6 +13,7 @@ from .moe import read_moe
 from .pipeline import read_pipeline
 from .rank_files import zero_rank_files
 from .survey import Survey
+from .tensor_parallel import read_tensor_parallel
 
 
 def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> None:
@@ -30,6 +31,12 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
             result.add(UsageError, location.tag_dir, "--swap-folder is for ZeRO-3 runs; a pipeline run is ZeRO-0/1")
             return
         read_pipeline(result, files)
+        return
+    if files.tensor_parallel:
+        if swap_folder is not None:
+            result.add(UsageError, location.tag_dir, "--swap-folder is for data-parallel ZeRO-3 runs")
+            return
+        read_tensor_parallel(result, files)
         return
     if files.moe:
         if swap_folder is not None:

@@ -1,5 +1,6 @@
 """Copies of one tensor that a checkpoint keeps in several places and that must hold the same
-bits: a tied param that several pipeline stages each keep (``CheckpointIndex.replicas``).
+bits: a tied param that several pipeline stages each keep, a param every tensor rank holds whole
+(``CheckpointIndex.replicas``).
 Outputs write each name once; this is the check that the copy left out was the same.
 """
 
@@ -28,7 +29,7 @@ def replica_problems(index: CheckpointIndex, reader: FileReader | None = None) -
             if differs:
                 problems.append(
                     f"{_where(replica)}: its copy of {replica.name} {differs} the copy in {_where(entry)}: "
-                    "the copies of a tied param must be equal (a stage's file is from another save, or damaged)"
+                    "the copies of a param that several ranks keep must be equal (a file is from another save, or damaged)"
                 )
     finally:
         if own:

@@ -155,9 +155,10 @@ def _verify_checkpoint(path: str, tag: str | None, scan: bool, workers: int) -> 
         if state.index.replicas:
             replicas = state.index.replicas
             findings.add(
-                "tied copies",
+                "replicas",
                 replica_problems(state.index),
-                f"{len(replicas)} cop{'ies' if len(replicas) != 1 else 'y'} of tied params kept by other pipeline stages equal the one written",
+                f"{len(replicas)} cop{'ies' if len(replicas) != 1 else 'y'} of params that several ranks keep "
+                "(tied across pipeline stages, replicated across tensor ranks) equal the one written",
             )
     elif state is None:
         for name in ("rank identity", "optimizer state"):

@@ -1,0 +1,106 @@
+"""Tensor-parallel checkpoints of DeepSpeed's AutoTP (issue 19): samples written by real DeepSpeed
+with ``"tensor_parallel": {"autotp_size": 2}`` on a tiny Hugging Face Llama (scripts/make_parallel_ckpts.py:
+ZeRO-1 fp32 at 1 data rank, ZeRO-2 bf16 at 2), read as the unsharded model. The truth is DeepSpeed's
+own merge, ``ds_to_universal`` (exact for AutoTP's affine maps): every param's fp32 master and Adam
+moments (``reference/universal.safetensors``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import TENSOR_PARALLEL_SAMPLES, Sample, run_cli, same_bits
+from zckpt import load_state_dict, reshard
+from zckpt.core.errors import LayoutError
+from zckpt.core.topology import Topology
+from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
+from zckpt.ops.verify import verify
+
+IDS = [s.name for s in TENSOR_PARALLEL_SAMPLES]
+REPLICATED = {"model.embed_tokens.weight", "model.norm.weight"} | {
+    f"model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("input_layernorm", "post_attention_layernorm")
+}
+
+
+def _reference(case: Sample) -> dict[str, torch.Tensor]:
+    return load_file(case.folder / "reference" / "universal.safetensors")
+
+
+def test_the_samples_are_there() -> None:
+    assert {s.name for s in TENSOR_PARALLEL_SAMPLES} >= {"autotp_z1_fp32_tp2", "autotp_z2_bf16_tp2_dp2"}
+
+
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
+def test_masters_and_moments_are_deepspeeds_merge(case: Sample) -> None:
+    index = open_checkpoint(case.checkpoint)
+    assert index.topology == Topology(tp=2, dp=case.meta["dp"]) and index.world_size == case.meta["world_size"]
+    reference = _reference(case)
+    state_dict = load_state_dict(case.checkpoint, dtype="fp32")
+    assert sorted(state_dict) == sorted(k for k in reference if not k.endswith((".exp_avg", ".exp_avg_sq")))
+    assert state_dict["model.layers.0.mlp.down_proj.weight"].shape == (32, 48)  # split by columns, merged
+    for name, value in state_dict.items():
+        assert same_bits(value, reference[name]), name
+    state = open_training_state(case.checkpoint)
+    with FileReader() as reader:
+        for param in state.params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    assert {r.name for r in index.replicas} == REPLICATED
+    assert state.client_state == {}  # universal_checkpoint_info is the engine's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
+def test_cli_inspect_verify_consolidate(tmp_path: Path, case: Sample) -> None:
+    inspected = run_cli("inspect", case.checkpoint)
+    assert inspected.returncode == 0 and "tensor-parallel (AutoTP): 2 tensor ranks" in inspected.stdout
+    verified = run_cli("verify", case.checkpoint)
+    assert verified.returncode == 0 and "replicas" in verified.stdout, verified.stdout
+    done = run_cli("consolidate", case.checkpoint, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+
+
+FP32 = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == "autotp_z1_fp32_tp2")
+
+
+def _copy(tmp_path: Path, case: Sample) -> Path:
+    checkpoint = tmp_path / case.name
+    shutil.copytree(case.checkpoint, checkpoint)
+    return checkpoint / (checkpoint / "latest").read_text().strip()
+
+
+def test_a_changed_replica_is_caught(tmp_path: Path) -> None:
+    """Tensor rank 1's master of a replicated LayerNorm weight edited: verify names its file."""
+    tag = _copy(tmp_path, FP32)
+    index = open_checkpoint(tag.parent)
+    replica = next(r for r in index.replicas if r.name == "model.norm.weight").source.segments[0]
+    assert replica.path.endswith("zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    with open(replica.path, "r+b") as f:
+        f.seek(replica.offset)
+        f.write(b"\x00\x00\x80\x3f")
+    report = verify(tag.parent)
+    assert not report.ok
+    assert any("model.norm.weight differs in 1 of 32 elements" in p for p in report.problems), report.problems
+
+
+def test_a_missing_tensor_rank_is_named(tmp_path: Path) -> None:
+    tag = _copy(tmp_path, FP32)
+    (tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+    found = survey(tag.parent)
+    assert found.index is None
+    assert any("zero_pp_rank_0_mp_rank_01_optim_states.pt: missing" in str(p) for p in found.problems), [
+        str(p) for p in found.problems
+    ]
+
+
+def test_writing_a_tensor_parallel_checkpoint_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(LayoutError, match=r"a tensor-parallel checkpoint \(2 tensor ranks x 1 data-parallel rank\)"):
+        reshard(FP32.checkpoint, tmp_path / "out", world_size=2)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,281 @@
+"""Tensor-parallel checkpoints of DeepSpeed's AutoTP (``"tensor_parallel": {"autotp_size": N}``,
+ZeRO-1/2): read as the unsharded model.
+
+What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``): per tensor rank
+t, ``mp_rank_{t:02d}_model_states.pt`` (its module's shards) and its data ranks' ZeRO files
+``zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt``: each tensor rank is its own ZeRO
+partitioning of its shards over its data ranks. Every model-states file carries
+``universal_checkpoint_info`` with an exact ``affine_map``: per param (a regular expression of its
+name), its logical shape and, per tensor rank, the pieces it holds, each a strided block
+(``shape``) at ``source`` (offset, strides) in the logical tensor and ``dest`` in the shard, with
+``locations``: every rank that holds the same piece (a replicated param lists them all).
+
+:func:`read_tensor_parallel` reads each tensor rank with the data-parallel reader
+(:func:`~.dp_reader.read_ranks`) and assembles every tensor (masters, each optimizer state,
+buffers) from its pieces as file segments: no byte is read to plan it. A piece several ranks
+hold is taken from the first; the other ranks' copies of a replicated param are kept as
+``replicas``, which verify compares. A tensor-parallel checkpoint without an affine map (Megatron's
+pattern-only ``universal_checkpoint_info``, or none) is refused rather than guessed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from dataclasses import replace
+from typing import Any
+
+from ..core.errors import LayoutError
+from ..core.index import CheckpointIndex, Entry, Segment, TensorSource
+from ..core.state import ParamState, TrainingState
+from ..core.topology import Topology
+from . import names as N
+from .dp_reader import read_ranks
+from .rank_files import RankFiles, load
+from .survey import Survey
+
+AFFINE_MAP = "affine_map"
+
+
+def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
+    """Read an AutoTP tag folder into `result`: each tensor rank as the data-parallel ZeRO
+    checkpoint it is, every tensor assembled from the ranks' pieces."""
+    location = result.location
+    assert location is not None
+    if files.zero3:
+        result.add(
+            LayoutError,
+            files.tag_dir,
+            "a ZeRO-3 tensor-parallel checkpoint: zckpt reads AutoTP at ZeRO-1/2 only so far",
+        )
+        return
+    ranks = files.tensor_ranks
+    tp = max(ranks) + 1
+    first = files.tensor_rank(0).model.get(None)
+    model0 = load(result, first) if first is not None else None
+    missing = [t for t in range(tp) if t not in ranks or None not in files.tensor_rank(t).model]
+    if missing:
+        result.add(
+            LayoutError,
+            os.path.join(files.tag_dir, N.model_states_name(1, 0, missing[0])),
+            f"missing (tensor rank {missing[0]} of {tp})",
+        )
+        return
+    if not isinstance(model0, dict):
+        return
+    affine = _affine_map(model0)
+    if affine is None:
+        info = model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
+        said = (
+            "its universal_checkpoint_info has merge patterns but no affine_map (Megatron-style)"
+            if isinstance(info, dict)
+            else "it records no universal_checkpoint_info"
+        )
+        result.add(
+            LayoutError,
+            first,
+            f"a tensor-parallel checkpoint ({tp} tensor ranks) that does not say how its shards merge: {said}. zckpt "
+            "reads DeepSpeed AutoTP checkpoints, whose affine_map gives every param's pieces; it does not guess a merge",
+        )
+        return
+    surveys = []
+    for t in range(tp):
+        sub = Survey(result.path, location=location)
+        read_ranks(sub, files.tensor_rank(t), mp_world=tp)
+        surveys.append(sub)
+    base = surveys[0]
+    for field in ("zero_stage", "dtype", "ds_version", "offload", "tied"):
+        setattr(result, field, getattr(base, field))
+    result.problems.extend(p for sub in surveys for p in sub.problems)
+    result.notes.extend(dict.fromkeys(n for sub in surveys for n in sub.notes))
+    result.files = sorted({p for sub in surveys for p in sub.files})
+    dp = base.world_size
+    result.world_size = tp * dp if dp else None
+    if result.problems or any(sub.index is None or sub.state is None for sub in surveys):
+        return
+    assert dp is not None
+    try:
+        merge = _Merge(affine, [sub.index for sub in surveys if sub.index is not None], tp)
+        entries = [merge.entry(e) for e in surveys[0].index.entries]  # type: ignore[union-attr]
+    except LayoutError as exc:
+        result.problems.append(exc)
+        return
+    result.declared = [(e.name, e.source.shape, e.kind) for e in entries if e.kind != "tied"]
+    result.declared_dtypes = base.declared_dtypes
+    result.notes.append(
+        f"tensor-parallel (AutoTP): {tp} tensor ranks x {dp} data-parallel rank{'s' * (dp != 1)}; "
+        f"{len(merge.replicated)} params replicated on every tensor rank, the others merged from their pieces"
+    )
+    result.index = CheckpointIndex(
+        checkpoint_dir=location.checkpoint_dir,
+        tag=location.tag,
+        tag_dir=location.tag_dir,
+        tags=location.tags,
+        zero_stage=base.index.zero_stage,  # type: ignore[union-attr]
+        world_size=tp * dp,
+        topology=Topology(tp=tp, dp=dp),
+        dtype=base.index.dtype,  # type: ignore[union-attr]
+        ds_version=base.index.ds_version,  # type: ignore[union-attr]
+        offload=base.index.offload,  # type: ignore[union-attr]
+        entries=tuple(entries),
+        files=tuple(result.files),
+        notes=tuple(result.notes),
+        replicas=tuple(merge.replicas),
+    )
+    try:
+        result.state = _merged_state(result.index, [sub.state for sub in surveys if sub.state is not None], merge)
+    except LayoutError as exc:
+        result.problems.append(exc)
+        result.index = None
+
+
+def _affine_map(model0: dict) -> dict[str, Any] | None:
+    info = model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    affine = info.get(AFFINE_MAP) if isinstance(info, dict) else None
+    params = affine.get("params") if isinstance(affine, dict) else None
+    return params if isinstance(params, dict) and params else None
+
+
+class _Merge:
+    """Every tensor of the unsharded model as segments of the tensor ranks' shards."""
+
+    def __init__(self, affine: dict[str, Any], indexes: list[CheckpointIndex], tp: int) -> None:
+        self.patterns = [(re.compile(pattern), spec) for pattern, spec in affine.items()]
+        self.indexes = indexes
+        self.tp = tp
+        self.replicas: list[Entry] = []
+        self.replicated: set[str] = set()
+
+    def spec(self, name: str) -> dict[str, Any] | None:
+        found = [spec for pattern, spec in self.patterns if pattern.fullmatch(name)]
+        return found[0] if found else None
+
+    def entry(self, entry: Entry) -> Entry:
+        """The unsharded entry of rank 0's `entry` (its alias kept for a tied one)."""
+        if entry.kind == "tied":
+            return entry  # rewired below, once its source is assembled
+        shards = [self._rank_entry(t, entry.name).source for t in range(self.tp)]
+        spec = self.spec(entry.name)
+        if spec is None:
+            if entry.kind == "param":
+                raise LayoutError(None, f"param {entry.name} is not in the checkpoint's affine_map: cannot merge it")
+            self._replicas(entry, shards)  # a buffer or frozen param without a map: alike on every rank
+            return entry
+        source = self.assemble(entry.name, spec, shards)
+        if self._whole_on_every_rank(spec):
+            self.replicated.add(entry.name)
+            self._replicas(entry, shards)
+        return replace(entry, source=source)
+
+    def _rank_entry(self, t: int, name: str) -> Entry:
+        for entry in self.indexes[t].entries:
+            if entry.name == name:
+                return entry
+        raise LayoutError(self.indexes[t].tag_dir, f"tensor rank {t} has no {name} (rank 0 has)")
+
+    def _replicas(self, entry: Entry, shards: list[TensorSource]) -> None:
+        for source in shards[1:]:
+            self.replicas.append(replace(entry, source=source))
+
+    def _whole_on_every_rank(self, spec: dict[str, Any]) -> bool:
+        ranks = spec.get("ranks") or {}
+        return all(
+            len(r.get("pieces", [])) == 1 and sorted(r["pieces"][0].get("locations", [])) == list(range(self.tp))
+            for r in ranks.values()
+        )
+
+    def assemble(self, name: str, spec: dict[str, Any], shards: list[TensorSource]) -> TensorSource:
+        """The logical tensor of `spec` as segments of the ranks' shard sources."""
+        shape = tuple(int(d) for d in spec["logical_shape"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        runs: list[tuple[int, int, int, int]] = []  # (logical start, rank, shard start, length)
+        for rank_key, held in (spec.get("ranks") or {}).items():
+            t = int(rank_key)
+            for piece in held.get("pieces", []):
+                if int(piece["locations"][0]) != t:
+                    continue  # a replicated piece: taken from the first rank that holds it
+                runs.extend((logical, t, shard, length) for logical, shard, length in _rows(piece, name))
+        runs.sort()
+        position, segments = 0, []
+        dtype = shards[0].dtype
+        for logical, t, shard, length in runs:
+            if logical != position:
+                raise LayoutError(
+                    None, f"{name}: its affine_map pieces leave elements {position}-{logical} uncovered or overlap"
+                )
+            if shards[t].dtype != dtype:
+                raise LayoutError(None, f"{name}: tensor ranks hold it in different dtypes")
+            segments.extend(_slice(shards[t], shard, length))
+            position += length
+        if position != numel:
+            raise LayoutError(None, f"{name}: its affine_map pieces cover {position} of {numel} elements")
+        return TensorSource(dtype, shape, tuple(_joined(segments, dtype.itemsize)))
+
+
+def _rows(piece: dict[str, Any], name: str) -> list[tuple[int, int, int]]:
+    """A piece as runs of contiguous elements: (logical offset, shard offset, length)."""
+    shape = [int(d) for d in piece["shape"]]
+    source_offset, source_strides = int(piece["source"][0]), [int(s) for s in piece["source"][1]]
+    dest_offset, dest_strides = int(piece["dest"][0]), [int(s) for s in piece["dest"][1]]
+    if not shape:
+        return [(source_offset, dest_offset, 1)]
+    if source_strides[-1] != 1 or dest_strides[-1] != 1:
+        raise LayoutError(None, f"{name}: an affine_map piece strided in its last dimension is not supported")
+    # merge trailing dimensions that are contiguous in both the logical tensor and the shard
+    run = shape[-1]
+    outer = len(shape) - 1
+    while outer > 0 and source_strides[outer - 1] == run and dest_strides[outer - 1] == run:
+        run *= shape[outer - 1]
+        outer -= 1
+    out = []
+    for index in itertools.product(*(range(d) for d in shape[:outer])):
+        logical = source_offset + sum(i * s for i, s in zip(index, source_strides))
+        shard = dest_offset + sum(i * s for i, s in zip(index, dest_strides))
+        out.append((logical, shard, run))
+    return out
+
+
+def _slice(source: TensorSource, start: int, length: int) -> list[Segment]:
+    """Segments of elements [start, start + length) of a source."""
+    out, base, end = [], 0, start + length
+    for segment in source.segments:
+        lo, hi = max(start, base), min(end, base + segment.numel)
+        if lo < hi:
+            out.append(Segment(segment.path, segment.offset + (lo - base) * source.dtype.itemsize, hi - lo))
+        base += segment.numel
+        if base >= end:
+            break
+    if sum(s.numel for s in out) != length:
+        raise LayoutError(source.segments[0].path if source.segments else None, "a shard is shorter than its pieces")
+    return out
+
+
+def _joined(segments: list[Segment], itemsize: int) -> list[Segment]:
+    """Adjacent segments of one file merged (a row-split tensor is one run per rank)."""
+    out: list[Segment] = []
+    for segment in segments:
+        last = out[-1] if out else None
+        if last is not None and last.path == segment.path and segment.offset == last.offset + last.numel * itemsize:
+            out[-1] = Segment(last.path, last.offset, last.numel + segment.numel)
+        else:
+            out.append(segment)
+    return out
+
+
+def _merged_state(index: CheckpointIndex, states: list[TrainingState], merge: _Merge) -> TrainingState:
+    """Rank 0's training state with every param's master and states assembled from the ranks'."""
+    first = states[0]
+    params = []
+    for param in first.params:
+        spec = merge.spec(param.name)
+        if spec is None:
+            raise LayoutError(index.tag_dir, f"param {param.name} is not in the checkpoint's affine_map")
+        by_rank = [state.param(param.name) for state in states]
+        master = merge.assemble(param.name, spec, [p.master for p in by_rank])
+        keys = list(param.states)
+        assembled = {k: merge.assemble(param.name, spec, [p.states[k] for p in by_rank]) for k in keys}
+        params.append(ParamState(param.name, master.shape, param.group, master, assembled))
+    return replace(first, index=index, params=tuple(params), state_padding=(), rank_buffers=())
