@@ -256,12 +256,26 @@ def _write_dcp(folder: str, final_dir: str, plan: DcpPlan, reader: FileReader, p
     planner, writer = _writer_classes(final_dir, reader, plan, progress)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(
-            state_dict_of(plan),
-            storage_writer=writer(folder, single_file_per_rank=True, thread_count=1, sync_files=True),
-            planner=planner(),
-            no_dist=True,
-        )
+        try:
+            dcp.save(
+                state_dict_of(plan),
+                storage_writer=writer(folder, single_file_per_rank=True, thread_count=1, sync_files=True),
+                planner=planner(),
+                no_dist=True,
+            )
+        except dcp.api.CheckpointException as exc:
+            # torch wraps whatever the writer raised (a damaged input file, a full disk, a signal
+            # turned into Interrupted): the original is the error to report, and to clean up for
+            raise _original(exc) from None
+
+
+def _original(exc: BaseException) -> BaseException:
+    """The first exception a torch CheckpointException carries (it holds (exception, trace) per rank)."""
+    failures = getattr(exc, "failures", None) or {}
+    for failure in failures.values():
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            return failure[0]
+    return exc
 
 
 def to_dcp(
