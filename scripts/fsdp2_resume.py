@@ -164,6 +164,11 @@ def main() -> None:
     args = ap.parse_args()
     try:
         worker(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # everything is written: skip the interpreter's teardown, where gloo's threads now and
+        # then abort the process ("terminate called without an active exception", exit -6)
+        os._exit(0)
     except BaseException:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"error_rank{os.environ.get('RANK', '0')}.txt").write_text(traceback.format_exc())
