@@ -222,3 +222,87 @@ def test_damaged_input_is_one_line_and_leaves_nothing(copy_checkpoint, tmp_path:
     line = one_line(done)
     assert str(victim) in line and "CRC" in line.upper(), line
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def _generator():
+    """scripts/make_sample_ckpts.py (the model and groups every sample trained), imported by path."""
+    import importlib.util
+    import sys
+
+    from helpers import ROOT
+
+    if "make_sample_ckpts" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("make_sample_ckpts", ROOT / "scripts" / "make_sample_ckpts.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["make_sample_ckpts"]
+
+
+def _resume_plain(name: str, folder: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """README's recipe on the sample's model, unsharded, in one process: the fresh optimizer has
+    another lr and weight decay than the run, which the checkpoint's groups replace."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    gen = _generator()
+    case = gen.CASES_BY_NAME[name]
+    model = gen.build_model(case).float()
+    optimizer = torch.optim.AdamW(
+        [{"params": g["params"]} for g in gen.param_groups(model, case)]
+        if case.groups
+        else gen.param_groups(model, case),
+        lr=0.5,
+        weight_decay=0.25,
+    )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    torch.distributed.checkpoint.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("name", ["z3_bf16_ws2_nvmeoffload_frozen_tied_groups", "z1_fp32_ws2_frozen_tied"])
+def test_torchs_own_calls_resume_it(name: str, tmp_path: Path) -> None:
+    """get_state_dict, dcp.load, set_state_dict (FSDP2 at 1-3 ranks: test_interop_dcp.py): the
+    module holds the live values, the optimizer the live moments, the saved step and groups."""
+    case = sample(name)
+    to_dcp(case.checkpoint, tmp_path / "dcp")
+    with pytest.warns(UserWarning, match="single process"):
+        model, optimizer = _resume_plain(name, tmp_path / "dcp")
+    live = case.live()
+    state = model.state_dict()
+    assert sorted(state) == sorted(live)
+    for key, truth in live.items():
+        assert same_bits(state[key], truth.float() if truth.is_floating_point() else truth), key
+    live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
+    names = {p: n for n, p in model.named_parameters()}
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    for param in trainable:
+        held = optimizer.state[param]
+        assert held["step"].dtype == torch.float32 and held["step"].item() == case.meta["steps"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(held[key], live_optim[f"{names[param]}.{key}"]), (names[param], key)
+    saved = [(g["lr"], g["weight_decay"]) for g in saved_files(case)[1]["param_groups"]]
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == saved
+    assert saved[0] == (1e-2, 0.01)
+
+
+def test_groups_lacking_a_key_of_the_optimizer_are_refused_by_dcp_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: a checkpoint whose groups lack a key torch's AdamW has (DeepSpeed's FusedAdam saves
+    no `amsgrad`) is refused by dcp.load, naming the key."""
+    import dataclasses
+
+    case = sample("z2_fp32_ws1")
+    state = dcp_op.open_training_state(case.checkpoint)
+    groups = tuple(
+        dataclasses.replace(g, hyperparams={k: v for k, v in g.hyperparams.items() if k != "amsgrad"})
+        for g in state.groups
+    )
+    monkeypatch.setattr(dcp_op, "open_training_state", lambda *_: dataclasses.replace(state, groups=groups))
+    to_dcp(case.checkpoint, tmp_path / "dcp")
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: optim\.param_groups\.0\.amsgrad\."),
+    ):
+        _resume_plain(case.name, tmp_path / "dcp")
