@@ -16,11 +16,12 @@ any world size, plus ``torch.optim.AdamW`` with the same groups, resumes with ``
 What DCP has no place for (counters, the lr scheduler, the client state) goes into
 ``train_state.json`` beside it (:func:`train_state`).
 
-Memory: the DCP files are written by torch's own ``FileSystemWriter`` (one ``.distcp`` file), from
-a state dict of meta tensors (shapes and dtypes only, enough to plan); each tensor is read from
-the checkpoint when the writer asks for its bytes and dropped once written, so at most one
-tensor (the biggest) is in memory at a time. The folder is staged beside OUTPUT_DIR and renamed
-into place once complete, so it appears whole or not at all.
+Memory: torch plans the DCP from a state dict of meta tensors (shapes and dtypes only); each
+tensor is read from the checkpoint when the writer reaches it and dropped once written, so one
+tensor (at most the biggest) is in memory at a time. The items are written by torch's own
+per-item routine into one ``.distcp`` file, in a loop of ours: torch 2.13's keeps every tensor of
+a file until the file is done. The folder is staged beside OUTPUT_DIR and renamed into place once
+complete, so it appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -221,7 +222,9 @@ def plain(value: Any, reader: FileReader) -> Any:
 def _writer_classes(final_dir: str, reader: FileReader, plan: DcpPlan, progress: Callable[[int], None]) -> tuple:
     """torch's DCP writer and planner, the planner reading each tensor when the writer asks for
     it (defined here: torch is imported only when a DCP is written)."""
+    import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
     from torch.distributed.checkpoint.planner import WriteItemType
 
     lazy = {item.key: item for item in plan.tensors}
@@ -238,7 +241,26 @@ def _writer_classes(final_dir: str, reader: FileReader, plan: DcpPlan, progress:
             return tensor
 
     class Writer(dcp.FileSystemWriter):
-        """Names the final folder, not the staging one, as the checkpoint's id in ``.metadata``."""
+        """torch's file writer, but writing each item as soon as it is read and keeping nothing of
+        it: torch 2.13's own loop keeps every tensor of a file until the file is written (its
+        safetensors branch needs them), which would hold the whole checkpoint in memory. Items are
+        written as torch writes them (``_write_item``: torch.save of each tensor, the bytes of
+        the others), all into one ``__0_0.distcp``. Names the final folder, not the staging one,
+        as the checkpoint's id in ``.metadata``."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            results = []
+            with open(os.path.join(self.path, name), "wb") as stream:
+                for item in plan.items:
+                    data = planner.resolve_data(item)
+                    results.append(_write_item(self.transforms, stream, data, item, name, self.serialization_format))
+                    del data  # before the next one is read
+                stream.flush()
+                os.fsync(stream.fileno())
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(results)
+            return done
 
         def storage_meta(self) -> Any:
             meta = super().storage_meta()
