@@ -137,9 +137,10 @@ def test_train_state_json_holds_the_counters_and_scheduler(name: str, tmp_path: 
 
 @pytest.mark.slow
 def test_memory_holds_one_tensor_not_the_checkpoint(tmp_path: Path) -> None:
-    """Python's allocations (numpy's buffers and torch's CPU storages are traced) peak far below
-    the output's size on a 240 MB checkpoint whose largest tensor is 16 MB: torch 2.13's own
-    FileSystemWriter loop keeps every tensor of a file until it is done, which would hold it all."""
+    """Python's allocations (numpy's buffers are traced) peak far below the output's size on a
+    240 MB checkpoint: one reused 64 MiB buffer (measured: 67 MB here, and for a 1.9 GB output),
+    where torch 2.13's own FileSystemWriter loop keeps every tensor of a file until it is done
+    (286 MB here)."""
     import tracemalloc
 
     train = run_cli(
@@ -156,14 +157,14 @@ def test_memory_holds_one_tensor_not_the_checkpoint(tmp_path: Path) -> None:
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < total / 3, f"peak {peak / 1e6:.0f} MB for {total / 1e6:.0f} MB written"
+    assert peak < 0.4 * total, f"peak {peak / 1e6:.0f} MB for {total / 1e6:.0f} MB written"
 
 
 def test_output_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     case = sample("z1_fp32_ws2_frozen_tied")
     out = tmp_path / "dcp"
     calls = []
-    read = dcp_op._materialize
+    read = dcp_op._out_tensor
 
     def failing(reader, item):
         calls.append(item.key)
@@ -171,15 +172,15 @@ def test_output_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.
             raise OSError(28, "No space left on device")
         return read(reader, item)
 
-    monkeypatch.setattr(dcp_op, "_materialize", failing)
+    monkeypatch.setattr(dcp_op, "_out_tensor", failing)
     with pytest.raises(OutputError, match="nothing was written"):
         to_dcp(case.checkpoint, out)
     assert sorted(os.listdir(tmp_path)) == []  # no folder, no staging folder, no lock
-    monkeypatch.setattr(dcp_op, "_materialize", read)
+    monkeypatch.setattr(dcp_op, "_out_tensor", read)
     to_dcp(case.checkpoint, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     calls.clear()
-    monkeypatch.setattr(dcp_op, "_materialize", failing)
+    monkeypatch.setattr(dcp_op, "_out_tensor", failing)
     with pytest.raises(OutputError):
         to_dcp(case.checkpoint, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous output, untouched

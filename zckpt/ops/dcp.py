@@ -16,12 +16,12 @@ any world size, plus ``torch.optim.AdamW`` with the same groups, resumes with ``
 What DCP has no place for (counters, the lr scheduler, the client state) goes into
 ``train_state.json`` beside it (:func:`train_state`).
 
-Memory: torch plans the DCP from a state dict of meta tensors (shapes and dtypes only); each
-tensor is read from the checkpoint when the writer reaches it and dropped once written, so one
-tensor (at most the biggest) is in memory at a time. The items are written by torch's own
-per-item routine into one ``.distcp`` file, in a loop of ours: torch 2.13's keeps every tensor of
-a file until the file is done. The folder is staged beside OUTPUT_DIR and renamed into place once
-complete, so it appears whole or not at all.
+Memory and speed: torch plans the DCP (``.metadata``) from a state dict of meta tensors (shapes
+and dtypes only); the data file is written by zckpt, each tensor as the torch.save archive torch's
+writer would put there, streamed from the checkpoint's files by zckpt's own torch.save writer
+(kernel copies where no dtype changes, CRC-32s on helper threads), so a few MiB of buffers are
+in memory whatever the tensor sizes. The folder is staged beside OUTPUT_DIR and renamed into
+place once complete, so it appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ from ..core.index import TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
 from ..deepspeed.reader import open_training_state
 from ..io.interrupts import signals_deferred
-from ..io.materialize import read_scalar, read_tensor
+from ..io.materialize import read_scalar, read_tensor, write_all
 from ..io.output import OutputLock, StagedFolder, is_inside, output_error, refuse_output_inside_input
 from ..io.reading import FileReader, source_of
+from ..io.workers import WorkerPool
 from ..torchfile.records import PickledObject
+from ..torchfile.save import ArchiveAppender, Copy, Inline, OutTensor, plan_archive
 
 if TYPE_CHECKING:
     import torch
@@ -134,22 +136,13 @@ def _scalar(key: str, scalar: ScalarState) -> tuple[tuple[int, ...], DType, Tens
 
 
 def _materialize(reader: FileReader, item: DcpTensor) -> "torch.Tensor":
-    """The tensor's values, read now (verified before the writer sees them)."""
+    """The item's tensor in memory (torch's in-memory route, scripts/bench_dcp.py)."""
     import torch
 
-    if item.source is None:
-        return torch.tensor(item.value, dtype=item.dtype.torch())
-    if item.shape == ():  # a step counter: DeepSpeed's, of shape () or (1,), as torch's 0-d float32
-        if item.source.numel != 1:
-            raise CorruptFileError(
-                item.source.segments[0].path, f"{item.key}: {item.source.numel} values, one expected"
-            )
-        value = read_scalar(reader, item.source)
-        tensor = torch.tensor(value, dtype=item.dtype.torch())
-    else:
-        tensor = read_tensor(reader, item.source, item.dtype)
-    reader.verify_now()
-    return tensor
+    if item.source is None or item.shape == ():
+        value = item.value if item.source is None else _scalar_value(reader, item)
+        return torch.tensor(value, dtype=item.dtype.torch())
+    return read_tensor(reader, item.source, item.dtype)
 
 
 def state_dict_of(plan: DcpPlan) -> dict[str, Any]:
@@ -219,45 +212,61 @@ def plain(value: Any, reader: FileReader) -> Any:
     return repr(value)
 
 
-def _writer_classes(final_dir: str, reader: FileReader, plan: DcpPlan, progress: Callable[[int], None]) -> tuple:
-    """torch's DCP writer and planner, the planner reading each tensor when the writer asks for
-    it (defined here: torch is imported only when a DCP is written)."""
+def _out_tensor(reader: FileReader, item: DcpTensor) -> OutTensor:
+    """What torch.save of the item's tensor would hold, as parts of the checkpoint's files (zckpt's
+    torch.save writer streams them, converting dtypes where they differ); a step counter read now."""
+    if item.source is None or item.shape == ():
+        value = item.value if item.source is None else _scalar_value(reader, item)
+        return OutTensor(item.dtype, item.shape, (Inline(np.asarray(value, np.dtype(item.dtype.numpy_raw)).tobytes()),))
+    return OutTensor(item.dtype, item.shape, tuple(Copy(s, item.source.dtype) for s in item.source.segments))
+
+
+def _scalar_value(reader: FileReader, item: DcpTensor) -> float | int | bool:
+    """A step counter's value (DeepSpeed's is a tensor of shape () or (1,))."""
+    assert item.source is not None
+    if item.source.numel != 1:
+        raise CorruptFileError(item.source.segments[0].path, f"{item.key}: {item.source.numel} values, one expected")
+    return read_scalar(reader, item.source)
+
+
+def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: Callable[[int], None]) -> type:
+    """A torch DCP storage writer that streams each tensor from the checkpoint's files (defined
+    here: torch is imported only when a DCP is written)."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
 
-    lazy = {item.key: item for item in plan.tensors}
-
-    class LazyPlanner(dcp.DefaultSavePlanner):
-        """Plans from meta tensors; the bytes of each are read when the writer resolves it."""
-
-        def resolve_data(self, write_item: Any) -> Any:
-            item = lazy.get(write_item.index.fqn)
-            if write_item.type == WriteItemType.BYTE_IO or item is None:
-                return super().resolve_data(write_item)
-            tensor = _materialize(reader, item)
-            progress(item.nbytes)
-            return tensor
+    items = {item.key: item for item in plan.tensors}
 
     class Writer(dcp.FileSystemWriter):
-        """torch's file writer, but writing each item as soon as it is read and keeping nothing of
-        it: torch 2.13's own loop keeps every tensor of a file until the file is written (its
-        safetensors branch needs them), which would hold the whole checkpoint in memory. Items are
-        written as torch writes them (``_write_item``: torch.save of each tensor, the bytes of
-        the others), all into one ``__0_0.distcp``. Names the final folder, not the staging one,
-        as the checkpoint's id in ``.metadata``."""
+        """torch's file writer, its data written by zckpt: every item into one ``__0_0.distcp`` as
+        torch's writer lays it out (a tensor as the torch.save archive of it, any other value as
+        the bytes the planner serialized), but a tensor's archive streamed from the checkpoint's
+        files (:class:`zckpt.torchfile.save.ArchiveAppender`: kernel copies, one reused buffer)
+        rather than torch.save of a tensor in memory; and nothing kept, where torch 2.13's own
+        loop keeps every tensor of a file until it is done. ``.metadata`` names the final folder
+        as the checkpoint, not the staging one."""
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
             results = []
-            with open(os.path.join(self.path, name), "wb") as stream:
-                for item in plan.items:
-                    data = planner.resolve_data(item)
-                    results.append(_write_item(self.transforms, stream, data, item, name, self.serialization_format))
-                    del data  # before the next one is read
-                stream.flush()
-                os.fsync(stream.fileno())
+            fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                with WorkerPool(2, "zckpt-dcp") as helpers:
+                    archives = ArchiveAppender(fd, reader, helpers, progress)
+                    for write_item in plan.items:
+                        offset = os.lseek(fd, 0, os.SEEK_CUR)
+                        if write_item.type == WriteItemType.BYTE_IO:
+                            write_all(fd, planner.resolve_data(write_item).getbuffer())
+                        else:
+                            archives.append(plan_archive(_out_tensor(reader, items[write_item.index.fqn]), "archive"))
+                        length = os.lseek(fd, 0, os.SEEK_CUR) - offset
+                        results.append(WriteResult(write_item.index, length, _StorageInfo(name, offset, length)))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(results)
             return done
@@ -268,21 +277,21 @@ def _writer_classes(final_dir: str, reader: FileReader, plan: DcpPlan, progress:
                 meta.checkpoint_id = final_dir
             return meta
 
-    return LazyPlanner, Writer
+    return Writer
 
 
 def _write_dcp(folder: str, final_dir: str, plan: DcpPlan, reader: FileReader, progress: Callable[[int], None]) -> None:
-    """Write the DCP files of `plan` into `folder` with torch's writer, one tensor in memory at a time."""
+    """Write the DCP files of `plan` into `folder`: torch plans and writes ``.metadata``, zckpt streams the data."""
     import torch.distributed.checkpoint as dcp
 
-    planner, writer = _writer_classes(final_dir, reader, plan, progress)
+    writer = _writer_class(final_dir, reader, plan, progress)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:
             dcp.save(
                 state_dict_of(plan),
                 storage_writer=writer(folder, single_file_per_rank=True, thread_count=1, sync_files=True),
-                planner=planner(),
+                planner=dcp.DefaultSavePlanner(),
                 no_dist=True,
             )
         except dcp.api.CheckpointException as exc:
