@@ -166,11 +166,11 @@ def test_output_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.
     calls = []
     read = dcp_op._out_tensor
 
-    def failing(reader, item):
+    def failing(item):
         calls.append(item.key)
         if len(calls) == 5:
             raise OSError(28, "No space left on device")
-        return read(reader, item)
+        return read(item)
 
     monkeypatch.setattr(dcp_op, "_out_tensor", failing)
     with pytest.raises(OutputError, match="nothing was written"):

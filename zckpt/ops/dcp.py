@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
-from ..core.errors import CorruptFileError, OutputError, UsageError
+from ..core.errors import CorruptFileError, LayoutError, OutputError, UsageError
 from ..core.index import TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
 from ..deepspeed.reader import open_training_state
@@ -119,7 +119,7 @@ def plan_dcp(state: TrainingState, dtype: DTypeLike = "fp32") -> DcpPlan:
             tensors.append(DcpTensor(("optim", "state", param.name, key), *made))
         for key, source in param.states.items():
             if key in scalars:
-                raise UsageError(
+                raise LayoutError(
                     state.index.tag_dir, f"{param.name}: optimizer state {key!r} is both per group and per param"
                 )
             tensors.append(DcpTensor(("optim", "state", param.name, key), source.shape, source.dtype, source))
@@ -139,9 +139,10 @@ def _materialize(reader: FileReader, item: DcpTensor) -> "torch.Tensor":
     """The item's tensor in memory (torch's in-memory route, scripts/bench_dcp.py)."""
     import torch
 
-    if item.source is None or item.shape == ():
-        value = item.value if item.source is None else _scalar_value(reader, item)
-        return torch.tensor(value, dtype=item.dtype.torch())
+    if item.source is None:
+        return torch.tensor(item.value, dtype=item.dtype.torch())
+    if item.shape == ():
+        return torch.tensor(read_scalar(reader, item.source), dtype=item.dtype.torch())
     return read_tensor(reader, item.source, item.dtype)
 
 
@@ -212,21 +213,16 @@ def plain(value: Any, reader: FileReader) -> Any:
     return repr(value)
 
 
-def _out_tensor(reader: FileReader, item: DcpTensor) -> OutTensor:
-    """What torch.save of the item's tensor would hold, as parts of the checkpoint's files (zckpt's
-    torch.save writer streams them, converting dtypes where they differ); a step counter read now."""
-    if item.source is None or item.shape == ():
-        value = item.value if item.source is None else _scalar_value(reader, item)
-        return OutTensor(item.dtype, item.shape, (Inline(np.asarray(value, np.dtype(item.dtype.numpy_raw)).tobytes()),))
+def _out_tensor(item: DcpTensor) -> OutTensor:
+    """What torch.save of the item's tensor holds, as parts of the checkpoint's files (zckpt's
+    torch.save writer streams them, converting dtypes where they differ: a step counter saved in
+    another dtype becomes float32); a Python number as its bytes."""
+    if item.source is None:  # a scalar state saved as a Python number: float32 (see _scalar)
+        return OutTensor(item.dtype, item.shape, (Inline(np.asarray(item.value, np.float32).tobytes()),))
+    if item.source.numel != math.prod(item.shape):  # a step counter of shape (1,) is fine, of (2,) not
+        where = item.source.segments[0].path if item.source.segments else None
+        raise CorruptFileError(where, f"{item.key}: {item.source.numel} values, {math.prod(item.shape)} expected")
     return OutTensor(item.dtype, item.shape, tuple(Copy(s, item.source.dtype) for s in item.source.segments))
-
-
-def _scalar_value(reader: FileReader, item: DcpTensor) -> float | int | bool:
-    """A step counter's value (DeepSpeed's is a tensor of shape () or (1,))."""
-    assert item.source is not None
-    if item.source.numel != 1:
-        raise CorruptFileError(item.source.segments[0].path, f"{item.key}: {item.source.numel} values, one expected")
-    return read_scalar(reader, item.source)
 
 
 def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: Callable[[int], None]) -> type:
@@ -261,7 +257,7 @@ def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: C
                         if write_item.type == WriteItemType.BYTE_IO:
                             write_all(fd, planner.resolve_data(write_item).getbuffer())
                         else:
-                            archives.append(plan_archive(_out_tensor(reader, items[write_item.index.fqn]), "archive"))
+                            archives.append(plan_archive(_out_tensor(items[write_item.index.fqn]), "archive"))
                         length = os.lseek(fd, 0, os.SEEK_CUR) - offset
                         results.append(WriteResult(write_item.index, length, _StorageInfo(name, offset, length)))
                 os.fsync(fd)
