@@ -85,7 +85,7 @@ def test_exit_code_as_the_readme_says(workdir: Path, tmp_path: Path, code: int, 
         assert done.stderr.count("\n") == 1 and done.stderr.startswith("zckpt: error: "), done.stderr
     if code == 0 and argv[1] == "consolidate":
         assert (here / argv[3] / "model.safetensors").is_file()
-    if code in (1, 2) and argv[1] in ("consolidate", "reshard", "to-universal"):  # nothing written
+    if code in (1, 2) and argv[1] in ("consolidate", "reshard", "to-universal", "to-dcp"):  # nothing written
         assert not (here / "out").exists() and not (here / "runs" / "ckpt" / "out").exists()
         assert (here / "done" / "model.safetensors").read_bytes() == b"weights of an earlier run"
 

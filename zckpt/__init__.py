@@ -12,6 +12,7 @@ Python API::
     zckpt.reshard("runs/ckpt", "runs/ckpt-8", world_size=8)      # DeepSpeed checkpoint for 8 ranks
     zckpt.open_training_state("runs/ckpt")                       # masters, optimizer states, steps, ...
     zckpt.to_universal("runs/ckpt", "runs/ckpt")                 # DeepSpeed universal checkpoint
+    zckpt.to_dcp("runs/ckpt", "dcp/step-500")                    # torch DCP for FSDP2 / torchtitan
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from .deepspeed.reader import open_checkpoint, open_training_state, survey
     from .ops.api import iter_tensors, load_into_module, load_state_dict
     from .ops.consolidate import consolidate
+    from .ops.dcp import to_dcp
     from .ops.diff import DiffReport, diff
     from .ops.inspect import inspect_path
     from .ops.reshard import plan_reshard, reshard
@@ -75,6 +77,7 @@ _API = {
     "reshard": ".ops.reshard",
     "plan_to_universal": ".ops.universal",
     "to_universal": ".ops.universal",
+    "to_dcp": ".ops.dcp",
 }
 
 
@@ -121,5 +124,6 @@ __all__ = [
     "plan_consolidation",
     "plan_to_universal",
     "survey",
+    "to_dcp",
     "to_universal",
 ]

@@ -227,6 +227,7 @@ WRITING_COMMANDS = {
     "consolidate": ("consolidate", "{ck}", "{out}"),
     "reshard": ("reshard", "{ck}", "{out}", "--world-size", "2"),
     "to-universal": ("to-universal", "{ck}", "{out}"),
+    "to-dcp": ("to-dcp", "{ck}", "{out}"),
 }
 
 

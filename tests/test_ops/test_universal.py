@@ -5,9 +5,7 @@ round trip. Real DeepSpeed loading the outputs is in test_interop_universal.py."
 
 from __future__ import annotations
 
-import pickle
 import shutil
-import types
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from helpers import (
     SAMPLE_LIST,
     Sample,
     compare_trees,
+    load_with_stand_ins,
     one_line,
     run_cli,
     run_zckpt_torchrun,
@@ -36,42 +35,12 @@ from zckpt.torchfile import reader as torchfile
 WITH_LIVE_OPTIMIZER = [s for s in SAMPLE_LIST if (s.folder / "reference" / "live_optimizer.safetensors").exists()]
 
 
-class _StandIns(types.ModuleType):
-    """A pickle module for torch.load whose Unpickler turns DeepSpeed's classes (not installed in
-    this tier) into plain stand-ins, so files are read by torch itself, not by zckpt."""
-
-    classes: dict[tuple[str, str], type] = {}
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str):
-            if module.split(".")[0] == "deepspeed":
-                key = (module, name)
-                if key not in _StandIns.classes:
-                    _StandIns.classes[key] = type(name, (_StandIn,), {})
-                return _StandIns.classes[key]
-            return super().find_class(module, name)
-
-    load = staticmethod(pickle.load)
-
-
-class _StandIn:
-    def __init__(self, *args) -> None:  # an enum rebuilt by value: ZeroStageEnum(3)
-        self.args = args
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
-
-
-def _load(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_StandIns("stand_ins"))
-
-
 def _universal_dir(out: Path) -> Path:
     return out / (out / "latest_universal").read_text().strip()
 
 
 def _original_files(case: Sample) -> dict[str, object]:
-    return {n: _load(p) for n, p in tag_files(case.checkpoint).items()}
+    return {n: load_with_stand_ins(p) for n, p in tag_files(case.checkpoint).items()}
 
 
 def _saved_param_groups_and_steps(case: Sample) -> tuple[list[dict], list]:
@@ -101,13 +70,13 @@ def test_universal_files_hold_the_live_engine_state(case: Sample, target_stage: 
     assert folder.name == (case.checkpoint / "latest").read_text().strip() + "_universal"
     live = case.live()
     live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
-    original_model = _load(next(p for n, p in tag_files(case.checkpoint).items() if "model_states" in n))
+    original_model = load_with_stand_ins(next(p for n, p in tag_files(case.checkpoint).items() if "model_states" in n))
     aliases = set(original_model.get("shared_params") or {})  # live dumps list tied names twice
     trainable = {n.rsplit(".", 1)[0] for n in live_optim if n.endswith(".exp_avg")} - aliases
     assert trainable and {p.name for p in result.source.params} == trainable
     for name in trainable:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            value = _load(folder / "zero" / name / f"{state}.pt")
+            value = load_with_stand_ins(folder / "zero" / name / f"{state}.pt")
             truth = live[name].float() if state == "fp32" else live_optim[f"{name}.{state}"]
             if stage == 3:  # ZeRO-3's loader reads a flat tensor
                 assert isinstance(value, torch.Tensor) and value.dim() == 1, (name, state)
@@ -117,7 +86,7 @@ def test_universal_files_hold_the_live_engine_state(case: Sample, target_stage: 
                 assert value.shape == truth.shape, (name, state)
             assert same_bits(value.reshape(truth.shape), truth), (name, state)
     groups, steps = _saved_param_groups_and_steps(case)
-    global_state = _load(folder / "zero" / "optimizer_state.pt")
+    global_state = load_with_stand_ins(folder / "zero" / "optimizer_state.pt")
     assert [{k: v for k, v in g.items() if k != "params"} for g in global_state["param_groups"]] == groups
     by_group = {p.name: p.group for p in result.source.params}
     if stage == 3:
@@ -126,11 +95,12 @@ def test_universal_files_hold_the_live_engine_state(case: Sample, target_stage: 
     else:
         for name in trainable:
             assert torch.equal(
-                torch.as_tensor(_load(folder / "zero" / name / "step.pt")), torch.as_tensor(steps[by_group[name]])
+                torch.as_tensor(load_with_stand_ins(folder / "zero" / name / "step.pt")),
+                torch.as_tensor(steps[by_group[name]]),
             ), name
     # the model_states DeepSpeed's loader looks for in a run of that stage, with the saved counters
     model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
-    ours = _load(folder / model_name)
+    ours = load_with_stand_ins(folder / model_name)
     for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "dp_world_size"):
         assert ours[key] == original_model[key], key
 
@@ -233,7 +203,9 @@ def test_nvme_offloaded_checkpoint_converts_like_any_other(tmp_path: Path) -> No
     truth = {p.name for p in open_training_state(tmp_path / "u").params}
     assert truth
     for name in truth:
-        assert same_bits(_load(folder / "zero" / name / "fp32.pt").reshape(live[name].shape), live[name].float()), name
+        assert same_bits(
+            load_with_stand_ins(folder / "zero" / name / "fp32.pt").reshape(live[name].shape), live[name].float()
+        ), name
 
 
 # --- bad input ---------------------------------------------------------------------------------

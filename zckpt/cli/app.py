@@ -30,7 +30,7 @@ from .signals import catch_signals
 
 # each registers its command on `app` when imported, in this order: the order --help lists them
 # isort: off
-from . import consolidate, inspect, verify, reshard, to_universal, diff, nvme_plan, train  # noqa: F401
+from . import consolidate, inspect, verify, reshard, to_universal, to_dcp, diff, nvme_plan, train  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

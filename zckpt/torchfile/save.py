@@ -52,6 +52,7 @@ from .pickler import (
 )
 
 __all__ = [
+    "ArchiveAppender",
     "ArchivePlan",
     "Copy",
     "GlobalName",
@@ -188,6 +189,29 @@ def write_archive(
             stream.finish(plan.total_size)
     finally:
         os.close(fd)
+
+
+class ArchiveAppender:
+    """Writes planned archives one after another at an open file's position: a file of several
+    archives, as torch.save writes them into one stream (torch.distributed.checkpoint's
+    ``.distcp`` files). Tensor bytes stream as in :func:`write_archive` (kernel copies where no
+    conversion is needed, every source byte read once, one reused buffer for all), without
+    O_DIRECT; each archive's offsets count from its own first byte, as torch's do. `helpers`: two
+    threads or more."""
+
+    def __init__(
+        self, fd: int, reader: FileReader, helpers: WorkerPool, progress: Callable[[int], None] | None = None
+    ) -> None:
+        self.fd = fd
+        self._stream = _TensorStream(fd, reader, progress or (lambda _n: None), helpers)
+
+    def append(self, plan: ArchivePlan) -> None:
+        """Write `plan` at the file's position and leave the position just past it."""
+        start = os.lseek(self.fd, 0, os.SEEK_CUR)
+        _write_records(plan, self._stream)
+        written = os.lseek(self.fd, 0, os.SEEK_CUR) - start
+        if written != plan.total_size:
+            raise AssertionError(f"wrote {written} bytes, planned {plan.total_size}")
 
 
 @dataclass(frozen=True)

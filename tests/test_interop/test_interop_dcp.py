@@ -1,0 +1,166 @@
+"""Interop for ``zckpt to-dcp``: its output resumed by FSDP2 (``fully_shard``, gloo, CPU) at 1, 2
+and 3 ranks with ``dcp.load`` + ``set_state_dict`` (``scripts/fsdp2_resume.py``), then trained on,
+against real DeepSpeed training on from the same checkpoint. Needs DeepSpeed installed in this
+interpreter (the training truth); skipped otherwise.
+
+Run: ``DS_ACCELERATOR=cpu PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers
+tests/test_interop/test_interop_dcp.py`` (about a minute on 2 cores: one DeepSpeed run of ~10 s,
+four FSDP2 runs of ~6 s).
+
+What the expected values are (never zckpt's code):
+
+* right after the load, bit for bit: the sample's ``reference/live*.safetensors`` (the engine's
+  fp32 masters, frozen params, buffers and Adam moments before it saved), and its ``meta.json``
+  (steps, param groups' lr and weight decay as make_sample_ckpts set them);
+* after two more steps: DeepSpeed itself resuming the original checkpoint at its own world size
+  and training the same two steps on the same data (``ds_probe.py --train-steps 2 --data
+  global``). FSDP2 reduces gradients in another order than DeepSpeed, so the values agree to
+  float32 rounding (a few ulps), far below what one step moves them (~1e-2); a resume that lost
+  the step count, the moments or the groups' hyperparameters would be off by the size of a step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import ROOT, Sample, same_bits, sample
+
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
+
+from interop_helpers import free_port, run_logged, run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
+from zckpt import to_dcp  # noqa: E402
+
+WORKER = ROOT / "scripts" / "fsdp2_resume.py"
+TRAINED = "z3_fp32_ws2_tied_frozen"  # fp32 (DeepSpeed trains as FSDP2 does), tied, frozen, BatchNorm
+STEPS = 2
+
+
+def resume(case: Sample, dcp: Path, world_size: int, out: Path, train_steps: int = 0) -> Path:
+    """Run scripts/fsdp2_resume.py at `world_size` ranks; fail the test with its errors if it fails."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size)]
+    cmd += ["--master-port", str(free_port()), str(WORKER), "--case", case.name, "--dcp", str(dcp), "--out", str(out)]
+    cmd += ["--train-steps", str(train_steps), "--micro-batches", str(case.meta["world_size"])]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    returncode = run_logged(cmd, env, out / "run.log", timeout=300)
+    if returncode != 0 or not (out / "run.json").exists():
+        errors = "\n".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
+        pytest.fail(
+            f"FSDP2 resume at {world_size} ranks: exit {returncode}\n{errors}\n{(out / 'run.log').read_text()[-3000:]}"
+        )
+    return out
+
+
+def check_loaded(case: Sample, out: Path) -> None:
+    """What FSDP2 holds after dcp.load + set_state_dict, gathered whole: the live engine's values,
+    bit for bit (frozen 16-bit params widened exactly into the fp32 model), each param's step, and
+    the groups' hyperparameters as the case trained with them."""
+    model = load_file(out / "loaded_model.safetensors")
+    optim = load_file(out / "loaded_optim.safetensors")
+    info = json.loads((out / "loaded.json").read_text())
+    live = case.live()
+    assert sorted(model) == sorted(live)
+    for name, truth in live.items():
+        assert same_bits(model[name], truth.float() if truth.is_floating_point() else truth), name
+    live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
+    tied = case.meta.get("tied") or {}
+    assert sorted(optim) == sorted(k for k in live_optim if k.rsplit(".", 1)[0] not in tied)
+    for key, value in optim.items():
+        assert same_bits(value, live_optim[key]), key
+    steps = info["steps"]
+    assert sorted(steps) == sorted({k.rsplit(".", 1)[0] for k in optim})
+    assert all(s == {"value": float(case.meta["steps"]), "dtype": "torch.float32", "shape": []} for s in steps.values())
+    groups = info["param_groups"]
+    assert len(groups) == case.meta["param_groups"]
+    expected = [(1e-2, 0.01), (3e-3, 0.0)] if len(groups) == 2 else [(1e-2, 0.01)]  # make_sample_ckpts' groups
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == expected
+    assert all(g["betas"] == [0.9, 0.999] and g["eps"] == 1e-8 for g in groups)
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSpeed resuming the sample at its own world size and training STEPS more steps."""
+    out = tmp_path_factory.mktemp("ds_truth")
+    case = sample(TRAINED)
+    _, _, state = run_probe(TRAINED, case.checkpoint, case.meta["world_size"], out, train_steps=STEPS, data="global")
+    assert state["train"]["global_steps_after"] == case.meta["steps"] + STEPS
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_dcp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The README's command, through the CLI."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("dcp") / "step-3"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", "to-dcp", str(sample(TRAINED).checkpoint), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_fsdp2_resumes_and_trains_on_as_deepspeed_does(
+    world_size: int, truth: Path, trained_dcp: Path, tmp_path: Path
+) -> None:
+    case = sample(TRAINED)
+    out = resume(case, trained_dcp, world_size, tmp_path / "fsdp2", train_steps=STEPS)
+    check_loaded(case, out)
+    live = case.live()
+    ds_model = load_file(truth / "live_after_train.safetensors")
+    ds_optim = load_file(truth / "live_optimizer_after_train.safetensors")
+    model = load_file(out / "after_train_model.safetensors")
+    optim = load_file(out / "after_train_optim.safetensors")
+    trainable = {k.rsplit(".", 1)[0] for k in optim}
+    moved = 0.0
+    for name in trainable | set(case.meta.get("tied") or {}):
+        torch.testing.assert_close(model[name], ds_model[name], rtol=0, atol=1e-6, msg=name)
+        moved = max(moved, (ds_model[name] - live[name]).abs().max().item())
+    assert moved > 1e-2  # the tolerance is far below what the steps changed
+    for key, value in optim.items():  # moments near zero differ by rounding too: measured against the largest
+        scale = ds_optim[key].abs().max().item()
+        torch.testing.assert_close(value, ds_optim[key], rtol=0, atol=1e-5 * scale, msg=key)
+    info = json.loads((out / "after_train.json").read_text())
+    assert {s["value"] for s in info["steps"].values()} == {float(case.meta["steps"] + STEPS)}
+    for name in case.meta["frozen"]:
+        assert same_bits(model[name], ds_model[name]), name
+    if world_size > 1:  # rank 0 trained micro-batch 0 alone, as DeepSpeed's rank 0 did: same BatchNorm statistics
+        for name in case.meta["buffers"]:
+            torch.testing.assert_close(model[name], ds_model[name], rtol=1e-6, atol=1e-7, msg=name)
+    losses = json.loads((truth / "state.json").read_text())["train"]["losses_per_microbatch"]
+    ours = {}
+    for rank_losses in json.loads((out / "run.json").read_text())["losses"]:
+        for step, rows in enumerate(rank_losses):
+            for j, weight, loss in rows:
+                if weight:
+                    ours[(step, j)] = loss
+    assert ours == pytest.approx({(s, j): v for s, row in enumerate(losses) for j, v in enumerate(row)}, rel=1e-5)
+
+
+def test_fsdp2_resumes_groups_frozen_tied_bf16_nvme_sample(tmp_path: Path) -> None:
+    """A bf16 ZeRO-3 run with two param groups (other lr and weight decay), frozen bf16 params, tied
+    weights and its optimizer offloaded to NVMe, resumed by an fp32 FSDP2 model at 3 ranks."""
+    case = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
+    to_dcp(case.checkpoint, tmp_path / "dcp")
+    check_loaded(case, resume(case, tmp_path / "dcp", 3, tmp_path / "fsdp2"))

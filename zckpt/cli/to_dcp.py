@@ -1,0 +1,97 @@
+"""``zckpt to-dcp``: a torch.distributed.checkpoint folder, for FSDP2 and torchtitan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .shared import (
+    Command,
+    NoVerifyOption,
+    QuietOption,
+    SwapFolderOption,
+    TagOption,
+    WaitOption,
+    app,
+    swap_notes,
+    with_progress,
+)
+
+
+@app.command(
+    "to-dcp",
+    cls=Command,
+    short_help="Write a torch DCP folder that FSDP2 / torchtitan resume.",
+    epilog=(
+        "\b\nExamples:\n"
+        "  zckpt to-dcp runs/ckpt dcp/step-500\n"
+        "  zckpt to-dcp runs/ckpt dcp/step-500 --dtype bf16   # bf16 weights"
+    ),
+)
+def to_dcp(
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            metavar="CHECKPOINT",
+            help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.",
+        ),
+    ],
+    output_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="OUTPUT_DIR",
+            help="The DCP folder to write (.metadata, __0_0.distcp, train_state.json); it appears whole or not at all.",
+        ),
+    ],
+    tag: TagOption = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="Dtype of the trainable params: fp32 (the exact masters; the default), or bf16/fp16 (rounded to nearest). Frozen params, buffers and optimizer states keep their saved dtype.",
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace OUTPUT_DIR if it exists and is not empty.")
+    ] = False,
+    quiet: QuietOption = False,
+    no_verify: NoVerifyOption = False,
+    swap_folder: SwapFolderOption = None,
+    wait: WaitOption = False,
+) -> None:
+    """Write a torch.distributed.checkpoint (DCP) folder holding {"model", "optim"} as get_state_dict returns them.
+
+    A fresh model wrapped with FSDP2's fully_shard at any world size, with torch.optim.AdamW over
+    the same param groups, resumes it with dcp.load and set_state_dict: fp32 masters, Adam
+    moments, each param's step and the groups' hyperparameters. The counters, lr scheduler and
+    client state go into OUTPUT_DIR/train_state.json.
+    """
+    from ..core.sizes import format_size
+    from ..ops.dcp import to_dcp as run_to_dcp
+
+    result = with_progress(
+        quiet,
+        "converting",
+        lambda progress: run_to_dcp(
+            checkpoint,
+            output_dir,
+            tag=tag,
+            dtype=dtype or "fp32",
+            overwrite=overwrite,
+            progress=progress,
+            verify=not no_verify,
+            swap_folder=swap_folder,
+            wait=wait,
+        ),
+    )
+    swap_notes(swap_folder, result.source.index.notes, quiet)
+    if not quiet:
+        source = result.source.index
+        typer.echo(
+            f"wrote DCP of {source.tag} (ZeRO-{source.zero_stage}, world size {source.world_size}): "
+            f"{len(result.source.params)} trainable params ({result.dtype.short}) with their optimizer states, "
+            f"{result.tensors} tensors, {format_size(result.bytes_written)} -> {output_dir}"
+        )
