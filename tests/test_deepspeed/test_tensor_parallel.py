@@ -13,14 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TENSOR_PARALLEL_SAMPLES, Sample, run_cli, same_bits
-from zckpt import load_state_dict, reshard
-from zckpt.core.errors import LayoutError
+from helpers import TENSOR_PARALLEL_SAMPLES, Sample, compare_trees, run_cli, same_bits, tag_files
+from zckpt import load_state_dict, reshard, to_universal
+from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
 
 IDS = [s.name for s in TENSOR_PARALLEL_SAMPLES]
 REPLICATED = {"model.embed_tokens.weight", "model.norm.weight"} | {
@@ -100,7 +101,31 @@ def test_a_missing_tensor_rank_is_named(tmp_path: Path) -> None:
     ]
 
 
-def test_writing_a_tensor_parallel_checkpoint_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(LayoutError, match=r"a tensor-parallel checkpoint \(2 tensor ranks x 1 data-parallel rank\)"):
-        reshard(FP32.checkpoint, tmp_path / "out", world_size=2)
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
+def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, case: Sample) -> None:
+    out = tmp_path / "same"
+    reshard(case.checkpoint, out, world_size=case.meta["dp"])
+    original, ours = tag_files(case.checkpoint), tag_files(out)
+    assert sorted(original) == sorted(ours)
+    with FileReader() as reader:
+        for name, path in original.items():
+            assert compare_trees(torchfile.load(str(path)), torchfile.load(str(ours[name])), reader) == [], name
+
+
+def test_reshard_to_other_data_ranks_keeps_every_value(tmp_path: Path) -> None:
+    out = tmp_path / "dp3"
+    reshard(FP32.checkpoint, out, world_size=3)
+    assert open_checkpoint(out).topology == Topology(tp=2, dp=3)
+    reference = _reference(FP32)
+    for name, value in load_state_dict(out, dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
+
+
+def test_writes_it_cannot_make_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--stage 3: zckpt writes AutoTP checkpoints at ZeRO-1/2 only"):
+        reshard(FP32.checkpoint, tmp_path / "out", world_size=2, stage=3)
+    with pytest.raises(
+        LayoutError, match=r"a tensor-parallel checkpoint \(2 tensor ranks x 1 data-parallel rank\): to-universal"
+    ):
+        to_universal(FP32.checkpoint, tmp_path / "out")
     assert not (tmp_path / "out").exists()

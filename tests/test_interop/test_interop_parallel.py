@@ -240,6 +240,69 @@ def test_deepspeed_resumes_a_resharded_moe_checkpoint(tmp_path: Path, name: str,
                 assert same_bits(read_tensor(reader, again.states[key]), read_tensor(reader, source)), (param.name, key)
 
 
+TP_LOADER = r"""
+import sys
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+
+sys.path.insert(0, sys.argv[1])
+from make_parallel_ckpts import Case, build_llama, ds_config
+
+checkpoint, out, dtype, stage, dp, tp = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:8])
+deepspeed.init_distributed(dist_backend="gloo")
+case = Case("load", stage, dtype, pp=1, dp=dp, tp=tp, grad_accum=1)
+model = build_llama(case)
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(case))
+path, client = engine.load_checkpoint(str(checkpoint))
+assert path is not None, "load_checkpoint found nothing"
+engine.save_checkpoint(str(out / "resaved"))  # what the engine loaded, as DeepSpeed saves it
+dist.barrier()
+"""
+
+# (sample, data-parallel ranks of the loading run): the same tensor ranks over more or fewer data ranks
+TP_RESHARDS = [("autotp_z1_fp32_tp2", 2), ("autotp_z2_bf16_tp2_dp2", 1)]
+
+
+@pytest.mark.parametrize("name, dp", TP_RESHARDS, ids=[f"{n}-to-dp{d}" for n, d in TP_RESHARDS])
+def test_deepspeed_resumes_a_resharded_autotp_checkpoint(tmp_path: Path, name: str, dp: int) -> None:
+    """zckpt's reshard of an AutoTP checkpoint to another data-parallel size, loaded by DeepSpeed's
+    AutoTP engine with a plain load_checkpoint and saved again: every param's merged master and
+    moments are DeepSpeed's own merge of the original (ds_to_universal's)."""
+    from safetensors.torch import load_file
+
+    from helpers import TENSOR_PARALLEL_SAMPLES, same_bits
+
+    case = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == name)
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=dp)
+    loaded = tmp_path / "loaded"
+    loaded.mkdir()
+    script = loaded / "loader.py"
+    script.write_text(TP_LOADER)
+    python = ds_python()
+    world = dp * case.meta["tp"]
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
+    cmd += [str(script), str(ROOT / "scripts"), str(out), str(loaded), case.meta["dtype"]]
+    cmd += [str(case.meta["zero_stage"]), str(dp), str(case.meta["tp"])]
+    log = loaded / "run.log"
+    returncode = run_logged(cmd, ds_env(world, python), log, timeout=600)
+    if returncode != 0:
+        pytest.fail(
+            f"DeepSpeed load: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        )
+    reference = load_file(case.folder / "reference" / "universal.safetensors")
+    resaved = open_training_state(loaded / "resaved")
+    assert resaved.index.topology.dp == dp and resaved.global_steps == case.meta["global_steps"]
+    with FileReader() as reader:
+        for param in resaved.params:
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name]), param.name
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+
+
 @pytest.fixture(scope="module")
 def one_stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each sample consolidated by zckpt, then loaded by the one-stage PipelineModule."""

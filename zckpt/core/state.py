@@ -92,6 +92,8 @@ class TrainingState:
     round_robin: bool = False  # the input's flat groups were in round-robin order
     state_padding: tuple[PaddingRun, ...] = ()  # optimizer-state padding, by rank (see PaddingRun)
     stages: tuple[PipelineStage, ...] = ()  # a pipeline-parallel run's stages (empty: data-parallel)
+    # a tensor-parallel run: each tensor rank's own state (its shards), which a writer lays out again
+    tensor_shards: tuple["TrainingState", ...] = field(default=(), compare=False)
 
     @property
     def state_names(self) -> list[str]:

@@ -26,7 +26,7 @@ from ..core.topology import Topology
 from ..torchfile.pickler import PickledReduce
 from ..torchfile.save import Copy, OutTensor
 from . import names as N
-from .writer import CheckpointPlan, PlannedFile, RawFile, Target, carry, plan_checkpoint
+from .writer import CheckpointPlan, PlannedFile, RawFile, Target, plan_checkpoint
 
 UINT8 = BY_SHORT["uint8"]
 EXPERT_ID = re.compile(r"(?<=\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(?=\.)")
@@ -184,19 +184,11 @@ def _merged_model(
     dense_file: dict, expert_file: dict, dense: list[int], expert: list[int], state: TrainingState
 ) -> dict:
     """The model-states file: the dense module and shapes, the expert groups' shapes under expert
-    rank 0's local names, and the engine's MoE keys as saved."""
+    rank 0's local names (the writer adds the engine's MoE keys)."""
     out = OrderedDict(dense_file)
     shapes = _merge_lists(dense_file[N.PARAM_SHAPES], expert_file[N.PARAM_SHAPES], dense, expert)
     # a MoE run's engine saves its shapes as plain tuples, not torch.Size (FORMAT_OBSERVED.md)
     out[N.PARAM_SHAPES] = [
         OrderedDict((n, v.args[0] if isinstance(v, PickledReduce) else v) for n, v in group.items()) for group in shapes
     ]
-    client = set(state.client_state)
-    tail = [(k, v) for k, v in list(out.items()) if k in client]
-    for key, _ in tail:
-        del out[key]
-    for key in (N.NUM_EXPERTS, N.DS_AUTOEP_LAYERS):  # saved after the engine's own keys
-        if key in state.engine_extras:
-            out[key] = carry(state.engine_extras[key])
-    out.update(tail)
     return dict(out)

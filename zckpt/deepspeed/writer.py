@@ -645,8 +645,15 @@ class ModelPlanner:
                 out[key] = carry(state.engine_extras[key])
             else:
                 out[key] = _default_engine_value(key)
+        for key in LATE_ENGINE_KEYS:  # a mixture-of-experts or AutoTP run's, saved after the common ones
+            if key in state.engine_extras:
+                out[key] = carry(state.engine_extras[key])
         out.update(carry(state.client_state))
         return out
+
+
+# engine keys some runs add after the common ones (engine._save_moe_checkpoint, _save_checkpoint)
+LATE_ENGINE_KEYS = (N.NUM_EXPERTS, N.UNIVERSAL_CHECKPOINT_INFO, N.DS_AUTOEP_LAYERS)
 
 
 def _model_state_keys(version: str) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.run_config import load_config
 from ..deepspeed.save import SaveResult, write_checkpoint
+from ..deepspeed.tensor_parallel_writer import plan_tensor_parallel_checkpoint
 from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from ..io.jobs import job_share
 from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
@@ -64,6 +65,8 @@ def _plan(state: TrainingState, target: Target, pipeline_stages: int | None) -> 
         return plan_pipeline_checkpoint(state, target, pipeline_stages)
     if state.index.topology.ep > 1 and pipeline_stages is None:
         return plan_moe_checkpoint(state, target)
+    if state.tensor_shards and pipeline_stages is None:
+        return plan_tensor_parallel_checkpoint(state, target)
     if pipeline_stages is not None:
         raise UsageError(None, "--pipeline-stages is for pipeline-parallel checkpoints; this one is data-parallel")
     return plan_checkpoint(state, target)

@@ -1,0 +1,42 @@
+"""Tensor-parallel (AutoTP) checkpoints written (:func:`plan_tensor_parallel_checkpoint`): the
+training state of an AutoTP run laid out for another number of data-parallel ranks at the same
+tensor ranks, as DeepSpeed saves it, so a plain ``load_checkpoint`` of the new run reads it.
+
+Each tensor rank is an ordinary ZeRO-1/2 checkpoint of its shards over its data ranks, so the
+data-parallel writer (:func:`~.writer.plan_checkpoint`) plans it from that rank's own state (kept
+by the reader, :mod:`.tensor_parallel`); its files take the rank's ``mp_rank`` and its
+model-states file the tensor-parallel world size. The shards' ``universal_checkpoint_info`` and
+``checkpoint_parallel_dimensions`` are carried as saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..core.errors import UsageError
+from ..core.state import TrainingState
+from . import names as N
+from .writer import CheckpointPlan, PlannedFile, Target, plan_checkpoint
+
+
+def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
+    """Every file of the tensor-parallel checkpoint for `target` (its data-parallel size and ZeRO
+    stage) at the input's tensor ranks; pure."""
+    if target.stage not in (1, 2):
+        raise UsageError(None, f"--stage {target.stage}: zckpt writes AutoTP checkpoints at ZeRO-1/2 only")
+    tp = len(state.tensor_shards)
+    files: list[PlannedFile] = []
+    plans = [plan_checkpoint(shard, target) for shard in state.tensor_shards]
+    for rank, plan in enumerate(plans):
+        files.extend(_as_rank_file(planned, rank, tp) for planned in plan.files)
+    return replace(plans[0], files=tuple(files))
+
+
+def _as_rank_file(planned: PlannedFile, rank: int, tp: int) -> PlannedFile:
+    """A file the data-parallel writer planned, as tensor rank `rank` names and holds it."""
+    optim = N.OPTIM_STATES_RE.match(planned.name)
+    if optim is not None:
+        return replace(planned, name=N.optim_states_name(int(optim["dp"]), rank, bool(optim["prefix"])))
+    model = N.MODEL_STATES_RE.match(planned.name)
+    assert model is not None and model["dp"] is None, planned.name  # ZeRO-1/2: one model-states file per rank
+    return PlannedFile(N.model_states_name(1, 0, rank), {**planned.obj, N.MP_WORLD_SIZE: tp}, planned.rank)
