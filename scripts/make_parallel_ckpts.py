@@ -232,20 +232,7 @@ def moe_worker(case: Case, casedir: Path) -> None:
     ref = casedir / "reference"
     ref.mkdir(parents=True, exist_ok=True)
     save_file(live, str(ref / f"live_rank{rank}.safetensors"), metadata={"format": "pt"})
-    ckpt_dir = casedir / "checkpoint"
-    engine.save_checkpoint(str(ckpt_dir))
-    dist.barrier()
-    if rank == 0:
-        info = {
-            "deepspeed_version": deepspeed.__version__,
-            "torch_version": torch.__version__,
-            "tag": (ckpt_dir / "latest").read_text().strip(),
-            "global_steps": engine.global_steps,
-            "optimizer": type(engine.optimizer).__name__,
-            "live_optimizer": "not captured (safe_get_full_optimizer_state needs linked fragments)",
-        }
-        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
-    dist.barrier()
+    save_and_describe(engine, casedir, "not captured (safe_get_full_optimizer_state needs linked fragments)")
 
 
 def build_llama(case: Case) -> Any:
@@ -282,20 +269,7 @@ def autotp_worker(case: Case, casedir: Path) -> None:
         ids = torch.randint(0, 64, (MICRO_BATCH, 8), generator=gen)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    ckpt_dir = casedir / "checkpoint"
-    engine.save_checkpoint(str(ckpt_dir))
-    dist.barrier()
-    if rank == 0:
-        info = {
-            "deepspeed_version": deepspeed.__version__,
-            "torch_version": torch.__version__,
-            "tag": (ckpt_dir / "latest").read_text().strip(),
-            "global_steps": engine.global_steps,
-            "optimizer": type(engine.optimizer).__name__,
-            "live_optimizer": "the reference is ds_to_universal's merge (exact for AutoTP)",
-        }
-        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
-    dist.barrier()
+    save_and_describe(engine, casedir, "the reference is ds_to_universal's merge (exact for AutoTP)")
 
 
 def universal_reference(casedir: Path, python: str, log: Path, env: dict[str, str]) -> None:
@@ -323,6 +297,28 @@ shutil.rmtree(out)
 """
     (casedir / "reference").mkdir(exist_ok=True)
     run([python, "-c", code, str(casedir)], cwd=REPO, log=log, env=env)
+
+
+def save_and_describe(engine: Any, casedir: Path, live_optimizer: str) -> None:
+    """Save the checkpoint (every rank), and on rank 0 what the driver writes into meta.json."""
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    ckpt_dir = casedir / "checkpoint"
+    engine.save_checkpoint(str(ckpt_dir))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        info = {
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "tag": (ckpt_dir / "latest").read_text().strip(),
+            "global_steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__,
+            "live_optimizer": live_optimizer,
+        }
+        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
+    dist.barrier()
 
 
 def all_ranks_ok(ok: bool) -> bool:
@@ -363,12 +359,10 @@ def capture_live(engine: Any) -> tuple[dict[str, Any], dict[str, Any] | None, st
 
 def worker(case: Case, casedir: Path) -> None:
     import deepspeed
-    import deepspeed.comm as dist
     import torch
     from safetensors.torch import save_file
 
     deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
     torch.manual_seed(SEED)
     model = build_pipeline(case)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -391,20 +385,7 @@ def worker(case: Case, casedir: Path) -> None:
         save_file(live, str(ref / f"live_stage{stage}.safetensors"), metadata={"format": "pt"})
         if optim is not None:
             save_file(optim, str(ref / f"live_optimizer_stage{stage}.safetensors"), metadata={"format": "pt"})
-    ckpt_dir = casedir / "checkpoint"
-    engine.save_checkpoint(str(ckpt_dir))
-    dist.barrier()
-    if rank == 0:
-        info = {
-            "deepspeed_version": deepspeed.__version__,
-            "torch_version": torch.__version__,
-            "tag": (ckpt_dir / "latest").read_text().strip(),
-            "global_steps": engine.global_steps,
-            "optimizer": type(engine.optimizer).__name__,
-            "live_optimizer": optim_note,
-        }
-        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
-    dist.barrier()
+    save_and_describe(engine, casedir, optim_note)
 
 
 # --------------------------------------------------------------------------------------
@@ -422,8 +403,8 @@ for kind in ("live", "live_optimizer"):
     if not all(p.exists() for p in parts):
         continue
     merged = {}
-    for part in parts:
-        for name, value in load_file(str(part)).items():
+    for path in parts:
+        for name, value in load_file(str(path)).items():
             if name in merged:
                 assert torch.equal(merged[name], value), f"{kind}: {name} differs between {part}s"
             merged[name] = value

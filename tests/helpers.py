@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import struct
 import subprocess
@@ -213,6 +214,30 @@ def compare_trees(original, ours, reader: FileReader, path: str = "", padded: se
             problems += compare_trees(a, b, reader, f"{path}[{i}]", padded)
         return problems
     return [] if original == ours else [f"{path}: {original!r:.80} became {ours!r:.80}"]
+
+
+def copy_checkpoint(tmp_path: Path, case: Sample) -> Path:
+    """A copy of a sample's checkpoint folder to damage; returns its tag folder."""
+    checkpoint = tmp_path / case.name
+    shutil.copytree(case.checkpoint, checkpoint)
+    return checkpoint / (checkpoint / "latest").read_text().strip()
+
+
+def same_checkpoint_files(original: Path, ours: Path) -> list[str]:
+    """The differences between two checkpoint folders' tag folders: the file names, then every
+    file's pickled tree and tensor bytes (what torch.load would give)."""
+    from zckpt.torchfile import reader as torchfile
+
+    theirs, mine = tag_files(original), tag_files(ours)
+    if sorted(theirs) != sorted(mine):
+        return [f"files {sorted(theirs)} became {sorted(mine)}"]
+    problems = []
+    with FileReader() as reader:
+        for name, path in theirs.items():
+            problems += [
+                f"{name}{p}" for p in compare_trees(torchfile.load(str(path)), torchfile.load(str(mine[name])), reader)
+            ]
+    return problems
 
 
 def tag_files(folder: Path) -> dict[str, Path]:

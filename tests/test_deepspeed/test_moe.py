@@ -8,19 +8,23 @@ params under their global ids (``reference/live.safetensors``)."""
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import MOE_SAMPLES, Sample, compare_trees, run_cli, same_bits, tag_files
+from helpers import (
+    MOE_SAMPLES,
+    Sample,
+    copy_checkpoint,
+    run_cli,
+    same_bits,
+    same_checkpoint_files,
+)
 from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
-from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
-from zckpt.torchfile import reader as torchfile
 
 IDS = [s.name for s in MOE_SAMPLES]
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.0.weight"
@@ -66,17 +70,11 @@ def test_cli_inspect_verify_consolidate(tmp_path: Path, case: Sample) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def _copy(tmp_path: Path, case: Sample) -> Path:
-    checkpoint = tmp_path / case.name
-    shutil.copytree(case.checkpoint, checkpoint)
-    return checkpoint / (checkpoint / "latest").read_text().strip()
-
-
 BF16 = next(s for s in MOE_SAMPLES if s.name == "moe_z1_bf16_ep2_dp4")
 
 
 def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
-    tag = _copy(tmp_path, BF16)
+    tag = copy_checkpoint(tmp_path, BF16)
     (tag / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt").unlink()
     found = survey(tag.parent)
     assert found.index is None
@@ -88,7 +86,7 @@ def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
 def test_swapped_expert_rank_files_are_caught(tmp_path: Path) -> None:
     """Ranks 0 and 1 hold different experts under the same local names: swapping their files is
     caught by the slice mappings of the dense groups (each file names its own rank's part)."""
-    tag = _copy(tmp_path, BF16)
+    tag = copy_checkpoint(tmp_path, BF16)
     a, b = (tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
     a.rename(tag / "x")
     b.rename(a)
@@ -103,11 +101,7 @@ def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, c
     and tensor bytes (its shapes as plain tuples, as a MoE engine saves them; expert files copied)."""
     out = tmp_path / "same"
     reshard(case.checkpoint, out, world_size=case.meta["world_size"])
-    original, ours = tag_files(case.checkpoint), tag_files(out)
-    assert sorted(original) == sorted(ours)
-    with FileReader() as reader:
-        for name, path in original.items():
-            assert compare_trees(torchfile.load(str(path)), torchfile.load(str(ours[name])), reader) == [], name
+    assert same_checkpoint_files(case.checkpoint, out) == []
 
 
 def test_reshard_to_other_ranks_keeps_every_value(tmp_path: Path) -> None:

@@ -16,7 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PIPELINE_SAMPLES, Sample, compare_trees, run_cli, same_bits, sample, tag_files
+from helpers import (
+    PIPELINE_SAMPLES,
+    Sample,
+    copy_checkpoint,
+    run_cli,
+    same_bits,
+    same_checkpoint_files,
+    sample,
+    tag_files,
+)
 from zckpt import load_state_dict, reshard
 from zckpt.core.errors import CheckpointNotFoundError, LayoutError, UsageError
 from zckpt.core.topology import Topology
@@ -24,7 +33,6 @@ from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
-from zckpt.torchfile import reader as torchfile
 
 IDS = [s.name for s in PIPELINE_SAMPLES]
 
@@ -101,12 +109,6 @@ def test_cli_consolidate_inspect_verify(tmp_path: Path, case: Sample) -> None:
     assert verified.returncode == 0 and "replicas" in verified.stdout, verified.stdout
 
 
-def _copy(tmp_path: Path, case: Sample) -> Path:
-    checkpoint = tmp_path / case.name
-    shutil.copytree(case.checkpoint, checkpoint)
-    return checkpoint / (checkpoint / "latest").read_text().strip()
-
-
 BF16 = next(s for s in PIPELINE_SAMPLES if s.name == "pp2_z1_bf16_dp2")
 FP32 = next(s for s in PIPELINE_SAMPLES if s.name == "pp2_z1_fp32_dp1")
 
@@ -114,7 +116,7 @@ FP32 = next(s for s in PIPELINE_SAMPLES if s.name == "pp2_z1_fp32_dp1")
 def test_a_changed_tied_copy_is_caught(tmp_path: Path) -> None:
     """Stage 1's master of the tied embedding edited in place: verify names the file, consolidate
     refuses rather than write one of two different values."""
-    tag = _copy(tmp_path, FP32)
+    tag = copy_checkpoint(tmp_path, FP32)
     index = open_checkpoint(tag.parent)
     replica = index.replicas[0].source.segments[0]
     assert os.path.basename(replica.path) == "zero_pp_rank_0_mp_rank_01_optim_states.pt"
@@ -140,7 +142,7 @@ def test_a_changed_tied_copy_is_caught(tmp_path: Path) -> None:
     ],
 )
 def test_a_missing_stage_file_is_named(tmp_path: Path, remove: str, expected: str) -> None:
-    tag = _copy(tmp_path, BF16)
+    tag = copy_checkpoint(tmp_path, BF16)
     (tag / remove).unlink()
     found = survey(tag.parent)
     assert found.index is None and found.problems
@@ -151,7 +153,7 @@ def test_a_missing_stage_file_is_named(tmp_path: Path, remove: str, expected: st
 
 def test_stages_of_different_saves_are_refused(tmp_path: Path) -> None:
     """Stage 1's files from the bf16 run beside stage 0's of the fp32 one."""
-    tag = _copy(tmp_path, FP32)
+    tag = copy_checkpoint(tmp_path, FP32)
     other = BF16.checkpoint / "global_step3"
     for name in ("mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"):
         (tag / name).unlink()
@@ -168,13 +170,10 @@ def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, c
     same pickled trees and tensor bytes (layer files: the same bytes)."""
     out = tmp_path / "same"
     reshard(case.checkpoint, out, world_size=case.meta["dp"])
-    original, ours = tag_files(case.checkpoint), tag_files(out)
-    assert sorted(original) == sorted(ours)
-    with FileReader() as reader:
-        for name, path in original.items():
-            if name.startswith("layer_"):
-                assert path.read_bytes() == ours[name].read_bytes(), name
-            assert compare_trees(torchfile.load(str(path)), torchfile.load(str(ours[name])), reader) == [], name
+    assert same_checkpoint_files(case.checkpoint, out) == []
+    for name, path in tag_files(case.checkpoint).items():
+        if name.startswith("layer_"):  # copied as they are
+            assert path.read_bytes() == tag_files(out)[name].read_bytes(), name
 
 
 def test_reshard_to_one_stage_and_back_to_the_values(tmp_path: Path) -> None:

@@ -6,14 +6,20 @@ moments (``reference/universal.safetensors``)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TENSOR_PARALLEL_SAMPLES, Sample, compare_trees, run_cli, same_bits, tag_files
+from helpers import (
+    TENSOR_PARALLEL_SAMPLES,
+    Sample,
+    copy_checkpoint,
+    run_cli,
+    same_bits,
+    same_checkpoint_files,
+)
 from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
@@ -21,7 +27,6 @@ from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
-from zckpt.torchfile import reader as torchfile
 
 IDS = [s.name for s in TENSOR_PARALLEL_SAMPLES]
 REPLICATED = {"model.embed_tokens.weight", "model.norm.weight"} | {
@@ -71,15 +76,9 @@ def test_cli_inspect_verify_consolidate(tmp_path: Path, case: Sample) -> None:
 FP32 = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == "autotp_z1_fp32_tp2")
 
 
-def _copy(tmp_path: Path, case: Sample) -> Path:
-    checkpoint = tmp_path / case.name
-    shutil.copytree(case.checkpoint, checkpoint)
-    return checkpoint / (checkpoint / "latest").read_text().strip()
-
-
 def test_a_changed_replica_is_caught(tmp_path: Path) -> None:
     """Tensor rank 1's master of a replicated LayerNorm weight edited: verify names its file."""
-    tag = _copy(tmp_path, FP32)
+    tag = copy_checkpoint(tmp_path, FP32)
     index = open_checkpoint(tag.parent)
     replica = next(r for r in index.replicas if r.name == "model.norm.weight").source.segments[0]
     assert replica.path.endswith("zero_pp_rank_0_mp_rank_01_optim_states.pt")
@@ -92,7 +91,7 @@ def test_a_changed_replica_is_caught(tmp_path: Path) -> None:
 
 
 def test_a_missing_tensor_rank_is_named(tmp_path: Path) -> None:
-    tag = _copy(tmp_path, FP32)
+    tag = copy_checkpoint(tmp_path, FP32)
     (tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
     found = survey(tag.parent)
     assert found.index is None
@@ -105,11 +104,7 @@ def test_a_missing_tensor_rank_is_named(tmp_path: Path) -> None:
 def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, case: Sample) -> None:
     out = tmp_path / "same"
     reshard(case.checkpoint, out, world_size=case.meta["dp"])
-    original, ours = tag_files(case.checkpoint), tag_files(out)
-    assert sorted(original) == sorted(ours)
-    with FileReader() as reader:
-        for name, path in original.items():
-            assert compare_trees(torchfile.load(str(path)), torchfile.load(str(ours[name])), reader) == [], name
+    assert same_checkpoint_files(case.checkpoint, out) == []
 
 
 def test_reshard_to_other_data_ranks_keeps_every_value(tmp_path: Path) -> None:

@@ -98,18 +98,20 @@ dist.barrier()
 """
 
 
-def _load_with_deepspeed(checkpoint: Path, out: Path, dtype: str, pp: int, dp: int) -> None:
+def _run_deepspeed(code: str, out: Path, world: int, *args: object) -> None:
+    """`code` as a script under torchrun at `world` ranks in the DeepSpeed venv, with
+    scripts/ (make_parallel_ckpts) and `args` on its command line; fails the test with its log."""
     out.mkdir(parents=True, exist_ok=True)
-    script = out / "loader.py"
-    script.write_text(LOADER)
+    script = out / "script.py"
+    script.write_text(code)
     python = ds_python()
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(pp * dp), "--master-port", str(free_port())]
-    cmd += [str(script), str(ROOT / "scripts"), str(checkpoint), str(out), dtype, str(pp), str(dp)]
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
+    cmd += [str(script), str(ROOT / "scripts"), *map(str, args)]
     log = out / "run.log"
-    returncode = run_logged(cmd, ds_env(pp * dp, python), log, timeout=600)
+    returncode = run_logged(cmd, ds_env(world, python), log, timeout=600)
     if returncode != 0:
         pytest.fail(
-            f"DeepSpeed load: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            f"DeepSpeed run: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         )
 
 
@@ -131,7 +133,7 @@ def test_deepspeed_resumes_a_resharded_pipeline_checkpoint(
     reshard(case.checkpoint, out, world_size=dp, pipeline_stages=stages)
     pp = stages or case.meta["pp"]
     loaded = tmp_path / "loaded"
-    _load_with_deepspeed(out, loaded, case.meta["dtype"], pp, dp)
+    _run_deepspeed(LOADER, loaded, pp * dp, out, loaded, case.meta["dtype"], pp, dp)
     from safetensors.torch import load_file
 
     from helpers import same_bits
@@ -214,19 +216,8 @@ def test_deepspeed_resumes_a_resharded_moe_checkpoint(tmp_path: Path, name: str,
     out = tmp_path / "resharded"
     reshard(case.checkpoint, out, world_size=world)
     loaded = tmp_path / "loaded"
-    loaded.mkdir()
-    script = loaded / "loader.py"
-    script.write_text(MOE_LOADER)
-    python = ds_python()
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
-    cmd += [str(script), str(ROOT / "scripts"), str(out), str(loaded), case.meta["dtype"]]
-    cmd += [str(case.meta["zero_stage"]), str(world), str(case.meta["ep"])]
-    log = loaded / "run.log"
-    returncode = run_logged(cmd, ds_env(world, python), log, timeout=600)
-    if returncode != 0:
-        pytest.fail(
-            f"DeepSpeed load: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        )
+    meta = case.meta
+    _run_deepspeed(MOE_LOADER, loaded, world, out, loaded, meta["dtype"], meta["zero_stage"], world, meta["ep"])
     truth = case.live()
     for rank in range(world):
         for key, value in load_file(loaded / f"live_rank{rank}.safetensors").items():
@@ -278,20 +269,8 @@ def test_deepspeed_resumes_a_resharded_autotp_checkpoint(tmp_path: Path, name: s
     out = tmp_path / "resharded"
     reshard(case.checkpoint, out, world_size=dp)
     loaded = tmp_path / "loaded"
-    loaded.mkdir()
-    script = loaded / "loader.py"
-    script.write_text(TP_LOADER)
-    python = ds_python()
-    world = dp * case.meta["tp"]
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
-    cmd += [str(script), str(ROOT / "scripts"), str(out), str(loaded), case.meta["dtype"]]
-    cmd += [str(case.meta["zero_stage"]), str(dp), str(case.meta["tp"])]
-    log = loaded / "run.log"
-    returncode = run_logged(cmd, ds_env(world, python), log, timeout=600)
-    if returncode != 0:
-        pytest.fail(
-            f"DeepSpeed load: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        )
+    meta = case.meta
+    _run_deepspeed(TP_LOADER, loaded, dp * meta["tp"], out, loaded, meta["dtype"], meta["zero_stage"], dp, meta["tp"])
     reference = load_file(case.folder / "reference" / "universal.safetensors")
     resaved = open_training_state(loaded / "resaved")
     assert resaved.index.topology.dp == dp and resaved.global_steps == case.meta["global_steps"]
@@ -309,17 +288,7 @@ def one_stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("pipeline")
     for case in PIPELINE_SAMPLES + MOE_SAMPLES:
         consolidate(case.checkpoint, out / case.name)
-    script = out / "worker.py"
-    script.write_text(WORKER)
-    python = ds_python()
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port())]
-    cmd += [str(script), str(ROOT / "scripts"), str(out), *(c.name for c in PIPELINE_SAMPLES + MOE_SAMPLES)]
-    log = out / "run.log"
-    returncode = run_logged(cmd, ds_env(1, python), log, timeout=600)
-    if returncode != 0:
-        pytest.fail(
-            f"DeepSpeed run: exit {returncode}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        )
+    _run_deepspeed(WORKER, out / "run", 1, out, *(c.name for c in PIPELINE_SAMPLES + MOE_SAMPLES))
     return out
 
 

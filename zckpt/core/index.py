@@ -7,7 +7,7 @@ The format layer (``zckpt.deepspeed``) builds these from DeepSpeed's files; ever
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .dtypes import DType
@@ -41,6 +41,19 @@ class TensorSource:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+def slice_segments(source: TensorSource, start: int, length: int) -> list[Segment]:
+    """The segments of elements [start, start + length) of a source (fewer when it is shorter)."""
+    out, base, end = [], 0, start + length
+    for segment in source.segments:
+        lo, hi = max(start, base), min(end, base + segment.numel)
+        if lo < hi:
+            out.append(Segment(segment.path, segment.offset + (lo - base) * source.dtype.itemsize, hi - lo))
+        base += segment.numel
+        if base >= end:
+            break
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,3 +164,24 @@ class CheckpointIndex:
             if entry.name == name:
                 return entry
         raise KeyError(name)
+
+
+def merged_index(
+    part: CheckpointIndex,
+    topology: Topology,
+    entries: list[Entry] | tuple[Entry, ...],
+    files: tuple[str, ...],
+    notes: tuple[str, ...],
+    replicas: list[Entry] | tuple[Entry, ...] = (),
+) -> CheckpointIndex:
+    """The index of a checkpoint read part by part (pipeline stages, tensor ranks, expert ranks):
+    one part's description (tag, stage, dtype, version), the whole run's topology and tensors."""
+    return replace(
+        part,
+        world_size=topology.world_size,
+        topology=topology,
+        entries=tuple(entries),
+        files=files,
+        notes=notes,
+        replicas=tuple(replicas),
+    )

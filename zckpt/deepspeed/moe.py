@@ -21,13 +21,12 @@ expert rank, its expert groups over its D = W / E ranks under global names; and 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
 from ..core.errors import LayoutError
-from ..core.index import CheckpointIndex
+from ..core.index import CheckpointIndex, merged_index
 from ..core.state import TrainingState
 from ..core.topology import RankCoords, Topology
 from . import names as N
@@ -35,16 +34,6 @@ from .dp_reader import read_ranks
 from .optim_state import flat_states
 from .rank_files import RankFiles, load
 from .survey import Survey
-
-EXPERT_ID = re.compile(r"(?<=\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(?=\.)")
-# the lists of a ZeRO-1/2 optimizer file with one entry per param group
-_PER_GROUP = (
-    N.SINGLE_PARTITION_OF_FP32_GROUPS,
-    N.GROUP_PADDINGS,
-    N.PARAM_ALIGNMENT_PADDINGS,
-    N.PARTITION_COUNT,
-    N.PARAM_SLICE_MAPPINGS,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +54,7 @@ class ExpertGroups:
 
     def global_name(self, name: str, ep_rank: int) -> str:
         """An expert param's name at expert rank `ep_rank` under its global expert id."""
-        found = EXPERT_ID.search(name)
+        found = N.EXPERT_ID_RE.search(name)
         if found is None:
             return name
         prefix = name[: found.start()]
@@ -100,7 +89,7 @@ def expert_groups(result: Survey, files: RankFiles) -> ExpertGroups | None:
     per_rank: dict[str, int] = {}
     for g in moe:
         for name in shapes[g] if g < len(shapes) and isinstance(shapes[g], dict) else {}:
-            found = EXPERT_ID.search(name)
+            found = N.EXPERT_ID_RE.search(name)
             if found is None:
                 result.add(LayoutError, model_path, f"param {name} of expert group {g} names no expert")
                 return None
@@ -155,20 +144,8 @@ def read_moe(result: Survey, files: RankFiles) -> None:
         f"mixture-of-experts: {experts_total} experts in {len(experts.per_rank)} MoE layer(s), expert-parallel "
         f"degree {experts.ep} over {experts.world} ranks (expert data-parallel groups of {experts.world // experts.ep})"
     )
-    result.index = CheckpointIndex(
-        checkpoint_dir=location.checkpoint_dir,
-        tag=location.tag,
-        tag_dir=location.tag_dir,
-        tags=location.tags,
-        zero_stage=dense.index.zero_stage,
-        world_size=experts.world,
-        topology=Topology(ep=experts.ep, dp=experts.world),
-        dtype=dense.index.dtype,
-        ds_version=dense.index.ds_version,
-        offload=dense.index.offload,
-        entries=tuple(entries),
-        files=tuple(result.files),
-        notes=tuple(result.notes),
+    result.index = merged_index(
+        dense.index, Topology(ep=experts.ep, dp=experts.world), entries, tuple(result.files), tuple(result.notes)
     )
     try:
         result.state = _merged_state(result.index, dense.state, surveys[1:], experts, order)
@@ -199,7 +176,7 @@ def _inner_view(inner: Any, keep: list[int], rename: Any = None) -> Any:
     if not isinstance(inner, dict):
         return inner
     view = dict(inner)
-    for key in _PER_GROUP:
+    for key in N.ZERO12_PER_GROUP_KEYS:
         if key in view:
             view[key] = _pick(view[key], keep)
     if rename is not None and isinstance(view.get(N.PARAM_SLICE_MAPPINGS), list):
@@ -267,11 +244,11 @@ def _module_order(dense_names: tuple[str, ...], expert_states: list[TrainingStat
     experts: dict[str, list[str]] = {}
     for state in expert_states:
         for param in state.params:
-            found = EXPERT_ID.search(param.name)
+            found = N.EXPERT_ID_RE.search(param.name)
             prefix = param.name[: found.start()] if found else ""
             experts.setdefault(prefix, []).append(param.name)
     for prefix in experts:
-        experts[prefix].sort(key=lambda n: int(EXPERT_ID.search(n)[1]))  # type: ignore[index]
+        experts[prefix].sort(key=lambda n: int(N.EXPERT_ID_RE.search(n)[1]))  # type: ignore[index]
     after: dict[int, list[str]] = {}  # position in the dense order -> the experts that follow it
     for prefix, members in experts.items():
         gate = prefix.replace("experts.deepspeed_experts.", "gate.")

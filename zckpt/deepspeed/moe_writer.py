@@ -13,30 +13,16 @@ its global id, whatever the data-parallel size: they are copied as they are.
 from __future__ import annotations
 
 import os
-import re
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from ..core.dtypes import BY_SHORT
 from ..core.errors import UsageError
-from ..core.index import Segment
 from ..core.state import TrainingState
 from ..core.topology import Topology
 from ..torchfile.pickler import PickledReduce
-from ..torchfile.save import Copy, OutTensor
 from . import names as N
-from .writer import CheckpointPlan, PlannedFile, RawFile, Target, plan_checkpoint
-
-UINT8 = BY_SHORT["uint8"]
-EXPERT_ID = re.compile(r"(?<=\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(?=\.)")
-_PER_GROUP = (
-    N.SINGLE_PARTITION_OF_FP32_GROUPS,
-    N.GROUP_PADDINGS,
-    N.PARAM_ALIGNMENT_PADDINGS,
-    N.PARTITION_COUNT,
-    N.PARAM_SLICE_MAPPINGS,
-)
+from .writer import CheckpointPlan, PlannedFile, Target, copied_file, plan_checkpoint
 
 
 def expert_group_indices(state: TrainingState) -> list[int]:
@@ -80,9 +66,7 @@ def plan_moe_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
             expert_model = next(p for p in expert_plans[0].files if N.MODEL_STATES_RE.match(p.name))
             files.append(replace(f, obj=_merged_model(f.obj, expert_model.obj, dense, expert, state)))
     for path in sorted(p for p in state.index.files if N.EXPERT_STATES_RE.match(os.path.basename(p))):
-        size = os.path.getsize(path)
-        copy = OutTensor(UINT8, (size,), (Copy(Segment(path, 0, size), UINT8),))
-        files.append(PlannedFile(os.path.basename(path), RawFile(copy), None))
+        files.append(PlannedFile(os.path.basename(path), copied_file(path), None))
     return replace(dense_plan, files=tuple(files))
 
 
@@ -91,14 +75,14 @@ def _experts_per_rank(state: TrainingState, expert: list[int], ep: int) -> dict[
     ids: dict[str, set[int]] = {}
     for g in expert:
         for name in state.groups[g].params:
-            found = EXPERT_ID.search(name)
+            found = N.EXPERT_ID_RE.search(name)
             if found is not None:
                 ids.setdefault(name[: found.start()], set()).add(int(found[1]))
     return {prefix: len(found) // ep for prefix, found in ids.items()}
 
 
 def _local_name(name: str, ep_rank: int, per_rank: dict[str, int]) -> str:
-    found = EXPERT_ID.search(name)
+    found = N.EXPERT_ID_RE.search(name)
     if found is None:
         return name
     local = int(found[1]) - ep_rank * per_rank[name[: found.start()]]
@@ -116,7 +100,7 @@ def _view(
     only when `per_rank` is given, under the names `rename` gives; a data-parallel state."""
 
     def mine(name: str) -> bool:
-        found = EXPERT_ID.search(name)
+        found = N.EXPERT_ID_RE.search(name)
         if per_rank is None or found is None:
             return True
         count = per_rank[name[: found.start()]]
@@ -160,7 +144,7 @@ def _merged_optim(dense_file: dict, expert_file: dict, dense: list[int], expert:
     a, b = dense_file[N.OPTIMIZER_STATE_DICT], expert_file[N.OPTIMIZER_STATE_DICT]
     inner: dict[str, Any] = {}
     for key, value in a.items():
-        if key in _PER_GROUP and isinstance(value, list):
+        if key in N.ZERO12_PER_GROUP_KEYS and isinstance(value, list):
             inner[key] = _merge_lists(value, b[key], dense, expert)
         elif key == N.BASE_OPTIMIZER_STATE:
             state = {}

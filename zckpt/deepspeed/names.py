@@ -31,6 +31,8 @@ LAYER_STATES_RE = re.compile(r"^layer_(?P<layer>\d+)(?:-model_(?P<tp>\d+))?-mode
 EXPERT_STATES_RE = re.compile(
     r"^(?:layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$"
 )
+# a native MoE expert param's name: its (local or global) expert id
+EXPERT_ID_RE = re.compile(r"(?<=\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(?=\.)")
 EXPERT_OPTIM_STATES_RE = re.compile(r"^expp_rank_(?P<ep>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 
 
@@ -176,6 +178,13 @@ BASE_OPTIMIZER_STATE = "base_optimizer_state"  # ZeRO-1/2
 GROUP_PADDINGS = "group_paddings"
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # DeepSpeed >= 0.18
 PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+ZERO12_PER_GROUP_KEYS = (
+    SINGLE_PARTITION_OF_FP32_GROUPS,
+    GROUP_PADDINGS,
+    PARAM_ALIGNMENT_PADDINGS,
+    PARTITION_COUNT,
+    PARAM_SLICE_MAPPINGS,
+)
 LOSS_SCALER = "loss_scaler"
 DYNAMIC_LOSS_SCALE = "dynamic_loss_scale"
 OVERFLOW = "overflow"

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, replace
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
-from ..core.index import CheckpointIndex, Entry, TensorRef
+from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import ParamState, PipelineStage, TrainingState
 from ..core.topology import Topology
 from . import names as N
@@ -75,7 +75,6 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
     checkpoint it is, merged into one index and one training state."""
     location = result.location
     assert location is not None
-    tag_dir = location.tag_dir
     declarations = _declarations(result, files)
     if declarations is None:
         return
@@ -129,21 +128,8 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
     )
     index0 = first.index
     assert index0 is not None
-    result.index = CheckpointIndex(
-        checkpoint_dir=location.checkpoint_dir,
-        tag=location.tag,
-        tag_dir=tag_dir,
-        tags=location.tags,
-        zero_stage=index0.zero_stage,
-        world_size=stages * dp,
-        topology=Topology(pp=stages, dp=dp),
-        dtype=index0.dtype,
-        ds_version=index0.ds_version,
-        offload=index0.offload,
-        entries=tuple(entries),
-        files=tuple(result.files),
-        notes=tuple(result.notes),
-        replicas=tuple(replicas),
+    result.index = merged_index(
+        index0, Topology(pp=stages, dp=dp), entries, tuple(result.files), tuple(result.notes), replicas
     )
     try:
         stage_states = [sub.state for sub in surveys if sub.state is not None]

@@ -15,16 +15,11 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from ..core.dtypes import BY_SHORT
 from ..core.errors import UsageError
-from ..core.index import Segment
 from ..core.state import PipelineStage, TrainingState
 from ..core.topology import Topology
-from ..torchfile.save import Copy, OutTensor
 from . import names as N
-from .writer import CheckpointPlan, PlannedFile, RawFile, Target, plan_checkpoint
-
-UINT8 = BY_SHORT["uint8"]  # a layer file copied as its bytes
+from .writer import CheckpointPlan, PlannedFile, Target, copied_file, plan_checkpoint
 
 
 def pipeline_stages(state: TrainingState, stages: int | None) -> tuple[PipelineStage, ...]:
@@ -65,9 +60,7 @@ def plan_pipeline_checkpoint(state: TrainingState, target: Target, stages: int |
         for planned in plan.files:
             files.append(_as_stage_file(planned, number, len(out_stages), stage))
     for path in sorted({f for stage in state.stages for f in stage.layer_files}):
-        size = os.path.getsize(path)
-        copy = OutTensor(UINT8, (size,), (Copy(Segment(path, 0, size), UINT8),))
-        files.append(PlannedFile(os.path.basename(path), RawFile(copy), None))
+        files.append(PlannedFile(os.path.basename(path), copied_file(path), None))
     first = plans[0]
     return CheckpointPlan(first.tag, first.target, first.layout, tuple(files), folders=first.folders)
 

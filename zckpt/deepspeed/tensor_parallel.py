@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.errors import LayoutError
-from ..core.index import CheckpointIndex, Entry, Segment, TensorSource
+from ..core.index import CheckpointIndex, Entry, Segment, TensorSource, merged_index, slice_segments
 from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
 from . import names as N
@@ -107,21 +107,9 @@ def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
         f"tensor-parallel (AutoTP): {tp} tensor ranks x {dp} data-parallel rank{'s' * (dp != 1)}; "
         f"{len(merge.replicated)} params replicated on every tensor rank, the others merged from their pieces"
     )
-    result.index = CheckpointIndex(
-        checkpoint_dir=location.checkpoint_dir,
-        tag=location.tag,
-        tag_dir=location.tag_dir,
-        tags=location.tags,
-        zero_stage=base.index.zero_stage,  # type: ignore[union-attr]
-        world_size=tp * dp,
-        topology=Topology(tp=tp, dp=dp),
-        dtype=base.index.dtype,  # type: ignore[union-attr]
-        ds_version=base.index.ds_version,  # type: ignore[union-attr]
-        offload=base.index.offload,  # type: ignore[union-attr]
-        entries=tuple(entries),
-        files=tuple(result.files),
-        notes=tuple(result.notes),
-        replicas=tuple(merge.replicas),
+    assert base.index is not None
+    result.index = merged_index(
+        base.index, Topology(tp=tp, dp=dp), entries, tuple(result.files), tuple(result.notes), merge.replicas
     )
     try:
         result.state = _merged_state(result.index, [sub.state for sub in surveys if sub.state is not None], merge)
@@ -239,15 +227,7 @@ def _rows(piece: dict[str, Any], name: str) -> list[tuple[int, int, int]]:
 
 
 def _slice(source: TensorSource, start: int, length: int) -> list[Segment]:
-    """Segments of elements [start, start + length) of a source."""
-    out, base, end = [], 0, start + length
-    for segment in source.segments:
-        lo, hi = max(start, base), min(end, base + segment.numel)
-        if lo < hi:
-            out.append(Segment(segment.path, segment.offset + (lo - base) * source.dtype.itemsize, hi - lo))
-        base += segment.numel
-        if base >= end:
-            break
+    out = slice_segments(source, start, length)
     if sum(s.numel for s in out) != length:
         raise LayoutError(source.segments[0].path if source.segments else None, "a shard is shorter than its pieces")
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
@@ -22,7 +23,7 @@ from typing import Any
 
 from ..core.dtypes import BF16, BY_SHORT, FP32, DType
 from ..core.errors import LayoutError, UsageError
-from ..core.index import Segment, TensorRef, TensorSource
+from ..core.index import Segment, TensorRef, TensorSource, slice_segments
 from ..core.state import ScalarState, TrainingState
 from ..core.topology import RankCoords, Topology
 from ..torchfile.reader import PickledEnumMember, PickledObject, TorchDevice, TorchSize, global_name
@@ -41,6 +42,7 @@ from .partition import zero3_partition
 from .run_config import NVME, OFFLOAD_OPTIMIZER_DEVICE_KEY, STAGE_KEY, read_run_config
 from .swap_rules import SwapRule
 
+UINT8 = BY_SHORT["uint8"]  # a file copied as its bytes
 ZERO_STAGE_ENUM = GlobalName("deepspeed.runtime.zero.config", "ZeroStageEnum")
 LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 FRAGMENT_ADDRESS = GlobalName("deepspeed.utils.tensor_fragment", "fragment_address")
@@ -240,17 +242,10 @@ def plan_model_states(state: TrainingState, target: Target, layout: ZeroLayout) 
 
 
 # --- tensors -------------------------------------------------------------------------------------
-def _slice(source: TensorSource, start: int, length: int) -> list[Segment]:
-    """Segments of elements [start, start + length) of a source."""
-    out, base, end = [], 0, start + length
-    for segment in source.segments:
-        lo, hi = max(start, base), min(end, base + segment.numel)
-        if lo < hi:
-            out.append(Segment(segment.path, segment.offset + (lo - base) * source.dtype.itemsize, hi - lo))
-        base += segment.numel
-        if base >= end:
-            break
-    return out
+def copied_file(path: str) -> RawFile:
+    """A file of the input written again as its bytes (a pipeline layer file, an expert file)."""
+    size = os.path.getsize(path)
+    return RawFile(OutTensor(UINT8, (size,), (Copy(Segment(path, 0, size), UINT8),)))
 
 
 def tensor_of(source: TensorSource, dtype: DType | None = None, shape: tuple[int, ...] | None = None) -> OutTensor:
@@ -270,7 +265,7 @@ def _flat(pieces: list, sources: list[TensorSource], numel: int, dtype: DType) -
             parts.append(Zeros(piece.flat_offset - position))
         source = sources[piece.param]
         length = min(piece.length, numel - piece.flat_offset)
-        parts.extend(Copy(s, source.dtype) for s in _slice(source, piece.param_offset, length))
+        parts.extend(Copy(s, source.dtype) for s in slice_segments(source, piece.param_offset, length))
         position = piece.flat_offset + length
     if position < numel:
         parts.append(Zeros(numel - position))
@@ -591,7 +586,7 @@ class ModelPlanner:
             share = zero3_partition(numel, self.target.world_size)[0]
             start = min(numel, rank * share)
             length = max(0, min(share, numel - start))
-            parts = tuple(Copy(s, entry.source.dtype) for s in _slice(entry.source, start, length))
+            parts = tuple(Copy(s, entry.source.dtype) for s in slice_segments(entry.source, start, length))
             if length < share:
                 parts += (Zeros(share - length),)
             fragments[name] = OutTensor(
