@@ -110,7 +110,7 @@ def test_unsupported_layouts_are_named(copy_checkpoint) -> None:
         tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_01_optim_states.pt",
     )
-    assert_refused(ckpt, "zero_pp_rank_0_mp_rank_01_optim_states.pt", "tensor/pipeline-parallel")
+    assert_refused(ckpt, "zero_pp_rank_0_mp_rank_01_optim_states.pt", "a ZeRO-3 tensor-parallel checkpoint")
 
 
 def test_latest_names_a_missing_tag(copy_checkpoint) -> None:

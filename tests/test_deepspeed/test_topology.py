@@ -163,7 +163,8 @@ def test_other_layouts_are_refused_in_one_line(tmp_path: Path, case: str) -> Non
         (
             ZERO3,
             {"zero_pp_rank_0_mp_rank_01_optim_states.pt": Z3_OPTIM},
-            "a ZeRO-3 tensor-parallel checkpoint: zckpt reads AutoTP at ZeRO-1/2 only so far",
+            "a ZeRO-3 tensor-parallel checkpoint (zero_pp_rank_0_mp_rank_01_optim_states.pt ...): zckpt reads AutoTP at "
+            "ZeRO-1/2 only so far",
         ),
     ],
     ids=["no-merge-rules", "zero3"],

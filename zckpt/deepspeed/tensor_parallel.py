@@ -44,10 +44,11 @@ def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
     location = result.location
     assert location is not None
     if files.zero3:
+        other = next(os.path.basename(f.path) for f in files.files if f.coords.tensor > 0)
         result.add(
             LayoutError,
             files.tag_dir,
-            "a ZeRO-3 tensor-parallel checkpoint: zckpt reads AutoTP at ZeRO-1/2 only so far",
+            f"a ZeRO-3 tensor-parallel checkpoint ({other} ...): zckpt reads AutoTP at ZeRO-1/2 only so far",
         )
         return
     ranks = files.tensor_ranks
