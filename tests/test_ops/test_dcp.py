@@ -312,3 +312,28 @@ def test_groups_lacking_a_key_of_the_optimizer_are_refused_by_dcp_load(
         pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: optim\.param_groups\.0\.amsgrad\."),
     ):
         _resume_plain(case.name, tmp_path / "dcp")
+
+
+@pytest.mark.parametrize(
+    "name, reference",
+    [
+        ("pp2_z1_bf16_dp2", "live"),
+        ("moe_z1_bf16_ep2_dp4", "live"),
+        ("autotp_z2_bf16_tp2_dp2", "universal"),
+    ],
+)
+def test_parallel_layouts_leave_as_the_unsharded_model(name: str, reference: str, tmp_path: Path) -> None:
+    """A pipeline, expert or tensor parallel run goes to DCP as the model built on one rank: the
+    one-stage names, every expert under its global id, every shard merged (issue 19's readers)."""
+    case = sample(name)
+    to_dcp(case.checkpoint, tmp_path / "dcp")
+    saved = read_dcp(tmp_path / "dcp", tmp_path)
+    truth = load_file(case.folder / "reference" / f"{reference}.safetensors")
+    model = saved["model"]
+    assert sorted(model) == sorted(k for k in truth if not k.endswith((".exp_avg", ".exp_avg_sq")))
+    for key, value in model.items():  # frozen params in their saved dtype, the rest fp32
+        expected = truth[key].to(value.dtype) if truth[key].is_floating_point() else truth[key]
+        assert same_bits(value, expected) and (value.dtype == torch.float32) == (key not in case.meta["frozen"]), key
+    if reference == "universal":  # DeepSpeed's merge of the moments too
+        for key, state in saved["optim"]["state"].items():
+            assert same_bits(state["exp_avg"], truth[f"{key}.exp_avg"]), key
