@@ -135,3 +135,31 @@ def test_to_universal_of_experts_is_refused_in_one_line(tmp_path: Path) -> None:
     ):
         to_universal(BF16.checkpoint, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_expert_file_linked_outside_never_reaches_an_output(tmp_path: Path) -> None:
+    """The writers copy expert files byte for byte: one that is a link to another file is parsed
+    first, refused in one line, and nothing is written."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a checkpoint\n")
+    tag = copy_checkpoint(tmp_path, BF16)
+    victim = tag / "layer_0_expert_1_mp_rank_00_model_states.pt"
+    victim.unlink()
+    victim.symlink_to(secret)
+    found = survey(tag.parent)
+    assert found.index is None and any(str(victim) in str(p) for p in found.problems), [str(p) for p in found.problems]
+    done = run_cli("reshard", tag.parent, tmp_path / "out", "-w", "2")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "not a checkpoint" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_expert_file_is_named(tmp_path: Path) -> None:
+    tag = copy_checkpoint(tmp_path, BF16)
+    (tag / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()
+    found = survey(tag.parent)
+    assert found.index is None
+    assert any(
+        "no expert file holds moe.deepspeed_moe.experts.deepspeed_experts.3.0.bias (and 3 more)" in str(p)
+        for p in found.problems
+    )

@@ -21,12 +21,13 @@ expert rank, its expert groups over its D = W / E ranks under global names; and 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from ..core.errors import LayoutError
-from ..core.index import CheckpointIndex, merged_index
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..core.index import CheckpointIndex, TensorRef, merged_index
 from ..core.state import TrainingState
 from ..core.topology import RankCoords, Topology
 from . import names as N
@@ -135,6 +136,9 @@ def read_moe(result: Survey, files: RankFiles) -> None:
     if result.problems or any(sub.index is None or sub.state is None for sub in surveys):
         return
     assert dense.index is not None and dense.state is not None
+    expert_names = {p.name for sub in surveys[1:] if sub.state is not None for p in sub.state.params}
+    if not _check_expert_files(result, files, expert_names):
+        return
     order = _module_order(dense.state.module_names, [s.state for s in surveys[1:] if s.state is not None])
     entries = sorted(
         (e for sub in surveys if sub.index is not None for e in sub.index.entries), key=lambda e: order[e.name]
@@ -152,6 +156,44 @@ def read_moe(result: Survey, files: RankFiles) -> None:
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
+
+
+def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]) -> bool:
+    """Each expert file parses as a state dict of its own expert's params, and together they hold
+    every expert param once. The writers copy these files byte for byte: one that is not what
+    its name says (a link to anything else) must not reach an output."""
+    held: dict[str, str] = {}
+    for f in files.files:
+        if f.kind != "expert":
+            continue
+        state = load(result, f.path)
+        if state is None:
+            continue
+        if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
+            result.add(CorruptFileError, f.path, "not an expert file (a state dict of tensors)")
+            continue
+        for name in state:
+            found = N.EXPERT_ID_RE.search(str(name))
+            if name not in expert_names or found is None or int(found[1]) != f.coords.expert:
+                result.add(
+                    LayoutError,
+                    f.path,
+                    f"holds {name}, not a trainable param of expert {f.coords.expert} "
+                    "(frozen expert params and expert buffers are not read yet)",
+                )
+                break
+            if name in held:
+                result.add(LayoutError, f.path, f"holds {name}, which {os.path.basename(held[name])} holds too")
+                break
+            held[name] = f.path
+    missing = sorted(expert_names - set(held))
+    if missing and not result.problems:
+        result.add(
+            CheckpointNotFoundError,
+            files.tag_dir,
+            f"no expert file holds {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+        )
+    return not result.problems
 
 
 def _expert_rank_files(files: RankFiles, ep_rank: int, ep: int) -> RankFiles:
