@@ -75,7 +75,10 @@ def _stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
         replicas=(),
         topology=Topology.data_parallel(state.index.topology.dp),
     )
-    groups = tuple(replace(g, params=tuple(n for n in stage.params if n in set(g.params))) for g in state.groups)
+    members = [set(g.params) for g in state.groups]
+    groups = tuple(
+        replace(g, params=tuple(n for n in stage.params if n in own)) for g, own in zip(state.groups, members)
+    )
     return replace(
         state,
         index=index,

@@ -132,6 +132,7 @@ class _Merge:
     def __init__(self, affine: dict[str, Any], indexes: list[CheckpointIndex], tp: int) -> None:
         self.patterns = [(re.compile(pattern), spec) for pattern, spec in affine.items()]
         self.indexes = indexes
+        self.by_name = [{e.name: e for e in index.entries} for index in indexes]  # each rank's, looked up per name
         self.tp = tp
         self.replicas: list[Entry] = []
         self.replicated: set[str] = set()
@@ -158,10 +159,10 @@ class _Merge:
         return replace(entry, source=source)
 
     def _rank_entry(self, t: int, name: str) -> Entry:
-        for entry in self.indexes[t].entries:
-            if entry.name == name:
-                return entry
-        raise LayoutError(self.indexes[t].tag_dir, f"tensor rank {t} has no {name} (rank 0 has)")
+        entry = self.by_name[t].get(name)
+        if entry is None:
+            raise LayoutError(self.indexes[t].tag_dir, f"tensor rank {t} has no {name} (rank 0 has)")
+        return entry
 
     def _replicas(self, entry: Entry, shards: list[TensorSource]) -> None:
         for source in shards[1:]:
@@ -249,12 +250,13 @@ def _joined(segments: list[Segment], itemsize: int) -> list[Segment]:
 def _merged_state(index: CheckpointIndex, states: list[TrainingState], merge: _Merge) -> TrainingState:
     """Rank 0's training state with every param's master and states assembled from the ranks'."""
     first = states[0]
+    ranks = [{p.name: p for p in state.params} for state in states]
     params = []
     for param in first.params:
         spec = merge.spec(param.name)
         if spec is None:
             raise LayoutError(index.tag_dir, f"param {param.name} is not in the checkpoint's affine_map")
-        by_rank = [state.param(param.name) for state in states]
+        by_rank = [rank[param.name] for rank in ranks]
         master = merge.assemble(param.name, spec, [p.master for p in by_rank])
         keys = list(param.states)
         assembled = {k: merge.assemble(param.name, spec, [p.states[k] for p in by_rank]) for k in keys}
