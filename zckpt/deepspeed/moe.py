@@ -126,14 +126,11 @@ def read_moe(result: Survey, files: RankFiles) -> None:
         sub = Survey(result.path, location=location)
         read_ranks(sub, own, view=lambda kind, rank, state, e=ep_rank: _expert_view(kind, state, experts, e))
         surveys.append(sub)
-    for field in ("zero_stage", "dtype", "ds_version", "offload", "declared_dtypes", "tied"):
-        setattr(result, field, getattr(dense, field))
+    whole = result.take_parts(surveys, files.expert_paths)
     result.declared = [d for sub in surveys for d in sub.declared]
-    result.problems.extend(p for sub in surveys for p in sub.problems)
-    result.notes.extend(dict.fromkeys(n for sub in surveys for n in sub.notes))
-    result.files = sorted({*(p for sub in surveys for p in sub.files), *files.expert_paths})
+    result.declared_dtypes = dense.declared_dtypes
     result.world_size = dense.world_size
-    if result.problems or any(sub.index is None or sub.state is None for sub in surveys):
+    if not whole:
         return
     assert dense.index is not None and dense.state is not None
     expert_names = {p.name for sub in surveys[1:] if sub.state is not None for p in sub.state.params}

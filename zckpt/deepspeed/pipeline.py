@@ -89,17 +89,13 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
         read_ranks(sub, files.stage(stage), modules={None: module}, mp_world=stages)
         surveys.append(sub)
     first = surveys[0]
-    for field in ("zero_stage", "dtype", "ds_version", "offload"):
-        setattr(result, field, getattr(first, field))
+    # the stages' notes, less the one telling where frozen params came from (said below, for all)
+    whole = result.take_parts(surveys, (layer.path for layer in layers), lambda n: "frozen params read from" not in n)
     result.declared = [d for sub in surveys for d in sub.declared]
     result.declared_dtypes = {k: v for sub in surveys for k, v in sub.declared_dtypes.items()}
-    result.problems.extend(p for sub in surveys for p in sub.problems)
-    # the stages' notes, less the one telling where frozen params came from (said below, for all)
-    result.notes.extend(dict.fromkeys(n for sub in surveys for n in sub.notes if "frozen params read from" not in n))
-    result.files = sorted({*(p for sub in surveys for p in sub.files), *(layer.path for layer in layers)})
     dp_sizes = {sub.world_size for sub in surveys}
     result.world_size = stages * first.world_size if first.world_size else None
-    if result.problems or any(sub.index is None or sub.state is None for sub in surveys):
+    if not whole:
         return
     if len(dp_sizes) > 1:
         odd = next(s for s, sub in enumerate(surveys) if sub.world_size != first.world_size)

@@ -8,7 +8,7 @@ instead of raised.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Iterable, Literal
 
 from ..core.dtypes import DType
 from ..core.errors import ZckptError
@@ -51,6 +51,22 @@ class Survey:
     def add(self, error: type[ZckptError], path: str | None, text: str) -> None:
         """List one problem (a ZckptError of type `error` naming `path`)."""
         self.problems.append(error(path, text))
+
+    def take_parts(
+        self, parts: "list[Survey]", extra_files: "Iterable[str]" = (), keep_note: "Callable[[str], bool] | None" = None
+    ) -> bool:
+        """Take what the surveys of a checkpoint's parts (pipeline stages, expert views, tensor
+        ranks) found: the first part's description of the run, every part's problems, notes (once
+        each, those `keep_note` keeps) and files, plus `extra_files`. True when every part was read
+        whole and none has a problem, so the parts can be merged."""
+        first = parts[0]
+        for name in ("zero_stage", "dtype", "ds_version", "offload", "tied"):
+            setattr(self, name, getattr(first, name))
+        self.problems.extend(p for part in parts for p in part.problems)
+        notes = (n for part in parts for n in part.notes)
+        self.notes.extend(dict.fromkeys(n for n in notes if keep_note is None or keep_note(n)))
+        self.files = sorted({*(f for part in parts for f in part.files), *extra_files})
+        return not self.problems and all(part.index is not None and part.state is not None for part in parts)
 
     @property
     def complete(self) -> bool:

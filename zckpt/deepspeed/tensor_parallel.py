@@ -86,14 +86,10 @@ def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
         read_ranks(sub, files.tensor_rank(t), mp_world=tp)
         surveys.append(sub)
     base = surveys[0]
-    for field in ("zero_stage", "dtype", "ds_version", "offload", "tied"):
-        setattr(result, field, getattr(base, field))
-    result.problems.extend(p for sub in surveys for p in sub.problems)
-    result.notes.extend(dict.fromkeys(n for sub in surveys for n in sub.notes))
-    result.files = sorted({p for sub in surveys for p in sub.files})
+    whole = result.take_parts(surveys)
     dp = base.world_size
     result.world_size = tp * dp if dp else None
-    if result.problems or any(sub.index is None or sub.state is None for sub in surveys):
+    if not whole:
         return
     assert dp is not None
     try:
