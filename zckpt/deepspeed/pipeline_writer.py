@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import Any
 
 from ..core.errors import UsageError
 from ..core.state import PipelineStage, TrainingState
 from ..core.topology import Topology
 from . import names as N
-from .writer import CheckpointPlan, PlannedFile, Target, copied_file, plan_checkpoint
+from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank, copied_file, plan_checkpoint
 
 
 def pipeline_stages(state: TrainingState, stages: int | None) -> tuple[PipelineStage, ...]:
@@ -92,17 +93,12 @@ def _stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
 
 def _as_stage_file(planned: PlannedFile, stage: int, stages: int, held: PipelineStage) -> PlannedFile:
     """A file the data-parallel writer planned, as pipeline stage `stage` names and holds it."""
-    name = planned.name
-    optim = N.OPTIM_STATES_RE.match(name)
-    if optim is not None:
-        return replace(planned, name=N.optim_states_name(int(optim["dp"]), stage, bool(optim["prefix"])))
-    model = N.MODEL_STATES_RE.match(name)
-    assert model is not None and model["dp"] is None, name  # ZeRO-1: one model-states file per stage
-    obj = dict(planned.obj)
-    obj[N.MODULE] = None  # the weights are in the layer files
-    obj[N.BUFFER_NAMES] = list(held.buffers)
-    obj[N.SHARED_PARAMS] = {}
-    obj[N.MP_WORLD_SIZE] = stages
-    if N.CHECKPOINT_PARALLEL_DIMENSIONS in obj:
-        obj[N.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": stages, "tp_degree": 1}
-    return PlannedFile(N.model_states_name(1, 0, stage), obj, planned.rank)
+    values: dict[str, Any] = {
+        N.MODULE: None,  # the weights are in the layer files
+        N.BUFFER_NAMES: list(held.buffers),
+        N.SHARED_PARAMS: {},
+        N.MP_WORLD_SIZE: stages,
+    }
+    if isinstance(planned.obj, dict) and N.CHECKPOINT_PARALLEL_DIMENSIONS in planned.obj:
+        values[N.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": stages, "tp_degree": 1}
+    return at_model_parallel_rank(planned, stage, values)

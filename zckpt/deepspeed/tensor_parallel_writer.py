@@ -16,7 +16,7 @@ from dataclasses import replace
 from ..core.errors import UsageError
 from ..core.state import TrainingState
 from . import names as N
-from .writer import CheckpointPlan, PlannedFile, Target, plan_checkpoint
+from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank, plan_checkpoint
 
 
 def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
@@ -28,15 +28,5 @@ def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> Che
     files: list[PlannedFile] = []
     plans = [plan_checkpoint(shard, target) for shard in state.tensor_shards]
     for rank, plan in enumerate(plans):
-        files.extend(_as_rank_file(planned, rank, tp) for planned in plan.files)
+        files.extend(at_model_parallel_rank(planned, rank, {N.MP_WORLD_SIZE: tp}) for planned in plan.files)
     return replace(plans[0], files=tuple(files))
-
-
-def _as_rank_file(planned: PlannedFile, rank: int, tp: int) -> PlannedFile:
-    """A file the data-parallel writer planned, as tensor rank `rank` names and holds it."""
-    optim = N.OPTIM_STATES_RE.match(planned.name)
-    if optim is not None:
-        return replace(planned, name=N.optim_states_name(int(optim["dp"]), rank, bool(optim["prefix"])))
-    model = N.MODEL_STATES_RE.match(planned.name)
-    assert model is not None and model["dp"] is None, planned.name  # ZeRO-1/2: one model-states file per rank
-    return PlannedFile(N.model_states_name(1, 0, rank), {**planned.obj, N.MP_WORLD_SIZE: tp}, planned.rank)
