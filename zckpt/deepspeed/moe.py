@@ -55,11 +55,11 @@ class ExpertGroups:
 
     def global_name(self, name: str, ep_rank: int) -> str:
         """An expert param's name at expert rank `ep_rank` under its global expert id."""
-        found = N.EXPERT_ID_RE.search(name)
+        found = N.expert_id(name)
         if found is None:
             return name
-        prefix = name[: found.start()]
-        return name[: found.start()] + str(ep_rank * self.per_rank[prefix] + int(found[1])) + name[found.end() :]
+        prefix, local = found
+        return N.with_expert_id(name, ep_rank * self.per_rank[prefix] + local)
 
 
 def expert_groups(result: Survey, files: RankFiles) -> ExpertGroups | None:
@@ -90,12 +90,12 @@ def expert_groups(result: Survey, files: RankFiles) -> ExpertGroups | None:
     per_rank: dict[str, int] = {}
     for g in moe:
         for name in shapes[g] if g < len(shapes) and isinstance(shapes[g], dict) else {}:
-            found = N.EXPERT_ID_RE.search(name)
+            found = N.expert_id(name)
             if found is None:
                 result.add(LayoutError, model_path, f"param {name} of expert group {g} names no expert")
                 return None
-            prefix = name[: found.start()]
-            per_rank[prefix] = max(per_rank.get(prefix, 0), int(found[1]) + 1)
+            prefix, local = found
+            per_rank[prefix] = max(per_rank.get(prefix, 0), local + 1)
     ep = world // next(iter(sizes))
     return ExpertGroups(world, moe, ep, per_rank, count=len(counts))
 
@@ -170,8 +170,8 @@ def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]
             result.add(CorruptFileError, f.path, "not an expert file (a state dict of tensors)")
             continue
         for name in state:
-            found = N.EXPERT_ID_RE.search(str(name))
-            if name not in expert_names or found is None or int(found[1]) != f.coords.expert:
+            found = N.expert_id(str(name))
+            if name not in expert_names or found is None or found[1] != f.coords.expert:
                 result.add(
                     LayoutError,
                     f.path,
@@ -280,19 +280,16 @@ def _expert_view(kind: str, state: Any, experts: ExpertGroups, ep_rank: int) -> 
 def _module_order(dense_names: tuple[str, ...], expert_states: list[TrainingState]) -> dict[str, int]:
     """The state dict order of the model with every expert on one rank: each MoE module's
     experts (by global id) right after its gate, as ``MOELayer`` registers them."""
-    experts: dict[str, list[str]] = {}
+    experts: dict[str, list[tuple[int, str]]] = {}
     for state in expert_states:
         for param in state.params:
-            found = N.EXPERT_ID_RE.search(param.name)
-            prefix = param.name[: found.start()] if found else ""
-            experts.setdefault(prefix, []).append(param.name)
-    for prefix in experts:
-        experts[prefix].sort(key=lambda n: int(N.EXPERT_ID_RE.search(n)[1]))  # type: ignore[index]
+            prefix, expert = N.expert_id(param.name) or ("", 0)
+            experts.setdefault(prefix, []).append((expert, param.name))
     after: dict[int, list[str]] = {}  # position in the dense order -> the experts that follow it
     for prefix, members in experts.items():
         gate = prefix.replace("experts.deepspeed_experts.", "gate.")
         last = max((i for i, n in enumerate(dense_names) if n.startswith(gate)), default=len(dense_names) - 1)
-        after.setdefault(last, []).extend(members)
+        after.setdefault(last, []).extend(name for _, name in sorted(members, key=lambda m: m[0]))
     names: list[str] = []
     for i, name in enumerate(dense_names):
         names.append(name)

@@ -75,18 +75,18 @@ def _experts_per_rank(state: TrainingState, expert: list[int], ep: int) -> dict[
     ids: dict[str, set[int]] = {}
     for g in expert:
         for name in state.groups[g].params:
-            found = N.EXPERT_ID_RE.search(name)
+            found = N.expert_id(name)
             if found is not None:
-                ids.setdefault(name[: found.start()], set()).add(int(found[1]))
+                ids.setdefault(found[0], set()).add(found[1])
     return {prefix: len(found) // ep for prefix, found in ids.items()}
 
 
 def _local_name(name: str, ep_rank: int, per_rank: dict[str, int]) -> str:
-    found = N.EXPERT_ID_RE.search(name)
+    found = N.expert_id(name)
     if found is None:
         return name
-    local = int(found[1]) - ep_rank * per_rank[name[: found.start()]]
-    return name[: found.start()] + str(local) + name[found.end() :]
+    prefix, expert = found
+    return N.with_expert_id(name, expert - ep_rank * per_rank[prefix])
 
 
 def _view(
@@ -100,11 +100,11 @@ def _view(
     only when `per_rank` is given, under the names `rename` gives; a data-parallel state."""
 
     def mine(name: str) -> bool:
-        found = N.EXPERT_ID_RE.search(name)
+        found = N.expert_id(name)
         if per_rank is None or found is None:
             return True
-        count = per_rank[name[: found.start()]]
-        return ep_rank * count <= int(found[1]) < (ep_rank + 1) * count
+        prefix, expert = found
+        return ep_rank * per_rank[prefix] <= expert < (ep_rank + 1) * per_rank[prefix]
 
     groups = [state.groups[g] for g in keep]
     members = {name for group in groups for name in group.params if mine(name)}

@@ -33,6 +33,20 @@ EXPERT_STATES_RE = re.compile(
 )
 # a native MoE expert param's name: its (local or global) expert id
 EXPERT_ID_RE = re.compile(r"(?<=\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(?=\.)")
+
+
+def expert_id(name: str) -> tuple[str, int] | None:
+    """A native MoE expert param's module prefix (the name up to its expert id) and expert id;
+    None for any other name."""
+    found = EXPERT_ID_RE.search(name)
+    return (name[: found.start()], int(found[1])) if found else None
+
+
+def with_expert_id(name: str, expert: int) -> str:
+    """An expert param's name with another expert id (a local id made global, or back)."""
+    return EXPERT_ID_RE.sub(str(expert), name, count=1)
+
+
 EXPERT_OPTIM_STATES_RE = re.compile(r"^expp_rank_(?P<ep>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 
 
