@@ -23,6 +23,11 @@ per-element optimizer state) and ``loaded.json`` (each param's ``step``, the par
 their tensors). With ``--train-steps K``, K more AdamW steps follow and the same capture is written
 as ``after_train_*``; ``run.json`` has the losses.
 
+With ``--hf-model CHECKPOINT_N`` instead of ``--case``, the model is the Hugging Face model its
+``config.json`` describes (transformers' ``AutoModelForCausalLM.from_config``, fp32), each decoder
+layer sharded, then the model, with AdamW over the Trainer's two groups (weight-decay names, then
+the rest); only the load is captured.
+
 Training data: ds_probe's ``--data global`` stream (make_sample_ckpts' case seed + 7919), skipped
 past the checkpoint's ``train_state.json`` ``global_steps``, each step a global batch of M
 micro-batches (M: the saving run's world size). Micro-batch ``j`` is trained by rank ``j % W``
@@ -89,6 +94,28 @@ def dump(out: Path, prefix: str, captured: tuple[dict, dict, dict] | None) -> No
     (out / f"{prefix}.json").write_text(json.dumps(info, indent=1))
 
 
+def hugging_face_model(folder: Path) -> tuple[Any, Any]:
+    """A transformers model built from a Trainer checkpoint's ``config.json`` in fp32, each decoder
+    layer and then the model sharded, and AdamW over the Trainer's own two groups (its decay
+    names first, then the rest: ``Trainer.create_optimizer``'s order)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+
+    torch.manual_seed(0)  # any values: the load replaces them
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # self is not used
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": 0.0},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    return model, torch.optim.AdamW(groups, lr=1e-3)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -98,13 +125,16 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    gen = load_generator()
-    case = gen.CASES_BY_NAME[args.case]
-    model = gen.build_model(case).float()
-    fully_shard(model.fc1)
-    fully_shard(model.fc2)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(gen.param_groups(model, case), lr=1e-2, weight_decay=0.01)
+    if args.hf_model is not None:
+        model, optimizer = hugging_face_model(args.hf_model)
+    else:
+        gen = load_generator()
+        case = gen.CASES_BY_NAME[args.case]
+        model = gen.build_model(case).float()
+        fully_shard(model.fc1)
+        fully_shard(model.fc2)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(gen.param_groups(model, case), lr=1e-2, weight_decay=0.01)
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.dcp)
@@ -153,7 +183,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", required=True, help="a bundled case name (make_sample_ckpts.py --list)")
+    ap.add_argument("--case", help="a bundled case name (make_sample_ckpts.py --list)")
+    ap.add_argument(
+        "--hf-model", type=Path, help="instead of --case: a Hugging Face Trainer checkpoint-N folder (its config.json)"
+    )
     ap.add_argument("--dcp", required=True, help="the folder zckpt to-dcp wrote")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--train-steps", type=int, default=0)
@@ -162,6 +195,10 @@ def main() -> None:
     )
     ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (the saving run's world size)")
     args = ap.parse_args()
+    if (args.case is None) == (args.hf_model is None):
+        ap.error("give one of --case and --hf-model")
+    if args.hf_model is not None and args.train_steps:
+        ap.error("--train-steps needs --case (its data stream)")
     try:
         worker(args)
         sys.stdout.flush()

@@ -97,8 +97,10 @@ def load_samples() -> list[Sample]:
 ALL_SAMPLES = load_samples()
 # the data-parallel samples (scripts/make_sample_ckpts.py), which the generic tests go over, and the
 # pipeline-parallel and mixture-of-experts ones (scripts/make_parallel_ckpts.py: other models, a
-# meta.json of their own), which tests/test_deepspeed/test_pipeline.py and test_moe.py cover
-SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta]
+# meta.json of their own), which tests/test_deepspeed/test_pipeline.py and test_moe.py cover, and
+# PyTorch Lightning's (scripts/make_lightning_ckpts.py), which tests/test_ops/test_lightning.py covers
+LIGHTNING_SAMPLES = [s for s in ALL_SAMPLES if "lightning" in s.meta]
+SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta and "lightning" not in s.meta]
 PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep") and not s.meta.get("tp")]
 MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep")]
 TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp")]
@@ -114,6 +116,27 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a, b = a.contiguous(), b.contiguous()
     return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))) if a.numel() else True
+
+
+def same_loaded_objects(ours: Any, theirs: Any, path: str = "") -> None:
+    """Assert two torch.load results equal: types, key order, tensors' dtypes, shapes,
+    requires_grad and bits, everything else by ==."""
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), path
+        assert (ours.dtype, ours.shape, ours.requires_grad) == (theirs.dtype, theirs.shape, theirs.requires_grad), path
+        assert same_bits(ours, theirs), path
+        return
+    assert type(ours) is type(theirs), (path, type(ours), type(theirs))
+    if isinstance(theirs, dict):
+        assert list(ours) == list(theirs), path
+        for key in theirs:
+            same_loaded_objects(ours[key], theirs[key], f"{path}/{key}")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), path
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            same_loaded_objects(a, b, f"{path}[{i}]")
+    else:
+        assert ours == theirs, (path, ours, theirs)
 
 
 def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedProcess[str]":

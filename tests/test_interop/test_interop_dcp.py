@@ -4,8 +4,8 @@ against real DeepSpeed training on from the same checkpoint. Needs DeepSpeed ins
 interpreter (the training truth); skipped otherwise.
 
 Run: ``DS_ACCELERATOR=cpu PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers
-tests/test_interop/test_interop_dcp.py`` (about a minute on 2 cores: one DeepSpeed run of ~10 s,
-four FSDP2 runs of ~6 s).
+tests/test_interop/test_interop_dcp.py`` (about 1.5 minutes on 2 cores: one DeepSpeed run of ~10 s,
+four FSDP2 runs of ~6 s, a Hugging Face Trainer run and its FSDP2 resume, ~25 s).
 
 What the expected values are (never zckpt's code):
 
@@ -46,12 +46,18 @@ TRAINED = "z3_fp32_ws2_tied_frozen"  # fp32 (DeepSpeed trains as FSDP2 does), ti
 STEPS = 2
 
 
-def resume(case: Sample, dcp: Path, world_size: int, out: Path, train_steps: int = 0) -> Path:
-    """Run scripts/fsdp2_resume.py at `world_size` ranks; fail the test with its errors if it fails."""
+def resume(
+    case: Sample | None, dcp: Path, world_size: int, out: Path, train_steps: int = 0, hf_model: Path | None = None
+) -> Path:
+    """Run scripts/fsdp2_resume.py at `world_size` ranks (a bundled case's model, or the Hugging
+    Face model of `hf_model`); fail the test with its errors if it fails."""
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size)]
-    cmd += ["--master-port", str(free_port()), str(WORKER), "--case", case.name, "--dcp", str(dcp), "--out", str(out)]
-    cmd += ["--train-steps", str(train_steps), "--micro-batches", str(case.meta["world_size"])]
+    cmd += ["--master-port", str(free_port()), str(WORKER), "--dcp", str(dcp), "--out", str(out)]
+    if hf_model is not None:
+        cmd += ["--hf-model", str(hf_model)]
+    else:
+        cmd += ["--case", case.name, "--train-steps", str(train_steps), "--micro-batches", str(case.meta["world_size"])]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -164,3 +170,39 @@ def test_fsdp2_resumes_groups_frozen_tied_bf16_nvme_sample(tmp_path: Path) -> No
     case = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
     to_dcp(case.checkpoint, tmp_path / "dcp")
     check_loaded(case, resume(case, tmp_path / "dcp", 3, tmp_path / "fsdp2"))
+
+
+def test_fsdp2_resumes_a_hugging_face_trainer_checkpoint(tmp_path: Path) -> None:
+    """A real Trainer run (scripts/hf_trainer_run.py: a tiny Llama with tied embeddings, bf16 ZeRO-3
+    at 2 processes, Trainer's AdamW in its two groups) exported from its output folder (the newest
+    checkpoint-N) and loaded by the transformers model sharded with FSDP2 at 3 ranks: every fp32
+    master equals what the engine held at the save (``masters_step2.safetensors``, dumped by the
+    run), the probed params' moments equal ``safe_get_full_optimizer_state``'s, every step is 2."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    from interop_helpers import run_hf_job
+
+    trainer_out = tmp_path / "trainer"
+    trainer_out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += [str(ROOT / "scripts" / "hf_trainer_run.py"), "--out", str(trainer_out), "--max-steps", "3"]
+    cmd += ["--save-steps", "2", "--stage", "3", "--bf16", "--dump-masters", "--samples", "64", "--lr", "0.02"]
+    run_hf_job("hf_trainer_run.py (2 processes, ZeRO-3 bf16)", cmd, trainer_out, 2, sys.executable, timeout=300)
+    to_dcp(trainer_out / "checkpoint-2", tmp_path / "dcp")
+    out = resume(None, tmp_path / "dcp", 3, tmp_path / "fsdp2", hf_model=trainer_out / "checkpoint-2")
+    model = load_file(out / "loaded_model.safetensors")
+    masters = load_file(trainer_out / "masters_step2.safetensors")
+    assert masters and set(masters) <= set(model)
+    for name, value in masters.items():
+        assert same_bits(model[name], value), name
+    assert same_bits(model["lm_head.weight"], masters["model.embed_tokens.weight"])  # tied
+    optim = load_file(out / "loaded_optim.safetensors")
+    probe = torch.load(trainer_out / "probe_step2.pt", weights_only=True)
+    assert len(probe) == 4
+    for name, states in probe.items():
+        assert same_bits(model[name], states["fp32"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(optim[f"{name}.{key}"], states[key]), (name, key)
+    info = json.loads((out / "loaded.json").read_text())
+    assert {s["value"] for s in info["steps"].values()} == {2.0}
+    assert sorted(info["steps"]) == sorted(n for n in masters)

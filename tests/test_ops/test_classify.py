@@ -12,6 +12,7 @@ from zckpt.cli.consolidate import Format
 from zckpt.core.errors import UsageError
 from zckpt.ops.classify import Kind, classify
 from zckpt.ops.formats import FORMATS, SAFETENSORS, TORCH, weights_format
+from zckpt.ops.lightning import LIGHTNING
 
 
 def touch(path: Path, text: str = "x") -> Path:
@@ -136,7 +137,7 @@ def test_other_folder(tmp_path: Path) -> None:
 
 
 def test_format_registry() -> None:
-    assert [f.value for f in Format] == list(FORMATS)  # the CLI's choices are the registry's names
+    assert [f.value for f in Format] == [*FORMATS, LIGHTNING]  # the CLI's choices are the registry's names
     assert (SAFETENSORS.single_file, SAFETENSORS.pattern.format(suffix="-00001-of-00002"), SAFETENSORS.index_file) == (
         "model.safetensors",
         "model-00001-of-00002.safetensors",

@@ -23,11 +23,12 @@ from .shared import (
 
 
 class Format(str, enum.Enum):
-    """The --format choices: the names of zckpt.ops.formats.FORMATS (a test keeps them equal;
-    spelled out here so that --help needs no import of the operations)."""
+    """The --format choices: the names of zckpt.ops.formats.FORMATS, then Lightning's single file
+    (a test keeps them equal; spelled out here so that --help needs no import of the operations)."""
 
     safetensors = "safetensors"
     torch = "torch"
+    lightning = "lightning"
 
 
 def file_list(files: tuple[str, ...]) -> str:
@@ -44,6 +45,7 @@ def file_list(files: tuple[str, ...]) -> str:
         "  zckpt consolidate runs/ckpt out/ --dtype bf16 --max-shard-size 2GB\n"
         "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch\n"
         "  zckpt consolidate out/checkpoint-500 adapter/   # PEFT run: adapter folder\n"
+        "  zckpt consolidate checkpoints/ out/ -f lightning   # lightning_model.pt\n"
         "  zckpt consolidate out/checkpoint-500 merged/ --merge-into base-model/\n\n"
         "zero_to_fp32.py's spellings work too: --max_shard_size, --exclude_frozen_parameters, "
         "-t, -d/--debug, and --safe_serialization (safetensors is the default here)."
@@ -78,7 +80,7 @@ def consolidate(
             "--format",
             "-f",
             metavar="FORMAT",
-            help="safetensors (model.safetensors) or torch (pytorch_model.bin pickle).",
+            help="safetensors (model.safetensors), torch (pytorch_model.bin pickle), or lightning (lightning_model.pt: the file PyTorch Lightning's convert_zero_checkpoint_to_fp32_state_dict writes, Lightning's state included; frozen params and buffers keep their saved dtype unless --dtype is given).",
         ),
     ] = Format.safetensors,
     max_shard_size: Annotated[
@@ -131,21 +133,29 @@ def consolidate(
     ] = False,
     swap_folder: SwapFolderOption = None,
     wait: WaitOption = False,
+    optimizer_states: Annotated[
+        bool,
+        typer.Option(
+            "--optimizer-states",
+            help="With --format lightning: add Lightning's optimizer_states (the fp32 masters' optimizer state, step and param groups, as torch.optim saves them), so that a Lightning Trainer without DeepSpeed resumes the whole run with Trainer.fit(ckpt_path=...). Lightning's converter writes none.",
+        ),
+    ] = False,
 ) -> None:
     """Rebuild full weights from a ZeRO 1/2/3 checkpoint (bit-identical to DeepSpeed's zero_to_fp32.py).
 
     Frozen params are kept, tied weights are written under every name, and the config and
     tokenizer files of a Hugging Face Trainer checkpoint-N folder are copied along. A PEFT
     run's checkpoint gives PEFT's adapter folder, or with --merge-into the merged model.
+    --format lightning writes the one file PyTorch Lightning's converter writes.
     """
     from ..core.dtypes import output_dtype
-    from ..core.run_folders import TRAINER_FOLDER_NOTE
+    from ..core.run_folders import RUN_FOLDER_NOTES
     from ..core.sizes import format_size
     from ..ops.consolidate import consolidate as run_consolidate
-    from ..ops.formats import SAFETENSORS, weights_format
+    from ..ops.lightning import LEGACY_NOTE
 
-    if safe_serialization and weights_format(format.value) is not SAFETENSORS:
-        fail("--safe_serialization asks for safetensors, but --format torch was given", EXIT_USAGE)
+    if safe_serialization and format is not Format.safetensors:
+        fail(f"--safe_serialization asks for safetensors, but --format {format.value} was given", EXIT_USAGE)
     target = guarded(lambda: output_dtype(dtype), debug) if dtype is not None else None
     result = with_progress(
         quiet,
@@ -165,6 +175,7 @@ def consolidate(
             verify=not no_verify,
             swap_folder=swap_folder,
             wait=wait,
+            optimizer_states=optimizer_states,
         ),
         debug,
     )
@@ -176,6 +187,6 @@ def consolidate(
             f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {file_list(result.files)}"
         )
         for note in index.notes:
-            if note.startswith(TRAINER_FOLDER_NOTE):
+            if note.startswith(RUN_FOLDER_NOTES) or note == LEGACY_NOTE:
                 typer.echo(f"note: {note}", err=True)
     swap_notes(swap_folder, result.index.notes, quiet)

@@ -1,6 +1,7 @@
 """Where a DeepSpeed checkpoint's tag folder is: a checkpoint folder and the tag its `latest` (or
-`latest_universal`) names, a tag folder, a folder and a tag, the one tag folder there, or a
-Trainer's output folder (its newest ``checkpoint-N``). Names taken from the input (the tag in
+`latest_universal`) names, a tag folder, a folder and a tag, the one tag folder there, a
+Trainer's output folder (its newest ``checkpoint-N``), or a Lightning ``ModelCheckpoint`` folder
+(its newest ``*.ckpt`` folder). Names taken from the input (the tag in
 `latest`, folder names) must be plain folder names below the checkpoint folder.
 """
 
@@ -11,7 +12,12 @@ import re
 from dataclasses import dataclass
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
-from ..core.run_folders import TRAINER_FOLDER_NOTE, newest_trainer_checkpoint
+from ..core.run_folders import (
+    LIGHTNING_FOLDER_NOTE,
+    TRAINER_FOLDER_NOTE,
+    newest_lightning_checkpoint,
+    newest_trainer_checkpoint,
+)
 from ..core.untrusted import path_component, regular_file_inside
 from . import names as N
 
@@ -117,6 +123,11 @@ def locate(path: str | os.PathLike[str], tag: str | None = None) -> Location:
     if newest is not None:  # a Trainer's output_dir: its newest checkpoint-N, as get_last_checkpoint picks
         found = locate(os.path.join(path, newest[0]), tag)
         note = f"{TRAINER_FOLDER_NOTE}: read {newest[0]}, the newest of {newest[1]} checkpoint-N folder(s)"
+        return Location(found.checkpoint_dir, found.tag, found.tags, note)
+    lightning = newest_lightning_checkpoint(path, looks_like_checkpoint)
+    if lightning is not None:  # a Lightning ModelCheckpoint dirpath: as ckpt_path="last" picks
+        found = locate(os.path.join(path, lightning[0]), tag)
+        note = f"{LIGHTNING_FOLDER_NOTE}: read {lightning[0]}, {lightning[2]} of {lightning[1]} .ckpt folder(s)"
         return Location(found.checkpoint_dir, found.tag, found.tags, note)
     raise CheckpointNotFoundError(
         path, "no DeepSpeed checkpoint here (no 'latest' file, no tag folder holding *_model_states.pt)"

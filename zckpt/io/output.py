@@ -420,9 +420,13 @@ class StagedOutput:
         overwrite: bool = False,
         needed_bytes: int = 0,
         wait: bool = False,
+        weights_folder: bool = True,
     ) -> None:
         self.output_dir = output_dir
         self.final_names = list(final_names)
+        # a weights folder's other weights files are its stale shards; a single-file output
+        # (Lightning's checkpoint) leaves them alone
+        self._weights_re = _WEIGHTS_FILE_RE if weights_folder else None
         self.overwrite = overwrite
         self.needed_bytes = needed_bytes
         self._lock = OutputLock(output_dir, wait=wait)
@@ -430,16 +434,17 @@ class StagedOutput:
         self._stale: list[str] = []
 
     def _check(self) -> None:
-        existing = [
-            n for n in sorted(os.listdir(self.output_dir)) if _WEIGHTS_FILE_RE.match(n) or n in self.final_names
-        ]
+        existing = [n for n in sorted(os.listdir(self.output_dir)) if self._stale_or_ours(n)]
         if existing and not self.overwrite:
             raise OutputError(
                 os.path.join(self.output_dir, existing[0]),
                 "already exists; pass --overwrite to replace the weights in this folder",
             )
-        self._stale = [n for n in existing if n not in self.final_names and _WEIGHTS_FILE_RE.match(n)]
+        self._stale = [n for n in existing if n not in self.final_names]
         check_free_space(self.output_dir, self.needed_bytes)
+
+    def _stale_or_ours(self, name: str) -> bool:
+        return name in self.final_names or (self._weights_re is not None and bool(self._weights_re.match(name)))
 
     def __enter__(self) -> "StagedOutput":
         try:

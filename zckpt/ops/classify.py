@@ -17,7 +17,7 @@ import enum
 import os
 from dataclasses import dataclass
 
-from ..core.run_folders import TRAINER_CHECKPOINT_RE, newest_trainer_checkpoint
+from ..core.run_folders import TRAINER_CHECKPOINT_RE, newest_lightning_checkpoint, newest_trainer_checkpoint
 from ..deepspeed import names as N
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.locate import is_tag_dir, is_universal_dir, looks_like_checkpoint
@@ -38,6 +38,7 @@ class Kind(enum.Enum):
     WEIGHTS_FOLDER = "weights_folder"  # a Hugging Face weights folder (safetensors or torch)
     ADAPTER_FOLDER = "adapter_folder"  # a PEFT adapter folder (adapter_model.*)
     TRAINER_OUTPUT = "trainer_output"  # a Trainer's output folder of checkpoint-N folders
+    LIGHTNING_FOLDER = "lightning_folder"  # a Lightning ModelCheckpoint dirpath of *.ckpt folders
     FOLDER = "folder"  # any other folder
     LATEST_FILE = "latest_file"  # the 'latest' (or 'latest_universal') file of a checkpoint folder
     WEIGHTS_INDEX = "weights_index"  # a shard index (*.index.json)
@@ -92,6 +93,8 @@ def classify(path: str | os.PathLike[str]) -> InputKind:
         kind = Kind.ADAPTER_FOLDER
     elif newest_trainer_checkpoint(path, looks_like_checkpoint) is not None:
         kind = Kind.TRAINER_OUTPUT
+    elif newest_lightning_checkpoint(path, looks_like_checkpoint) is not None:
+        kind = Kind.LIGHTNING_FOLDER
     else:
         kind = Kind.FOLDER
     return InputKind(path, kind, weights, adapter)

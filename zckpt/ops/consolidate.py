@@ -13,13 +13,15 @@ which a PEFT run's checkpoint gets instead.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
-from ..core.dtypes import FP32, DTypeLike
+from ..core.dtypes import FP32, DTypeLike, output_dtype
 from ..core.errors import LayoutError, UsageError
 from ..core.run_folders import TRAINER_CHECKPOINT_RE
-from ..deepspeed.reader import open_checkpoint
+from ..deepspeed.reader import open_checkpoint, open_training_state
 from ..io.output import refuse_output_inside_input
 from .formats import FORMATS, SAFETENSORS, WeightsFormat, find_format
+from .lightning import LIGHTNING, LIGHTNING_FILE, consolidate_lightning, without_legacy_prefix
 from .peft import consolidate_peft
 from .replicas import replica_problems
 from .weights_folder import ConsolidationResult, OutputFormat, Progress, plan_consolidation, write_consolidated
@@ -31,7 +33,7 @@ def consolidate(
     *,
     tag: str | None = None,
     dtype: DTypeLike | None = None,
-    format: OutputFormat | WeightsFormat = "safetensors",
+    format: OutputFormat | WeightsFormat | Literal["lightning"] = "safetensors",
     max_shard_size: str | int = "5GB",
     exclude_frozen: bool = False,
     peft: bool | None = None,
@@ -41,6 +43,7 @@ def consolidate(
     verify: bool = True,
     swap_folder: str | os.PathLike[str] | None = None,
     wait: bool = False,
+    optimizer_states: bool = False,
 ) -> ConsolidationResult:
     """Read a ZeRO checkpoint and write its consolidated weights into `output_dir`.
 
@@ -52,6 +55,12 @@ def consolidate(
     merged into that base model (see :mod:`zckpt.ops.peft`). `peft` False writes the raw tensors.
     `dtype` defaults to fp32, or for a merge to the base's own dtype.
 
+    `format` "lightning": the one file PyTorch Lightning's converter writes
+    (``output_dir/lightning_model.pt``: Lightning's state and the state dict, frozen params and
+    buffers in their saved dtype unless `dtype` is given; see :mod:`zckpt.ops.lightning`); with
+    `optimizer_states`, the optimizer's state too, so that a Lightning Trainer without DeepSpeed
+    resumes the whole run from that file.
+
     `swap_folder` (a live ZeRO-Infinity ``<nvme_path>``): `checkpoint` (any checkpoint of the same
     run) gives the layout, the swap folder the fp32 masters of every swapped sub-group, so the
     run's newest weights are written (16-bit output rounds those masters to nearest).
@@ -60,16 +69,36 @@ def consolidate(
     (an OutputError naming it), or with `wait` wait for it to end.
     """
     _refuse_file_name(os.fspath(output_dir), format)
-    index = open_checkpoint(checkpoint, tag, swap_folder)
+    if optimizer_states and format != LIGHTNING:
+        raise UsageError(None, "--optimizer-states goes with --format lightning (weights folders hold no optimizer)")
+    state = open_training_state(checkpoint, tag, swap_folder) if optimizer_states else None
+    index = state.index if state is not None else open_checkpoint(checkpoint, tag, swap_folder)
     in_place = (
         index.checkpoint_dir
         if TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir)))
         else None
     )
     refuse_output_inside_input(os.fspath(output_dir), (index.checkpoint_dir, index.tag_dir), may_be=in_place)
+    index = without_legacy_prefix(index) or index  # Lightning < 2.1: the LightningModule's own names
     differing = replica_problems(index)  # a tied param is written once: its other copies must agree
     if differing:
         raise LayoutError(index.tag_dir, differing[0])
+    if format == LIGHTNING:
+        if peft or merge_into is not None:
+            raise UsageError(
+                None, "--format lightning writes Lightning's whole-model checkpoint; it takes no PEFT options"
+            )
+        return consolidate_lightning(
+            index,
+            os.fspath(output_dir),
+            dtype=None if dtype is None else output_dtype(dtype),
+            exclude_frozen=exclude_frozen,
+            state=state,
+            overwrite=overwrite,
+            progress=progress,
+            verify=verify,
+            wait=wait,
+        )
     done = consolidate_peft(
         index,
         os.fspath(output_dir),
@@ -97,10 +126,20 @@ def consolidate(
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 
 
-def _refuse_file_name(output_dir: str, format: OutputFormat | WeightsFormat) -> None:
+def _refuse_file_name(output_dir: str, format: OutputFormat | WeightsFormat | Literal["lightning"]) -> None:
     """An OUTPUT_DIR named like a weights file (``out/pytorch_model.bin``: older zero_to_fp32.py
-    took the output file) is refused rather than made a folder of that name or written as that
-    one file: the output is a folder whose file names from_pretrained expects, sharded or not."""
+    took the output file, as Lightning's converter does) is refused rather than made a folder of
+    that name or written as that one file: the output is a folder whose file names
+    from_pretrained (or Lightning's users) expect, sharded or not."""
+    if format == LIGHTNING:
+        if output_dir.endswith((*_FILE_SUFFIXES, ".ckpt")) and not os.path.isdir(output_dir):
+            folder = os.path.dirname(output_dir.rstrip(os.sep)) or "."
+            raise UsageError(
+                output_dir,
+                f"OUTPUT_DIR names a file (Lightning's converter's output-file form); give the folder: "
+                f"'{folder}' gets {LIGHTNING_FILE}",
+            )
+        return
     if output_dir.endswith(_FILE_SUFFIXES) and not os.path.isdir(output_dir):
         folder = os.path.dirname(output_dir.rstrip(os.sep)) or "."
         fmt = find_format(format) or SAFETENSORS

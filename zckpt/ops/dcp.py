@@ -213,7 +213,7 @@ def plain(value: Any, reader: FileReader) -> Any:
     return repr(value)
 
 
-def _out_tensor(item: DcpTensor) -> OutTensor:
+def out_tensor(item: DcpTensor) -> OutTensor:
     """What torch.save of the item's tensor holds, as parts of the checkpoint's files (zckpt's
     torch.save writer streams them, converting dtypes where they differ: a step counter saved in
     another dtype becomes float32); a Python number as its bytes."""
@@ -257,7 +257,7 @@ def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: C
                         if write_item.type == WriteItemType.BYTE_IO:
                             write_all(fd, planner.resolve_data(write_item).getbuffer())
                         else:
-                            archives.append(plan_archive(_out_tensor(items[write_item.index.fqn]), "archive"))
+                            archives.append(plan_archive(out_tensor(items[write_item.index.fqn]), "archive"))
                         length = os.lseek(fd, 0, os.SEEK_CUR) - offset
                         results.append(WriteResult(write_item.index, length, _StorageInfo(name, offset, length)))
                 os.fsync(fd)
