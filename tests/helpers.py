@@ -139,9 +139,9 @@ def same_loaded_objects(ours: Any, theirs: Any, path: str = "") -> None:
         assert ours == theirs, (path, ours, theirs)
 
 
-def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedProcess[str]":
+def run_zckpt_torchrun(*args: str, processes: int = 2, check: bool = True) -> "subprocess.CompletedProcess[str]":
     """`torchrun --nproc-per-node <processes> -m zckpt <args>` on a free port; fails the test
-    with the processes' stderr when they fail."""
+    with the processes' stderr when they fail (unless not `check`)."""
     import socket
     import sys
 
@@ -167,7 +167,7 @@ def run_zckpt_torchrun(*args: str, processes: int = 2) -> "subprocess.CompletedP
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0 or not check, result.stderr[-3000:]
     return result
 
 

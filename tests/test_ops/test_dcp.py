@@ -25,7 +25,9 @@ from helpers import (
     one_line,
     record_start,
     run_cli,
+    run_zckpt_torchrun,
     same_bits,
+    same_loaded_objects,
     sample,
     tag_files,
 )
@@ -164,7 +166,7 @@ def test_output_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.
     case = sample("z1_fp32_ws2_frozen_tied")
     out = tmp_path / "dcp"
     calls = []
-    read = dcp_op._out_tensor
+    read = dcp_op.out_tensor
 
     def failing(item):
         calls.append(item.key)
@@ -172,15 +174,15 @@ def test_output_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.
             raise OSError(28, "No space left on device")
         return read(item)
 
-    monkeypatch.setattr(dcp_op, "_out_tensor", failing)
+    monkeypatch.setattr(dcp_op, "out_tensor", failing)
     with pytest.raises(OutputError, match="nothing was written"):
         to_dcp(case.checkpoint, out)
     assert sorted(os.listdir(tmp_path)) == []  # no folder, no staging folder, no lock
-    monkeypatch.setattr(dcp_op, "_out_tensor", read)
+    monkeypatch.setattr(dcp_op, "out_tensor", read)
     to_dcp(case.checkpoint, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     calls.clear()
-    monkeypatch.setattr(dcp_op, "_out_tensor", failing)
+    monkeypatch.setattr(dcp_op, "out_tensor", failing)
     with pytest.raises(OutputError):
         to_dcp(case.checkpoint, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous output, untouched
@@ -337,3 +339,45 @@ def test_parallel_layouts_leave_as_the_unsharded_model(name: str, reference: str
     if reference == "universal":  # DeepSpeed's merge of the moments too
         for key, state in saved["optim"]["state"].items():
             assert same_bits(state["exp_avg"], truth[f"{key}.exp_avg"]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [2, 3])
+def test_torchrun_processes_share_the_tensors(processes: int, tmp_path: Path) -> None:
+    """Under torchrun each process writes its share into its own ``__<rank>_0.distcp`` (torch's
+    name for a rank's file) and process 0 the metadata: torch's reader gives the live values,
+    and the same state dict as one process's output."""
+    case = sample("z3_bf16_ws2_nvmeoffload_frozen_tied_groups")
+    result = run_zckpt_torchrun("to-dcp", str(case.checkpoint), str(tmp_path / "many"), processes=processes)
+    assert result.stdout.count("wrote DCP of") == 1, result.stdout
+    files = sorted(os.listdir(tmp_path / "many"))
+    assert files == [".metadata", *(f"__{p}_0.distcp" for p in range(processes)), TRAIN_STATE_FILE]
+    sizes = [os.path.getsize(tmp_path / "many" / f"__{p}_0.distcp") for p in range(processes)]
+    assert min(sizes) > 0.2 * max(sizes)  # shared by size
+    to_dcp(case.checkpoint, tmp_path / "one")
+    (tmp_path / "read_many").mkdir()
+    (tmp_path / "read_one").mkdir()
+    many = read_dcp(tmp_path / "many", tmp_path / "read_many")
+    one = read_dcp(tmp_path / "one", tmp_path / "read_one")
+    same_loaded_objects(many, one)
+    live = case.live()
+    for name, truth in live.items():
+        assert same_bits(many["model"][name], truth), name
+    assert (tmp_path / "many" / TRAIN_STATE_FILE).read_text() == (tmp_path / "one" / TRAIN_STATE_FILE).read_text()
+
+
+@pytest.mark.slow
+def test_torchrun_job_refused_leaves_the_output_and_every_process_says_why(tmp_path: Path) -> None:
+    case = sample("z1_fp32_ws2_frozen_tied")
+    out = tmp_path / "dcp"
+    to_dcp(case.checkpoint, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = run_zckpt_torchrun("to-dcp", str(case.checkpoint), str(out), processes=2, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("zckpt: error:")]
+    assert sorted(errors) == [
+        f"zckpt: error: {out}: already exists; pass --overwrite to replace it",
+        f"zckpt: error: {out}: another process of this job failed (its own error says why); the previous output is kept",
+    ]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]  # no staging folder, no lock

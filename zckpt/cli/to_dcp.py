@@ -15,6 +15,7 @@ from .shared import (
     TagOption,
     WaitOption,
     app,
+    primary_process,
     swap_notes,
     with_progress,
 )
@@ -72,8 +73,9 @@ def to_dcp(
     from ..core.sizes import format_size
     from ..ops.dcp import to_dcp as run_to_dcp
 
+    primary = primary_process()
     result = with_progress(
-        quiet,
+        quiet or not primary,
         "converting",
         lambda progress: run_to_dcp(
             checkpoint,
@@ -87,8 +89,9 @@ def to_dcp(
             wait=wait,
         ),
     )
-    swap_notes(swap_folder, result.source.index.notes, quiet)
-    if not quiet:
+    if primary:
+        swap_notes(swap_folder, result.source.index.notes, quiet)
+    if not quiet and primary:
         source = result.source.index
         typer.echo(
             f"wrote DCP of {source.tag} (ZeRO-{source.zero_stage}, world size {source.world_size}): "

@@ -40,7 +40,9 @@ from ..core.errors import CorruptFileError, LayoutError, OutputError, UsageError
 from ..core.index import TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
 from ..deepspeed.reader import open_training_state
+from ..deepspeed.save import share_of
 from ..io.interrupts import signals_deferred
+from ..io.jobs import JobFailed, job_share
 from ..io.materialize import read_scalar, read_tensor, write_all
 from ..io.output import OutputLock, StagedFolder, is_inside, output_error, refuse_output_inside_input
 from ..io.reading import FileReader, source_of
@@ -225,9 +227,63 @@ def out_tensor(item: DcpTensor) -> OutTensor:
     return OutTensor(item.dtype, item.shape, tuple(Copy(s, item.source.dtype) for s in item.source.segments))
 
 
-def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: Callable[[int], None]) -> type:
+def data_file(part: int) -> str:
+    """The data file of process `part`: the name torch's ``FileSystemWriter`` gives rank `part`'s
+    one file (``single_file_per_rank``)."""
+    return f"__{part}_0.distcp"
+
+
+def tensor_owners(plan: DcpPlan, parts: int) -> list[int]:
+    """Which process writes each tensor of `plan` (by index): sizes balanced, as reshard shares
+    its files. Every process computes the same answer, so none needs to be told."""
+    sizes = [item.nbytes for item in plan.tensors]
+    owners = [0] * len(sizes)
+    for part in range(1, parts):
+        for i in share_of(sizes, part, parts):
+            owners[i] = part
+    return owners
+
+
+def share_layout(plan: DcpPlan, owners: list[int], part: int) -> dict[str, tuple[int, int]]:
+    """Where process `part` (not 0) puts its tensors in its data file, in plan order: key ->
+    (offset, length). Pure: the lengths are those of the archives as planned."""
+    layout: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for item, owner in zip(plan.tensors, owners):
+        if owner == part:
+            length = plan_archive(out_tensor(item), "archive").total_size
+            layout[item.key] = (offset, length)
+            offset += length
+    return layout
+
+
+def _write_share(
+    path: str, plan: DcpPlan, owners: list[int], part: int, reader: FileReader, progress: Callable[[int], None]
+) -> None:
+    """Process `part` (not 0): its tensors into its data file, at the places :func:`share_layout` gives."""
+    layout = share_layout(plan, owners, part)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        with WorkerPool(2, "zckpt-dcp") as helpers:
+            archives = ArchiveAppender(fd, reader, helpers, progress)
+            for item, owner in zip(plan.tensors, owners):
+                if owner != part:
+                    continue
+                offset, length = layout[item.key]
+                archives.append(plan_archive(out_tensor(item), "archive"))
+                if os.lseek(fd, 0, os.SEEK_CUR) != offset + length:  # the metadata process 0 wrote says so
+                    raise RuntimeError(f"{item.key}: the archive written is not the one planned")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _writer_class(
+    final_dir: str, reader: FileReader, plan: DcpPlan, owners: list[int], progress: Callable[[int], None]
+) -> type:
     """A torch DCP storage writer that streams each tensor from the checkpoint's files (defined
-    here: torch is imported only when a DCP is written)."""
+    here: torch is imported only when a DCP is written). Tensors another process of the job
+    writes (`owners`) are only recorded in the metadata, at the places that process puts them."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
@@ -235,6 +291,12 @@ def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: C
     from torch.distributed.checkpoint.storage import WriteResult
 
     items = {item.key: item for item in plan.tensors}
+    owner_of = {item.key: owner for item, owner in zip(plan.tensors, owners)}
+    elsewhere = {
+        key: (part, place)
+        for part in sorted(set(owners) - {0})
+        for key, place in share_layout(plan, owners, part).items()
+    }
 
     class Writer(dcp.FileSystemWriter):
         """torch's file writer, its data written by zckpt: every item into one ``__0_0.distcp`` as
@@ -253,6 +315,10 @@ def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: C
                 with WorkerPool(2, "zckpt-dcp") as helpers:
                     archives = ArchiveAppender(fd, reader, helpers, progress)
                     for write_item in plan.items:
+                        if write_item.type != WriteItemType.BYTE_IO and owner_of[write_item.index.fqn] != 0:
+                            part, (at, size) = elsewhere[write_item.index.fqn]
+                            results.append(WriteResult(write_item.index, size, _StorageInfo(data_file(part), at, size)))
+                            continue
                         offset = os.lseek(fd, 0, os.SEEK_CUR)
                         if write_item.type == WriteItemType.BYTE_IO:
                             write_all(fd, planner.resolve_data(write_item).getbuffer())
@@ -276,11 +342,14 @@ def _writer_class(final_dir: str, reader: FileReader, plan: DcpPlan, progress: C
     return Writer
 
 
-def _write_dcp(folder: str, final_dir: str, plan: DcpPlan, reader: FileReader, progress: Callable[[int], None]) -> None:
-    """Write the DCP files of `plan` into `folder`: torch plans and writes ``.metadata``, zckpt streams the data."""
+def _write_dcp(
+    folder: str, final_dir: str, plan: DcpPlan, owners: list[int], reader: FileReader, progress: Callable[[int], None]
+) -> None:
+    """Write process 0's DCP files of `plan` into `folder`: torch plans and writes ``.metadata``
+    (for every process's tensors), zckpt streams the data of those `owners` gives process 0."""
     import torch.distributed.checkpoint as dcp
 
-    writer = _writer_class(final_dir, reader, plan, progress)
+    writer = _writer_class(final_dir, reader, plan, owners, progress)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:
@@ -320,9 +389,12 @@ def to_dcp(
     """Write `checkpoint`'s model and optimizer as a DCP folder `output_dir`, plus
     ``train_state.json``. The folder appears whole or not at all; an existing one (not empty) is
     replaced only with `overwrite`. `dtype`: of the trainable params (fp32 masters by default).
-    `swap_folder`: a live ZeRO-Infinity folder of the same run, for the swapped sub-groups."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        raise UsageError(None, "to-dcp runs as one process: run it without torchrun")
+    `swap_folder`: a live ZeRO-Infinity folder of the same run, for the swapped sub-groups.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the job's processes share the tensors (sizes balanced),
+    each writing its own data file ``__<rank>_0.distcp`` as torch's writer names a rank's file;
+    process 0 writes ``.metadata`` (it knows where the others put each tensor: the layout is
+    planned, not measured), ``train_state.json``, and commits the folder once all are in."""
     output_dir = os.path.normpath(os.fspath(output_dir))
     source = open_training_state(checkpoint, tag, swap_folder)
     plan = plan_dcp(source, dtype)
@@ -330,9 +402,11 @@ def to_dcp(
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
     if is_inside(index.tag_dir, output_dir):
         raise UsageError(output_dir, f"holds the input {index.tag_dir}; choose another folder")
-    total = sum(item.nbytes for item in plan.tensors)
+    part, parts, sync = job_share(output_dir)
+    owners = tensor_owners(plan, parts)
+    total = sum(item.nbytes for item, owner in zip(plan.tensors, owners) if owner == part)
     folder = StagedFolder(output_dir)
-    lock = OutputLock(folder.parent, wait=wait)
+    lock = OutputLock(folder.parent, wait=wait, while_waiting=sync.waiting) if part == 0 else None
     done = 0
 
     def advance(nbytes: int) -> None:
@@ -341,27 +415,44 @@ def to_dcp(
         if progress:
             progress(done, total)
 
-    lock.acquire()
+    staged = False  # this process may remove the staging folder: it is this job's, being written
     try:
-        empty = os.path.isdir(output_dir) and not os.path.islink(output_dir) and not os.listdir(output_dir)
-        folder.create(overwrite=overwrite or empty, needed_bytes=total)
-        try:
-            with FileReader(verify=verify) as reader:
-                _write_dcp(folder.staging, output_dir, plan, reader, advance)
+        if lock is not None:
+            lock.acquire()
+            empty = os.path.isdir(output_dir) and not os.path.islink(output_dir) and not os.listdir(output_dir)
+            folder.create(overwrite=overwrite or empty, needed_bytes=sum(item.nbytes for item in plan.tensors))
+            staged = True
+        sync()
+        staged = True  # process 0 made it for this job
+        with FileReader(verify=verify) as reader:
+            if part == 0:
+                _write_dcp(folder.staging, output_dir, plan, owners, reader, advance)
                 sidecar = json.dumps(train_state(source, reader), indent=2, allow_nan=False) + "\n"
+            else:
+                _write_share(folder.path(data_file(part)), plan, owners, part, reader, advance)
+        if part == 0:
             with open(folder.path(TRAIN_STATE_FILE), "w", encoding="utf-8") as handle:
                 handle.write(sidecar)
-            files = tuple(sorted(n for n in os.listdir(folder.staging) if not n.startswith(".zckpt")))
-            written = sum(os.path.getsize(folder.path(n)) for n in files)
+        sync()  # every data file is in
+        staged = part == 0  # committing, or cleaning up, is process 0's now
+        if part == 0:
             with signals_deferred():
                 folder.commit()
-        except BaseException as exc:
+        sync()  # nobody returns before the folder is in place (or knows it could not be)
+    except BaseException as exc:
+        # process 0 cleans up under its lock; another process only while it writes, and not when
+        # told of a failure (process 0 may have let the lock go)
+        if staged and (part == 0 or not isinstance(exc, JobFailed)):
             folder.abort()
-            if isinstance(exc, OSError) and not isinstance(exc, OutputError):
-                raise output_error(output_dir, exc) from None
-            raise
+        sync.fail()
+        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+            raise output_error(output_dir, exc) from None
+        raise
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
+    files = tuple(sorted(n for n in os.listdir(output_dir) if not n.startswith(".zckpt")))
+    written = sum(os.path.getsize(os.path.join(output_dir, n)) for n in files)
     return DcpResult(output_dir, source, plan.dtype, len(plan.tensors), written, files)
 
 
