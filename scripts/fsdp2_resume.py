@@ -94,6 +94,18 @@ def dump(out: Path, prefix: str, captured: tuple[dict, dict, dict] | None) -> No
     (out / f"{prefix}.json").write_text(json.dumps(info, indent=1))
 
 
+def case_of(gen: Any, text: str) -> Any:
+    """A bundled case by name, or a ``make_sample_ckpts.Case`` given as its ``asdict`` JSON (a
+    case an interop test generated afresh)."""
+    if not text.lstrip().startswith("{"):
+        return gen.CASES_BY_NAME[text]
+    fields = json.loads(text)
+    for key in ("save_steps", "zero_extra", "config_extra"):
+        if key in fields:
+            fields[key] = tuple(tuple(x) if isinstance(x, list) else x for x in fields[key])
+    return gen.Case(**fields)
+
+
 def hugging_face_model(folder: Path) -> tuple[Any, Any]:
     """A transformers model built from a Trainer checkpoint's ``config.json`` in fp32, each decoder
     layer and then the model sharded, and AdamW over the Trainer's own two groups (its decay
@@ -129,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
         model, optimizer = hugging_face_model(args.hf_model)
     else:
         gen = load_generator()
-        case = gen.CASES_BY_NAME[args.case]
+        case = case_of(gen, args.case)
         model = gen.build_model(case).float()
         fully_shard(model.fc1)
         fully_shard(model.fc2)
@@ -183,7 +195,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", help="a bundled case name (make_sample_ckpts.py --list)")
+    ap.add_argument("--case", help="a bundled case name (make_sample_ckpts.py --list), or a Case as asdict JSON")
     ap.add_argument(
         "--hf-model", type=Path, help="instead of --case: a Hugging Face Trainer checkpoint-N folder (its config.json)"
     )

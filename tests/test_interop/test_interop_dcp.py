@@ -4,8 +4,9 @@ against real DeepSpeed training on from the same checkpoint. Needs DeepSpeed ins
 interpreter (the training truth); skipped otherwise.
 
 Run: ``DS_ACCELERATOR=cpu PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers
-tests/test_interop/test_interop_dcp.py`` (about 1.5 minutes on 2 cores: one DeepSpeed run of ~10 s,
-four FSDP2 runs of ~6 s, a Hugging Face Trainer run and its FSDP2 resume, ~25 s).
+tests/test_interop/test_interop_dcp.py`` (about 3 minutes on 2 cores: one DeepSpeed run of ~10 s,
+four FSDP2 runs of ~6 s, a Hugging Face Trainer run and its FSDP2 resume, ~25 s, a FusedAdam run
+with the build of DeepSpeed's CPU FusedAdam op, ~80 s).
 
 What the expected values are (never zckpt's code):
 
@@ -47,7 +48,13 @@ STEPS = 2
 
 
 def resume(
-    case: Sample | None, dcp: Path, world_size: int, out: Path, train_steps: int = 0, hf_model: Path | None = None
+    case: Sample | None,
+    dcp: Path,
+    world_size: int,
+    out: Path,
+    train_steps: int = 0,
+    hf_model: Path | None = None,
+    case_json: str | None = None,
 ) -> Path:
     """Run scripts/fsdp2_resume.py at `world_size` ranks (a bundled case's model, or the Hugging
     Face model of `hf_model`); fail the test with its errors if it fails."""
@@ -57,7 +64,8 @@ def resume(
     if hf_model is not None:
         cmd += ["--hf-model", str(hf_model)]
     else:
-        cmd += ["--case", case.name, "--train-steps", str(train_steps), "--micro-batches", str(case.meta["world_size"])]
+        cmd += ["--case", case_json or case.name, "--train-steps", str(train_steps)]
+        cmd += ["--micro-batches", str(case.meta["world_size"])]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -206,3 +214,30 @@ def test_fsdp2_resumes_a_hugging_face_trainer_checkpoint(tmp_path: Path) -> None
     info = json.loads((out / "loaded.json").read_text())
     assert {s["value"] for s in info["steps"].values()} == {2.0}
     assert sorted(info["steps"]) == sorted(n for n in masters)
+
+
+def test_fsdp2_resumes_a_run_of_deepspeeds_own_adam(tmp_path: Path) -> None:
+    """DeepSpeed's FusedAdam (config type AdamW without ``torch_adam``; its CPU build) saves fewer
+    group keys than torch's AdamW, which dcp.load wants all of: to-dcp completes them (amsgrad
+    False, decoupled_weight_decay True for AdamW, ...), and FSDP2 with torch's AdamW loads the run
+    at 3 ranks with the engine's masters, moments and steps, bit for bit."""
+    import dataclasses
+
+    from helpers import Sample as SampleOf
+    from interop_helpers import sample_generator
+
+    gen = sample_generator()
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+    case = gen.Case(
+        "fused_adam_z3_fp32_ws2", "ds19", 3, "fp32", 2, tied=True, groups=True, config_extra=(("optimizer", optimizer),)
+    )
+    root = tmp_path / "fresh"
+    root.mkdir()
+    gen.generate(case, root, {"ds19": sys.executable}, root)
+    fresh = SampleOf(case.name, root / case.name, json.loads((root / case.name / "meta.json").read_text()))
+    assert "torch_adam" not in fresh.meta["ds_config"]["optimizer"]["params"]
+    to_dcp(fresh.checkpoint, tmp_path / "dcp")
+    out = resume(fresh, tmp_path / "dcp", 3, tmp_path / "fsdp2", case_json=json.dumps(dataclasses.asdict(case)))
+    check_loaded(fresh, out)
+    groups = json.loads((out / "loaded.json").read_text())["param_groups"]
+    assert all(g["decoupled_weight_decay"] is True and g["amsgrad"] is False for g in groups)

@@ -381,3 +381,45 @@ def test_torchrun_job_refused_leaves_the_output_and_every_process_says_why(tmp_p
     ]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["dcp"]  # no staging folder, no lock
+
+
+@pytest.mark.parametrize(
+    "optimizer, mode",
+    [
+        ({"type": "AdamW", "params": {"lr": 1e-3}}, True),  # FusedAdam(adam_w_mode=True)
+        ({"type": "Adam", "params": {"lr": 1e-3}}, True),  # DeepSpeed's Adam decouples unless told not to
+        ({"type": "Adam", "params": {"adam_w_mode": False}}, False),
+        ({"type": "adamw", "params": {"adam_w_mode": False}}, True),  # type AdamW wins (engine.py)
+        ({"type": "AdamW", "params": {"torch_adam": True}}, None),  # torch's own: its groups are complete
+        ({"type": "Lamb", "params": {}}, None),
+        (None, None),  # a client optimizer
+    ],
+)
+def test_deepspeeds_own_adam_groups_get_torchs_other_keys(optimizer: dict | None, mode: bool | None) -> None:
+    """engine._configure_basic_optimizer (0.19.8): FusedAdam/DeepSpeedCPUAdam groups hold lr,
+    bias_correction, betas, eps, weight_decay (and step); torch's AdamW wants its own keys too."""
+    from zckpt.deepspeed.optimizers import deepspeed_adam_w_mode
+    from zckpt.ops.dcp import torch_adam_group
+
+    config = {"optimizer": optimizer} if optimizer else {}
+    assert deepspeed_adam_w_mode(config) is mode
+    saved = {"lr": 0.01, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "step": 0}
+    group = torch_adam_group(saved, mode)
+    if mode is None:
+        assert group == saved
+        return
+    assert group == {
+        **saved,
+        "amsgrad": False,
+        "maximize": False,
+        "foreach": None,
+        "capturable": False,
+        "differentiable": False,
+        "fused": None,
+        "decoupled_weight_decay": mode,
+    }
+    # every key of torch's own AdamW (or Adam) groups is there
+    import torch
+
+    fresh = (torch.optim.AdamW if mode else torch.optim.Adam)([torch.nn.Parameter(torch.zeros(1))])
+    assert set(fresh.param_groups[0]) - {"params", "initial_lr"} <= set(group)

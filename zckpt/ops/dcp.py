@@ -11,7 +11,9 @@ any world size, plus ``torch.optim.AdamW`` with the same groups, resumes with ``
 - ``optim["state"][name]``: every optimizer state of each trainable param (``exp_avg``,
   ``exp_avg_sq``, ...) plus its group's ``step``, a float32 0-d tensor as torch's AdamW keeps it
   (torch counts steps per param, DeepSpeed per group: each param gets its group's);
-- ``optim["param_groups"]``: the groups' hyperparameters as saved, with their params' names.
+- ``optim["param_groups"]``: the groups' hyperparameters as saved, with their params' names
+  (a run of DeepSpeed's own Adam, which saves fewer keys than torch's, gets torch's others:
+  :func:`torch_adam_group`).
 
 What DCP has no place for (counters, the lr scheduler, the client state) goes into
 ``train_state.json`` beside it (:func:`train_state`).
@@ -39,6 +41,7 @@ from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
 from ..core.errors import CorruptFileError, LayoutError, OutputError, UsageError
 from ..core.index import TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
+from ..deepspeed.optimizers import deepspeed_adam_w_mode
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import share_of
 from ..io.interrupts import signals_deferred
@@ -125,8 +128,33 @@ def plan_dcp(state: TrainingState, dtype: DTypeLike = "fp32") -> DcpPlan:
                     state.index.tag_dir, f"{param.name}: optimizer state {key!r} is both per group and per param"
                 )
             tensors.append(DcpTensor(("optim", "state", param.name, key), source.shape, source.dtype, source))
-    groups = tuple({**group.hyperparams, "params": list(group.params)} for group in state.groups)
+    adam_w_mode = deepspeed_adam_w_mode(state.ds_config)
+    groups = tuple(
+        {**torch_adam_group(group.hyperparams, adam_w_mode), "params": list(group.params)} for group in state.groups
+    )
     return DcpPlan(tuple(tensors), groups, target)
+
+
+# torch.optim.AdamW's group keys (torch 2.13) that DeepSpeed's own Adams do not save, with the
+# values that make torch's Adam step as they did (decoupled_weight_decay: their adam_w_mode)
+_TORCH_ADAM_DEFAULTS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
+
+
+def torch_adam_group(hyperparams: dict[str, Any], adam_w_mode: bool | None) -> dict[str, Any]:
+    """A group's hyperparameters as saved, completed with the keys torch's AdamW (or Adam) has
+    where DeepSpeed's FusedAdam or DeepSpeedCPUAdam ran (`adam_w_mode` not None): dcp.load wants
+    every key of the fresh optimizer's groups. What was saved is kept as saved."""
+    if adam_w_mode is None:
+        return dict(hyperparams)
+    missing = {**_TORCH_ADAM_DEFAULTS, "decoupled_weight_decay": adam_w_mode}
+    return {**hyperparams, **{k: v for k, v in missing.items() if k not in hyperparams}}
 
 
 def _scalar(key: str, scalar: ScalarState) -> tuple[tuple[int, ...], DType, TensorSource | None, Any]:
