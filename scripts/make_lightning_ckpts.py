@@ -47,8 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_sample_ckpts import free_port, run  # noqa: E402
-from shm_leaks import removing_shm_leaks  # noqa: E402
+from make_sample_ckpts import cpu_env, free_port, run, run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PY = str(REPO / ".venv-interop" / "bin" / "python")
@@ -232,21 +231,23 @@ def live_state(trainer: Any, module: Any) -> tuple[dict[str, Any], dict[str, Any
                 live[name] = param.data.detach().clone().contiguous()
     for name, buffer in module.named_buffers():
         live[name] = buffer.detach().clone().contiguous()
-    state = module.state_dict(keep_vars=True)
-    for name in state:  # the tied head: state_dict() has it, named_parameters() does not
-        if name not in live and name == "head.weight":
-            live[name] = live["embed.weight"].clone()
+    if "head.weight" not in live:  # the tied head: state_dict() has it, named_parameters() does not
+        live["head.weight"] = live["embed.weight"].clone()
+    del torch
+    return live, optim, trainer_info(trainer, module)
+
+
+def trainer_info(trainer: Any, module: Any) -> dict[str, Any]:
+    """What the Trainer and module say of where the run is: step, epoch, scheduler, names, losses."""
     scheduler = trainer.lr_scheduler_configs[0].scheduler
-    info = {
+    return {
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
         "scheduler_last_epoch": scheduler.last_epoch,
         "last_lr": [float(x) for x in scheduler.get_last_lr()],
-        "state_dict_names": list(state),
+        "state_dict_names": list(module.state_dict()),
         "losses": list(module.losses),
     }
-    del torch
-    return live, optim, info
 
 
 def worker(case: Case, casedir: Path) -> None:
@@ -301,16 +302,10 @@ def plain_state(trainer: Any, module: Any) -> tuple[dict[str, Any], dict[str, An
             steps.add(float(state["step"]))
             for key in ("exp_avg", "exp_avg_sq"):
                 optim[f"{name}.{key}"] = state[key].detach().float().clone().contiguous()
-    scheduler = trainer.lr_scheduler_configs[0].scheduler
     info = {
-        "global_step": trainer.global_step,
-        "current_epoch": trainer.current_epoch,
-        "scheduler_last_epoch": scheduler.last_epoch,
-        "last_lr": [float(x) for x in scheduler.get_last_lr()],
-        "state_dict_names": list(module.state_dict()),
+        **trainer_info(trainer, module),
         "optimizer_steps": sorted(steps),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-        "losses": list(module.losses),
     }
     return live, optim, info
 
@@ -396,34 +391,8 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
     casedir.mkdir(parents=True)
     log = logdir / f"{case.name}.log"
     log.write_text("")
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONHASHSEED": "0",
-        "LOCAL_SIZE": str(case.world_size),
-    }
-    with removing_shm_leaks():
-        run(
-            [
-                python,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(case.world_size),
-                "--master_port",
-                str(free_port()),
-                str(Path(__file__).resolve()),
-                "--worker",
-                "--case-json",
-                json.dumps(asdict(case)),
-                "--outdir",
-                str(casedir.resolve()),
-            ],
-            cwd=REPO,
-            log=log,
-            env=env,
-        )
+    env = cpu_env(case.world_size)
+    run_workers(python, Path(__file__), case.world_size, json.dumps(asdict(case)), casedir, log, env)
     shutil.rmtree(casedir / "_work", ignore_errors=True)
     for ckpt in (casedir / "checkpoints").iterdir():
         for name in ("zero_to_fp32.py", "zero_to_torch.py"):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -46,8 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_sample_ckpts import free_port, run  # noqa: E402
-from shm_leaks import removing_shm_leaks  # noqa: E402
+from make_sample_ckpts import cpu_env, run, run_workers  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PY = str(REPO / ".venv-interop" / "bin" / "python")
@@ -421,34 +419,8 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
     casedir.mkdir(parents=True)
     log = logdir / f"{case.name}.log"
     log.write_text("")
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONHASHSEED": "0",
-        "LOCAL_SIZE": str(case.world_size),
-    }
-    with removing_shm_leaks():
-        run(
-            [
-                python,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(case.world_size),
-                "--master_port",
-                str(free_port()),
-                str(Path(__file__).resolve()),
-                "--worker",
-                "--case-json",
-                json.dumps(asdict(case)),
-                "--outdir",
-                str(casedir.resolve()),
-            ],
-            cwd=REPO,
-            log=log,
-            env=env,
-        )
+    env = cpu_env(case.world_size)
+    run_workers(python, Path(__file__), case.world_size, json.dumps(asdict(case)), casedir, log, env)
     ckpt = casedir / "checkpoint"
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         (ckpt / name).unlink(missing_ok=True)

@@ -759,6 +759,48 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_env(world_size: int, **extra: str) -> dict[str, str]:
+    """The environment of a CPU DeepSpeed run of `world_size` ranks. LOCAL_SIZE: the deepspeed
+    launcher sets it; without it DeepSpeed 0.14's CPU accelerator runs `numactl --hardware` to
+    count devices (ZeRO-3 grad reduce)."""
+    return {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+        "LOCAL_SIZE": str(world_size),
+        **extra,
+    }
+
+
+def run_workers(
+    python: str, script: Path, world_size: int, case_json: str, casedir: Path, log: Path, env: dict[str, str]
+) -> None:
+    """``script --worker --case-json CASE --outdir CASEDIR`` on `world_size` ranks under torchrun
+    (its output appended to `log`); the /dev/shm buffers DeepSpeed leaks are removed."""
+    with removing_shm_leaks():
+        run(
+            [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(world_size),
+                "--master_port",
+                str(free_port()),
+                str(Path(script).resolve()),
+                "--worker",
+                "--case-json",
+                case_json,
+                "--outdir",
+                str(casedir.resolve()),
+            ],
+            cwd=REPO,
+            log=log,
+            env=env,
+        )
+
+
 def run(cmd: list[str], cwd: Path, log: Path, env: dict[str, str]) -> None:
     """Run a command, appending its output to `log`; raise with the log tail on failure."""
     with log.open("a") as fh:
@@ -787,19 +829,12 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
     casedir.mkdir(parents=True)
     log = logdir / f"{case.name}.log"
     log.write_text("")
-    # LOCAL_SIZE: the deepspeed launcher sets it; without it DeepSpeed 0.14's CPU accelerator
-    # runs `numactl --hardware` to count devices (ZeRO-3 grad reduce).
     # TORCH_EXTENSIONS_DIR: DeepSpeed JIT-builds ops (deepspeed_shm_comm, async_io) into torch's
     # extension cache, which two releases on the same torch would share; a build by the other
     # release can then be loaded ("module 'deepspeed_shm_comm' has no attribute ...").
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONHASHSEED": "0",
-        "LOCAL_SIZE": str(case.world_size),
-        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / f"torch_extensions_{case.release}"),
-    }
+    env = cpu_env(
+        case.world_size, TORCH_EXTENSIONS_DIR=str(Path.home() / ".cache" / f"torch_extensions_{case.release}")
+    )
 
     # a fixed name (not mkdtemp's random one): it is written into ds_config in every .pt file
     nvme_dir = Path(tempfile.gettempdir()) / f"zckpt_nvme_{case.name}" if uses_nvme(case) else None
@@ -808,27 +843,7 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
             shutil.rmtree(nvme_dir, ignore_errors=True)
             nvme_dir.mkdir(parents=True)
             env["ZCKPT_NVME_PATH"] = str(nvme_dir)
-        with removing_shm_leaks():
-            run(
-                [
-                    pythons[case.release],
-                    "-m",
-                    "torch.distributed.run",
-                    "--nproc_per_node",
-                    str(case.world_size),
-                    "--master_port",
-                    str(free_port()),
-                    str(Path(__file__).resolve()),
-                    "--worker",
-                    "--case-json",
-                    json.dumps(asdict(case)),
-                    "--outdir",
-                    str(casedir.resolve()),
-                ],
-                cwd=REPO,
-                log=log,
-                env=env,
-            )
+        run_workers(pythons[case.release], Path(__file__), case.world_size, json.dumps(asdict(case)), casedir, log, env)
     finally:
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)

@@ -118,25 +118,34 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))) if a.numel() else True
 
 
-def same_loaded_objects(ours: Any, theirs: Any, path: str = "") -> None:
-    """Assert two torch.load results equal: types, key order, tensors' dtypes, shapes,
-    requires_grad and bits, everything else by ==."""
-    if isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torch.Tensor), path
-        assert (ours.dtype, ours.shape, ours.requires_grad) == (theirs.dtype, theirs.shape, theirs.requires_grad), path
-        assert same_bits(ours, theirs), path
-        return
-    assert type(ours) is type(theirs), (path, type(ours), type(theirs))
-    if isinstance(theirs, dict):
-        assert list(ours) == list(theirs), path
-        for key in theirs:
-            same_loaded_objects(ours[key], theirs[key], f"{path}/{key}")
-    elif isinstance(theirs, (list, tuple)):
-        assert len(ours) == len(theirs), path
+def assert_same_objects(ours: Any, theirs: Any, where: str = "") -> None:
+    """Deep equality of two loaded objects: types, key order (and a state_dict's ``_metadata``),
+    arrays and tensors by dtype, layout, requires_grad and bits, other objects by their attributes
+    or by ==."""
+    assert type(ours) is type(theirs), (where, type(ours), type(theirs))
+    if isinstance(ours, np.ndarray):
+        assert (
+            ours.dtype == theirs.dtype
+            and ours.flags.f_contiguous == theirs.flags.f_contiguous
+            and np.array_equal(ours, theirs)
+        ), where
+    elif isinstance(ours, torch.Tensor):
+        assert (ours.dtype, ours.shape, ours.requires_grad) == (theirs.dtype, theirs.shape, theirs.requires_grad), where
+        assert same_bits(ours, theirs), where
+    elif isinstance(ours, dict):
+        assert list(ours) == list(theirs), where
+        if isinstance(ours, OrderedDict):
+            assert vars(ours) == vars(theirs), where  # a state_dict's _metadata
+        for key in ours:
+            assert_same_objects(ours[key], theirs[key], f"{where}/{key}")
+    elif isinstance(ours, (list, tuple)):
+        assert len(ours) == len(theirs), where
         for i, (a, b) in enumerate(zip(ours, theirs)):
-            same_loaded_objects(a, b, f"{path}[{i}]")
+            assert_same_objects(a, b, f"{where}[{i}]")
+    elif hasattr(ours, "__dict__") and not isinstance(ours, type) and not callable(ours):
+        assert_same_objects(vars(ours), vars(theirs), where)
     else:
-        assert ours == theirs, (path, ours, theirs)
+        assert ours == theirs, (where, ours, theirs)
 
 
 def run_zckpt_torchrun(*args: str, processes: int = 2, check: bool = True) -> "subprocess.CompletedProcess[str]":

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import LIGHTNING_SAMPLES, Sample, same_bits, same_loaded_objects, sample
+from helpers import LIGHTNING_SAMPLES, Sample, assert_same_objects, same_bits, sample
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -125,7 +125,7 @@ def test_lightnings_converter_run_here_writes_what_format_lightning_writes(case:
     convert_zero_checkpoint_to_fp32_state_dict(str(case.checkpoint), str(theirs))
     consolidate(case.folder / "checkpoints", tmp_path / "ours", format="lightning")
     ours = tmp_path / "ours" / LIGHTNING_FILE
-    same_loaded_objects(torch.load(ours, weights_only=True), torch.load(theirs, weights_only=True))
+    assert_same_objects(torch.load(ours, weights_only=True), torch.load(theirs, weights_only=True))
     if case.meta["zero_stage"] == 3:
         assert ours.read_bytes() == theirs.read_bytes()
 

@@ -19,6 +19,7 @@ import zckpt.ops.dcp as dcp_op
 from helpers import (
     SAMPLE_LIST,
     Sample,
+    assert_same_objects,
     data_records,
     flip,
     load_with_stand_ins,
@@ -27,7 +28,6 @@ from helpers import (
     run_cli,
     run_zckpt_torchrun,
     same_bits,
-    same_loaded_objects,
     sample,
     tag_files,
 )
@@ -359,7 +359,7 @@ def test_torchrun_processes_share_the_tensors(processes: int, tmp_path: Path) ->
     (tmp_path / "read_one").mkdir()
     many = read_dcp(tmp_path / "many", tmp_path / "read_many")
     one = read_dcp(tmp_path / "one", tmp_path / "read_one")
-    same_loaded_objects(many, one)
+    assert_same_objects(many, one)
     live = case.live()
     for name, truth in live.items():
         assert same_bits(many["model"][name], truth), name

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import LIGHTNING_SAMPLES, Sample, one_line, run_cli, same_bits, same_loaded_objects, sample
+from helpers import LIGHTNING_SAMPLES, Sample, assert_same_objects, one_line, run_cli, same_bits, sample
 from zckpt import consolidate
 from zckpt.core.errors import UsageError
 from zckpt.deepspeed.locate import locate
@@ -46,7 +46,7 @@ def test_format_lightning_is_what_lightnings_converter_writes(case: Sample, tmp_
     ours_file = tmp_path / LIGHTNING_FILE
     ours = torch.load(ours_file, weights_only=True)
     theirs = converter_output(case)
-    same_loaded_objects(ours, theirs)
+    assert_same_objects(ours, theirs)
     # the tied head is one storage with the embedding, as in the model
     assert ours["state_dict"]["head.weight"] is ours["state_dict"]["embed.weight"]
     assert ours["global_step"] == case.meta["global_step"] == 4
@@ -99,7 +99,7 @@ def test_optimizer_states_are_the_live_moments_step_and_groups(case: Sample, tmp
             assert state[key].dtype == torch.float32 and same_bits(state[key], live[f"{name}.{key}"]), (name, key)
     # everything else as the converter writes it
     del saved["optimizer_states"]
-    same_loaded_objects(saved, converter_output(case))
+    assert_same_objects(saved, converter_output(case))
 
 
 def test_legacy_names_lose_lightnings_old_prefix_in_every_format(tmp_path: Path) -> None:

@@ -29,7 +29,16 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, SAMPLES, Source, inline, same_bits, same_except_serialization_id, torch_and_ours
+from helpers import (
+    ROOT,
+    SAMPLES,
+    Source,
+    assert_same_objects,
+    inline,
+    same_bits,
+    same_except_serialization_id,
+    torch_and_ours,
+)
 from zckpt.core.dtypes import BF16, BY_NAME, FP16, FP32, from_torch
 from zckpt.core.errors import CorruptFileError
 from zckpt.core.index import Segment
@@ -220,37 +229,6 @@ def test_instances_built_with_arguments_write_back(tmp_path: Path, monkeypatch: 
     save(carry(torchfile.load(tmp_path / "theirs.pt")), tmp_path / "ours.pt")
     got = torch.load(tmp_path / "ours.pt", weights_only=False)
     assert got == original and type(got["items"]) is Items and vars(got["items"]) == {"note": "x"}
-
-
-def assert_same_objects(ours: Any, theirs: Any, where: str = "") -> None:
-    """Deep equality that compares arrays and tensors by type, dtype, layout and bits."""
-    assert type(ours) is type(theirs), (where, type(ours), type(theirs))
-    if isinstance(ours, np.ndarray):
-        assert (
-            ours.dtype == theirs.dtype
-            and ours.flags.f_contiguous == theirs.flags.f_contiguous
-            and np.array_equal(ours, theirs)
-        ), where
-    elif isinstance(ours, torch.Tensor):
-        assert (
-            ours.dtype == theirs.dtype
-            and ours.shape == theirs.shape
-            and ours.view(torch.uint8).equal(theirs.view(torch.uint8))
-        ), where
-    elif isinstance(ours, dict):
-        assert list(ours) == list(theirs), where
-        if isinstance(ours, OrderedDict):
-            assert vars(ours) == vars(theirs), where  # a state_dict's _metadata
-        for key in ours:
-            assert_same_objects(ours[key], theirs[key], f"{where}/{key}")
-    elif isinstance(ours, (list, tuple)):
-        assert len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            assert_same_objects(a, b, f"{where}[{i}]")
-    elif hasattr(ours, "__dict__") and not isinstance(ours, type) and not callable(ours):
-        assert_same_objects(vars(ours), vars(theirs), where)
-    else:
-        assert ours == theirs, (where, ours, theirs)
 
 
 def test_archive_name_follows_torch(tmp_path: Path) -> None:
