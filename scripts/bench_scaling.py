@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""The cost curve (issue 21): time and peak memory of zckpt's commands against checkpoint size,
+beside the I/O floor and DeepSpeed's own tools, as a table and two plots.
+
+For every size, ZeRO stage and world size asked, a synthetic bf16 checkpoint of ``zckpt train``'s
+GPT (``scripts/synthetic_ckpt.py``: zckpt's writer streaming a synthetic training state, in
+DeepSpeed 0.19.8's layout, checked against a checkpoint DeepSpeed wrote by
+``tests/test_interop/test_interop_synthetic.py``) is written, then these run in alternation,
+``--repeats`` rounds, each measured by ``bench_common.run_measured`` (wall time, then the
+``sync`` it leaves, timed apart; peak RSS of the whole process tree sampled from /proc):
+
+* floor: ``cp -r`` of the checkpoint (then sync); once per size, ``dd`` of as many bytes (direct I/O);
+* zckpt: ``consolidate`` (fp32, bf16), ``reshard`` to world size + 1, ``to-universal``,
+  ``to-dcp``, ``verify``; ``reshard`` and ``to-universal`` under ``torchrun --nproc-per-node N``
+  too (``--processes``);
+* DeepSpeed (``--ds-python``, a venv with DeepSpeed 0.19.8): ``zero_to_fp32`` and
+  ``ds_to_universal``, where its measured memory per param says the machine holds it.
+
+Free disk is checked before each checkpoint (it, the largest output and 2 GB of margin); sizes
+that do not fit are skipped, and the result says so. Run it on a quiet machine::
+
+    python scripts/bench_scaling.py --workdir /data/bench --sizes 0.4e9 1.2e9 3e9 --stages 3 2 \\
+        --world-sizes 2 4 --repeats 2 --json BENCH_scaling.json
+    python scripts/bench_scaling.py --plot BENCH_scaling.json --figures docs/   # needs matplotlib
+
+The table (markdown) is printed; ``--plot`` writes ``scaling_time_per_gb.png`` and
+``scaling_peak_rss.png``: one line per command and tool, the floor dashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as common  # noqa: E402
+import bench_consolidate as bc  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MARGIN = 2 * 10**9
+# DeepSpeed's tools hold the model: bytes of peak RSS per param, measured (BENCHMARKS.md: zero_to_fp32
+# 3.35 GB at 400M params, ds_to_universal at 400M); a size is run where this fits in 80% of RAM
+DS_BYTES_PER_PARAM = {"zero_to_fp32": 8.5, "ds_to_universal": 12.0}
+
+
+def zckpt(python: str, *args: str, processes: int = 0) -> list[str]:
+    """A zckpt command line, alone or under torchrun with `processes` processes."""
+    if processes:
+        launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+        return [python, *launcher, "--master-port", str(bc.free_port()), "-m", "zckpt", *args]
+    return [python, "-m", "zckpt", *args]
+
+
+def variants(
+    python: str,
+    ds_python: str | None,
+    ckpt: Path,
+    out: Path,
+    world: int,
+    stage: int,
+    params: int,
+    processes: list[int],
+) -> dict[str, list[str]]:
+    """name -> command line, for one checkpoint (every output goes to `out`)."""
+    tag = ckpt / "global_step1000"
+    commands = {
+        "floor: cp -r": ["cp", "-r", str(ckpt), str(out)],
+        "consolidate fp32": zckpt(python, "consolidate", str(ckpt), str(out), "-q"),
+        "consolidate bf16": zckpt(python, "consolidate", str(ckpt), str(out), "--dtype", "bf16", "-q"),
+        "reshard": zckpt(python, "reshard", str(ckpt), str(out), "-w", str(world + 1), "-q"),
+        "to-universal": zckpt(python, "to-universal", str(ckpt), str(out), "-q"),
+        "to-dcp": zckpt(python, "to-dcp", str(ckpt), str(out), "-q"),
+        "verify": zckpt(python, "verify", str(ckpt)),
+    }
+    for n in processes:
+        commands[f"reshard x{n}"] = zckpt(
+            python, "reshard", str(ckpt), str(out), "-w", str(world + 1), "-q", processes=n
+        )
+        commands[f"to-universal x{n}"] = zckpt(python, "to-universal", str(ckpt), str(out), "-q", processes=n)
+    if ds_python:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if DS_BYTES_PER_PARAM["zero_to_fp32"] * params < 0.8 * ram:
+            commands["DeepSpeed zero_to_fp32"] = [ds_python, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(out)]
+        if DS_BYTES_PER_PARAM["ds_to_universal"] * params < 0.8 * ram:
+            commands["DeepSpeed ds_to_universal"] = [
+                ds_python,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(tag),
+                "--output_folder",
+                str(out / "universal"),
+                # ZeRO-1/2 runs that saved no universal_checkpoint_info need it (FORMAT_NOTES)
+                *(["--inject_missing_state"] if stage < 3 else []),
+            ]
+    return commands
+
+
+def dd_floor(workdir: Path, nbytes: int) -> float:
+    """Seconds to write `nbytes` of zeros with direct I/O, then sync (the disk's write speed)."""
+    target = workdir / "dd.bin"
+    block = 64 * 2**20
+    started = time.perf_counter()
+    os.system(f"dd if=/dev/zero of={target} bs={block} count={max(1, nbytes // block)} oflag=direct status=none")
+    os.sync()
+    seconds = time.perf_counter() - started
+    target.unlink(missing_ok=True)
+    return seconds
+
+
+def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> dict[str, Any]:
+    import synthetic_ckpt
+
+    config = synthetic_ckpt.gpt_config(size, 0, 0, 0, 0)
+    workdir = args.workdir
+    ckpt, out = workdir / "ckpt", workdir / "out"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    params = 12 * config.layers * config.dim**2 + (config.vocab + config.seq_len) * config.dim
+    estimate = params * (2 + 12) * (1.02 if stage == 3 else 1.0)
+    free = shutil.disk_usage(workdir).free
+    needed = 2 * estimate + MARGIN  # the checkpoint, the largest output (reshard, to-universal, cp)
+    case = {"size": size, "params": params, "stage": stage, "world_size": world, "model": asdict(config)}
+    if needed > free:
+        return {**case, "skipped": f"needs about {needed / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB free"}
+    made = synthetic_ckpt.write_synthetic(ckpt, config, world, stage, "bf16", workdir / "noise")
+    ckpt_bytes = bc.dir_size(ckpt)
+    commands = variants(args.python, args.ds_python, ckpt, out, world, stage, params, args.processes)
+    runs = []
+    for rnd in range(args.repeats):
+        for name, cmd in commands.items():
+            common.wait_for_quiet(args.quiet_wait)
+            run = common.run_measured(name, cmd, out, workdir / "run.log", rnd, sample_s=0.05)
+            runs.append(asdict(run))
+            status = "" if run.returncode == 0 else f" FAILED ({run.returncode}): {run.log_tail[-300:]}"
+            print(
+                f"  {size:.1e} z{stage} w{world} {name}: {run.wall_s + run.sync_s:.1f} s, {run.tree_rss_mib:.0f} MiB{status}"
+            )
+    dd_s = dd_floor(workdir, ckpt_bytes)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return {**case, "checkpoint_bytes": ckpt_bytes, "write": made, "dd_write_s": dd_s, "runs": runs}
+
+
+def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """variant -> median seconds (wall + sync), seconds per GB of checkpoint, peak tree RSS (MiB)."""
+    gb = result["checkpoint_bytes"] / 1e9
+    out: dict[str, dict[str, float]] = {}
+    for name in dict.fromkeys(r["variant"] for r in result["runs"]):
+        runs = [r for r in result["runs"] if r["variant"] == name and r["returncode"] == 0]
+        if not runs:
+            continue
+        seconds = statistics.median(r["wall_s"] + r["sync_s"] for r in runs)
+        out[name] = {"s": seconds, "s_per_gb": seconds / gb, "rss_mib": max(r["tree_rss_mib"] for r in runs)}
+    out["floor: dd write"] = {"s": result["dd_write_s"], "s_per_gb": result["dd_write_s"] / gb, "rss_mib": 0.0}
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The markdown table: one row per command and checkpoint."""
+    lines = ["| checkpoint | command | s | s/GB | x floor (cp) | peak RSS MiB |", "|---|---|---|---|---|---|"]
+    for result in results:
+        label = f"{result['params'] / 1e9:.2f}B z{result['stage']} w{result['world_size']}"
+        if "skipped" in result:
+            lines.append(f"| {label} | skipped: {result['skipped']} | | | | |")
+            continue
+        label += f" ({result['checkpoint_bytes'] / 1e9:.1f} GB)"
+        rows = summary(result)
+        floor = rows.get("floor: cp -r", {}).get("s")
+        for name, row in rows.items():
+            ratio = f"{row['s'] / floor:.2f}" if floor else ""
+            lines.append(
+                f"| {label} | {name} | {row['s']:.1f} | {row['s_per_gb']:.2f} | {ratio} | {row['rss_mib']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], figures: Path) -> list[Path]:
+    """Time per GB and peak RSS against params, one line per command (per stage and world size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures.mkdir(parents=True, exist_ok=True)
+    done = [r for r in results if "runs" in r]
+    labels = sorted({f"{v} (w{r['world_size']})" for r in done for v in summary(r)})
+    colors = {label: plt.get_cmap("tab20")(i % 20) for i, label in enumerate(labels)}  # one per line, both panels
+    written = []
+    for key, ylabel, name in (
+        ("s_per_gb", "seconds per GB of checkpoint (wall + sync)", "scaling_time_per_gb.png"),
+        ("rss_mib", "peak RSS of the process tree (MiB)", "scaling_peak_rss.png"),
+    ):
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+        for ax, stage in zip(axes, (3, 2)):
+            lines: dict[str, list[tuple[float, float]]] = {}
+            for result in done:
+                if result["stage"] != stage:
+                    continue
+                for variant, row in summary(result).items():
+                    if key == "rss_mib" and variant.startswith("floor"):
+                        continue
+                    label = f"{variant} (w{result['world_size']})"
+                    lines.setdefault(label, []).append((result["params"] / 1e9, row[key]))
+            for label, points in sorted(lines.items()):
+                points.sort()
+                style = "--" if label.startswith("floor") else ":" if label.startswith("DeepSpeed") else "-"
+                xs, ys = [p[0] for p in points], [p[1] for p in points]
+                ax.plot(xs, ys, style, marker="o", color=colors[label], label=label)
+            ax.set_title(f"ZeRO-{stage}, bf16")
+            ax.set_xlabel("params (billions)")
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel(ylabel)
+        handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
+        axes[1].legend(
+            [handles[k] for k in sorted(handles)],
+            sorted(handles),
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1),
+        )
+        fig.tight_layout()
+        path = figures / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_scaling"))
+    ap.add_argument("--sizes", type=float, nargs="+", default=[0.4e9, 1.2e9, 3e9])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 2])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument(
+        "--processes", type=int, nargs="*", default=[2], help="torchrun process counts for reshard, to-universal"
+    )
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for a quiet machine before each run")
+    ap.add_argument("--python", default=sys.executable, help="the interpreter that runs zckpt")
+    ap.add_argument("--ds-python", default=str(REPO / ".venv-interop" / "bin" / "python"))
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--plot", type=Path, help="plot the results of this JSON file (no runs)")
+    ap.add_argument("--figures", type=Path, default=REPO / "docs")
+    args = ap.parse_args(argv)
+    if args.plot:
+        results = json.loads(args.plot.read_text())["results"]
+        print(table(results))
+        for path in plot(results, args.figures):
+            print(f"wrote {path}")
+        return 0
+    if args.ds_python and not Path(args.ds_python).exists():
+        args.ds_python = None
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    snapshot = common.snapshot_zckpt(args.python, args.workdir / "snapshot", args.workdir)
+    results = []
+    started = time.time()
+    for size in args.sizes:
+        for stage in args.stages:
+            for world in args.world_sizes:
+                results.append(bench_one(args, size, stage, world))
+                if args.json:
+                    args.json.write_text(json.dumps({"snapshot": snapshot, "results": results}, indent=1))
+    print(table(results))
+    print(f"total {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
