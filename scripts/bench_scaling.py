@@ -16,8 +16,8 @@ DeepSpeed 0.19.8's layout, checked against a checkpoint DeepSpeed wrote by
 * DeepSpeed (``--ds-python``, a venv with DeepSpeed 0.19.8): ``zero_to_fp32`` and
   ``ds_to_universal``, where its measured memory per param says the machine holds it.
 
-Free disk is checked before each checkpoint (it, the largest output and 2 GB of margin); sizes
-that do not fit are skipped, and the result says so. Run it on a quiet machine::
+Free disk is checked before each checkpoint and each command's output (2 GB of margin): what
+does not fit is left out, and the table says so. Run it on a quiet machine::
 
     python scripts/bench_scaling.py --workdir /data/bench --sizes 0.4e9 1.2e9 3e9 --stages 3 2 \\
         --world-sizes 2 4 --repeats 2 --json BENCH_scaling.json
@@ -125,15 +125,25 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
     shutil.rmtree(ckpt, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     params = 12 * config.layers * config.dim**2 + (config.vocab + config.seq_len) * config.dim
-    estimate = params * (2 + 12) * (1.02 if stage == 3 else 1.0)
-    free = shutil.disk_usage(workdir).free
-    needed = 2 * estimate + MARGIN  # the checkpoint, the largest output (reshard, to-universal, cp)
+    estimate = params * (2 + 12) * (1.02 if stage == 3 else 1.0)  # bf16 weights, fp32 master and moments
     case = {"size": size, "params": params, "stage": stage, "world_size": world, "model": asdict(config)}
-    if needed > free:
-        return {**case, "skipped": f"needs about {needed / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB free"}
+    free = shutil.disk_usage(workdir).free
+    if estimate + MARGIN > free:
+        return {
+            **case,
+            "skipped": f"the checkpoint needs about {estimate / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB free",
+        }
     made = synthetic_ckpt.write_synthetic(ckpt, config, world, stage, "bf16", workdir / "noise")
     ckpt_bytes = bc.dir_size(ckpt)
     commands = variants(args.python, args.ds_python, ckpt, out, world, stage, params, args.processes)
+    free = shutil.disk_usage(workdir).free
+    left_out = {}
+    for name in list(commands):  # each output must fit beside the checkpoint
+        if output_bytes(name, params, ckpt_bytes) + MARGIN > free:
+            left_out[name] = (
+                f"its output needs about {output_bytes(name, params, ckpt_bytes) / 1e9:.0f} GB, {free / 1e9:.0f} GB free"
+            )
+            del commands[name]
     runs = []
     for rnd in range(args.repeats):
         for name, cmd in commands.items():
@@ -146,7 +156,25 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
             )
     dd_s = dd_floor(workdir, ckpt_bytes)
     shutil.rmtree(ckpt, ignore_errors=True)
-    return {**case, "checkpoint_bytes": ckpt_bytes, "write": made, "dd_write_s": dd_s, "runs": runs}
+    return {
+        **case,
+        "checkpoint_bytes": ckpt_bytes,
+        "write": made,
+        "dd_write_s": dd_s,
+        "runs": runs,
+        "left_out": left_out,
+    }
+
+
+def output_bytes(name: str, params: int, ckpt_bytes: int) -> float:
+    """About how much a command writes: weights files by their dtype, the rest about the checkpoint."""
+    if name == "verify":
+        return 0
+    if "fp32" in name:  # consolidate fp32, zero_to_fp32
+        return 4 * params
+    if "bf16" in name:
+        return 2 * params
+    return 1.05 * ckpt_bytes
 
 
 def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -174,6 +202,8 @@ def table(results: list[dict[str, Any]]) -> str:
         label += f" ({result['checkpoint_bytes'] / 1e9:.1f} GB)"
         rows = summary(result)
         floor = rows.get("floor: cp -r", {}).get("s")
+        for name, why in result.get("left_out", {}).items():
+            lines.append(f"| {label} | {name}: left out, {why} | | | | |")
         for name, row in rows.items():
             ratio = f"{row['s'] / floor:.2f}" if floor else ""
             lines.append(
