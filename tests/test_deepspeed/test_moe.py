@@ -163,3 +163,22 @@ def test_a_missing_expert_file_is_named(tmp_path: Path) -> None:
         "no expert file holds moe.deepspeed_moe.experts.deepspeed_experts.3.0.bias (and 3 more)" in str(p)
         for p in found.problems
     )
+
+
+@pytest.mark.parametrize("case", MOE_SAMPLES, ids=IDS)
+def test_inspect_shows_each_experts_rank(case: Sample) -> None:
+    """The placement column: expert E of E experts over ep expert ranks sits on expert rank
+    E // (experts / ep), each expert rank data-parallel over world / ep ranks (what the
+    generator's run reported, meta.json); dense params have no placement."""
+    from zckpt.ops.inspect import inspect_path
+
+    experts, ep, world = case.meta["experts"], case.meta["ep"], case.meta["world_size"]
+    report = inspect_path(str(case.checkpoint))
+    placements = {p["name"]: p.get("placement") for p in report["parameters"]}
+    for expert in range(experts):
+        name = EXPERT.format(expert)
+        assert placements[name] == (
+            f"expert {expert} on expert rank {expert // (experts // ep)} of {ep} "
+            f"(data-parallel over {world // ep} rank{'s' * (world // ep != 1)})"
+        ), name
+    assert placements["embed.weight"] is None and placements["moe.deepspeed_moe.gate.wg.weight"] is None

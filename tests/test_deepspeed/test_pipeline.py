@@ -219,3 +219,28 @@ def test_to_universal_of_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path: 
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert "a pipeline-parallel checkpoint (2 stages x 1 data-parallel rank): to-universal of such" in lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)
+def test_inspect_shows_each_params_stage(case: Sample) -> None:
+    """The placement column against DeepSpeed's own files (torch.load): a trainable param is on
+    the stage whose model states list it in ``param_shapes``; the layers' frozen params and
+    buffers on the stage of their layer (the generator's uniform partition: layers 0-2, 3-5)."""
+    from zckpt.ops.inspect import inspect_path
+
+    placements = {p["name"]: p.get("placement") for p in inspect_path(str(case.checkpoint))["parameters"]}
+    holders: dict[str, list[int]] = {}
+    for stage in range(case.meta["pp"]):
+        model = torch.load(
+            case.checkpoint / "global_step3" / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False
+        )
+        for shapes in model["param_shapes"]:
+            for name in shapes:
+                holders.setdefault(name, []).append(stage)
+    assert holders["tied_modules.embed.weight"] == [0, 1]
+    assert placements["tied_modules.embed.weight"] == "stages 0, 1 (tied copies)"
+    for name, stages in holders.items():
+        if len(stages) == 1:
+            assert placements[name] == f"stage {stages[0]}", name
+    for name in case.meta["frozen"] + case.meta["buffers"]:
+        assert placements[name] == f"stage {0 if int(name.split('.')[0]) <= 2 else 1}", name

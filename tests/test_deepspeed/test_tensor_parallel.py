@@ -124,3 +124,24 @@ def test_writes_it_cannot_make_are_refused(tmp_path: Path) -> None:
     ):
         to_universal(FP32.checkpoint, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
+def test_inspect_shows_how_each_param_was_split(case: Sample) -> None:
+    """The placement column against DeepSpeed's own rank files (torch.load): a param whose
+    tensor-rank-0 shard is shorter in dim 0 is split by rows, in dim 1 by columns; one held whole
+    on both ranks is replicated."""
+    from zckpt.ops.inspect import inspect_path
+
+    report = inspect_path(str(case.checkpoint))
+    placements = {p["name"]: p.get("placement") for p in report["parameters"]}
+    shards = torch.load(case.checkpoint / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    full = {n: t for n, t in _reference(case).items() if not n.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert placements and set(placements) == set(full)
+    for name, whole in full.items():
+        short = [d for d, (a, b) in enumerate(zip(whole.shape, shards[name].shape)) if a != b]
+        expected = (
+            f"{['rows', 'columns'][short[0]]} split over 2 tensor ranks" if short else "replicated on 2 tensor ranks"
+        )
+        assert placements[name] == expected, name
+    assert {n for n, p in placements.items() if p.startswith("replicated")} == REPLICATED

@@ -158,7 +158,8 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
         width = min(60, max(len(p["name"]) for p in params))
         for p in params[:max_rows]:
             kind = f"  [{p['kind']}]" if p.get("kind") not in (None, "param") else ""
-            lines.append(f"  {p['name']:<{width}}  {str(p['shape']):<16} {p['dtype']:<6}{kind}")
+            placement = f"  {p['placement']}" if p.get("placement") else ""
+            lines.append(f"  {p['name']:<{width}}  {str(p['shape']):<16} {p['dtype']:<6}{kind}{placement}")
         if len(params) > max_rows:
             lines.append(f"  ... {len(params) - max_rows} more (--json lists all)")
     return "\n".join(lines)

@@ -141,6 +141,9 @@ class CheckpointIndex:
     # other copies of entries' tensors that must hold the same bits (a tied param that several
     # pipeline stages keep): verify compares them, the outputs write each name once
     replicas: tuple[Entry, ...] = field(default=(), compare=False)
+    # where the saving run kept each tensor beyond data parallelism, in words, by name (the stage
+    # of a pipeline, the split over tensor ranks, an expert's rank): what inspect shows
+    placements: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.topology is None:
@@ -173,6 +176,7 @@ def merged_index(
     files: tuple[str, ...],
     notes: tuple[str, ...],
     replicas: list[Entry] | tuple[Entry, ...] = (),
+    placements: dict[str, str] | None = None,
 ) -> CheckpointIndex:
     """The index of a checkpoint read part by part (pipeline stages, tensor ranks, expert ranks):
     one part's description (tag, stage, dtype, version), the whole run's topology and tensors."""
@@ -184,4 +188,5 @@ def merged_index(
         files=files,
         notes=notes,
         replicas=tuple(replicas),
+        placements=dict(placements or {}),
     )

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
-from ..core.index import CheckpointIndex, TensorRef, merged_index
+from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import TrainingState
 from ..core.topology import RankCoords, Topology
 from . import names as N
@@ -146,13 +146,35 @@ def read_moe(result: Survey, files: RankFiles) -> None:
         f"degree {experts.ep} over {experts.world} ranks (expert data-parallel groups of {experts.world // experts.ep})"
     )
     result.index = merged_index(
-        dense.index, Topology(ep=experts.ep, dp=experts.world), entries, tuple(result.files), tuple(result.notes)
+        dense.index,
+        Topology(ep=experts.ep, dp=experts.world),
+        entries,
+        tuple(result.files),
+        tuple(result.notes),
+        placements=_expert_placements(entries, experts),
     )
     try:
         result.state = _merged_state(result.index, dense.state, surveys[1:], experts, order)
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
+
+
+def _expert_placements(entries: list[Entry], experts: ExpertGroups) -> dict[str, str]:
+    """Each expert tensor's expert and the expert rank that held it (rank r holds expert rank
+    r % ep's experts: DeepSpeed's default grouping), over how many data-parallel ranks."""
+    placements = {}
+    for entry in entries:
+        found = N.expert_id(entry.name)
+        if found is None or found[0] not in experts.per_rank:
+            continue
+        prefix, expert = found
+        rank = expert // experts.per_rank[prefix]
+        replicas = experts.world // experts.ep
+        placements[entry.name] = (
+            f"expert {expert} on expert rank {rank} of {experts.ep} (data-parallel over {replicas} rank{'s' * (replicas != 1)})"
+        )
+    return placements
 
 
 def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]) -> bool:

@@ -125,7 +125,13 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
     index0 = first.index
     assert index0 is not None
     result.index = merged_index(
-        index0, Topology(pp=stages, dp=dp), entries, tuple(result.files), tuple(result.notes), replicas
+        index0,
+        Topology(pp=stages, dp=dp),
+        entries,
+        tuple(result.files),
+        tuple(result.notes),
+        replicas,
+        _stage_placements([sub.index.entries for sub in surveys if sub.index is not None]),
     )
     try:
         stage_states = [sub.state for sub in surveys if sub.state is not None]
@@ -288,6 +294,18 @@ def _module_order(declarations: list[StageDeclaration], layers: list[LayerFile])
     for d in declarations:
         names.extend(d.trainable)
     return {name: position for position, name in enumerate(dict.fromkeys(names))}
+
+
+def _stage_placements(stage_entries: list[tuple[Entry, ...]]) -> dict[str, str]:
+    """Which stage held each tensor ("stages 0, 1" for a tied param every one of them kept)."""
+    held: dict[str, list[int]] = {}
+    for stage, entries in enumerate(stage_entries):
+        for entry in entries:
+            held.setdefault(entry.name, []).append(stage)
+    return {
+        name: f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))} (tied copies)"
+        for name, stages in held.items()
+    }
 
 
 def _merged_entries(stage_entries: list[tuple[Entry, ...]], order: dict[str, int]) -> tuple[list[Entry], list[Entry]]:

@@ -106,7 +106,13 @@ def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
     )
     assert base.index is not None
     result.index = merged_index(
-        base.index, Topology(tp=tp, dp=dp), entries, tuple(result.files), tuple(result.notes), merge.replicas
+        base.index,
+        Topology(tp=tp, dp=dp),
+        entries,
+        tuple(result.files),
+        tuple(result.notes),
+        merge.replicas,
+        merge.placements,
     )
     try:
         result.state = _merged_state(result.index, [sub.state for sub in surveys if sub.state is not None], merge)
@@ -132,6 +138,7 @@ class _Merge:
         self.tp = tp
         self.replicas: list[Entry] = []
         self.replicated: set[str] = set()
+        self.placements: dict[str, str] = {}  # name -> how the tensor ranks held it
 
     def spec(self, name: str) -> dict[str, Any] | None:
         found = [spec for pattern, spec in self.patterns if pattern.fullmatch(name)]
@@ -147,11 +154,15 @@ class _Merge:
             if entry.kind == "param":
                 raise LayoutError(None, f"param {entry.name} is not in the checkpoint's affine_map: cannot merge it")
             self._replicas(entry, shards)  # a buffer or frozen param without a map: alike on every rank
+            self.placements[entry.name] = f"a copy on each of {self.tp} tensor ranks"
             return entry
         source = self.assemble(entry.name, spec, shards)
         if self._whole_on_every_rank(spec):
             self.replicated.add(entry.name)
             self._replicas(entry, shards)
+            self.placements[entry.name] = f"replicated on {self.tp} tensor ranks"
+        else:
+            self.placements[entry.name] = _split(spec, self.tp)
         return replace(entry, source=source)
 
     def _rank_entry(self, t: int, name: str) -> Entry:
@@ -199,6 +210,18 @@ class _Merge:
         if position != numel:
             raise LayoutError(None, f"{name}: its affine_map pieces cover {position} of {numel} elements")
         return TensorSource(dtype, shape, tuple(_joined(segments, dtype.itemsize)))
+
+
+def _split(spec: dict[str, Any], tp: int) -> str:
+    """How a param's affine map cuts it: the dimension its shards are shorter in ("rows" for dim
+    0, "columns" for dim 1), and the pieces per rank where a rank holds several (fused q/k/v)."""
+    logical = [int(d) for d in spec["logical_shape"]]
+    ranks = list((spec.get("ranks") or {}).values())
+    shard = [int(d) for d in (ranks[0].get("shard_shape") or logical)] if ranks else logical
+    dims = [d for d, (whole, part) in enumerate(zip(logical, shard)) if whole != part]
+    where = {0: "rows", 1: "columns"}.get(dims[0], f"dim {dims[0]}") if len(dims) == 1 else "pieces"
+    pieces = max((len(r.get("pieces", [])) for r in ranks), default=1)
+    return f"{where} split over {tp} tensor ranks" + (f" ({pieces} pieces each)" if pieces > 1 else "")
 
 
 def _rows(piece: dict[str, Any], name: str) -> list[tuple[int, int, int]]:

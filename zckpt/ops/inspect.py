@@ -221,6 +221,7 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
         "universal": found.universal,
     }
     index = found.index
+    placements = index.placements if index is not None else {}
     if index is not None:
         entries = [(e.name, e.source.shape, e.kind, e.source.dtype.short) for e in index.entries]
         tied = {e.name: e.alias_of for e in index.entries if e.kind == "tied"}
@@ -248,7 +249,15 @@ def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) 
             "notes": list(found.notes),
             "files": [os.path.relpath(f, location.checkpoint_dir) if location else f for f in found.files],
             "parameters": [
-                _param(n, s, d, kind=k, **({"alias_of": tied[n]} if k == "tied" else {})) for n, s, k, d in entries
+                _param(
+                    n,
+                    s,
+                    d,
+                    kind=k,
+                    **({"alias_of": tied[n]} if k == "tied" else {}),
+                    **({"placement": placements[n]} if n in placements else {}),
+                )
+                for n, s, k, d in entries
             ],
         }
     )
