@@ -301,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         (args.out / f"error_{args.role}_rank{rank}.txt").write_text(traceback.format_exc())
         raise
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rank_exit import leave
+
+    leave(0)  # a torchrun rank, done: out before gloo's teardown can abort the exit
     return 0
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -48,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_sample_ckpts import cpu_env, free_port, run, run_workers  # noqa: E402
+from rank_exit import leave  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PY = str(REPO / ".venv-interop" / "bin" / "python")
@@ -427,22 +427,6 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
     }
     (casedir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return time.time() - started
-
-
-def leave() -> None:
-    """End a rank whose outputs are written. Every rank has passed Trainer.fit's last barrier;
-    torch 2.13's gloo threads can abort the interpreter's exit ("terminate called without an
-    active exception": SIGABRT, seen here once in 9 runs), which torchrun reports as a failed run.
-    Leave now, as scripts/ds_probe.py does."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
