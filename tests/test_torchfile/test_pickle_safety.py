@@ -35,7 +35,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers import ROOT, sample
+from helpers import ROOT, assert_same_objects, sample
 from zckpt.cli.app import app
 from zckpt.core.dtypes import BY_NAME, FP32
 from zckpt.core.errors import CorruptFileError, UnsafePickleError
@@ -700,27 +700,6 @@ def _megatron_style(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Pa
     return checkpoint, extra
 
 
-def _equal(ours: Any, theirs: Any, where: str = "") -> None:
-    """Deep equality that tells arrays and tensors apart (torch.load results on both sides)."""
-    assert type(ours) is type(theirs), (where, type(ours), type(theirs))
-    if isinstance(ours, np.ndarray):
-        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), where
-    elif isinstance(ours, torch.Tensor):
-        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
-    elif isinstance(ours, dict):
-        assert list(ours) == list(theirs), where
-        for key in ours:
-            _equal(ours[key], theirs[key], f"{where}/{key}")
-    elif isinstance(ours, (list, tuple)):
-        assert len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            _equal(a, b, f"{where}[{i}]")
-    elif isinstance(ours, argparse.Namespace):
-        _equal(vars(ours), vars(theirs), where)
-    else:
-        assert ours == theirs, (where, ours, theirs)
-
-
 def test_megatron_style_checkpoint_consolidates_and_inspects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoint, _ = _megatron_style(tmp_path, monkeypatch)
     result = runner.invoke(app, ["consolidate", str(checkpoint), str(tmp_path / "out"), "--format", "torch"])
@@ -746,6 +725,6 @@ def test_megatron_style_client_state_survives_reshard(tmp_path: Path, monkeypatc
         tmp_path / "out" / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False
     )
     for key in extra:
-        _equal(written[key], original[key], key)
+        assert_same_objects(written[key], original[key], key)
     assert written["args"].position_embedding_type is original["args"].position_embedding_type  # the enum member itself
     assert written["args"].params_dtype is torch.float32

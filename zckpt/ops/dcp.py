@@ -288,8 +288,8 @@ def share_layout(plan: DcpPlan, owners: list[int], part: int) -> dict[str, tuple
 def _write_share(
     path: str, plan: DcpPlan, owners: list[int], part: int, reader: FileReader, progress: Callable[[int], None]
 ) -> None:
-    """Process `part` (not 0): its tensors into its data file, at the places :func:`share_layout` gives."""
-    layout = share_layout(plan, owners, part)
+    """Process `part` (not 0): its tensors into its data file in plan order, each archive the
+    size planned (process 0's metadata, from :func:`share_layout`, says where they are)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         with WorkerPool(2, "zckpt-dcp") as helpers:
@@ -297,9 +297,10 @@ def _write_share(
             for item, owner in zip(plan.tensors, owners):
                 if owner != part:
                     continue
-                offset, length = layout[item.key]
-                archives.append(plan_archive(out_tensor(item), "archive"))
-                if os.lseek(fd, 0, os.SEEK_CUR) != offset + length:  # the metadata process 0 wrote says so
+                archive = plan_archive(out_tensor(item), "archive")
+                start = os.lseek(fd, 0, os.SEEK_CUR)
+                archives.append(archive)
+                if os.lseek(fd, 0, os.SEEK_CUR) - start != archive.total_size:
                     raise RuntimeError(f"{item.key}: the archive written is not the one planned")
         os.fsync(fd)
     finally:
