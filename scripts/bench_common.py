@@ -155,6 +155,8 @@ class Run:
     output_files: list[str] = field(default_factory=list)
     log_tail: str = ""
     disturbed: bool = False  # a fixture-generation job was seen just before or after the run
+    read_bytes: int = 0  # read from the disk (not the page cache) by the tree: ru_inblock
+    written_bytes: int = 0  # written (dirtied for writeback) by the tree: ru_oublock
 
 
 def run_measured(
@@ -223,6 +225,8 @@ def run_measured(
         files,
         tail,
         busy,
+        read_bytes=usage.ru_inblock * 512,
+        written_bytes=usage.ru_oublock * 512,
         **extra,
     )
 

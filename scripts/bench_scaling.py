@@ -9,12 +9,18 @@ DeepSpeed 0.19.8's layout, checked against a checkpoint DeepSpeed wrote by
 ``--repeats`` rounds, each measured by ``bench_common.run_measured`` (wall time, then the
 ``sync`` it leaves, timed apart; peak RSS of the whole process tree sampled from /proc):
 
-* floor: ``cp -r`` of the checkpoint (then sync); once per size, ``dd`` of as many bytes (direct I/O);
+* floors: ``cp -r`` of the checkpoint (then sync; where the copy does not fit, of its largest
+  files that fit), and once per size a cold read of it and ``dd`` of as many bytes (direct I/O);
 * zckpt: ``consolidate`` (fp32, bf16), ``reshard`` to world size + 1, ``to-universal``,
-  ``to-dcp``, ``verify``; ``reshard`` and ``to-universal`` under ``torchrun --nproc-per-node N``
-  too (``--processes``);
+  ``to-dcp``, ``verify``; ``reshard``, ``to-universal`` and ``to-dcp`` under
+  ``torchrun --nproc-per-node N`` too (``--processes``, 1 and 2 by default);
 * DeepSpeed (``--ds-python``, a venv with DeepSpeed 0.19.8): ``zero_to_fp32`` and
   ``ds_to_universal``, where its measured memory per param says the machine holds it.
+
+Before each run the checkpoint is dropped from the page cache (``--warm`` keeps it), so that
+every size is read from the disk, as a checkpoint larger than memory is. Each run's bytes read
+from the disk and written (``ru_inblock``, ``ru_oublock`` of the process tree) give its I/O
+floor: the seconds this disk, at its cold-read and ``dd`` speeds, needs for those bytes.
 
 Free disk is checked before each checkpoint and each command's output (2 GB of margin): what
 does not fit is left out, and the table says so. Run it on a quiet machine::
@@ -68,11 +74,12 @@ def variants(
     stage: int,
     params: int,
     processes: list[int],
+    left_out: dict[str, str],
 ) -> dict[str, list[str]]:
-    """name -> command line, for one checkpoint (every output goes to `out`)."""
+    """name -> command line, for one checkpoint (every output goes to `out`); DeepSpeed's tools
+    where the machine's memory would not hold them go into `left_out`, with why."""
     tag = ckpt / "global_step1000"
     commands = {
-        "floor: cp -r": ["cp", "-r", str(ckpt), str(out)],
         "consolidate fp32": zckpt(python, "consolidate", str(ckpt), str(out), "-q"),
         "consolidate bf16": zckpt(python, "consolidate", str(ckpt), str(out), "--dtype", "bf16", "-q"),
         "reshard": zckpt(python, "reshard", str(ckpt), str(out), "-w", str(world + 1), "-q"),
@@ -85,8 +92,14 @@ def variants(
             python, "reshard", str(ckpt), str(out), "-w", str(world + 1), "-q", processes=n
         )
         commands[f"to-universal x{n}"] = zckpt(python, "to-universal", str(ckpt), str(out), "-q", processes=n)
+        commands[f"to-dcp x{n}"] = zckpt(python, "to-dcp", str(ckpt), str(out), "-q", processes=n)
     if ds_python:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        for tool, need in DS_BYTES_PER_PARAM.items():
+            if need * params >= 0.8 * ram:
+                left_out[f"DeepSpeed {tool}"] = (
+                    f"it would need about {need * params / 1e9:.0f} GB of memory, {ram / 2**30:.1f} GiB here"
+                )
         if DS_BYTES_PER_PARAM["zero_to_fp32"] * params < 0.8 * ram:
             commands["DeepSpeed zero_to_fp32"] = [ds_python, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(out)]
         if DS_BYTES_PER_PARAM["ds_to_universal"] * params < 0.8 * ram:
@@ -116,6 +129,47 @@ def dd_floor(workdir: Path, nbytes: int) -> float:
     return seconds
 
 
+def evict(folder: Path) -> None:
+    """Drop `folder`'s files from the page cache (written back first), so that each run reads the
+    checkpoint from the disk, as it reads one larger than memory, at every size alike."""
+    os.sync()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def read_floor(folder: Path) -> float:
+    """Seconds to read every file of `folder` from the disk (evicted first) into one buffer."""
+    evict(folder)
+    buffer = bytearray(16 * 2**20)
+    started = time.perf_counter()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with path.open("rb", buffering=0) as fh:
+                while fh.readinto(buffer):
+                    pass
+    return time.perf_counter() - started
+
+
+def copy_floor(ckpt: Path, out: Path, free: int) -> tuple[list[str], int]:
+    """The floor command, `cp -r` of the checkpoint (then sync, timed by the runner), and the
+    bytes it copies. Where the copy would not fit beside the checkpoint, the largest files that do
+    fit are copied instead (the time per GB is still the disk's)."""
+    total = bc.dir_size(ckpt)
+    if total + MARGIN < free:
+        return ["cp", "-r", str(ckpt), str(out)], total
+    files, copied = [], 0
+    for path in sorted((p for p in ckpt.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size):
+        if copied + path.stat().st_size + MARGIN < free:
+            files.append(str(path))
+            copied += path.stat().st_size
+    return ["sh", "-c", 'mkdir -p "$0" && cp "$@" "$0"', str(out), *files], copied
+
+
 def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> dict[str, Any]:
     import synthetic_ckpt
 
@@ -135,32 +189,42 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
         }
     made = synthetic_ckpt.write_synthetic(ckpt, config, world, stage, "bf16", workdir / "noise")
     ckpt_bytes = bc.dir_size(ckpt)
-    commands = variants(args.python, args.ds_python, ckpt, out, world, stage, params, args.processes)
+    left_out: dict[str, str] = {}
+    commands = variants(args.python, args.ds_python, ckpt, out, world, stage, params, args.processes, left_out)
     free = shutil.disk_usage(workdir).free
-    left_out = {}
     for name in list(commands):  # each output must fit beside the checkpoint
         if output_bytes(name, params, ckpt_bytes) + MARGIN > free:
             left_out[name] = (
                 f"its output needs about {output_bytes(name, params, ckpt_bytes) / 1e9:.0f} GB, {free / 1e9:.0f} GB free"
             )
             del commands[name]
+    copy_cmd, copy_bytes = copy_floor(ckpt, out, free)
+    commands = {"floor: cp -r": copy_cmd, **commands}
     runs = []
     for rnd in range(args.repeats):
         for name, cmd in commands.items():
             common.wait_for_quiet(args.quiet_wait)
+            if not args.warm:
+                evict(ckpt)
             run = common.run_measured(name, cmd, out, workdir / "run.log", rnd, sample_s=0.05)
             runs.append(asdict(run))
             status = "" if run.returncode == 0 else f" FAILED ({run.returncode}): {run.log_tail[-300:]}"
             print(
                 f"  {size:.1e} z{stage} w{world} {name}: {run.wall_s + run.sync_s:.1f} s, {run.tree_rss_mib:.0f} MiB{status}"
             )
-    dd_s = dd_floor(workdir, ckpt_bytes)
+    read_s = read_floor(ckpt)
+    dd_bytes = min(ckpt_bytes, shutil.disk_usage(workdir).free - MARGIN)
+    dd_s = dd_floor(workdir, dd_bytes)
     shutil.rmtree(ckpt, ignore_errors=True)
     return {
         **case,
         "checkpoint_bytes": ckpt_bytes,
         "write": made,
+        "cold": not args.warm,
+        "copy_bytes": copy_bytes,
+        "read_s": read_s,
         "dd_write_s": dd_s,
+        "dd_bytes": dd_bytes,
         "runs": runs,
         "left_out": left_out,
     }
@@ -178,36 +242,70 @@ def output_bytes(name: str, params: int, ckpt_bytes: int) -> float:
 
 
 def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """variant -> median seconds (wall + sync), seconds per GB of checkpoint, peak tree RSS (MiB)."""
+    """variant -> median seconds (wall + sync), seconds per GB of checkpoint (of the bytes copied,
+    for the copy floor), peak tree RSS (MiB), GB read from the disk and written, and the I/O floor:
+    the seconds this disk needs to read and write those bytes (its cold-read and `dd` speeds)."""
     gb = result["checkpoint_bytes"] / 1e9
+    read_speed = result["checkpoint_bytes"] / result["read_s"] if result.get("read_s") else 0.0
+    dd_bytes = result.get("dd_bytes", result["checkpoint_bytes"])
+    write_speed = dd_bytes / result["dd_write_s"]
     out: dict[str, dict[str, float]] = {}
     for name in dict.fromkeys(r["variant"] for r in result["runs"]):
         runs = [r for r in result["runs"] if r["variant"] == name and r["returncode"] == 0]
         if not runs:
             continue
         seconds = statistics.median(r["wall_s"] + r["sync_s"] for r in runs)
-        out[name] = {"s": seconds, "s_per_gb": seconds / gb, "rss_mib": max(r["tree_rss_mib"] for r in runs)}
-    out["floor: dd write"] = {"s": result["dd_write_s"], "s_per_gb": result["dd_write_s"] / gb, "rss_mib": 0.0}
+        per = result.get("copy_bytes", result["checkpoint_bytes"]) / 1e9 if name == "floor: cp -r" else gb
+        row = {"s": seconds, "s_per_gb": seconds / per, "rss_mib": max(r["tree_rss_mib"] for r in runs)}
+        if read_speed:
+            read = statistics.median(r.get("read_bytes", 0) for r in runs)
+            written = statistics.median(r.get("written_bytes", 0) for r in runs)
+            row.update(
+                read_gb=read / 1e9, written_gb=written / 1e9, io_floor_s=read / read_speed + written / write_speed
+            )
+        out[name] = row
+    if read_speed:
+        out["floor: cold read"] = {"s": result["read_s"], "s_per_gb": result["read_s"] / gb, "rss_mib": 0.0}
+    out["floor: dd write"] = {
+        "s": result["dd_write_s"],
+        "s_per_gb": result["dd_write_s"] / (dd_bytes / 1e9),
+        "rss_mib": 0.0,
+    }
     return out
 
 
 def table(results: list[dict[str, Any]]) -> str:
     """The markdown table: one row per command and checkpoint."""
-    lines = ["| checkpoint | command | s | s/GB | x floor (cp) | peak RSS MiB |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| checkpoint | command | s | s/GB | x cp floor | GB read | GB written | x I/O floor | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for result in results:
         label = f"{result['params'] / 1e9:.2f}B z{result['stage']} w{result['world_size']}"
         if "skipped" in result:
-            lines.append(f"| {label} | skipped: {result['skipped']} | | | | |")
+            lines.append(f"| {label} | skipped: {result['skipped']} | | | | | | | |")
             continue
         label += f" ({result['checkpoint_bytes'] / 1e9:.1f} GB)"
         rows = summary(result)
-        floor = rows.get("floor: cp -r", {}).get("s")
+        floor = rows.get("floor: cp -r", {}).get("s_per_gb")
         for name, why in result.get("left_out", {}).items():
-            lines.append(f"| {label} | {name}: left out, {why} | | | | |")
+            lines.append(f"| {label} | {name}: left out, {why} | | | | | | | |")
         for name, row in rows.items():
-            ratio = f"{row['s'] / floor:.2f}" if floor else ""
+            shown = name
+            if (
+                name == "floor: cp -r"
+                and result.get("copy_bytes", result["checkpoint_bytes"]) < result["checkpoint_bytes"]
+            ):
+                shown = f"floor: cp of {result['copy_bytes'] / 1e9:.1f} GB (the rest would not fit)"
+            ratio = f"{row['s_per_gb'] / floor:.2f}" if floor else ""
+            io = ""
+            if row.get("io_floor_s"):
+                io = f"{row['s'] / row['io_floor_s']:.2f}"
+            read = f"{row['read_gb']:.1f}" if "read_gb" in row else ""
+            written = f"{row['written_gb']:.1f}" if "written_gb" in row else ""
             lines.append(
-                f"| {label} | {name} | {row['s']:.1f} | {row['s_per_gb']:.2f} | {ratio} | {row['rss_mib']:.0f} |"
+                f"| {label} | {shown} | {row['s']:.1f} | {row['s_per_gb']:.2f} | {ratio} | {read} | {written} | {io} "
+                f"| {row['rss_mib']:.0f} |"
             )
     return "\n".join(lines)
 
@@ -271,9 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 2])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument(
-        "--processes", type=int, nargs="*", default=[2], help="torchrun process counts for reshard, to-universal"
+        "--processes",
+        type=int,
+        nargs="*",
+        default=[1, 2],
+        help="torchrun process counts for reshard, to-universal, to-dcp",
     )
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warm", action="store_true", help="leave the checkpoint in the page cache between runs")
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for a quiet machine before each run")
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs zckpt")
     ap.add_argument("--ds-python", default=str(REPO / ".venv-interop" / "bin" / "python"))
