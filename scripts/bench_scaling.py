@@ -52,6 +52,7 @@ import bench_consolidate as bc  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MARGIN = 2 * 10**9
+FLOOR_SAMPLE_BYTES = 8 * 10**9  # the read and dd floors measure a speed on at most this many bytes
 # DeepSpeed's tools hold the model: bytes of peak RSS per param, measured (BENCHMARKS.md: zero_to_fp32
 # 3.35 GB at 400M params, ds_to_universal at 400M); a size is run where this fits in 80% of RAM
 DS_BYTES_PER_PARAM = {"zero_to_fp32": 8.5, "ds_to_universal": 12.0}
@@ -75,9 +76,11 @@ def variants(
     params: int,
     processes: list[int],
     left_out: dict[str, str],
+    full: bool = True,
 ) -> dict[str, list[str]]:
     """name -> command line, for one checkpoint (every output goes to `out`); DeepSpeed's tools
-    where the machine's memory would not hold them go into `left_out`, with why."""
+    where the machine's memory would not hold them go into `left_out`, with why. Without `full`,
+    zckpt's commands alone, run once each (no torchrun variants, no DeepSpeed)."""
     tag = ckpt / "global_step1000"
     commands = {
         "consolidate fp32": zckpt(python, "consolidate", str(ckpt), str(out), "-q"),
@@ -87,12 +90,16 @@ def variants(
         "to-dcp": zckpt(python, "to-dcp", str(ckpt), str(out), "-q"),
         "verify": zckpt(python, "verify", str(ckpt)),
     }
-    for n in processes:
+    if not full:
+        return commands
+    for n in processes:  # torchrun's own cost shows in reshard x1; x2 and up share the work
         commands[f"reshard x{n}"] = zckpt(
             python, "reshard", str(ckpt), str(out), "-w", str(world + 1), "-q", processes=n
         )
-        commands[f"to-universal x{n}"] = zckpt(python, "to-universal", str(ckpt), str(out), "-q", processes=n)
-        commands[f"to-dcp x{n}"] = zckpt(python, "to-dcp", str(ckpt), str(out), "-q", processes=n)
+    for n in processes:
+        if n > 1:
+            commands[f"to-universal x{n}"] = zckpt(python, "to-universal", str(ckpt), str(out), "-q", processes=n)
+            commands[f"to-dcp x{n}"] = zckpt(python, "to-dcp", str(ckpt), str(out), "-q", processes=n)
     if ds_python:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         for tool, need in DS_BYTES_PER_PARAM.items():
@@ -142,17 +149,19 @@ def evict(folder: Path) -> None:
                 os.close(fd)
 
 
-def read_floor(folder: Path) -> float:
-    """Seconds to read every file of `folder` from the disk (evicted first) into one buffer."""
+def read_floor(folder: Path, most: int = FLOOR_SAMPLE_BYTES) -> tuple[float, int]:
+    """Seconds to read the files of `folder` from the disk (evicted first) into one buffer, and
+    the bytes read: all of them, or the first `most` (enough to measure a speed)."""
     evict(folder)
     buffer = bytearray(16 * 2**20)
+    done = 0
     started = time.perf_counter()
     for path in sorted(folder.rglob("*")):
         if path.is_file():
             with path.open("rb", buffering=0) as fh:
-                while fh.readinto(buffer):
-                    pass
-    return time.perf_counter() - started
+                while done < most and (got := fh.readinto(buffer)):
+                    done += got
+    return time.perf_counter() - started, done
 
 
 def copy_floor(ckpt: Path, out: Path, free: int) -> tuple[list[str], int]:
@@ -190,7 +199,8 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
     made = synthetic_ckpt.write_synthetic(ckpt, config, world, stage, "bf16", workdir / "noise")
     ckpt_bytes = bc.dir_size(ckpt)
     left_out: dict[str, str] = {}
-    commands = variants(args.python, args.ds_python, ckpt, out, world, stage, params, args.processes, left_out)
+    full = world == args.world_sizes[0]
+    commands = variants(args.python, args.ds_python, ckpt, out, world, stage, params, args.processes, left_out, full)
     free = shutil.disk_usage(workdir).free
     for name in list(commands):  # each output must fit beside the checkpoint
         if output_bytes(name, params, ckpt_bytes) + MARGIN > free:
@@ -203,6 +213,8 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
     runs = []
     for rnd in range(args.repeats):
         for name, cmd in commands.items():
+            if name.startswith("DeepSpeed") and rnd >= args.competitor_repeats:
+                continue
             common.wait_for_quiet(args.quiet_wait)
             if not args.warm:
                 evict(ckpt)
@@ -212,8 +224,8 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
             print(
                 f"  {size:.1e} z{stage} w{world} {name}: {run.wall_s + run.sync_s:.1f} s, {run.tree_rss_mib:.0f} MiB{status}"
             )
-    read_s = read_floor(ckpt)
-    dd_bytes = min(ckpt_bytes, shutil.disk_usage(workdir).free - MARGIN)
+    read_s, read_bytes = read_floor(ckpt)
+    dd_bytes = min(ckpt_bytes, FLOOR_SAMPLE_BYTES, shutil.disk_usage(workdir).free - MARGIN)
     dd_s = dd_floor(workdir, dd_bytes)
     shutil.rmtree(ckpt, ignore_errors=True)
     return {
@@ -223,6 +235,7 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
         "cold": not args.warm,
         "copy_bytes": copy_bytes,
         "read_s": read_s,
+        "read_floor_bytes": read_bytes,
         "dd_write_s": dd_s,
         "dd_bytes": dd_bytes,
         "runs": runs,
@@ -246,7 +259,8 @@ def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     for the copy floor), peak tree RSS (MiB), GB read from the disk and written, and the I/O floor:
     the seconds this disk needs to read and write those bytes (its cold-read and `dd` speeds)."""
     gb = result["checkpoint_bytes"] / 1e9
-    read_speed = result["checkpoint_bytes"] / result["read_s"] if result.get("read_s") else 0.0
+    read_bytes = result.get("read_floor_bytes", result["checkpoint_bytes"])
+    read_speed = read_bytes / result["read_s"] if result.get("read_s") else 0.0
     dd_bytes = result.get("dd_bytes", result["checkpoint_bytes"])
     write_speed = dd_bytes / result["dd_write_s"]
     out: dict[str, dict[str, float]] = {}
@@ -265,7 +279,11 @@ def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
             )
         out[name] = row
     if read_speed:
-        out["floor: cold read"] = {"s": result["read_s"], "s_per_gb": result["read_s"] / gb, "rss_mib": 0.0}
+        out["floor: cold read"] = {
+            "s": result["read_s"],
+            "s_per_gb": result["read_s"] / (read_bytes / 1e9),
+            "rss_mib": 0.0,
+        }
     out["floor: dd write"] = {
         "s": result["dd_write_s"],
         "s_per_gb": result["dd_write_s"] / (dd_bytes / 1e9),
@@ -297,6 +315,9 @@ def table(results: list[dict[str, Any]]) -> str:
                 and result.get("copy_bytes", result["checkpoint_bytes"]) < result["checkpoint_bytes"]
             ):
                 shown = f"floor: cp of {result['copy_bytes'] / 1e9:.1f} GB (the rest would not fit)"
+            measured = {"floor: cold read": "read_floor_bytes", "floor: dd write": "dd_bytes"}.get(name)
+            if measured and result.get(measured, result["checkpoint_bytes"]) < result["checkpoint_bytes"]:
+                shown = f"{name} of {result[measured] / 1e9:.1f} GB"
             ratio = f"{row['s_per_gb'] / floor:.2f}" if floor else ""
             io = ""
             if row.get("io_floor_s"):
@@ -376,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         help="torchrun process counts for reshard, to-universal, to-dcp",
     )
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--competitor-repeats", type=int, default=1, help="rounds (of --repeats) that run DeepSpeed's tools"
+    )
     ap.add_argument("--warm", action="store_true", help="leave the checkpoint in the page cache between runs")
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for a quiet machine before each run")
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs zckpt")
