@@ -332,7 +332,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def plot(results: list[dict[str, Any]], figures: Path) -> list[Path]:
-    """Time per GB and peak RSS against params, one line per command (per stage and world size)."""
+    """Time per GB and peak RSS against params: one panel per ZeRO stage and world size, one
+    line per command (the same colour in every panel), floors dashed, DeepSpeed's tools dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,44 +341,46 @@ def plot(results: list[dict[str, Any]], figures: Path) -> list[Path]:
 
     figures.mkdir(parents=True, exist_ok=True)
     done = [r for r in results if "runs" in r]
-    labels = sorted({f"{v} (w{r['world_size']})" for r in done for v in summary(r)})
-    colors = {label: plt.get_cmap("tab20")(i % 20) for i, label in enumerate(labels)}  # one per line, both panels
+    stages = sorted({r["stage"] for r in done}, reverse=True)
+    worlds = sorted({r["world_size"] for r in done})
+    names = list(dict.fromkeys(v for r in done for v in summary(r)))
+    colors = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(names)}
     written = []
-    for key, ylabel, name in (
-        ("s_per_gb", "seconds per GB of checkpoint (wall + sync)", "scaling_time_per_gb.png"),
-        ("rss_mib", "peak RSS of the process tree (MiB)", "scaling_peak_rss.png"),
+    for key, ylabel, file_name, log in (
+        ("s_per_gb", "seconds per GB of checkpoint (wall + sync)", "scaling_time_per_gb.png", True),
+        ("rss_mib", "peak RSS of the process tree (MiB)", "scaling_peak_rss.png", True),
     ):
-        fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-        for ax, stage in zip(axes, (3, 2)):
-            lines: dict[str, list[tuple[float, float]]] = {}
-            for result in done:
-                if result["stage"] != stage:
-                    continue
-                for variant, row in summary(result).items():
-                    if key == "rss_mib" and variant.startswith("floor"):
-                        continue
-                    label = f"{variant} (w{result['world_size']})"
-                    lines.setdefault(label, []).append((result["params"] / 1e9, row[key]))
-            for label, points in sorted(lines.items()):
-                points.sort()
-                style = "--" if label.startswith("floor") else ":" if label.startswith("DeepSpeed") else "-"
-                xs, ys = [p[0] for p in points], [p[1] for p in points]
-                ax.plot(xs, ys, style, marker="o", color=colors[label], label=label)
-            ax.set_title(f"ZeRO-{stage}, bf16")
-            ax.set_xlabel("params (billions)")
-            ax.grid(True, alpha=0.3)
-        axes[0].set_ylabel(ylabel)
-        handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
-        axes[1].legend(
-            [handles[k] for k in sorted(handles)],
-            sorted(handles),
-            fontsize=7,
-            loc="upper left",
-            bbox_to_anchor=(1.02, 1),
+        fig, axes = plt.subplots(
+            len(stages), len(worlds), figsize=(6 * len(worlds) + 3, 4.2 * len(stages)), sharey=True, squeeze=False
         )
-        fig.tight_layout()
-        path = figures / name
-        fig.savefig(path, dpi=110)
+        for row, stage in enumerate(stages):
+            for col, world in enumerate(worlds):
+                ax = axes[row][col]
+                lines: dict[str, list[tuple[float, float]]] = {}
+                for result in done:
+                    if (result["stage"], result["world_size"]) != (stage, world):
+                        continue
+                    for variant, values in summary(result).items():
+                        if key == "rss_mib" and variant.startswith("floor"):
+                            continue
+                        lines.setdefault(variant, []).append((result["params"] / 1e9, values[key]))
+                for variant, points in lines.items():
+                    points.sort()
+                    style = "--" if variant.startswith("floor") else ":" if variant.startswith("DeepSpeed") else "-"
+                    xs, ys = [p[0] for p in points], [p[1] for p in points]
+                    ax.plot(xs, ys, style, marker="o", color=colors[variant], label=variant)
+                ax.set_title(f"ZeRO-{stage}, bf16, {world} ranks")
+                ax.set_xlabel("params (billions)")
+                if log:
+                    ax.set_yscale("log")
+                ax.grid(True, alpha=0.3)
+            axes[row][0].set_ylabel(ylabel)
+        handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines()}
+        order = [n for n in names if n in handles]
+        fig.legend([handles[n] for n in order], order, fontsize=8, loc="center right")
+        fig.tight_layout(rect=(0, 0, 1 - 2.6 / (6 * len(worlds) + 3), 1))
+        path = figures / file_name
+        fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written
