@@ -154,6 +154,26 @@ def test_an_expert_file_linked_outside_never_reaches_an_output(tmp_path: Path) -
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", MOE_SAMPLES, ids=IDS)
+def test_a_changed_expert_weight_is_caught(tmp_path: Path, case: Sample) -> None:
+    """An expert file's 16-bit weight edited in one element: its master, in another rank's
+    optimizer file, no longer rounds to it; verify names the expert file."""
+    tag = copy_checkpoint(tmp_path, case)
+    index = open_checkpoint(tag.parent)
+    assert {c.name for c, _ in index.rounded_copies} >= {EXPERT.format(e) for e in range(4)}
+    copy = next(c for c, _ in index.rounded_copies if c.name == EXPERT.format(3))
+    segment = copy.source.segments[0]
+    assert segment.path.endswith("layer_0_expert_3_mp_rank_00_model_states.pt")
+    with open(segment.path, "r+b") as f:
+        f.seek(segment.offset + 2 * copy.source.dtype.itemsize)
+        f.write(b"\x00" * copy.source.dtype.itemsize)
+    report = verify(tag.parent)
+    assert not report.ok
+    assert any(
+        p.startswith(segment.path) and f"({EXPERT.format(3)}, " in p and "differs in 1 of" in p for p in report.problems
+    ), report.problems
+
+
 def test_a_missing_expert_file_is_named(tmp_path: Path) -> None:
     tag = copy_checkpoint(tmp_path, BF16)
     (tag / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()

@@ -133,6 +133,25 @@ def test_a_changed_tied_copy_is_caught(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_a_changed_layer_file_weight_is_caught(tmp_path: Path) -> None:
+    """A layer file's 16-bit weight edited in one element: it is no longer its stage's master
+    rounded; verify names the layer file."""
+    tag = copy_checkpoint(tmp_path, BF16)
+    index = open_checkpoint(tag.parent)
+    layer_copies = [
+        c for c, _ in index.rounded_copies if os.path.basename(c.source.segments[0].path).startswith("layer_")
+    ]
+    assert layer_copies, [c.source.segments[0].path for c, _ in index.rounded_copies]
+    copy = layer_copies[-1]
+    segment = copy.source.segments[0]
+    with open(segment.path, "r+b") as f:
+        f.seek(segment.offset)
+        f.write(b"\x00\x00" if f.read(2) != b"\x00\x00" else b"\x80\x3f")
+    report = verify(tag.parent)
+    assert not report.ok
+    assert any(p.startswith(segment.path) and "differs in 1 of" in p for p in report.problems), report.problems
+
+
 @pytest.mark.parametrize(
     "remove, expected",
     [

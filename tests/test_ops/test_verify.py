@@ -32,6 +32,8 @@ def test_every_intact_sample_verifies(case) -> None:
     assert report.ok, report.problems
     assert {c.name for c in report.checks} >= {"layout", "checksums", "rank identity", "optimizer state", "values"}
     assert all(c.ok is not False for c in report.checks)
+    # ZeRO-1/2 keep the module's weights beside the masters: DeepSpeed's are the masters rounded
+    assert ("module weights" in {c.name for c in report.checks}) == (case.meta["zero_stage"] in (1, 2))
     code, output = run_cli(str(case.checkpoint), "--json")
     assert code == 0 and json.loads(output)["ok"] is True
 
@@ -104,6 +106,36 @@ def test_swapped_zero12_rank_files_fail(tmp_path: Path) -> None:
     first.write_bytes(second.read_bytes())
     second.write_bytes(held)
     _fails(checkpoint, "param_slice_mappings", "swapped")
+
+
+def test_model_states_of_another_save_fail(tmp_path: Path) -> None:
+    """The model-states file of DeepSpeed's earlier save (global_step2) beside the optimizer files
+    of its later one: every file is intact and of the same run, and only the module's weights,
+    which are not the optimizer's masters rounded, tell that they are of another step."""
+    checkpoint, tag = _copy(tmp_path, "z2_fp32_ws2_twotags")
+    assert tag.name == "global_step3"
+    shutil.copyfile(checkpoint / "global_step2" / "mp_rank_00_model_states.pt", tag / "mp_rank_00_model_states.pt")
+    problems = _fails(checkpoint, "mp_rank_00_model_states.pt: 15 of its 15 module weights are not their masters")
+    assert len(problems) == 1 and "not of the same step" in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    "name", ["z2_bf16_ws3_frozen_groups", "z1_bf16_ws3_bf16optimizer_frozen", "z2_fp16_ws4_tied", "ds14_z1_fp16_ws2"]
+)
+def test_one_changed_module_weight_is_named(tmp_path: Path, name: str) -> None:
+    """One element of one 16-bit weight in DeepSpeed's model-states file set to another value:
+    verify names the file, the param and the count (besides the record's checksum)."""
+    checkpoint, tag = _copy(tmp_path, name)
+    from zckpt.deepspeed.reader import open_checkpoint
+
+    copy, _ = open_checkpoint(checkpoint).rounded_copies[0]
+    segment = copy.source.segments[0]
+    with open(segment.path, "r+b") as f:
+        f.seek(segment.offset)
+        held = f.read(copy.source.dtype.itemsize)
+        f.seek(segment.offset)
+        f.write(bytes(b ^ 0x40 for b in held))
+    _fails(checkpoint, "mp_rank_00_model_states.pt: 1 of its", f"({copy.name}, ", "differs in 1 of")
 
 
 def test_leftovers_of_a_killed_run_fail(tmp_path: Path) -> None:

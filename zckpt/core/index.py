@@ -144,6 +144,10 @@ class CheckpointIndex:
     # where the saving run kept each tensor beyond data parallelism, in words, by name (the stage
     # of a pipeline, the split over tensor ranks, an expert's rank): what inspect shows
     placements: dict[str, str] = field(default_factory=dict, compare=False)
+    # the 16-bit copies a run keeps of its trainable params (the module's weights in a ZeRO-1/2
+    # model-states file or a pipeline layer file, an expert file's weights), each beside the entry
+    # of the master it was rounded from: verify checks that rounding the master gives the copy
+    rounded_copies: tuple[tuple[Entry, Entry], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.topology is None:
@@ -177,6 +181,7 @@ def merged_index(
     notes: tuple[str, ...],
     replicas: list[Entry] | tuple[Entry, ...] = (),
     placements: dict[str, str] | None = None,
+    rounded_copies: list[tuple[Entry, Entry]] | tuple[tuple[Entry, Entry], ...] = (),
 ) -> CheckpointIndex:
     """The index of a checkpoint read part by part (pipeline stages, tensor ranks, expert ranks):
     one part's description (tag, stage, dtype, version), the whole run's topology and tensors."""
@@ -189,4 +194,5 @@ def merged_index(
         notes=notes,
         replicas=tuple(replicas),
         placements=dict(placements or {}),
+        rounded_copies=tuple(rounded_copies),
     )

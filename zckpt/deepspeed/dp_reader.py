@@ -16,7 +16,7 @@ from ..io.reading import FileReader
 from . import names as N
 from . import swap_folder as swap
 from .live_swap import check_swap_folder, report_swap_folder
-from .model_states import declare, describe, describe_readable, module_entries, tied_entries
+from .model_states import declare, describe, describe_readable, module_entries, rounded_copies, tied_entries
 from .partitions import Partitions
 from .rank_checks import check_file_kinds, check_padding, check_same_run, check_steps, check_world
 from .rank_files import LoadedRanks, RankFiles, load
@@ -102,6 +102,7 @@ def read_ranks(
         entries=tuple(entries),
         files=tuple(result.files),
         notes=tuple(result.notes),
+        rounded_copies=() if ranks.zero3 else tuple(rounded_copies(ranks.model0, params)),
     )
     try:
         result.state = partitions.training_state(result.index, ranks)

@@ -208,6 +208,24 @@ def module_entries(result: Survey, models: dict, model_paths: dict, zero3: bool,
     return entries
 
 
+def rounded_copies(model0: dict, params: list[Entry]) -> list[tuple[Entry, Entry]]:
+    """The module's own copy of each trainable param, beside the param's master: ZeRO-1/2 save the
+    module's (16-bit) weights in the model-states file, ZeRO-3 saves none there. A copy whose
+    storage cannot be located is left out: what reads the file (verify's checksums) names it."""
+    module = model0.get(N.MODULE)
+    if not isinstance(module, dict):
+        return []
+    pairs = []
+    for entry in params:
+        ref = module.get(entry.name)
+        if isinstance(ref, TensorRef) and ref.numel and ref.shape == entry.source.shape:
+            try:
+                pairs.append((Entry(entry.name, "param", source_of(ref)), entry))
+            except ZckptError:
+                continue
+    return pairs
+
+
 def tied_entries(model0: dict, entries: list[Entry]) -> list[Entry]:
     """The tied aliases of the entries read, each with its source param's bytes."""
     present = {e.name: e for e in entries}

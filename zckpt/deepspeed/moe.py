@@ -26,10 +26,11 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, ZckptError
 from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import TrainingState
 from ..core.topology import RankCoords, Topology
+from ..io.reading import source_of
 from . import names as N
 from .dp_reader import read_ranks
 from .optim_state import flat_states
@@ -134,7 +135,8 @@ def read_moe(result: Survey, files: RankFiles) -> None:
         return
     assert dense.index is not None and dense.state is not None
     expert_names = {p.name for sub in surveys[1:] if sub.state is not None for p in sub.state.params}
-    if not _check_expert_files(result, files, expert_names):
+    expert_weights = _check_expert_files(result, files, expert_names)
+    if expert_weights is None:
         return
     order = _module_order(dense.state.module_names, [s.state for s in surveys[1:] if s.state is not None])
     entries = sorted(
@@ -152,6 +154,10 @@ def read_moe(result: Survey, files: RankFiles) -> None:
         tuple(result.files),
         tuple(result.notes),
         placements=_expert_placements(entries, experts),
+        rounded_copies=[
+            *(pair for sub in surveys if sub.index is not None for pair in sub.index.rounded_copies),
+            *_expert_copies(expert_weights, entries),
+        ],
     )
     try:
         result.state = _merged_state(result.index, dense.state, surveys[1:], experts, order)
@@ -177,11 +183,13 @@ def _expert_placements(entries: list[Entry], experts: ExpertGroups) -> dict[str,
     return placements
 
 
-def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]) -> bool:
+def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]) -> dict[str, TensorRef] | None:
     """Each expert file parses as a state dict of its own expert's params, and together they hold
-    every expert param once. The writers copy these files byte for byte: one that is not what
-    its name says (a link to anything else) must not reach an output."""
+    every expert param once: each one's weights by name (None: a problem listed). The writers copy
+    these files byte for byte: one that is not what its name says (a link to anything else) must
+    not reach an output."""
     held: dict[str, str] = {}
+    weights: dict[str, TensorRef] = {}
     for f in files.files:
         if f.kind != "expert":
             continue
@@ -205,6 +213,7 @@ def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]
                 result.add(LayoutError, f.path, f"holds {name}, which {os.path.basename(held[name])} holds too")
                 break
             held[name] = f.path
+            weights[name] = state[name]
     missing = sorted(expert_names - set(held))
     if missing and not result.problems:
         result.add(
@@ -212,7 +221,21 @@ def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]
             files.tag_dir,
             f"no expert file holds {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
         )
-    return not result.problems
+    return None if result.problems else weights
+
+
+def _expert_copies(weights: dict[str, TensorRef], entries: list[Entry]) -> list[tuple[Entry, Entry]]:
+    """Each expert file's 16-bit weights beside the expert's master (the optimizer's fp32 copy)."""
+    masters = {e.name: e for e in entries if e.kind == "param"}
+    pairs = []
+    for name, ref in weights.items():
+        master = masters.get(name)
+        if master is not None and ref.shape == master.source.shape:
+            try:
+                pairs.append((Entry(name, "param", source_of(ref)), master))
+            except ZckptError:
+                continue
+    return pairs
 
 
 def _expert_rank_files(files: RankFiles, ep_rank: int, ep: int) -> RankFiles:

@@ -132,6 +132,7 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
         tuple(result.notes),
         replicas,
         _stage_placements([sub.index.entries for sub in surveys if sub.index is not None]),
+        [pair for sub in surveys if sub.index is not None for pair in sub.index.rounded_copies],
     )
     try:
         stage_states = [sub.state for sub in surveys if sub.state is not None]

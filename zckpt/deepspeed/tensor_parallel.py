@@ -113,6 +113,7 @@ def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
         tuple(result.notes),
         merge.replicas,
         merge.placements,
+        [pair for sub in surveys if sub.index is not None for pair in sub.index.rounded_copies],
     )
     try:
         result.state = _merged_state(result.index, [sub.state for sub in surveys if sub.state is not None], merge)

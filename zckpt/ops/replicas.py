@@ -1,6 +1,7 @@
 """Copies of one tensor that a checkpoint keeps in several places and that must hold the same
 bits: a tied param that several pipeline stages each keep, a param every tensor rank holds whole
-(``CheckpointIndex.replicas``).
+(``CheckpointIndex.replicas``); and the 16-bit weights a ZeRO-1/2 run keeps beside each fp32
+master, which must be the master rounded (``CheckpointIndex.rounded_copies``).
 Outputs write each name once; this is the check that the copy left out was the same.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.index import CheckpointIndex, Entry
+from ..io.materialize import convert
 from ..io.reading import FileReader, read_range
 
 _CHUNK = 1 << 22  # elements compared at a time: memory stays bounded whatever the tensor's size
@@ -35,6 +37,55 @@ def replica_problems(index: CheckpointIndex, reader: FileReader | None = None) -
         if own:
             reader.close()
     return problems
+
+
+def rounded_copy_problems(index: CheckpointIndex, reader: FileReader | None = None) -> list[str]:
+    """One line per file whose 16-bit copies are not all their masters rounded to the copy's
+    dtype (round to nearest even, as the optimizer's copy back does after each step). A
+    model-states, layer or expert file of another step than the optimizer files (or a damaged
+    one) shows here."""
+    by_file: dict[str, list[tuple[Entry, Entry, str]]] = {}
+    counted: dict[str, int] = {}
+    own = reader is None
+    reader = reader or FileReader()
+    try:
+        for copy, master in index.rounded_copies:
+            counted[_where(copy)] = counted.get(_where(copy), 0) + 1
+            differs = _rounding_difference(reader, master, copy)
+            if differs:
+                by_file.setdefault(_where(copy), []).append((copy, master, differs))
+    finally:
+        if own:
+            reader.close()
+    problems = []
+    for path, wrong in by_file.items():
+        copy, master, differs = wrong[0]
+        problems.append(
+            f"{path}: {len(wrong)} of its {counted[path]} module weights are not their masters rounded "
+            f"({copy.name}, {copy.source.dtype.name}, {differs} the {master.source.dtype.name} master in "
+            f"{_where(master)}): the module's weights and the optimizer's masters are not of the same step "
+            "(a file is from another save, or damaged)"
+        )
+    return problems
+
+
+def _rounding_difference(reader: FileReader, master: Entry, copy: Entry) -> str | None:
+    """How `copy` differs from `master` rounded to its dtype, or None when every bit agrees."""
+    numel, unequal = copy.source.numel, 0
+    if master.source.numel != numel:
+        return f"has {numel} elements, not {master.source.numel} as"
+    for start in range(0, numel, _CHUNK):
+        count = min(_CHUNK, numel - start)
+        wide = np.empty(count, dtype=master.source.dtype.numpy_raw)
+        kept = np.empty(count, dtype=copy.source.dtype.numpy_raw)
+        read_range(reader, master.source, start, wide)
+        read_range(reader, copy.source, start, kept)
+        rounded = convert(wide, master.source.dtype, copy.source.dtype)
+        itemsize = copy.source.dtype.itemsize
+        unequal += int(
+            np.count_nonzero((rounded.view(np.uint8) != kept.view(np.uint8)).reshape(count, itemsize).any(1))
+        )
+    return f"differs in {unequal} of {numel} elements from" if unequal else None
 
 
 def _where(entry: Entry) -> str:

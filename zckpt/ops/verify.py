@@ -34,7 +34,7 @@ from ..io.output import find_leftovers
 from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
 from .classify import Kind, classify
-from .replicas import replica_problems
+from .replicas import replica_problems, rounded_copy_problems
 from .tensor_sources import open_tensors
 
 
@@ -159,6 +159,15 @@ def _verify_checkpoint(path: str, tag: str | None, scan: bool, workers: int) -> 
                 replica_problems(state.index),
                 f"{len(replicas)} cop{'ies' if len(replicas) != 1 else 'y'} of params that several ranks keep "
                 "(tied across pipeline stages, replicated across tensor ranks) equal the one written",
+            )
+        copies = state.index.rounded_copies
+        if copies:
+            kinds = sorted({copy.source.dtype.name for copy, _ in copies})
+            findings.add(
+                "module weights",
+                rounded_copy_problems(state.index),
+                f"{len(copies)} {'/'.join(kinds)} weights of the module (model-states, layer and expert files) "
+                "are their masters rounded (the optimizer's copy of the same step)",
             )
     elif state is None:
         for name in ("rank identity", "optimizer state"):
