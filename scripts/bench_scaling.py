@@ -270,7 +270,12 @@ def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
             continue
         seconds = statistics.median(r["wall_s"] + r["sync_s"] for r in runs)
         per = result.get("copy_bytes", result["checkpoint_bytes"]) / 1e9 if name == "floor: cp -r" else gb
-        row = {"s": seconds, "s_per_gb": seconds / per, "rss_mib": max(r["tree_rss_mib"] for r in runs)}
+        row = {
+            "s": seconds,
+            "s_per_gb": seconds / per,
+            "rss_mib": max(r["tree_rss_mib"] for r in runs),
+            "disturbed": float(sum(bool(r.get("disturbed")) for r in runs)),
+        }
         if read_speed:
             read = statistics.median(r.get("read_bytes", 0) for r in runs)
             written = statistics.median(r.get("written_bytes", 0) for r in runs)
@@ -318,6 +323,8 @@ def table(results: list[dict[str, Any]]) -> str:
             measured = {"floor: cold read": "read_floor_bytes", "floor: dd write": "dd_bytes"}.get(name)
             if measured and result.get(measured, result["checkpoint_bytes"]) < result["checkpoint_bytes"]:
                 shown = f"{name} of {result[measured] / 1e9:.1f} GB"
+            if row.get("disturbed"):  # another process took over a quarter of the CPUs during the run
+                shown += " (disturbed)"
             ratio = f"{row['s_per_gb'] / floor:.2f}" if floor else ""
             io = ""
             if row.get("io_floor_s"):
