@@ -266,7 +266,9 @@ def summary(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name in dict.fromkeys(r["variant"] for r in result["runs"]):
         runs = [r for r in result["runs"] if r["variant"] == name and r["returncode"] == 0]
-        if not runs:
+        if not runs:  # every run failed: the table says so, the plots leave it out
+            failed = [r for r in result["runs"] if r["variant"] == name]
+            out[name] = {"failed": float(failed[0]["returncode"])}
             continue
         seconds = statistics.median(r["wall_s"] + r["sync_s"] for r in runs)
         per = result.get("copy_bytes", result["checkpoint_bytes"]) / 1e9 if name == "floor: cp -r" else gb
@@ -314,6 +316,9 @@ def table(results: list[dict[str, Any]]) -> str:
         for name, why in result.get("left_out", {}).items():
             lines.append(f"| {label} | {name}: left out, {why} | | | | | | | |")
         for name, row in rows.items():
+            if "failed" in row:
+                lines.append(f"| {label} | {name}: every run failed (exit {row['failed']:.0f}) | | | | | | | |")
+                continue
             shown = name
             if (
                 name == "floor: cp -r"
@@ -368,7 +373,7 @@ def plot(results: list[dict[str, Any]], figures: Path) -> list[Path]:
                     if (result["stage"], result["world_size"]) != (stage, world):
                         continue
                     for variant, values in summary(result).items():
-                        if key == "rss_mib" and variant.startswith("floor"):
+                        if (key == "rss_mib" and variant.startswith("floor")) or "failed" in values:
                             continue
                         lines.setdefault(variant, []).append((result["params"] / 1e9, values[key]))
                 for variant, points in lines.items():
