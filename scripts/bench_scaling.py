@@ -208,6 +208,9 @@ def bench_one(args: argparse.Namespace, size: float, stage: int, world: int) -> 
                 f"its output needs about {output_bytes(name, params, ckpt_bytes) / 1e9:.0f} GB, {free / 1e9:.0f} GB free"
             )
             del commands[name]
+    if args.commands:  # only these (and the floors)
+        commands = {name: cmd for name, cmd in commands.items() if name in args.commands}
+        left_out = {name: why for name, why in left_out.items() if name in args.commands}
     copy_cmd, copy_bytes = copy_floor(ckpt, out, free)
     commands = {"floor: cp -r": copy_cmd, **commands}
     runs = []
@@ -415,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--competitor-repeats", type=int, default=1, help="rounds (of --repeats) that run DeepSpeed's tools"
     )
+    ap.add_argument("--commands", nargs="+", help="run only these commands (names as in the table), and the floors")
     ap.add_argument("--warm", action="store_true", help="leave the checkpoint in the page cache between runs")
     ap.add_argument("--quiet-wait", type=float, default=60, help="seconds to wait for a quiet machine before each run")
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs zckpt")
