@@ -29,8 +29,9 @@ does not fit is left out, and the table says so. Run it on a quiet machine::
         --world-sizes 2 4 --repeats 2 --json BENCH_scaling.json
     python scripts/bench_scaling.py --plot BENCH_scaling.json --figures docs/   # needs matplotlib
 
-The table (markdown) is printed; ``--plot`` writes ``scaling_time_per_gb.png`` and
-``scaling_peak_rss.png``: one line per command and tool, the floor dashed.
+The table (markdown) is printed; ``--plot RUN.json`` writes ``RUN_time_per_gb.png`` and
+``RUN_peak_rss.png``: a panel per ZeRO stage and world size, one line per command and tool, the
+floors dashed, DeepSpeed's tools dotted.
 """
 
 from __future__ import annotations
@@ -346,13 +347,14 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], figures: Path) -> list[Path]:
+def plot(results: list[dict[str, Any]], figures: Path, stem: str = "scaling") -> list[Path]:
     """Time per GB and peak RSS against params: one panel per ZeRO stage and world size, one
     line per command (the same colour in every panel), floors dashed, DeepSpeed's tools dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     figures.mkdir(parents=True, exist_ok=True)
     done = [r for r in results if "runs" in r]
@@ -362,8 +364,8 @@ def plot(results: list[dict[str, Any]], figures: Path) -> list[Path]:
     colors = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(names)}
     written = []
     for key, ylabel, file_name, log in (
-        ("s_per_gb", "seconds per GB of checkpoint (wall + sync)", "scaling_time_per_gb.png", True),
-        ("rss_mib", "peak RSS of the process tree (MiB)", "scaling_peak_rss.png", True),
+        ("s_per_gb", "seconds per GB of checkpoint (wall + sync)", f"{stem}_time_per_gb.png", True),
+        ("rss_mib", "peak RSS of the process tree (MiB)", f"{stem}_peak_rss.png", True),
     ):
         fig, axes = plt.subplots(
             len(stages), len(worlds), figsize=(6 * len(worlds) + 3, 4.2 * len(stages)), sharey=True, squeeze=False
@@ -386,8 +388,11 @@ def plot(results: list[dict[str, Any]], figures: Path) -> list[Path]:
                     ax.plot(xs, ys, style, marker="o", color=colors[variant], label=variant)
                 ax.set_title(f"ZeRO-{stage}, bf16, {world} ranks")
                 ax.set_xlabel("params (billions)")
-                if log:
+                if log:  # ratios read as distances; labels at 1, 2, 5 of each decade
                     ax.set_yscale("log")
+                    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+                    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+                    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
                 ax.grid(True, alpha=0.3)
             axes[row][0].set_ylabel(ylabel)
         handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines()}
@@ -430,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         results = json.loads(args.plot.read_text())["results"]
         print(table(results))
-        for path in plot(results, args.figures):
+        for path in plot(results, args.figures, args.plot.stem):
             print(f"wrote {path}")
         return 0
     if args.ds_python and not Path(args.ds_python).exists():
