@@ -72,16 +72,10 @@ def rounded_copy_problems(index: CheckpointIndex, reader: FileReader | None = No
 
 def _rounding_difference(reader: FileReader, master: Entry, copy: Entry) -> str | None:
     """How `copy` differs from `master` rounded to its dtype, or None when every bit agrees."""
-    numel, unequal = copy.source.numel, 0
+    numel = copy.source.numel
     if master.source.numel != numel:
         return f"has {numel} elements, not {master.source.numel} as"
-    for start in range(0, numel, _ROUNDING_CHUNK):
-        count = min(_ROUNDING_CHUNK, numel - start)
-        wide = np.empty(count, dtype=master.source.dtype.numpy_raw)
-        kept = np.empty(count, dtype=copy.source.dtype.numpy_raw)
-        read_range(reader, master.source, start, wide)
-        read_range(reader, copy.source, start, kept)
-        unequal += _unequal(convert(wide, master.source.dtype, copy.source.dtype), kept)
+    unequal = _unequal_elements(reader, master, copy, _ROUNDING_CHUNK)
     return f"differs in {unequal} of {numel} elements from" if unequal else None
 
 
@@ -93,16 +87,23 @@ def _difference(reader: FileReader, a: Entry, b: Entry) -> str | None:
     """How `b`'s tensor differs from `a`'s, or None when the bits are equal."""
     if (a.source.shape, a.source.dtype) != (b.source.shape, b.source.dtype):
         return f"is {b.source.dtype.name} {list(b.source.shape)}, not {a.source.dtype.name} {list(a.source.shape)} as"
-    numel, unequal = a.source.numel, 0
-    for start in range(0, numel, _CHUNK):
-        count = min(_CHUNK, numel - start)
-        left = np.empty(count, dtype=a.source.dtype.numpy_raw)
-        right = np.empty(count, dtype=b.source.dtype.numpy_raw)
-        read_range(reader, a.source, start, left)
-        read_range(reader, b.source, start, right)
-        # compared as stored bits, element by element: NaN payloads and -0.0 count as they are stored
-        unequal += _unequal(left, right)
-    return f"differs in {unequal} of {numel} elements from" if unequal else None
+    unequal = _unequal_elements(reader, a, b, _CHUNK)
+    return f"differs in {unequal} of {a.source.numel} elements from" if unequal else None
+
+
+def _unequal_elements(reader: FileReader, reference: Entry, other: Entry, chunk: int) -> int:
+    """How many elements of `other` differ in their stored bits from `reference`'s converted to
+    `other`'s dtype (unchanged where the dtypes agree: NaN payloads and -0.0 count as stored),
+    read `chunk` elements at a time so that memory stays bounded whatever the tensor's size."""
+    numel, unequal = other.source.numel, 0
+    for start in range(0, numel, chunk):
+        count = min(chunk, numel - start)
+        wide = np.empty(count, dtype=reference.source.dtype.numpy_raw)
+        kept = np.empty(count, dtype=other.source.dtype.numpy_raw)
+        read_range(reader, reference.source, start, wide)
+        read_range(reader, other.source, start, kept)
+        unequal += _unequal(convert(wide, reference.source.dtype, other.source.dtype), kept)
+    return unequal
 
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
