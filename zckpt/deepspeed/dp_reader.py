@@ -102,7 +102,7 @@ def read_ranks(
         entries=tuple(entries),
         files=tuple(result.files),
         notes=tuple(result.notes),
-        rounded_copies=() if ranks.zero3 else tuple(rounded_copies(ranks.model0, params)),
+        rounded_copies=() if ranks.zero3 else tuple(rounded_copies(ranks.model0.get(N.MODULE), params)),
     )
     try:
         result.state = partitions.training_state(result.index, ranks)

@@ -208,19 +208,19 @@ def module_entries(result: Survey, models: dict, model_paths: dict, zero3: bool,
     return entries
 
 
-def rounded_copies(model0: dict, params: list[Entry]) -> list[tuple[Entry, Entry]]:
-    """The module's own copy of each trainable param, beside the param's master: ZeRO-1/2 save the
-    module's (16-bit) weights in the model-states file, ZeRO-3 saves none there. A copy whose
-    storage cannot be located is left out: what reads the file (verify's checksums) names it."""
-    module = model0.get(N.MODULE)
-    if not isinstance(module, dict):
+def rounded_copies(weights: object, masters: list[Entry]) -> list[tuple[Entry, Entry]]:
+    """Each saved copy in `weights` (name -> tensor: a ZeRO-1/2 model-states file's module, whose
+    16-bit weights ZeRO-3 does not save there; an expert file) beside the master of its name among
+    `masters`. A copy whose storage cannot be located is left out: what reads the file (verify's
+    checksums) names it."""
+    if not isinstance(weights, dict):
         return []
     pairs = []
-    for entry in params:
-        ref = module.get(entry.name)
-        if isinstance(ref, TensorRef) and ref.numel and ref.shape == entry.source.shape:
+    for master in masters:
+        ref = weights.get(master.name)
+        if master.kind == "param" and isinstance(ref, TensorRef) and ref.numel and ref.shape == master.source.shape:
             try:
-                pairs.append((Entry(entry.name, "param", source_of(ref)), entry))
+                pairs.append((Entry(master.name, "param", source_of(ref)), master))
             except ZckptError:
                 continue
     return pairs

@@ -26,13 +26,13 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, ZckptError
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
 from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import TrainingState
 from ..core.topology import RankCoords, Topology
-from ..io.reading import source_of
 from . import names as N
 from .dp_reader import read_ranks
+from .model_states import rounded_copies
 from .optim_state import flat_states
 from .rank_files import RankFiles, load
 from .survey import Survey
@@ -156,7 +156,7 @@ def read_moe(result: Survey, files: RankFiles) -> None:
         placements=_expert_placements(entries, experts),
         rounded_copies=[
             *(pair for sub in surveys if sub.index is not None for pair in sub.index.rounded_copies),
-            *_expert_copies(expert_weights, entries),
+            *rounded_copies(expert_weights, entries),
         ],
     )
     try:
@@ -222,20 +222,6 @@ def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]
             f"no expert file holds {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
         )
     return None if result.problems else weights
-
-
-def _expert_copies(weights: dict[str, TensorRef], entries: list[Entry]) -> list[tuple[Entry, Entry]]:
-    """Each expert file's 16-bit weights beside the expert's master (the optimizer's fp32 copy)."""
-    masters = {e.name: e for e in entries if e.kind == "param"}
-    pairs = []
-    for name, ref in weights.items():
-        master = masters.get(name)
-        if master is not None and ref.shape == master.source.shape:
-            try:
-                pairs.append((Entry(name, "param", source_of(ref)), master))
-            except ZckptError:
-                continue
-    return pairs
 
 
 def _expert_rank_files(files: RankFiles, ep_rank: int, ep: int) -> RankFiles:
