@@ -55,17 +55,10 @@ import sys, warnings
 import torch.distributed.checkpoint as dcp
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.io.reading import FileReader
-from zckpt.ops.dcp import _materialize, plan_dcp
+from zckpt.ops.dcp import plan_dcp, torch_state_dict
 plan = plan_dcp(open_training_state(sys.argv[1]))
-model, state = {}, {}
 with FileReader() as reader:
-    for item in plan.tensors:
-        tensor = _materialize(reader, item)
-        if item.path[0] == "model":
-            model[item.path[1]] = tensor
-        else:
-            state.setdefault(item.path[2], {})[item.path[3]] = tensor
-sd = {"model": model, "optim": {"state": state, "param_groups": [dict(g) for g in plan.param_groups]}}
+    sd = torch_state_dict(plan, reader)
 warnings.simplefilter("ignore")
 dcp.save(sd, checkpoint_id=sys.argv[2])
 """

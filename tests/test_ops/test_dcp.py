@@ -166,23 +166,27 @@ def test_output_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.
     case = sample("z1_fp32_ws2_frozen_tied")
     out = tmp_path / "dcp"
     calls = []
-    read = dcp_op.out_tensor
+    write = dcp_op.write_archives
 
-    def failing(item):
-        calls.append(item.key)
-        if len(calls) == 5:
-            raise OSError(28, "No space left on device")
-        return read(item)
+    def failing(path, plans, reader, progress):  # the disk fills up in the middle of the data file
+        def written(nbytes: int) -> None:
+            calls.append(nbytes)
+            if len(calls) == 5:
+                raise OSError(28, "No space left on device")
+            progress(nbytes)
 
-    monkeypatch.setattr(dcp_op, "out_tensor", failing)
+        write(path, plans, reader, written)
+
+    monkeypatch.setattr(dcp_op, "write_archives", failing)
     with pytest.raises(OutputError, match="nothing was written"):
         to_dcp(case.checkpoint, out)
+    assert len(calls) == 5
     assert sorted(os.listdir(tmp_path)) == []  # no folder, no staging folder, no lock
-    monkeypatch.setattr(dcp_op, "out_tensor", read)
+    monkeypatch.setattr(dcp_op, "write_archives", write)
     to_dcp(case.checkpoint, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     calls.clear()
-    monkeypatch.setattr(dcp_op, "out_tensor", failing)
+    monkeypatch.setattr(dcp_op, "write_archives", failing)
     with pytest.raises(OutputError):
         to_dcp(case.checkpoint, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous output, untouched
@@ -423,3 +427,66 @@ def test_deepspeeds_own_adam_groups_get_torchs_other_keys(optimizer: dict | None
 
     fresh = (torch.optim.AdamW if mode else torch.optim.Adam)([torch.nn.Parameter(torch.zeros(1))])
     assert set(fresh.param_groups[0]) - {"params", "initial_lr"} <= set(group)
+
+
+@pytest.mark.parametrize(
+    "name", ["z3_bf16_ws2_nvmeoffload_frozen_tied_groups", "z2_bf16_ws3_frozen_groups", "moe_z1_bf16_ep2_dp4"]
+)
+def test_metadata_and_archives_are_what_torchs_own_save_writes(name: str, tmp_path: Path) -> None:
+    """zckpt writes ``.metadata`` itself (torch is not imported): torch's own ``dcp.save`` of the
+    same state dict, in memory, writes the same metadata (every item's properties, shape, chunk,
+    path) and, item by item, the same archive bytes (but torch's random serialization ids)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from helpers import same_except_serialization_id
+    from zckpt.deepspeed.reader import open_training_state
+    from zckpt.io.reading import FileReader
+
+    case = sample(name)
+    to_dcp(case.checkpoint, tmp_path / "ours")
+    with FileReader() as reader:
+        state = dcp_op.torch_state_dict(dcp_op.plan_dcp(open_training_state(case.checkpoint)), reader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=tmp_path / "torch", no_dist=True)
+    ours, theirs = (FileSystemReader(tmp_path / n).read_metadata() for n in ("ours", "torch"))
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert list(ours.state_dict_metadata) == list(theirs.state_dict_metadata)  # the order dcp_to_torch_save gives
+    assert ours.planner_data == theirs.planner_data
+    assert ours.version == theirs.version
+    assert ours.storage_meta.checkpoint_id == str(tmp_path / "ours") and len(ours.storage_meta.save_id) == 36
+    assert set(ours.storage_data) == set(theirs.storage_data)
+    for index, place in ours.storage_data.items():
+        other = theirs.storage_data[index]
+        for folder, where, target in (("ours", place, "a.pt"), ("torch", other, "b.pt")):
+            with open(tmp_path / folder / where.relative_path, "rb") as handle:
+                handle.seek(where.offset)
+                (tmp_path / target).write_bytes(handle.read(where.length))
+        same_except_serialization_id(tmp_path / "a.pt", tmp_path / "b.pt")
+
+
+def test_flatten_is_torchs() -> None:
+    """The param groups' values are stored under the names and paths torch's own flattening gives
+    (lists holding dicts entered, lists of plain values kept whole, empty dicts gone)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from zckpt.torchfile.dcp_metadata import flatten
+
+    state = {
+        "optim": {
+            "param_groups": [
+                {"lr": 0.1, "betas": (0.9, 0.99), "params": ["a", "b"], "nested": [[1, 2], [3]]},
+                {"lr": 0.2, "extra": {"x": 1, "empty": {}}, "mixed": [1, {"y": 2}], "none": None, "e": []},
+            ],
+            "state": {},
+        },
+        7: "seven",
+    }
+    flat, mapping = flatten_state_dict(state)
+    ours = list(flatten(state, lambda v: False))
+    assert [".".join(map(str, path)) for path, _ in ours] == list(flat)
+    assert {".".join(map(str, path)): value for path, value in ours} == flat
+    assert {".".join(map(str, path)): path for path, _ in ours} == mapping

@@ -699,30 +699,23 @@ def test_memory_stays_bounded_by_the_buffer(tmp_path: Path) -> None:
 
 
 def test_archives_appended_into_one_file_are_torch_save_streams(tmp_path: Path) -> None:
-    """ArchiveAppender: archives one after another in one file, as torch.save writes them into
-    one stream (DCP's .distcp): each is torch.save's bytes for the same tensor (but the random
-    serialization id), and torch.load reads each from its own offset."""
+    """write_archives: archives one after another in one file, as torch.save writes them into
+    one stream (DCP's .distcp), through the direct-I/O stream where the file is big enough: each
+    is torch.save's bytes for the same tensor (but the random serialization id), and torch.load
+    reads each from its own offset."""
     import io
 
-    from zckpt.io.workers import WorkerPool
-
     source = Source(tmp_path / "src.bin")
-    big = torch.randn(300, 1024)  # over 1 MiB: a kernel copy
-    tensors = [big, torch.tensor(3.0), torch.randn(5, 7)]
-    outs = [source.out(big), inline(tensors[1]), source.out(tensors[2])]
+    big = torch.randn(2048, 1024)  # 8 MiB: a direct-I/O file (and, buffered, a kernel copy)
+    tensors = [big, torch.tensor(3.0), torch.randn(5, 7), torch.randn(3, 1000).to(torch.bfloat16)]
+    outs = [source.out(big), inline(tensors[1]), source.out(tensors[2]), source.out(tensors[3])]
+    plans = [torchsave.plan_archive(out, "archive") for out in outs]
+    offsets = [0]
+    for plan in plans:
+        offsets.append(offsets[-1] + plan.total_size)
     target = tmp_path / "all.distcp"
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    offsets = []
-    try:
-        with FileReader() as reader, WorkerPool(2, "test") as helpers:
-            os.write(fd, b"prefix")
-            appender = torchsave.ArchiveAppender(fd, reader, helpers)
-            for out in outs:
-                offsets.append(os.lseek(fd, 0, os.SEEK_CUR))
-                appender.append(torchsave.plan_archive(out, "archive"))
-            offsets.append(os.lseek(fd, 0, os.SEEK_CUR))
-    finally:
-        os.close(fd)
+    with FileReader() as reader:
+        torchsave.write_archives(target, plans, reader)
     data = target.read_bytes()
     assert len(data) == offsets[-1]
     for index, tensor in enumerate(tensors):

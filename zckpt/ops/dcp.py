@@ -18,11 +18,12 @@ any world size, plus ``torch.optim.AdamW`` with the same groups, resumes with ``
 What DCP has no place for (counters, the lr scheduler, the client state) goes into
 ``train_state.json`` beside it (:func:`train_state`).
 
-Memory and speed: torch plans the DCP (``.metadata``) from a state dict of meta tensors (shapes
-and dtypes only); the data file is written by zckpt, each tensor as the torch.save archive torch's
-writer would put there, streamed from the checkpoint's files by zckpt's own torch.save writer
-(kernel copies where no dtype changes, CRC-32s on helper threads), so a few MiB of buffers are
-in memory whatever the tensor sizes. The folder is staged beside OUTPUT_DIR and renamed into
+Memory and speed: torch is not imported. zckpt lays the data file out itself (each tensor, and
+each param group value, as the torch.save archive torch's writer puts there, one after another)
+and writes ``.metadata`` as torch's planner and writer would for that layout
+(:mod:`zckpt.torchfile.dcp_metadata`); the archives stream from the checkpoint's files through
+zckpt's own torch.save writer (direct I/O or kernel copies where no dtype changes, CRC-32s on
+helper threads), so a few MiB of buffers are in memory whatever the tensor sizes. The folder is staged beside OUTPUT_DIR and renamed into
 place once complete, so it appears whole or not at all.
 """
 
@@ -31,9 +32,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -46,15 +46,12 @@ from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import share_of
 from ..io.interrupts import signals_deferred
 from ..io.jobs import JobFailed, job_share
-from ..io.materialize import read_scalar, read_tensor, write_all
+from ..io.materialize import read_tensor, write_all
 from ..io.output import OutputLock, StagedFolder, is_inside, output_error, refuse_output_inside_input
 from ..io.reading import FileReader, source_of
-from ..io.workers import WorkerPool
+from ..torchfile.dcp_metadata import METADATA_FILE, StoredItem, TensorMeta, flatten, metadata_bytes
 from ..torchfile.records import PickledObject
-from ..torchfile.save import ArchiveAppender, Copy, Inline, OutTensor, plan_archive
-
-if TYPE_CHECKING:
-    import torch
+from ..torchfile.save import ArchivePlan, Copy, Inline, OutTensor, plan_archive, write_archives
 
 TRAIN_STATE_FILE = "train_state.json"
 TRAIN_STATE_FORMAT = "zckpt-train-state"
@@ -132,6 +129,12 @@ def plan_dcp(state: TrainingState, dtype: DTypeLike = "fp32") -> DcpPlan:
     groups = tuple(
         {**torch_adam_group(group.hyperparams, adam_w_mode), "params": list(group.params)} for group in state.groups
     )
+    for path, value in group_values(groups):
+        if not _plain(value):
+            name = ".".join(map(str, path))
+            raise LayoutError(
+                state.index.tag_dir, f"param group value {name} is a {type(value).__name__}: DCP keeps no such value"
+            )
     return DcpPlan(tuple(tensors), groups, target)
 
 
@@ -165,29 +168,27 @@ def _scalar(key: str, scalar: ScalarState) -> tuple[tuple[int, ...], DType, Tens
     return scalar.tensor.shape, scalar.tensor.dtype, scalar.tensor, None
 
 
-def _materialize(reader: FileReader, item: DcpTensor) -> "torch.Tensor":
-    """The item's tensor in memory (torch's in-memory route, scripts/bench_dcp.py)."""
+def torch_state_dict(plan: DcpPlan, reader: FileReader) -> dict[str, Any]:
+    """The plan's ``{"model", "optim"}`` as real torch tensors, every one in memory at once: what
+    ``get_state_dict`` would return, for torch's own ``dcp.save`` (the in-memory route that
+    ``scripts/bench_dcp.py`` times and the tests compare ``to-dcp``'s files with)."""
     import torch
 
-    if item.source is None:
-        return torch.tensor(item.value, dtype=item.dtype.torch())
-    if item.shape == ():
-        return torch.tensor(read_scalar(reader, item.source), dtype=item.dtype.torch())
-    return read_tensor(reader, item.source, item.dtype)
-
-
-def state_dict_of(plan: DcpPlan) -> dict[str, Any]:
-    """The nested ``{"model", "optim"}`` state dict with meta tensors: what DCP plans from."""
-    import torch
+    from ..io.materialize import read_scalar
 
     model: dict[str, Any] = {}
     optim_state: dict[str, dict[str, Any]] = {}
     for item in plan.tensors:
-        meta = torch.empty(item.shape, dtype=item.dtype.torch(), device="meta")
-        if item.path[0] == "model":
-            model[item.path[1]] = meta
+        if item.source is None:
+            tensor = torch.tensor(item.value, dtype=item.dtype.torch())
+        elif item.shape == ():
+            tensor = torch.tensor(read_scalar(reader, item.source), dtype=item.dtype.torch())
         else:
-            optim_state.setdefault(item.path[2], {})[item.path[3]] = meta
+            tensor = read_tensor(reader, item.source, item.dtype)
+        if item.path[0] == "model":
+            model[item.path[1]] = tensor
+        else:
+            optim_state.setdefault(item.path[2], {})[item.path[3]] = tensor
     groups = [dict(group) for group in plan.param_groups]
     return {"model": model, "optim": {"state": optim_state, "param_groups": groups}}
 
@@ -272,135 +273,73 @@ def tensor_owners(plan: DcpPlan, parts: int) -> list[int]:
     return owners
 
 
-def share_layout(plan: DcpPlan, owners: list[int], part: int) -> dict[str, tuple[int, int]]:
-    """Where process `part` (not 0) puts its tensors in its data file, in plan order: key ->
-    (offset, length). Pure: the lengths are those of the archives as planned."""
-    layout: dict[str, tuple[int, int]] = {}
-    offset = 0
+@dataclass(frozen=True)
+class DcpLayout:
+    """Where every item of a DCP goes: `items` in the state dict's order (as ``.metadata`` lists
+    them, and torch's reader returns them), `files` each process's data file, its items in
+    writing order with the torch.save archive that holds each."""
+
+    items: tuple[StoredItem, ...]
+    files: tuple[tuple[tuple[StoredItem, ArchivePlan], ...], ...]
+
+
+def lay_out(plan: DcpPlan, owners: list[int], parts: int) -> DcpLayout:
+    """Every process's data file: a process writes its tensors (`owners`) in plan order;
+    process 0 also the param groups' values, one BYTE_IO item each, as torch's planner flattens
+    them. Pure: every process computes the same layout, so process 0 writes the metadata of all
+    the files without being told where the others put anything."""
+    files: list[list[tuple[StoredItem, ArchivePlan]]] = [[] for _ in range(parts)]
+    offsets = [0] * parts
+    items = []
+
+    def place(part: int, path: tuple, tensor: TensorMeta | None, archive: ArchivePlan) -> None:
+        item = StoredItem(path, tensor, data_file(part), offsets[part], archive.total_size)
+        files[part].append((item, archive))
+        items.append(item)
+        offsets[part] += archive.total_size
+
     for item, owner in zip(plan.tensors, owners):
-        if owner == part:
-            length = plan_archive(out_tensor(item), "archive").total_size
-            layout[item.key] = (offset, length)
-            offset += length
-    return layout
+        place(owner, item.path, TensorMeta(item.dtype, item.shape), plan_archive(out_tensor(item), "archive"))
+    for path, value in group_values(plan.param_groups):
+        place(0, path, None, plan_archive(value, "archive"))
+    return DcpLayout(tuple(items), tuple(tuple(share) for share in files))
 
 
-def _write_share(
-    path: str, plan: DcpPlan, owners: list[int], part: int, reader: FileReader, progress: Callable[[int], None]
-) -> None:
-    """Process `part` (not 0): its tensors into its data file in plan order, each archive the
-    size planned (process 0's metadata, from :func:`share_layout`, says where they are)."""
+def group_values(param_groups: tuple[dict[str, Any], ...]) -> list[tuple[tuple, Any]]:
+    """The param groups' values as DCP stores them: (path, value), torch's flattening of
+    ``{"optim": {"param_groups": [...]}}`` (a value per key; a list that holds dicts entered)."""
+    return list(flatten({"optim": {"param_groups": [dict(group) for group in param_groups]}}, lambda v: False))
+
+
+def _plain(value: Any) -> bool:
+    """A value torch.save (and zckpt's writer) pickles as itself: numbers, strings, None, and
+    lists and tuples of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
+
+
+def _write_file(path: str, content: bytes) -> None:
+    """A small file, on the disk before this returns."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        with WorkerPool(2, "zckpt-dcp") as helpers:
-            archives = ArchiveAppender(fd, reader, helpers, progress)
-            for item, owner in zip(plan.tensors, owners):
-                if owner != part:
-                    continue
-                archive = plan_archive(out_tensor(item), "archive")
-                start = os.lseek(fd, 0, os.SEEK_CUR)
-                archives.append(archive)
-                if os.lseek(fd, 0, os.SEEK_CUR) - start != archive.total_size:
-                    raise RuntimeError(f"{item.key}: the archive written is not the one planned")
+        write_all(fd, content)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _writer_class(
-    final_dir: str, reader: FileReader, plan: DcpPlan, owners: list[int], progress: Callable[[int], None]
-) -> type:
-    """A torch DCP storage writer that streams each tensor from the checkpoint's files (defined
-    here: torch is imported only when a DCP is written). Tensors another process of the job
-    writes (`owners`) are only recorded in the metadata, at the places that process puts them."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
-
-    items = {item.key: item for item in plan.tensors}
-    owner_of = {item.key: owner for item, owner in zip(plan.tensors, owners)}
-    elsewhere = {
-        key: (part, place)
-        for part in sorted(set(owners) - {0})
-        for key, place in share_layout(plan, owners, part).items()
-    }
-
-    class Writer(dcp.FileSystemWriter):
-        """torch's file writer, its data written by zckpt: every item into one ``__0_0.distcp`` as
-        torch's writer lays it out (a tensor as the torch.save archive of it, any other value as
-        the bytes the planner serialized), but a tensor's archive streamed from the checkpoint's
-        files (:class:`zckpt.torchfile.save.ArchiveAppender`: kernel copies, one reused buffer)
-        rather than torch.save of a tensor in memory; and nothing kept, where torch 2.13's own
-        loop keeps every tensor of a file until it is done. ``.metadata`` names the final folder
-        as the checkpoint, not the staging one."""
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-            results = []
-            fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-            try:
-                with WorkerPool(2, "zckpt-dcp") as helpers:
-                    archives = ArchiveAppender(fd, reader, helpers, progress)
-                    for write_item in plan.items:
-                        if write_item.type != WriteItemType.BYTE_IO and owner_of[write_item.index.fqn] != 0:
-                            part, (at, size) = elsewhere[write_item.index.fqn]
-                            results.append(WriteResult(write_item.index, size, _StorageInfo(data_file(part), at, size)))
-                            continue
-                        offset = os.lseek(fd, 0, os.SEEK_CUR)
-                        if write_item.type == WriteItemType.BYTE_IO:
-                            write_all(fd, planner.resolve_data(write_item).getbuffer())
-                        else:
-                            archives.append(plan_archive(out_tensor(items[write_item.index.fqn]), "archive"))
-                        length = os.lseek(fd, 0, os.SEEK_CUR) - offset
-                        results.append(WriteResult(write_item.index, length, _StorageInfo(name, offset, length)))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            done: torch.futures.Future = torch.futures.Future()
-            done.set_result(results)
-            return done
-
-        def storage_meta(self) -> Any:
-            meta = super().storage_meta()
-            if meta is not None:
-                meta.checkpoint_id = final_dir
-            return meta
-
-    return Writer
-
-
-def _write_dcp(
-    folder: str, final_dir: str, plan: DcpPlan, owners: list[int], reader: FileReader, progress: Callable[[int], None]
+def _write_data(
+    path: str, items: list[tuple[StoredItem, ArchivePlan]], reader: FileReader, progress: Callable[[int], None]
 ) -> None:
-    """Write process 0's DCP files of `plan` into `folder`: torch plans and writes ``.metadata``
-    (for every process's tensors), zckpt streams the data of those `owners` gives process 0."""
-    import torch.distributed.checkpoint as dcp
-
-    writer = _writer_class(final_dir, reader, plan, owners, progress)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            dcp.save(
-                state_dict_of(plan),
-                storage_writer=writer(folder, single_file_per_rank=True, thread_count=1, sync_files=True),
-                planner=dcp.DefaultSavePlanner(),
-                no_dist=True,
-            )
-        except dcp.api.CheckpointException as exc:
-            # torch wraps whatever the writer raised (a damaged input file, a full disk, a signal
-            # turned into Interrupted): the original is the error to report, and to clean up for
-            raise _original(exc) from None
-
-
-def _original(exc: BaseException) -> BaseException:
-    """The first exception a torch CheckpointException carries (it holds (exception, trace) per rank)."""
-    failures = getattr(exc, "failures", None) or {}
-    for failure in failures.values():
-        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
-            return failure[0]
-    return exc
+    """One process's data file: its archives one after another (zckpt's torch.save writer,
+    streamed from the checkpoint's files: kernel copies or direct I/O, one reused buffer), synced."""
+    write_archives(path, [archive for _, archive in items], reader, progress)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def to_dcp(
@@ -433,6 +372,7 @@ def to_dcp(
         raise UsageError(output_dir, f"holds the input {index.tag_dir}; choose another folder")
     part, parts, sync = job_share(output_dir)
     owners = tensor_owners(plan, parts)
+    layout = lay_out(plan, owners, parts)
     total = sum(item.nbytes for item, owner in zip(plan.tensors, owners) if owner == part)
     folder = StagedFolder(output_dir)
     lock = OutputLock(folder.parent, wait=wait, while_waiting=sync.waiting) if part == 0 else None
@@ -454,14 +394,12 @@ def to_dcp(
         sync()
         staged = True  # process 0 made it for this job
         with FileReader(verify=verify) as reader:
+            _write_data(folder.path(data_file(part)), layout.files[part], reader, advance)
             if part == 0:
-                _write_dcp(folder.staging, output_dir, plan, owners, reader, advance)
                 sidecar = json.dumps(train_state(source, reader), indent=2, allow_nan=False) + "\n"
-            else:
-                _write_share(folder.path(data_file(part)), plan, owners, part, reader, advance)
         if part == 0:
-            with open(folder.path(TRAIN_STATE_FILE), "w", encoding="utf-8") as handle:
-                handle.write(sidecar)
+            _write_file(folder.path(METADATA_FILE), metadata_bytes(layout.items, checkpoint_id=output_dir))
+            _write_file(folder.path(TRAIN_STATE_FILE), sidecar.encode("utf-8"))
         sync()  # every data file is in
         staged = part == 0  # committing, or cleaning up, is process 0's now
         if part == 0:
@@ -485,4 +423,15 @@ def to_dcp(
     return DcpResult(output_dir, source, plan.dtype, len(plan.tensors), written, files)
 
 
-__all__ = ["DcpPlan", "DcpResult", "DcpTensor", "TRAIN_STATE_FILE", "plan_dcp", "to_dcp", "train_state"]
+__all__ = [
+    "DcpLayout",
+    "DcpPlan",
+    "DcpResult",
+    "DcpTensor",
+    "TRAIN_STATE_FILE",
+    "lay_out",
+    "plan_dcp",
+    "to_dcp",
+    "torch_state_dict",
+    "train_state",
+]

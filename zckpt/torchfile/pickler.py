@@ -223,8 +223,8 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
 
     dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
 
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=2)
+    def __init__(self, file: io.BytesIO, protocol: int = 2) -> None:
+        super().__init__(file, protocol=protocol)
         self.storages: dict[str, OutStorage] = {}
         self._keys: dict[int, str] = {}  # id(storage) -> its key; the same str object each time, as torch
         self._canonical: dict[tuple, object] = {}  # value key -> the object first memoized for it
@@ -251,14 +251,20 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
         for text in (module, name):  # GLOBAL is newline-terminated ASCII: nothing else may slip in
             if not text or not text.isascii() or not text.isprintable() or " " in text:
                 raise ValueError(f"bad global name {module!r}.{name!r}")
-        if (module, name) in _compat_pickle.REVERSE_NAME_MAPPING:  # as pickle's fix_imports does
+        if self.proto < 3 and (module, name) in _compat_pickle.REVERSE_NAME_MAPPING:  # as pickle's fix_imports
             module, name = _compat_pickle.REVERSE_NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.REVERSE_IMPORT_MAPPING:
+        elif self.proto < 3 and module in _compat_pickle.REVERSE_IMPORT_MAPPING:
             module = _compat_pickle.REVERSE_IMPORT_MAPPING[module]
         canon, hit = self._memo_get(("global", module, name), GlobalName(module, name))
-        if not hit:
+        if hit:
+            return
+        if self.proto >= 4:  # as Python's save_global: the two names as memoized strings, STACK_GLOBAL
+            self.save(module)
+            self.save(name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
             self.write(pickle.GLOBAL + module.encode("ascii") + b"\n" + name.encode("ascii") + b"\n")
-            self.memoize(canon)
+        self.memoize(canon)
 
     def save_global(self, obj: Any, name: str | None = None) -> None:  # real classes (OrderedDict, set)
         name = name or obj.__qualname__
@@ -387,6 +393,17 @@ _INTERNAL_OBJECTS = (
     np.empty(0).__reduce__()[0],
 )
 _INTERNAL = frozenset(id(o) for o in _INTERNAL_OBJECTS)
+
+
+def pickle_object(obj: Any, protocol: int) -> bytes:
+    """`obj` pickled as Python's pickler writes the objects it describes (no tensors: a file of
+    plain pickle, such as torch.distributed.checkpoint's ``.metadata``, protocol 4)."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer, protocol)
+    pickler.dump(obj)
+    if pickler.storages:
+        raise TypeError("a plain pickle holds no tensor")
+    return buffer.getvalue()
 
 
 def pickle_tree(obj: Any) -> tuple[bytes, dict[str, OutStorage]]:

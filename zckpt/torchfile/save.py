@@ -23,7 +23,7 @@ import os
 import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -52,7 +52,6 @@ from .pickler import (
 )
 
 __all__ = [
-    "ArchiveAppender",
     "ArchivePlan",
     "Copy",
     "GlobalName",
@@ -72,6 +71,7 @@ __all__ = [
     "save",
     "torch_size",
     "write_archive",
+    "write_archives",
     "write_raw",
 ]
 
@@ -180,38 +180,30 @@ def write_archive(
     threads read ahead and checksum while this one writes. Every source byte is read once.
     OSErrors propagate; the caller owns temporary names, fsync and renaming.
     """
-    report = progress or (lambda _n: None)
-    fd, direct = open_output(path, plan.total_size)
+    write_archives(path, [plan], reader, progress)
+
+
+def write_archives(
+    path: str | os.PathLike[str],
+    plans: Sequence[ArchivePlan],
+    reader: FileReader,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Write planned archives one after another at `path` (created or truncated), as
+    :func:`write_archive` writes one: a file of several archives is what torch.save writes into
+    one stream, torch.distributed.checkpoint's ``.distcp`` files (each archive's offsets count
+    from its own first byte, as torch's do). One stream for all: the same buffers, direct I/O
+    for the whole file where the filesystem takes it."""
+    total = sum(plan.total_size for plan in plans)
+    fd, direct = open_output(path, total)
     try:
         with WorkerPool(3 if direct else 2, "zckpt-torchsave") as helpers:
-            stream = _TensorStream(fd, reader, report, helpers, direct=direct)
-            _write_records(plan, stream)
-            stream.finish(plan.total_size)
+            stream = _TensorStream(fd, reader, progress or (lambda _n: None), helpers, direct=direct)
+            for plan in plans:
+                _write_records(plan, stream)
+            stream.finish(total)
     finally:
         os.close(fd)
-
-
-class ArchiveAppender:
-    """Writes planned archives one after another at an open file's position: a file of several
-    archives, as torch.save writes them into one stream (torch.distributed.checkpoint's
-    ``.distcp`` files). Tensor bytes stream as in :func:`write_archive` (kernel copies where no
-    conversion is needed, every source byte read once, one reused buffer for all), without
-    O_DIRECT; each archive's offsets count from its own first byte, as torch's do. `helpers`: two
-    threads or more."""
-
-    def __init__(
-        self, fd: int, reader: FileReader, helpers: WorkerPool, progress: Callable[[int], None] | None = None
-    ) -> None:
-        self.fd = fd
-        self._stream = _TensorStream(fd, reader, progress or (lambda _n: None), helpers)
-
-    def append(self, plan: ArchivePlan) -> None:
-        """Write `plan` at the file's position and leave the position just past it."""
-        start = os.lseek(self.fd, 0, os.SEEK_CUR)
-        _write_records(plan, self._stream)
-        written = os.lseek(self.fd, 0, os.SEEK_CUR) - start
-        if written != plan.total_size:
-            raise AssertionError(f"wrote {written} bytes, planned {plan.total_size}")
 
 
 @dataclass(frozen=True)
