@@ -54,8 +54,8 @@ NOISE_ELEMENTS = 16 * 2**20  # 64 MiB of float32
 STEPS = 1000
 LR = 3e-4
 # (dim, layers) at vocabulary 50304 and sequence 1024: 12 * layers * dim^2 + (50304 + 1024) * dim params
-# 2.4e9: the largest whose reshard output fits beside it on this project's 76 GB disk
-SIZES = {0.02e9: (256, 4), 0.4e9: (1024, 28), 1.2e9: (1536, 40), 2.4e9: (2304, 36), 3e9: (2560, 36)}  # 0.02e9: a smoke test
+# 0.02e9: a smoke test; 2.4e9: the largest whose reshard output fits beside it on a 76 GB disk
+SIZES = {0.02e9: (256, 4), 0.4e9: (1024, 28), 1.2e9: (1536, 40), 2.4e9: (2304, 36), 3e9: (2560, 36)}
 
 
 def gpt_config(params: float | None, layers: int, dim: int, vocab: int, seq_len: int) -> GPTConfig:
