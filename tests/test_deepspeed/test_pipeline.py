@@ -231,13 +231,33 @@ def test_pipeline_stages_of_a_data_parallel_checkpoint_are_refused(tmp_path: Pat
         reshard(sample("z1_fp32_ws2_frozen_tied").checkpoint, tmp_path / "out", world_size=1, pipeline_stages=1)
 
 
-def test_to_universal_of_a_pipeline_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)
+def test_to_universal_holds_the_live_values_under_the_pipeline_modules_names(tmp_path: Path, case: Sample) -> None:
+    """A folder per trainable param, named as PipelineModule names it at any stage count (the
+    names DeepSpeed's universal loader looks up, test_interop_parallel.py loads it at other
+    stage counts): masters and moments the live engine's; the model-states file holds the frozen
+    params and buffers, so the folder read back is the whole model."""
     out = tmp_path / "universal"
-    done = run_cli("to-universal", FP32.checkpoint, out)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode != 0 and len(lines) == 1, done.stderr
-    assert "a pipeline-parallel checkpoint (2 stages x 1 data-parallel rank): to-universal of such" in lines[0]
-    assert not out.exists()
+    done = run_cli("to-universal", case.checkpoint, out)
+    assert done.returncode == 0, done.stderr
+    universal = open_training_state(out)
+    assert universal.index.universal and not universal.stages
+    live = case.live()
+    trainable = {n for n in live if n not in case.meta["frozen"] and n not in case.meta["buffers"]}
+    assert {p.name for p in universal.params} == trainable
+    assert sorted(os.listdir(out / "global_step3_universal" / "zero")) == sorted([*trainable, "optimizer_state.pt"])
+    moments = case.folder / "reference" / "live_optimizer.safetensors"
+    saved = load_file(moments) if moments.exists() else None
+    with FileReader() as reader:
+        for param in universal.params:
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), live[param.name].float())
+            for key, source in param.states.items() if saved is not None else ():
+                assert same_bits(read_tensor(reader, source).reshape(param.shape), saved[f"{param.name}.{key}"])
+        assert read_tensor(reader, universal.groups[0].scalars["step"].tensor).item() == case.meta["global_steps"]
+    written = load_state_dict(out, dtype="fp32")
+    assert sorted(written) == sorted(live)
+    for name, value in live.items():
+        assert same_bits(written[name], value.float() if value.is_floating_point() else value), name
 
 
 @pytest.mark.parametrize("case", PIPELINE_SAMPLES, ids=IDS)

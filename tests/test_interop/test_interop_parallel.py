@@ -38,7 +38,7 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     run_logged,
     shm_leak_safety_net,
 )
-from zckpt import consolidate, reshard  # noqa: E402
+from zckpt import consolidate, reshard, to_universal  # noqa: E402
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state  # noqa: E402
 from zckpt.io.materialize import read_tensor  # noqa: E402
 from zckpt.io.reading import FileReader  # noqa: E402
@@ -78,11 +78,15 @@ sys.path.insert(0, sys.argv[1])
 from make_parallel_ckpts import Case, build_pipeline, capture_live, ds_config
 
 checkpoint, out, dtype, pp, dp = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+universal = sys.argv[7:] == ["universal"]
 deepspeed.init_distributed(dist_backend="gloo")
 case = Case("load", 1, dtype, pp=pp, dp=dp)
 model = build_pipeline(case)
+config = ds_config(case)
+if universal:
+    config["checkpoint"] = {"load_universal": True}
 engine, _, _, _ = deepspeed.initialize(
-    model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config(case)
+    model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
 )
 path, client = engine.load_checkpoint(str(checkpoint))
 assert path is not None, "load_checkpoint found nothing"
@@ -134,6 +138,35 @@ def test_deepspeed_resumes_a_resharded_pipeline_checkpoint(
     pp = stages or case.meta["pp"]
     loaded = tmp_path / "loaded"
     _run_deepspeed(LOADER, loaded, pp * dp, out, loaded, case.meta["dtype"], pp, dp)
+    _assert_holds_the_saved_state(case, loaded, pp)
+
+
+# (sample, stages and data-parallel ranks of the loading run): fewer stages, more, the same
+UNIVERSAL_LOADS = [("pp2_z1_bf16_dp2", 1, 2), ("pp2_z1_fp32_dp1", 2, 2), ("pp2_z1_bf16_dp2", 2, 1)]
+
+
+@pytest.mark.parametrize("name, pp, dp", UNIVERSAL_LOADS, ids=[f"{n}-pp{p}-dp{d}" for n, p, d in UNIVERSAL_LOADS])
+def test_deepspeed_resumes_the_universal_checkpoint_of_a_pipeline_run(
+    tmp_path: Path, name: str, pp: int, dp: int
+) -> None:
+    """``to-universal`` of a pipeline run, loaded by DeepSpeed's PipelineEngine with
+    ``load_universal`` at another number of stages or data ranks: the engine holds the saved
+    masters, moments and step. DeepSpeed's universal load skips the module (frozen params and
+    buffers keep the values the loading run built, as for any universal checkpoint: README), so
+    the trainable params are compared."""
+    case = next(s for s in PIPELINE_SAMPLES if s.name == name)
+    out = tmp_path / "universal"
+    to_universal(case.checkpoint, out)
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(LOADER, loaded, pp * dp, out, loaded, case.meta["dtype"], pp, dp, "universal")
+    trainable = {p.name for p in open_training_state(case.checkpoint).params}
+    _assert_holds_the_saved_state(case, loaded, pp, trainable)
+
+
+def _assert_holds_the_saved_state(case: Sample, loaded: Path, pp: int, only: set[str] | None = None) -> None:
+    """What the loading engine held (per stage; of the names in `only` if given), its step, and
+    the optimizer state it saved again, against the saving run's: the live values, the live
+    moments where DeepSpeed's API gave them, else the sample's own files."""
     from safetensors.torch import load_file
 
     from helpers import same_bits
@@ -145,12 +178,13 @@ def test_deepspeed_resumes_a_resharded_pipeline_checkpoint(
             assert key not in held or same_bits(held[key], value), key  # a tied copy per stage, equal
             held[key] = value
     assert sorted(held) == sorted(truth)
+    if only is not None:
+        assert only and only <= set(truth)
+        truth = {key: value for key, value in truth.items() if key in only}
     for key, value in truth.items():
         assert same_bits(held[key], value), key
     engine = json.loads((loaded / "engine.json").read_text())
     assert engine["global_steps"] == case.meta["global_steps"]
-    # the optimizer state the engine loaded, as DeepSpeed saved it again, against the saving run's
-    # (the live moments where DeepSpeed's API gave them, else the sample's own files)
     resaved = open_training_state(loaded / "resaved")
     original = open_training_state(case.checkpoint)
     moments = case.folder / "reference" / "live_optimizer.safetensors"

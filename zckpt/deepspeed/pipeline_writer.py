@@ -56,7 +56,7 @@ def plan_pipeline_checkpoint(state: TrainingState, target: Target, stages: int |
     files: list[PlannedFile] = []
     plans = []
     for number, stage in enumerate(out_stages):
-        plan = plan_checkpoint(_stage_state(state, stage), target)
+        plan = plan_checkpoint(stage_state(state, stage), target)
         plans.append(plan)
         for planned in plan.files:
             files.append(_as_stage_file(planned, number, len(out_stages), stage))
@@ -66,8 +66,9 @@ def plan_pipeline_checkpoint(state: TrainingState, target: Target, stages: int |
     return CheckpointPlan(first.tag, first.target, first.layout, tuple(files), folders=first.folders)
 
 
-def _stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
-    """One stage's share of the state: its params, its groups' members, its buffers."""
+def stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
+    """One stage's share of the state: its params, its groups' members, its buffers, as the
+    state of a data-parallel run (the stage's own data-parallel ranks)."""
     own = set(stage.params) | set(stage.buffers)
     by_name = {p.name: p for p in state.params}
     index = replace(
@@ -89,6 +90,15 @@ def _stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
         state_padding=(),
         stages=(),
     )
+
+
+def one_stage_state(state: TrainingState) -> TrainingState:
+    """A pipeline run's whole state as that of the model built as one stage, data-parallel over
+    the stages' data-parallel ranks: names, order and values the one-stage model has."""
+    one = stage_state(state, pipeline_stages(state, 1)[0])
+    # every tensor of the module, frozen params too (a stage's share holds its trainable params
+    # and buffers; the frozen ones are in its layer files, which a one-stage module replaces)
+    return replace(one, index=replace(one.index, entries=state.index.entries), module_names=state.module_names)
 
 
 def _as_stage_file(planned: PlannedFile, stage: int, stages: int, held: PipelineStage) -> PlannedFile:

@@ -23,6 +23,7 @@ from typing import Any
 from ..core.state import ParamState, TrainingState
 from ..torchfile.save import OutTensor
 from . import names as N
+from .pipeline_writer import one_stage_state
 from .writer import (
     CheckpointPlan,
     OptimPlanner,
@@ -40,9 +41,18 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     """Every file of the universal folder ``<tag>_universal`` as an object tree.
 
     `target_stage`: the ZeRO stage of the run that will load it (default: the input's).
+
+    A pipeline run's state is written as the model built as one stage: its params are named as
+    ``PipelineModule`` names them at any stage count (``<global layer>.<name>``,
+    ``tied_modules.<key>.<name>``), which is how DeepSpeed's universal loader finds each stage's
+    params at any pipeline degree; the model_states file holds the one-stage module (DeepSpeed's
+    pipeline engine does not read it from a universal folder; zckpt does, for frozen params and
+    buffers), so the folder is whole on its own.
     """
+    if state.stages:
+        state = one_stage_state(state)
     require_data_parallel(state, "to-universal")
-    target = plan_target(state, state.index.world_size, target_stage)
+    target = plan_target(state, state.index.topology.dp, target_stage)
     layout = target_layout(state, target)
     files = plan_model_states(state, target, layout)
     files.append(
