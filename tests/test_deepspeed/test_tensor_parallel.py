@@ -21,7 +21,7 @@ from helpers import (
     same_checkpoint_files,
 )
 from zckpt import load_state_dict, reshard, to_universal
-from zckpt.core.errors import LayoutError, UsageError
+from zckpt.core.errors import UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.io.materialize import read_tensor
@@ -119,11 +119,30 @@ def test_reshard_to_other_data_ranks_keeps_every_value(tmp_path: Path) -> None:
 def test_writes_it_cannot_make_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--stage 3: zckpt writes AutoTP checkpoints at ZeRO-1/2 only"):
         reshard(FP32.checkpoint, tmp_path / "out", world_size=2, stage=3)
-    with pytest.raises(
-        LayoutError, match=r"a tensor-parallel checkpoint \(2 tensor ranks x 1 data-parallel rank\): to-universal"
-    ):
-        to_universal(FP32.checkpoint, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
+def test_to_universal_is_the_unsharded_model_deepspeed_merges(tmp_path: Path, case: Sample) -> None:
+    """Every param's folder holds the full tensor (DeepSpeed's loader cuts each tensor rank's
+    piece itself, test_interop_parallel.py): masters and moments equal ds_to_universal's merge,
+    and the folder read back is the whole model."""
+    out = tmp_path / "universal"
+    to_universal(case.checkpoint, out)
+    universal = open_training_state(out)
+    assert universal.index.universal and universal.index.topology == Topology(dp=case.meta["dp"])
+    reference = _reference(case)
+    assert sorted(p.name for p in universal.params) == sorted(k for k in reference if "exp_avg" not in k)
+    with FileReader() as reader:
+        for param in universal.params:
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name])
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    whole, written = load_state_dict(case.checkpoint, dtype="fp32"), load_state_dict(out, dtype="fp32")
+    assert list(written) == list(whole)
+    for name, value in whole.items():
+        assert same_bits(written[name], value), name
 
 
 @pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)

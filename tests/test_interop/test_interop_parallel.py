@@ -277,9 +277,12 @@ from make_parallel_ckpts import Case, build_llama, ds_config
 
 checkpoint, out, dtype, stage, dp, tp = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:8])
 deepspeed.init_distributed(dist_backend="gloo")
-case = Case("load", stage, dtype, pp=1, dp=dp, tp=tp, grad_accum=1)
+case = Case("load", stage, dtype, pp=1, dp=dp, tp=tp, grad_accum=1)  # tp 0: the model unsharded
 model = build_llama(case)
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(case))
+config = ds_config(case)
+if sys.argv[8:] == ["universal"]:
+    config["checkpoint"] = {"load_universal": True}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 path, client = engine.load_checkpoint(str(checkpoint))
 assert path is not None, "load_checkpoint found nothing"
 engine.save_checkpoint(str(out / "resaved"))  # what the engine loaded, as DeepSpeed saves it
@@ -295,9 +298,7 @@ def test_deepspeed_resumes_a_resharded_autotp_checkpoint(tmp_path: Path, name: s
     """zckpt's reshard of an AutoTP checkpoint to another data-parallel size, loaded by DeepSpeed's
     AutoTP engine with a plain load_checkpoint and saved again: every param's merged master and
     moments are DeepSpeed's own merge of the original (ds_to_universal's)."""
-    from safetensors.torch import load_file
-
-    from helpers import TENSOR_PARALLEL_SAMPLES, same_bits
+    from helpers import TENSOR_PARALLEL_SAMPLES
 
     case = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == name)
     out = tmp_path / "resharded"
@@ -305,9 +306,44 @@ def test_deepspeed_resumes_a_resharded_autotp_checkpoint(tmp_path: Path, name: s
     loaded = tmp_path / "loaded"
     meta = case.meta
     _run_deepspeed(TP_LOADER, loaded, dp * meta["tp"], out, loaded, meta["dtype"], meta["zero_stage"], dp, meta["tp"])
+    _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
+# (sample, tensor ranks (0: unsharded) and data ranks of the loading run)
+TP_UNIVERSAL_LOADS = [("autotp_z1_fp32_tp2", 2, 2), ("autotp_z2_bf16_tp2_dp2", 0, 2)]
+
+
+@pytest.mark.parametrize("name, tp, dp", TP_UNIVERSAL_LOADS, ids=[f"{n}-tp{t}-dp{d}" for n, t, d in TP_UNIVERSAL_LOADS])
+def test_deepspeed_resumes_the_universal_checkpoint_of_an_autotp_run(
+    tmp_path: Path, name: str, tp: int, dp: int
+) -> None:
+    """``to-universal`` of an AutoTP checkpoint (written unsharded), loaded with ``load_universal``
+    by DeepSpeed's AutoTP engine at another data-parallel size, and by the unsharded model's
+    engine: saved again, every param's master and moments are DeepSpeed's own merge of the
+    original (ds_to_universal's)."""
+    from helpers import TENSOR_PARALLEL_SAMPLES
+
+    case = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == name)
+    out = tmp_path / "universal"
+    to_universal(case.checkpoint, out)
+    loaded = tmp_path / "loaded"
+    meta = case.meta
+    world = dp * max(tp, 1)
+    _run_deepspeed(TP_LOADER, loaded, world, out, loaded, meta["dtype"], meta["zero_stage"], dp, tp, "universal")
+    _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
+def _assert_holds_the_merged_state(case: Sample, resaved_dir: Path, dp: int) -> None:
+    from safetensors.torch import load_file
+
+    from helpers import same_bits
+
     reference = load_file(case.folder / "reference" / "universal.safetensors")
-    resaved = open_training_state(loaded / "resaved")
+    resaved = open_training_state(resaved_dir)
     assert resaved.index.topology.dp == dp and resaved.global_steps == case.meta["global_steps"]
+    assert sorted(p.name for p in resaved.params) == sorted(
+        k for k in reference if not k.endswith(("exp_avg", "exp_avg_sq"))
+    )
     with FileReader() as reader:
         for param in resaved.params:
             assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name]), param.name

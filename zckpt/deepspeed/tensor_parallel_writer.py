@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from ..core.errors import UsageError
 from ..core.state import TrainingState
+from ..core.topology import Topology
 from . import names as N
 from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank, plan_checkpoint
 
@@ -30,3 +31,11 @@ def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> Che
     for rank, plan in enumerate(plans):
         files.extend(at_model_parallel_rank(planned, rank, {N.MP_WORLD_SIZE: tp}) for planned in plan.files)
     return replace(plans[0], files=tuple(files))
+
+
+def unsharded_state(state: TrainingState) -> TrainingState:
+    """An AutoTP run's state as that of the unsharded model over its data ranks: every param
+    and module tensor the full tensor the reader assembled by the ``affine_map`` (what a
+    universal checkpoint holds; the loading run cuts its own shards)."""
+    index = replace(state.index, topology=Topology.data_parallel(state.index.topology.dp), replicas=())
+    return replace(state, index=index, tensor_shards=())

@@ -24,6 +24,7 @@ from ..core.state import ParamState, TrainingState
 from ..torchfile.save import OutTensor
 from . import names as N
 from .pipeline_writer import one_stage_state
+from .tensor_parallel_writer import unsharded_state
 from .writer import (
     CheckpointPlan,
     OptimPlanner,
@@ -47,10 +48,14 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     ``tied_modules.<key>.<name>``), which is how DeepSpeed's universal loader finds each stage's
     params at any pipeline degree; the model_states file holds the one-stage module (DeepSpeed's
     pipeline engine does not read it from a universal folder; zckpt does, for frozen params and
-    buffers), so the folder is whole on its own.
+    buffers), so the folder is whole on its own. An AutoTP run's is written unsharded: DeepSpeed's
+    loader cuts each tensor rank's piece by the loading model's own ``affine_map``, at any
+    tensor-parallel degree.
     """
     if state.stages:
         state = one_stage_state(state)
+    elif state.tensor_shards:
+        state = unsharded_state(state)
     require_data_parallel(state, "to-universal")
     target = plan_target(state, state.index.topology.dp, target_stage)
     layout = target_layout(state, target)
