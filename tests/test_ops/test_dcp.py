@@ -140,9 +140,9 @@ def test_train_state_json_holds_the_counters_and_scheduler(name: str, tmp_path: 
 @pytest.mark.slow
 def test_memory_holds_one_tensor_not_the_checkpoint(tmp_path: Path) -> None:
     """Python's allocations (numpy's buffers are traced) peak far below the output's size on a
-    240 MB checkpoint: one reused 64 MiB buffer (measured: 67 MB here, and for a 1.9 GB output),
-    where torch 2.13's own FileSystemWriter loop keeps every tensor of a file until it is done
-    (286 MB here)."""
+    250 MB checkpoint (measured: 8 MB with direct I/O's two 8 MiB mapped buffers, 67 MB with the
+    buffered path's reused 64 MiB one), where torch 2.13's own FileSystemWriter loop keeps every
+    tensor of a file until it is done (286 MB here)."""
     import tracemalloc
 
     train = run_cli(
