@@ -23,8 +23,8 @@ each param group value, as the torch.save archive torch's writer puts there, one
 and writes ``.metadata`` as torch's planner and writer would for that layout
 (:mod:`zckpt.torchfile.dcp_metadata`); the archives stream from the checkpoint's files through
 zckpt's own torch.save writer (direct I/O or kernel copies where no dtype changes, CRC-32s on
-helper threads), so a few MiB of buffers are in memory whatever the tensor sizes. The folder is staged beside OUTPUT_DIR and renamed into
-place once complete, so it appears whole or not at all.
+helper threads), so a few MiB of buffers are in memory whatever the tensor sizes. The folder is
+staged beside OUTPUT_DIR and renamed into place once complete, so it appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -46,8 +46,15 @@ from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import share_of
 from ..io.interrupts import signals_deferred
 from ..io.jobs import JobFailed, job_share
-from ..io.materialize import read_tensor, write_all
-from ..io.output import OutputLock, StagedFolder, is_inside, output_error, refuse_output_inside_input
+from ..io.materialize import read_scalar, read_tensor
+from ..io.output import (
+    OutputLock,
+    StagedFolder,
+    fsync_file,
+    is_inside,
+    output_error,
+    refuse_output_inside_input,
+)
 from ..io.reading import FileReader, source_of
 from ..torchfile.dcp_metadata import METADATA_FILE, StoredItem, TensorMeta, flatten, metadata_bytes
 from ..torchfile.records import PickledObject
@@ -173,8 +180,6 @@ def torch_state_dict(plan: DcpPlan, reader: FileReader) -> dict[str, Any]:
     ``get_state_dict`` would return, for torch's own ``dcp.save`` (the in-memory route that
     ``scripts/bench_dcp.py`` times and the tests compare ``to-dcp``'s files with)."""
     import torch
-
-    from ..io.materialize import read_scalar
 
     model: dict[str, Any] = {}
     optim_state: dict[str, dict[str, Any]] = {}
@@ -321,25 +326,18 @@ def _plain(value: Any) -> bool:
 
 def _write_file(path: str, content: bytes) -> None:
     """A small file, on the disk before this returns."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        write_all(fd, content)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(path, "wb") as handle:
+        handle.write(content)
+    fsync_file(path)
 
 
 def _write_data(
-    path: str, items: list[tuple[StoredItem, ArchivePlan]], reader: FileReader, progress: Callable[[int], None]
+    path: str, items: Sequence[tuple[StoredItem, ArchivePlan]], reader: FileReader, progress: Callable[[int], None]
 ) -> None:
     """One process's data file: its archives one after another (zckpt's torch.save writer,
     streamed from the checkpoint's files: kernel copies or direct I/O, one reused buffer), synced."""
     write_archives(path, [archive for _, archive in items], reader, progress)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
 
 
 def to_dcp(

@@ -6,7 +6,7 @@ small checkpoint) and puts its own planner between zckpt and the bytes it lays o
 plain pickle (protocol 4, as torch's ``FileSystemWriter.finish`` dumps it) of torch's dataclasses;
 :func:`metadata_bytes` emits the same objects from plain descriptions through zckpt's pickler,
 referring to torch's classes by name, so nothing is imported. torch's reader checks it
-(tests/test_ops/test_dcp_metadata.py: equal to what torch's own save writes for the same state).
+(tests/test_ops/test_dcp.py: equal to what torch's own save writes for the same state).
 
 What goes where follows torch 2.13's ``DefaultSavePlanner`` with ``flatten_state_dict``:
 :func:`flatten` turns the nested state dict into dotted names and their paths, every tensor is one
@@ -18,7 +18,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..core.dtypes import DType
 from .pickler import GlobalName, PickledEnum, PickledInstance, PickledReduce, pickle_object, torch_size
@@ -57,7 +57,7 @@ class StoredItem:
         return ".".join(map(str, self.path))
 
 
-def flatten(state: Mapping[str, Any], is_tensor: Any) -> Iterator[tuple[ObjPath, Any]]:
+def flatten(state: Mapping[str, Any], is_tensor: Callable[[Any], bool]) -> Iterator[tuple[ObjPath, Any]]:
     """(path, leaf) of a nested state dict, in order, as torch's ``traverse_state_dict`` visits
     it: a mapping is entered (keys as strings), a list only where it holds a tensor, a mapping or
     such a list (items by index), anything else is a leaf. An empty mapping has no leaves."""
