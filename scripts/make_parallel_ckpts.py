@@ -69,14 +69,17 @@ class Case:
     ep: int = 0  # expert-parallel degree of a mixture-of-experts case (0: a pipeline case)
     experts: int = 4
     tp: int = 0  # AutoTP degree of a tensor-parallel case
+    mtp: int = 0  # tensor-parallel degree of a Megatron-style case (an mpu, merge patterns)
 
     @property
     def kind(self) -> str:
+        if self.mtp:
+            return "pipeline_megatron" if self.pp > 1 else "megatron"
         return "moe" if self.ep else "autotp" if self.tp else "pipeline"
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * max(self.tp, 1)
+        return self.pp * self.dp * max(self.tp, self.mtp, 1)
 
 
 CASES = [
@@ -86,6 +89,11 @@ CASES = [
     Case("moe_z1_bf16_ep2_dp4", 1, "bf16", pp=1, dp=4, ep=2, grad_accum=1),
     Case("autotp_z1_fp32_tp2", 1, "fp32", pp=1, dp=1, tp=2, grad_accum=1),
     Case("autotp_z2_bf16_tp2_dp2", 2, "bf16", pp=1, dp=2, tp=2, grad_accum=1),
+    Case("megatron_z1_fp32_tp2", 1, "fp32", pp=1, dp=1, mtp=2, grad_accum=1),
+    Case("megatron_z2_bf16_tp2_dp2", 2, "bf16", pp=1, dp=2, mtp=2, grad_accum=1),
+    Case("autotp_z3_bf16_tp2_dp2", 3, "bf16", pp=1, dp=2, tp=2, grad_accum=1),
+    Case("megatron_z3_fp32_tp2_dp2", 3, "fp32", pp=1, dp=2, mtp=2, grad_accum=1),
+    Case("pp2_megatron_z1_fp32_tp2", 1, "fp32", pp=2, dp=1, mtp=2),
 ]
 
 
@@ -270,6 +278,414 @@ def autotp_worker(case: Case, casedir: Path) -> None:
     save_and_describe(engine, casedir, "the reference is ds_to_universal's merge (exact for AutoTP)")
 
 
+MEGATRON_VOCAB = 23  # Megatron pads the vocabulary to a multiple of the tensor ranks (24 at tp 2)
+QKV = (8, 4, 4)  # a fused query/key/value (grouped: fewer key/value rows), split per tensor rank
+
+
+def padded_vocab(tp: int) -> int:
+    return -(-MEGATRON_VOCAB // tp) * tp
+
+
+def megatron_checkpoint_info(tp: int) -> dict[str, Any]:
+    """The ``universal_checkpoint_info`` a Megatron-DeepSpeed model saves as client state (its
+    keys and pattern style, ``megatron/model/gpt_model.py``): how each param's slices merge."""
+    widths = [[size // tp] * tp for size in QKV]
+    return {
+        "universal_checkpoint_version": 0.4,
+        "vocabulary_parameter_patterns": [r"embed\.word_embeddings\.weight", r"lm_head\.weight"],
+        "tp_replicated_parameter_patterns": [
+            r"embed\.norm\.(weight|bias)",
+            r"layers\.\d+\.input_layernorm\.(weight|bias)",
+            r"layers\.\d+\.self_attention\.dense\.bias",
+            r"layers\.\d+\.mlp\.dense_4h_to_h\.bias",
+        ],
+        "parameter_with_row_parallelism_patterns": [
+            r"layers\.\d+\.self_attention\.dense\.weight",
+            r"layers\.\d+\.mlp\.dense_4h_to_h\.weight",
+        ],
+        "parameter_with_2_sub_params_cat_dim_0": [r"layers\.0\.mlp\.dense_h_to_4h\.(weight|bias)"],
+        "parameter_with_sub_params": [
+            {
+                "patterns": [r"layers\.\d+\.self_attention\.query_key_value\.weight"],
+                "shape": (QKV, DIM),
+                "partition_dim": 0,
+            }
+        ],
+        "sub_param_shard_widths": {r"layers\.\d+\.self_attention\.query_key_value\.weight": widths},
+        "original_vocab_size": MEGATRON_VOCAB,
+        "padded_vocab_size": padded_vocab(tp),
+    }
+
+
+class MegatronMpu:
+    """The model-parallel unit DeepSpeed takes from Megatron (``deepspeed.initialize(mpu=...)``):
+    ranks [d*tp, d*tp + tp) are one replica's tensor ranks; rank r is data rank r // tp."""
+
+    def __init__(self, tp: int) -> None:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp, self.dp = tp, world // tp
+        self.tp_rank, self.dp_rank = rank % tp, rank // tp
+        self.tp_group = self.dp_group = None
+        for d in range(self.dp):  # every rank creates every group, in one order
+            group = dist.new_group(list(range(d * tp, d * tp + tp)))
+            if d == self.dp_rank:
+                self.tp_group = group
+        for t in range(tp):
+            group = dist.new_group(list(range(t, world, tp)))
+            if t == self.tp_rank:
+                self.dp_group = group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_model_parallel_group(self) -> Any:
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(range(self.tp_rank, self.tp * self.dp, self.tp))
+
+
+def megatron_modules(tp: int, t: int, group: Any) -> Any:
+    """The modules of a tiny Megatron-style GPT as tensor rank `t` of `tp` holds them (each its
+    slices of full tensors drawn from ``draw.gen``, one seeded generator): a vocabulary-parallel
+    embedding (``Embed``) and head (``Head``; vocabulary padded 23 -> 24), replicated LayerNorms,
+    and ``Layer``s of a column-parallel fused QKV (grouped sub-params), row-parallel output
+    projections and a SwiGLU (2 sub-params) or plain column-parallel ``dense_h_to_4h``."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    vocab = padded_vocab(tp)
+
+    class CopyToTp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+    class ReduceFromTp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            dist.all_reduce(x, group=group)
+            return x
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    class GatherFromTp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(x) for _ in range(tp)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return torch.cat(parts, dim=-1)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad.chunk(tp, dim=-1)[t].contiguous()
+
+    draw = types.SimpleNamespace(gen=torch.Generator().manual_seed(SEED))
+
+    def full(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=draw.gen) * 0.2
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(tp, dim=0)[t].clone()
+
+    def cols(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(tp, dim=1)[t].clone()
+
+    def sub_rows(tensor: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        return torch.cat([rows(part) for part in tensor.split(list(sizes), dim=0)], dim=0)
+
+    class RowParallel(nn.Module):
+        """A row-parallel linear (its input dim split): the partial products summed over the
+        tensor ranks, then the bias, replicated (a module of its own: ZeRO-3 gathers a module's
+        params when its forward runs)."""
+
+        def __init__(self, inputs: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(cols(full(DIM, inputs)))
+            self.bias = nn.Parameter(full(DIM))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return ReduceFromTp.apply(nn.functional.linear(x, self.weight)) + self.bias
+
+    class Layer(nn.Module):
+        def __init__(self, swiglu: bool) -> None:
+            super().__init__()
+            self.swiglu = swiglu
+            self.input_layernorm = nn.LayerNorm(DIM)
+            self.self_attention = nn.Module()
+            self.self_attention.query_key_value = nn.Linear(DIM, sum(QKV) // tp, bias=False)
+            self.self_attention.query_key_value.weight.data = sub_rows(full(sum(QKV), DIM), QKV)
+            self.self_attention.dense = RowParallel(QKV[1])
+            self.mlp = nn.Module()
+            up = 2 * HIDDEN if swiglu else HIDDEN
+            self.mlp.dense_h_to_4h = nn.Linear(DIM, up // tp)
+            weight, bias = full(up, DIM), full(up)
+            self.mlp.dense_h_to_4h.weight.data = sub_rows(weight, (HIDDEN, HIDDEN)) if swiglu else rows(weight)
+            self.mlp.dense_h_to_4h.bias.data = sub_rows(bias, (HIDDEN, HIDDEN)) if swiglu else rows(bias)
+            self.mlp.dense_4h_to_h = RowParallel(HIDDEN)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            x = CopyToTp.apply(self.input_layernorm(h))
+            q, k, v = self.self_attention.query_key_value(x).split([size // tp for size in QKV], dim=-1)
+            mixed = q[..., : k.shape[-1]] * torch.sigmoid(k) + v
+            h = h + self.self_attention.dense(mixed)
+            x = CopyToTp.apply(h)
+            up = self.mlp.dense_h_to_4h(x)
+            if self.swiglu:
+                gate, value = up.chunk(2, dim=-1)
+                up = nn.functional.silu(gate) * value
+            else:
+                up = nn.functional.gelu(up)
+            return h + self.mlp.dense_4h_to_h(up)
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.word_embeddings = nn.Embedding(vocab // tp, DIM)
+            self.word_embeddings.weight.data = rows(full(vocab, DIM))
+            self.norm = nn.LayerNorm(DIM)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            per_rank = vocab // tp
+            local = tokens - t * per_rank
+            outside = (local < 0) | (local >= per_rank)
+            h = self.word_embeddings(local.masked_fill(outside, 0)) * (~outside).unsqueeze(-1)
+            return self.norm(ReduceFromTp.apply(h))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(DIM, vocab // tp, bias=False)
+            self.lm_head.weight.data = rows(full(vocab, DIM))
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return logits(self.lm_head, h)
+
+    def logits(lm_head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-parallel head's logits gathered over the tensor ranks, padding cut."""
+        return GatherFromTp.apply(lm_head(CopyToTp.apply(h)))[..., :MEGATRON_VOCAB]
+
+    return types.SimpleNamespace(draw=draw, Embed=Embed, Layer=Layer, Head=Head, logits=logits)
+
+
+def build_megatron(case: Case, mpu: MegatronMpu) -> Any:
+    """A tiny Megatron-style GPT (:func:`megatron_modules`) on ``case.mtp`` tensor ranks: the
+    embedding, a SwiGLU layer, a plain one, the head."""
+    from torch import nn
+
+    parts = megatron_modules(mpu.tp, mpu.tp_rank, mpu.tp_group)
+
+    class Gpt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = parts.Embed()
+            self.layers = nn.ModuleList([parts.Layer(swiglu=True), parts.Layer(swiglu=False)])
+            self.lm_head = parts.Head().lm_head  # Megatron's name, "lm_head.weight"
+
+        def forward(self, tokens: Any) -> Any:
+            h = self.embed(tokens)
+            for layer in self.layers:
+                h = layer(h)
+            return parts.logits(self.lm_head, h)
+
+    return Gpt()
+
+
+def pipeline_megatron_patterns(tp: int) -> dict[str, Any]:
+    """Megatron-DeepSpeed's merge patterns for the pipeline model's names (``<layer>.<name>``)."""
+    widths = [[size // tp] * tp for size in QKV]
+    qkv = r"\d+\.self_attention\.query_key_value\.weight"
+    return {
+        "universal_checkpoint_version": 0.4,
+        "vocabulary_parameter_patterns": [r"0\.word_embeddings\.weight", r"\d+\.lm_head\.weight"],
+        "tp_replicated_parameter_patterns": [
+            r"0\.norm\.(weight|bias)",
+            r"\d+\.input_layernorm\.(weight|bias)",
+            r"\d+\.self_attention\.dense\.bias",
+            r"\d+\.mlp\.dense_4h_to_h\.bias",
+        ],
+        "parameter_with_row_parallelism_patterns": [
+            r"\d+\.self_attention\.dense\.weight",
+            r"\d+\.mlp\.dense_4h_to_h\.weight",
+        ],
+        "parameter_with_2_sub_params_cat_dim_0": [r"1\.mlp\.dense_h_to_4h\.(weight|bias)"],
+        "parameter_with_sub_params": [{"patterns": [qkv], "shape": (QKV, DIM), "partition_dim": 0}],
+        "sub_param_shard_widths": {qkv: widths},
+        "original_vocab_size": MEGATRON_VOCAB,
+        "padded_vocab_size": padded_vocab(tp),
+    }
+
+
+def build_pipeline_megatron(case: Case) -> Any:
+    """The Megatron-style GPT as a PipelineModule over a pipe x data x model topology (as
+    Megatron-DeepSpeed builds GPTModelPipe): layer 0 the embedding, 1 a SwiGLU layer, 2 a plain
+    one, 3 the head; each layer drawn from its own seed, so the stages agree on nothing but the
+    layer index."""
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+    topology = PipeModelDataParallelTopology(num_pp=case.pp, num_mp=case.mtp, num_dp=case.dp)
+    grid = PipelineParallelGrid(topology=topology)
+    parts = megatron_modules(case.mtp, grid.get_slice_parallel_rank(), grid.get_slice_parallel_group())
+
+    def seeded(index: int) -> None:
+        parts.draw.gen = torch.Generator().manual_seed(SEED + index)
+
+    class EmbedPipe(parts.Embed):  # type: ignore[name-defined,misc]
+        def __init__(self, index: int) -> None:
+            seeded(index)
+            super().__init__()
+
+    class LayerPipe(parts.Layer):  # type: ignore[name-defined,misc]
+        def __init__(self, index: int, swiglu: bool) -> None:
+            seeded(index)
+            super().__init__(swiglu)
+
+    class HeadPipe(parts.Head):  # type: ignore[name-defined,misc]
+        def __init__(self, index: int) -> None:
+            seeded(index)
+            super().__init__()
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, MEGATRON_VOCAB), labels.reshape(-1))
+
+    layers = [
+        LayerSpec(EmbedPipe, 0),
+        LayerSpec(LayerPipe, 1, True),
+        LayerSpec(LayerPipe, 2, False),
+        LayerSpec(HeadPipe, 3),
+    ]
+    return PipelineModule(layers=layers, topology=topology, loss_fn=loss_fn, partition_method="uniform")
+
+
+def pipeline_megatron_worker(case: Case, casedir: Path) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_pipeline_megatron(case)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(case))
+    stage, dp_rank, tp_rank = engine.stage_id, engine.grid.data_parallel_id, engine.grid.get_slice_parallel_rank()
+    gen = torch.Generator().manual_seed(SEED + 1000 * dp_rank)  # a replica's tensor ranks see one batch
+
+    def batches():  # type: ignore[no-untyped-def]
+        while True:
+            tokens = torch.randint(0, MEGATRON_VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+            yield tokens, torch.randint(0, MEGATRON_VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+
+    data = batches()
+    for _ in range(case.steps):
+        engine.train_batch(data_iter=data)
+    live = {
+        name: safe_get_full_fp32_param(p).detach().cpu().float().clone().contiguous()
+        for name, p in engine.module.named_parameters()
+    }
+    if dp_rank == 0:
+        ref = casedir / "reference"
+        ref.mkdir(parents=True, exist_ok=True)
+        save_file(live, str(ref / f"live_stage{stage}_tp{tp_rank}.safetensors"), metadata={"format": "pt"})
+    dist.barrier()
+    engine.save_checkpoint(
+        str(casedir / "checkpoint"), client_state={"universal_checkpoint_info": pipeline_megatron_patterns(case.mtp)}
+    )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        info = {
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "tag": (casedir / "checkpoint" / "latest").read_text().strip(),
+            "global_steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__,
+            "live_optimizer": "not captured",
+        }
+        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
+    dist.barrier()
+
+
+def megatron_worker(case: Case, casedir: Path) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = MegatronMpu(case.mtp)
+    model = build_megatron(case, mpu)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(case), mpu=mpu
+    )
+    gen = torch.Generator().manual_seed(SEED + 1000 * mpu.dp_rank)  # a replica's tensor ranks see one batch
+    for _ in range(case.steps):
+        tokens = torch.randint(0, MEGATRON_VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+        labels = torch.randint(0, MEGATRON_VOCAB, (MICRO_BATCH, SEQ_LEN), generator=gen)
+        logits = engine(tokens)
+        engine.backward(
+            torch.nn.functional.cross_entropy(logits.float().reshape(-1, MEGATRON_VOCAB), labels.reshape(-1))
+        )
+        engine.step()
+    live, optim = {}, {}
+    for name, p in engine.module.named_parameters():  # collective over the data-parallel group
+        live[name] = safe_get_full_fp32_param(p).detach().cpu().float().clone().contiguous()
+        for key in ("exp_avg", "exp_avg_sq"):
+            optim[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().float().clone().contiguous()
+    if mpu.dp_rank == 0:
+        ref = casedir / "reference"
+        ref.mkdir(parents=True, exist_ok=True)
+        save_file(live, str(ref / f"live_tp{mpu.tp_rank}.safetensors"), metadata={"format": "pt"})
+        save_file(optim, str(ref / f"live_optimizer_tp{mpu.tp_rank}.safetensors"), metadata={"format": "pt"})
+    dist.barrier()
+    engine.save_checkpoint(
+        str(casedir / "checkpoint"), client_state={"universal_checkpoint_info": megatron_checkpoint_info(case.mtp)}
+    )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        info = {
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "tag": (casedir / "checkpoint" / "latest").read_text().strip(),
+            "global_steps": engine.global_steps,
+            "optimizer": type(engine.optimizer).__name__,
+            "live_optimizer": "safe_get_full_optimizer_state of each tensor rank's slices (live_optimizer_tp*)",
+        }
+        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
+    dist.barrier()
+
+
 def universal_reference(casedir: Path, python: str, log: Path, env: dict[str, str]) -> None:
     """reference/universal.safetensors: DeepSpeed's own merge of every param's fp32 master and
     Adam moments (``ds_to_universal``, exact for AutoTP's affine maps), as ``<name>``,
@@ -292,6 +708,7 @@ for name in sorted(os.listdir(out / "zero")):
         merged[name if state == "fp32" else f"{name}.{state}"] = value.contiguous()
 save_file(merged, str(casedir / "reference" / "universal.safetensors"), metadata={"format": "pt"})
 shutil.rmtree(out)
+(casedir / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's, beside its output folder
 """
     (casedir / "reference").mkdir(exist_ok=True)
     run([python, "-c", code, str(casedir)], cwd=REPO, log=log, env=env)
@@ -424,7 +841,7 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
     ckpt = casedir / "checkpoint"
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         (ckpt / name).unlink(missing_ok=True)
-    if case.tp:
+    if case.tp or case.mtp:
         universal_reference(casedir, python, log, env)
     else:
         merge_live(casedir, case, python, log, env)
@@ -455,6 +872,13 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         **(
             {"tp": case.tp, "frozen": [], "buffers": []}
             if case.tp
+            else {
+                "tp": case.mtp,
+                "mpu": "Megatron-style" if case.pp == 1 else "pipeline (PipeModelDataParallelTopology)",
+                "frozen": [],
+                "buffers": [],
+            }
+            if case.mtp
             else {"ep": case.ep, "experts": case.experts, "frozen": [], "buffers": ["scale"]}
             if case.ep
             else {
@@ -466,6 +890,9 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         "live_source": (
             "reference/universal.safetensors: DeepSpeed ds_to_universal's merged fp32 masters and Adam moments"
             if case.tp
+            else "reference/universal.safetensors: DeepSpeed ds_to_universal's merge by the saved merge patterns; "
+            "reference/live_tp{T}.safetensors: each tensor rank's slices as the live engine held them"
+            if case.mtp
             else "per rank: safe_get_full_fp32_param of every param (experts under their global ids), module buffers"
             if case.ep
             else "per stage: safe_get_full_fp32_param (trainable), module params (frozen) and buffers"
@@ -477,6 +904,13 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         "model": (
             {"llama": "vocab 64, hidden 32, intermediate 48, 2 layers, 4 heads, 2 kv heads", "micro_batch": MICRO_BATCH}
             if case.tp
+            else {
+                "megatron_gpt": f"vocab {MEGATRON_VOCAB} padded to {padded_vocab(case.mtp)}, dim {DIM}, hidden {HIDDEN}, "
+                f"fused qkv {QKV}, 2 layers (SwiGLU, GeLU)",
+                "micro_batch": MICRO_BATCH,
+                "universal_checkpoint_info": "client state, see megatron_checkpoint_info",
+            }
+            if case.mtp
             else {"vocab": VOCAB, "dim": DIM, "hidden": HIDDEN, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH}
         ),
         "ds_config": ds_config(case),
@@ -497,7 +931,13 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = parser.parse_known_args(argv)  # the launcher may append --local_rank
     if args.worker:
         case = Case(**json.loads(args.case_json))
-        {"moe": moe_worker, "autotp": autotp_worker, "pipeline": worker}[case.kind](case, Path(args.outdir))
+        {
+            "moe": moe_worker,
+            "autotp": autotp_worker,
+            "megatron": megatron_worker,
+            "pipeline_megatron": pipeline_megatron_worker,
+            "pipeline": worker,
+        }[case.kind](case, Path(args.outdir))
         return 0
     if args.list:
         for case in CASES:

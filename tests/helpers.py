@@ -103,7 +103,9 @@ LIGHTNING_SAMPLES = [s for s in ALL_SAMPLES if "lightning" in s.meta]
 SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta and "lightning" not in s.meta]
 PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep") and not s.meta.get("tp")]
 MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep")]
-TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp")]
+TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp") and "mpu" not in s.meta]  # AutoTP
+MEGATRON_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] == 1]  # an mpu's tensor ranks
+PIPELINE_TENSOR_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] > 1]  # pipeline x tensor
 
 
 def sample(name: str) -> Sample:

@@ -110,7 +110,8 @@ def test_unsupported_layouts_are_named(copy_checkpoint) -> None:
         tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         tag_dir(ckpt) / "zero_pp_rank_0_mp_rank_01_optim_states.pt",
     )
-    assert_refused(ckpt, "zero_pp_rank_0_mp_rank_01_optim_states.pt", "a ZeRO-3 tensor-parallel checkpoint")
+    # an optimizer file of tensor rank 1 alone: read as a ZeRO-3 tensor-parallel run, its model states named missing
+    assert_refused(ckpt, "zero_pp_rank_0_mp_rank_01_model_states.pt", "missing (tensor rank 1 of 2)")
 
 
 def test_latest_names_a_missing_tag(copy_checkpoint) -> None:

@@ -1,6 +1,6 @@
 """Tensor-parallel checkpoints of DeepSpeed's AutoTP (issue 19): samples written by real DeepSpeed
 with ``"tensor_parallel": {"autotp_size": 2}`` on a tiny Hugging Face Llama (scripts/make_parallel_ckpts.py:
-ZeRO-1 fp32 at 1 data rank, ZeRO-2 bf16 at 2), read as the unsharded model. The truth is DeepSpeed's
+ZeRO-1 fp32 at 1 data rank, ZeRO-2 and ZeRO-3 bf16 at 2), read as the unsharded model. The truth is DeepSpeed's
 own merge, ``ds_to_universal`` (exact for AutoTP's affine maps): every param's fp32 master and Adam
 moments (``reference/universal.safetensors``)."""
 
@@ -116,10 +116,21 @@ def test_reshard_to_other_data_ranks_keeps_every_value(tmp_path: Path) -> None:
         assert same_bits(value, reference[name]), name
 
 
-def test_writes_it_cannot_make_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="--stage 3: zckpt writes AutoTP checkpoints at ZeRO-1/2 only"):
-        reshard(FP32.checkpoint, tmp_path / "out", world_size=2, stage=3)
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("name, stage", [("autotp_z1_fp32_tp2", 3), ("autotp_z3_bf16_tp2_dp2", 1)])
+def test_reshard_across_zero_stages_keeps_every_value(tmp_path: Path, name: str, stage: int) -> None:
+    """ZeRO-1 to ZeRO-3 and back, each tensor rank laid out by the data-parallel writer (DeepSpeed
+    loads them: test_interop_parallel.py)."""
+    case = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == name)
+    out = tmp_path / "other"
+    reshard(case.checkpoint, out, world_size=2, stage=stage)
+    index = open_checkpoint(out)
+    assert index.topology == Topology(tp=2, dp=2) and index.zero_stage == stage
+    reference = _reference(case)
+    for name, value in load_state_dict(out, dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
+    with pytest.raises(UsageError, match="--target-stage 3: zckpt writes the universal folder of a tensor-parallel"):
+        to_universal(case.checkpoint, tmp_path / "z3", target_stage=3)
+    assert not (tmp_path / "z3").exists()
 
 
 @pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
@@ -128,7 +139,7 @@ def test_to_universal_is_the_unsharded_model_deepspeed_merges(tmp_path: Path, ca
     piece itself, test_interop_parallel.py): masters and moments equal ds_to_universal's merge,
     and the folder read back is the whole model."""
     out = tmp_path / "universal"
-    to_universal(case.checkpoint, out)
+    to_universal(case.checkpoint, out, target_stage=min(case.meta["zero_stage"], 2))
     universal = open_training_state(out)
     assert universal.index.universal and universal.index.topology == Topology(dp=case.meta["dp"])
     reference = _reference(case)
@@ -154,11 +165,12 @@ def test_inspect_shows_how_each_param_was_split(case: Sample) -> None:
 
     report = inspect_path(str(case.checkpoint))
     placements = {p["name"]: p.get("placement") for p in report["parameters"]}
-    shards = torch.load(case.checkpoint / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    first = next((case.checkpoint / "global_step3").glob("*mp_rank_00_model_states.pt"))
+    shapes = {n: s for group in torch.load(first, weights_only=False)["param_shapes"] for n, s in group.items()}
     full = {n: t for n, t in _reference(case).items() if not n.endswith((".exp_avg", ".exp_avg_sq"))}
     assert placements and set(placements) == set(full)
     for name, whole in full.items():
-        short = [d for d, (a, b) in enumerate(zip(whole.shape, shards[name].shape)) if a != b]
+        short = [d for d, (a, b) in enumerate(zip(whole.shape, shapes[name])) if a != b]
         expected = (
             f"{['rows', 'columns'][short[0]]} split over 2 tensor ranks" if short else "replicated on 2 tensor ranks"
         )

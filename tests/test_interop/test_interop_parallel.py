@@ -289,23 +289,29 @@ engine.save_checkpoint(str(out / "resaved"))  # what the engine loaded, as DeepS
 dist.barrier()
 """
 
-# (sample, data-parallel ranks of the loading run): the same tensor ranks over more or fewer data ranks
-TP_RESHARDS = [("autotp_z1_fp32_tp2", 2), ("autotp_z2_bf16_tp2_dp2", 1)]
+# (sample, data-parallel ranks and ZeRO stage of the loading run): the same tensor ranks over more
+# or fewer data ranks, at the run's stage or another
+TP_RESHARDS = [
+    ("autotp_z1_fp32_tp2", 2, 1),
+    ("autotp_z2_bf16_tp2_dp2", 1, 2),
+    ("autotp_z3_bf16_tp2_dp2", 1, 3),
+    ("autotp_z1_fp32_tp2", 2, 3),
+]
 
 
-@pytest.mark.parametrize("name, dp", TP_RESHARDS, ids=[f"{n}-to-dp{d}" for n, d in TP_RESHARDS])
-def test_deepspeed_resumes_a_resharded_autotp_checkpoint(tmp_path: Path, name: str, dp: int) -> None:
-    """zckpt's reshard of an AutoTP checkpoint to another data-parallel size, loaded by DeepSpeed's
-    AutoTP engine with a plain load_checkpoint and saved again: every param's merged master and
-    moments are DeepSpeed's own merge of the original (ds_to_universal's)."""
+@pytest.mark.parametrize("name, dp, stage", TP_RESHARDS, ids=[f"{n}-to-dp{d}-z{z}" for n, d, z in TP_RESHARDS])
+def test_deepspeed_resumes_a_resharded_autotp_checkpoint(tmp_path: Path, name: str, dp: int, stage: int) -> None:
+    """zckpt's reshard of an AutoTP checkpoint to another data-parallel size (and ZeRO stage),
+    loaded by DeepSpeed's AutoTP engine with a plain load_checkpoint and saved again: every param's
+    merged master and moments are DeepSpeed's own merge of the original (ds_to_universal's)."""
     from helpers import TENSOR_PARALLEL_SAMPLES
 
     case = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == name)
     out = tmp_path / "resharded"
-    reshard(case.checkpoint, out, world_size=dp)
+    reshard(case.checkpoint, out, world_size=dp, stage=stage)
     loaded = tmp_path / "loaded"
     meta = case.meta
-    _run_deepspeed(TP_LOADER, loaded, dp * meta["tp"], out, loaded, meta["dtype"], meta["zero_stage"], dp, meta["tp"])
+    _run_deepspeed(TP_LOADER, loaded, dp * meta["tp"], out, loaded, meta["dtype"], stage, dp, meta["tp"])
     _assert_holds_the_merged_state(case, loaded / "resaved", dp)
 
 
@@ -331,6 +337,208 @@ def test_deepspeed_resumes_the_universal_checkpoint_of_an_autotp_run(
     world = dp * max(tp, 1)
     _run_deepspeed(TP_LOADER, loaded, world, out, loaded, meta["dtype"], meta["zero_stage"], dp, tp, "universal")
     _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
+MEGATRON_LOADER = r"""
+import sys
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+
+sys.path.insert(0, sys.argv[1])
+from make_parallel_ckpts import Case, MegatronMpu, build_megatron, ds_config, megatron_checkpoint_info
+
+checkpoint, out, dtype, stage, dp, tp = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:8])
+deepspeed.init_distributed(dist_backend="gloo")
+case = Case("load", stage, dtype, pp=1, dp=dp, mtp=tp, grad_accum=1)
+mpu = MegatronMpu(tp)
+model = build_megatron(case, mpu)
+config = ds_config(case)
+if sys.argv[8:] == ["universal"]:
+    config["checkpoint"] = {"load_universal": True}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+path, client = engine.load_checkpoint(str(checkpoint))
+assert path is not None, "load_checkpoint found nothing"
+# what the engine loaded, as DeepSpeed saves it (with the merge rules, as Megatron-DeepSpeed saves them)
+engine.save_checkpoint(str(out / "resaved"), client_state={"universal_checkpoint_info": megatron_checkpoint_info(tp)})
+dist.barrier()
+"""
+
+
+def _megatron(name: str) -> Sample:
+    from helpers import MEGATRON_SAMPLES
+
+    return next(s for s in MEGATRON_SAMPLES if s.name == name)
+
+
+# (sample, data-parallel ranks and ZeRO stage of the loading run)
+MEGATRON_RESHARDS = [
+    ("megatron_z1_fp32_tp2", 2, 1),
+    ("megatron_z2_bf16_tp2_dp2", 1, 2),
+    ("megatron_z3_fp32_tp2_dp2", 1, 3),
+    ("megatron_z3_fp32_tp2_dp2", 2, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "name, dp, stage", MEGATRON_RESHARDS, ids=[f"{n}-to-dp{d}-z{z}" for n, d, z in MEGATRON_RESHARDS]
+)
+def test_deepspeed_resumes_a_resharded_megatron_checkpoint(tmp_path: Path, name: str, dp: int, stage: int) -> None:
+    """zckpt's reshard of a Megatron-style tensor-parallel checkpoint (an mpu, merge patterns) to
+    another data-parallel size, loaded by DeepSpeed with the same mpu and a plain load_checkpoint,
+    saved again: every param's merged master and moments are ds_to_universal's merge of the
+    original."""
+    case = _megatron(name)
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=dp, stage=stage)
+    loaded = tmp_path / "loaded"
+    meta = case.meta
+    _run_deepspeed(MEGATRON_LOADER, loaded, dp * meta["tp"], out, loaded, meta["dtype"], stage, dp, meta["tp"])
+    _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
+# (sample, tensor ranks and data ranks of the loading run)
+MEGATRON_UNIVERSAL_LOADS = [
+    ("megatron_z1_fp32_tp2", 2, 2),
+    ("megatron_z2_bf16_tp2_dp2", 1, 2),
+    ("megatron_z3_fp32_tp2_dp2", 2, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "name, tp, dp", MEGATRON_UNIVERSAL_LOADS, ids=[f"{n}-tp{t}-dp{d}" for n, t, d in MEGATRON_UNIVERSAL_LOADS]
+)
+def test_deepspeed_resumes_the_universal_checkpoint_of_a_megatron_run(
+    tmp_path: Path, name: str, tp: int, dp: int
+) -> None:
+    """``to-universal`` of a Megatron-style tensor-parallel checkpoint, loaded with
+    ``load_universal`` by DeepSpeed with an mpu of another data-parallel size, and of one tensor
+    rank (vocabulary 23 rows, not padded to 24): saved again, every param's master and moments are
+    ds_to_universal's merge of the original (DeepSpeed cut each rank's slice by the merge rule
+    zckpt wrote beside each tensor)."""
+    case = _megatron(name)
+    out = tmp_path / "universal"
+    stage = min(case.meta["zero_stage"], 2)  # a ZeRO-3 run's for a ZeRO-1/2 one (the loader that cuts slices)
+    to_universal(case.checkpoint, out, target_stage=stage)
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(MEGATRON_LOADER, loaded, tp * dp, out, loaded, case.meta["dtype"], stage, dp, tp, "universal")
+    _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
+def test_the_universal_files_of_a_megatron_run_are_ds_to_universals(tmp_path: Path) -> None:
+    """Every per-param file of zckpt's universal folder holds what ds_to_universal's holds: the
+    same keys in the same order (cat_dim, param_n_sub_params, sub_param_shape, vocab_tensor,
+    param), equal rule objects and the same tensor bits (torch.load of both)."""
+    import os
+    import subprocess
+
+    case = _megatron("megatron_z1_fp32_tp2")
+    theirs = tmp_path / "theirs"
+    subprocess.run(
+        [
+            ds_python(),
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(case.checkpoint / "global_step3"),
+            "--output_folder",
+            str(theirs),
+        ],
+        check=True,
+        env=ds_env(1, ds_python()),
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    ours = tmp_path / "ours"
+    to_universal(case.checkpoint, ours)
+    compare = r"""
+import os, sys, torch
+theirs, ours = sys.argv[1], sys.argv[2]
+names = sorted(n for n in os.listdir(os.path.join(theirs, "zero")) if os.path.isdir(os.path.join(theirs, "zero", n)))
+assert names == sorted(n for n in os.listdir(os.path.join(ours, "zero")) if os.path.isdir(os.path.join(ours, "zero", n)))
+for name in names:
+    for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        a = torch.load(os.path.join(theirs, "zero", name, state + ".pt"), weights_only=False)
+        b = torch.load(os.path.join(ours, "zero", name, state + ".pt"), weights_only=False)
+        assert list(a) == list(b), (name, state, list(a), list(b))
+        for key in a:
+            if key == "param":
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (name, state)
+            else:
+                assert type(a[key]) is type(b[key]) and vars(a[key]) == vars(b[key]) if hasattr(a[key], "__dict__") else a[key] == b[key], (name, state, key)
+print("same", len(names))
+"""
+    done = subprocess.run(
+        [ds_python(), "-c", compare, str(theirs), str(ours / "global_step3_universal")],
+        env=ds_env(1, ds_python()),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and "same 22" in done.stdout, done.stdout + done.stderr
+    assert os.path.isdir(theirs / "zero")
+
+
+PIPE_MEGATRON_LOADER = r"""
+import sys
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+
+sys.path.insert(0, sys.argv[1])
+from make_parallel_ckpts import Case, build_pipeline_megatron, ds_config, pipeline_megatron_patterns
+
+checkpoint, out, pp, tp, dp = Path(sys.argv[2]), Path(sys.argv[3]), *map(int, sys.argv[4:7])
+deepspeed.init_distributed(dist_backend="gloo")
+case = Case("load", 1, "fp32", pp=pp, dp=dp, mtp=tp)
+model = build_pipeline_megatron(case)
+config = ds_config(case)
+if sys.argv[7:] == ["universal"]:
+    config["checkpoint"] = {"load_universal": True}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+path, client = engine.load_checkpoint(str(checkpoint))
+assert path is not None, "load_checkpoint found nothing"
+engine.save_checkpoint(str(out / "resaved"), client_state={"universal_checkpoint_info": pipeline_megatron_patterns(tp)})
+dist.barrier()
+"""
+
+# (pipeline stages, tensor ranks, data ranks of the loading run)
+PIPE_TENSOR_UNIVERSAL_LOADS = [(1, 2, 1), (2, 1, 2)]
+
+
+@pytest.mark.parametrize(
+    "pp, tp, dp", PIPE_TENSOR_UNIVERSAL_LOADS, ids=[f"pp{p}-tp{t}-dp{d}" for p, t, d in PIPE_TENSOR_UNIVERSAL_LOADS]
+)
+def test_deepspeed_resumes_the_universal_checkpoint_of_a_pipeline_tensor_run(
+    tmp_path: Path, pp: int, tp: int, dp: int
+) -> None:
+    """``to-universal`` of the 2-stage x 2-tensor-rank checkpoint, loaded with ``load_universal``
+    by DeepSpeed's PipelineEngine as one stage of 2 tensor ranks, and as 2 stages of 1 tensor rank
+    over 2 data ranks: saved again, every param's master and moments are ds_to_universal's merge
+    of the original."""
+    from helpers import PIPELINE_TENSOR_SAMPLES
+
+    case = PIPELINE_TENSOR_SAMPLES[0]
+    out = tmp_path / "universal"
+    to_universal(case.checkpoint, out)
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, pp * tp * dp, out, loaded, pp, tp, dp, "universal")
+    _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
+def test_deepspeed_resumes_a_resharded_pipeline_tensor_checkpoint(tmp_path: Path) -> None:
+    """zckpt's reshard of the 2-stage x 2-tensor-rank checkpoint to 2 data ranks, loaded by
+    DeepSpeed's PipelineEngine (8 ranks) with a plain load_checkpoint, saved again: masters and
+    moments as saved."""
+    from helpers import PIPELINE_TENSOR_SAMPLES
+
+    case = PIPELINE_TENSOR_SAMPLES[0]
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=2)
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, 8, out, loaded, 2, 2, 2)
+    _assert_holds_the_merged_state(case, loaded / "resaved", 2)
 
 
 def _assert_holds_the_merged_state(case: Sample, resaved_dir: Path, dp: int) -> None:

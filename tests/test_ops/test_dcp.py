@@ -326,6 +326,8 @@ def test_groups_lacking_a_key_of_the_optimizer_are_refused_by_dcp_load(
         ("pp2_z1_bf16_dp2", "live"),
         ("moe_z1_bf16_ep2_dp4", "live"),
         ("autotp_z2_bf16_tp2_dp2", "universal"),
+        ("megatron_z2_bf16_tp2_dp2", "universal"),
+        ("pp2_megatron_z1_fp32_tp2", "universal"),
     ],
 )
 def test_parallel_layouts_leave_as_the_unsharded_model(name: str, reference: str, tmp_path: Path) -> None:

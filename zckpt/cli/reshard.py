@@ -122,12 +122,16 @@ def reshard(
         swap_notes(swap_folder, result.source.index.notes, quiet)
     if not quiet and primary:
         source = result.source.index
-        stages = ""
-        if result.source.stages:
-            out_stages = pipeline_stages or len(result.source.stages)
-            stages = f" x {out_stages} pipeline stage{'s' * (out_stages != 1)}"
+        dp = result.target.world_size
+        out_stages = (pipeline_stages or len(result.source.stages)) if result.source.stages else 1
+        tp = source.topology.tp
+        world, shape = f"{dp * out_stages * tp}", ""
+        if out_stages > 1 or tp > 1:
+            parts = [f"{out_stages} pipeline stage{'s' * (out_stages != 1)}"] if out_stages > 1 else []
+            parts += [f"{tp} tensor ranks"] if tp > 1 else []
+            shape = f" ({' x '.join(parts)} x {dp} data-parallel rank{'s' * (dp != 1)})"
         typer.echo(
-            f"wrote {result.tag} for world size {result.target.world_size}{stages} (ZeRO-{result.target.stage}) from world size "
+            f"wrote {result.tag} for world size {world}{shape} (ZeRO-{result.target.stage}) from world size "
             f"{source.world_size} (ZeRO-{source.zero_stage}): {len(result.files)} files, {format_size(result.bytes_written)}"
             + (f", {len(result.carried)} files carried" if result.carried else "")
             + (f", {len(result.dropped)} left out ({', '.join(result.dropped)})" if result.dropped else "")

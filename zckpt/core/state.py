@@ -61,11 +61,13 @@ class PaddingRun:
 @dataclass(frozen=True)
 class PipelineStage:
     """What one pipeline stage of the run held: its trainable params in its optimizer's order,
-    its buffers, and the layer files it saved (carried to a pipeline output as they are)."""
+    its buffers, and the layer files it saved (carried to a pipeline output as they are); with
+    tensor ranks, each tensor rank's own state of the stage's shards (which a writer lays out again)."""
 
     params: tuple[str, ...]
     buffers: tuple[str, ...]
     layer_files: tuple[str, ...]
+    tensor_shards: tuple["TrainingState", ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)

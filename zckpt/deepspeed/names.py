@@ -181,6 +181,30 @@ CHECKPOINT_PARALLEL_DIMENSIONS = "checkpoint_parallel_dimensions"  # DeepSpeed >
 NUM_EXPERTS = "num_experts"  # a mixture-of-experts run: experts per MoE layer
 DS_AUTOEP_LAYERS = "ds_autoep_layers"  # a mixture-of-experts run, DeepSpeed >= 0.19
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # a model's merge rules (AutoTP, Megatron)
+# its keys (deepspeed/checkpoint/constants.py): AutoTP's exact map, Megatron's merge patterns
+AFFINE_MAP = "affine_map"
+UNIVERSAL_CHECKPOINT_VERSION = "universal_checkpoint_version"
+VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
+TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
+PARAMETER_TO_AVERAGE_PATTERNS = "parameter_to_average_patterns"
+PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
+PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
+PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
+SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"  # per pattern, per sub-param, each rank's width
+ORIGINAL_VOCAB_SIZE = "original_vocab_size"
+# what ds_to_universal writes beside a merged tensor, for the loader to cut it again
+PARAM_N_SUB_PARAMS = "param_n_sub_params"
+SUB_PARAM_SHAPE = "sub_param_shape"  # a SubparamShape (patterns, shape, partition_dim)
+SUBPARAM_SHAPE_CLASS = ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape")
+VOCAB_TENSOR = "vocab_tensor"
+MEGATRON_PATTERN_KEYS = (
+    VOCABULARY_PARAMETER_PATTERNS,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    PARAMETER_TO_AVERAGE_PATTERNS,
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0,
+    PARAMETER_WITH_SUB_PARAMS,
+)
 
 # --- optim_states keys -------------------------------------------------------------------------
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"

@@ -31,6 +31,7 @@ from . import names as N
 from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
 from .survey import Survey
+from .tensor_parallel import read_tensor_parallel
 
 TIED_PREFIX = "tied_modules."
 
@@ -79,18 +80,31 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
     if declarations is None:
         return
     stages = len(declarations)
-    layers = _layer_files(result, files, declarations)
-    if layers is None:
+    tp = files.layer_tensor_ranks
+    by_tensor = [_layer_files(result, files, declarations, t) for t in range(tp)]
+    if any(layers is None for layers in by_tensor):
         return
+    layers = by_tensor[0]
+    assert layers is not None
     surveys: list[Survey] = []
     for stage in range(stages):
-        module = {name: ref for layer in layers if layer.stage == stage for name, ref in layer.tensors.items()}
+        modules = [
+            {name: ref for layer in tensor_layers if layer.stage == stage for name, ref in layer.tensors.items()}
+            for tensor_layers in by_tensor
+            if tensor_layers is not None
+        ]
         sub = Survey(result.path, location=location)
-        read_ranks(sub, files.stage(stage), modules={None: module}, mp_world=stages)
+        if tp == 1:
+            read_ranks(sub, files.stage(stage), modules={None: modules[0]}, mp_world=stages)
+        else:  # each stage a tensor-parallel checkpoint of its layers
+            read_tensor_parallel(sub, files.stage(stage), modules=modules, mp_world=stages * tp)
         surveys.append(sub)
     first = surveys[0]
-    # the stages' notes, less the one telling where frozen params came from (said below, for all)
-    whole = result.take_parts(surveys, (layer.path for layer in layers), lambda n: "frozen params read from" not in n)
+    layer_paths = (layer.path for tensor_layers in by_tensor if tensor_layers for layer in tensor_layers)
+    # the stages' notes, less where frozen params came from and how tensor ranks merged (said below, for all)
+    whole = result.take_parts(
+        surveys, layer_paths, lambda n: "frozen params read from" not in n and not n.startswith("tensor-parallel (")
+    )
     result.declared = [d for sub in surveys for d in sub.declared]
     result.declared_dtypes = {k: v for sub in surveys for k, v in sub.declared_dtypes.items()}
     dp_sizes = {sub.world_size for sub in surveys}
@@ -109,34 +123,39 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
     _check_counters(result, declarations, surveys)
     if result.problems:
         return
-    dp = first.world_size
-    assert dp is not None
+    assert first.index is not None
+    dp = first.index.topology.dp
     order = _module_order(declarations, layers)
     entries, replicas = _merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order)
+    rules = next((n for sub in surveys for n in sub.notes if n.startswith("tensor-parallel (")), "")
+    tensors = f" x {tp} tensor ranks ({rules[len('tensor-parallel (') :].split(')')[0]})" if tp > 1 else ""
     result.notes.append(
-        f"pipeline-parallel: {stages} stage{'s' * (stages != 1)} x {dp} data-parallel rank{'s' * (dp != 1)}, "
-        f"{len(layers)} layer files (frozen params and buffers read from them)"
+        f"pipeline-parallel: {stages} stage{'s' * (stages != 1)}{tensors} x {dp} data-parallel rank{'s' * (dp != 1)}, "
+        f"{len(layers) * tp} layer files (frozen params and buffers read from them)"
         + (
             f"; {len({r.name for r in replicas})} tied param(s) held by several stages, written once"
             if replicas
             else ""
         )
     )
+    replicas += [r for sub in surveys if sub.index is not None for r in sub.index.replicas]  # tensor ranks' copies
     index0 = first.index
     assert index0 is not None
     result.index = merged_index(
         index0,
-        Topology(pp=stages, dp=dp),
+        Topology(pp=stages, tp=tp, dp=dp),
         entries,
         tuple(result.files),
         tuple(result.notes),
         replicas,
-        _stage_placements([sub.index.entries for sub in surveys if sub.index is not None]),
+        _stage_placements([sub.index for sub in surveys if sub.index is not None]),
         [pair for sub in surveys if sub.index is not None for pair in sub.index.rounded_copies],
     )
     try:
         stage_states = [sub.state for sub in surveys if sub.state is not None]
-        result.state = _merged_state(result.index, stage_states, order, declarations, layers)
+        result.state = _merged_state(
+            result.index, stage_states, order, declarations, [t for t in by_tensor if t is not None]
+        )
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
@@ -147,7 +166,7 @@ def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | 
     tag_dir = files.tag_dir
     heads: dict[int, tuple[str, dict]] = {}
     for stage in files.stages:
-        model = files.stage(stage).model
+        model = files.stage(stage).tensor_rank(0).model  # a stage's names: its tensor ranks name alike
         if None not in model:
             result.add(
                 CheckpointNotFoundError,
@@ -203,15 +222,18 @@ def _stage_count(state: dict) -> int | None:
     return mp if isinstance(mp, int) and mp > 0 else None
 
 
-def _layer_files(result: Survey, files: RankFiles, declarations: list[StageDeclaration]) -> list[LayerFile] | None:
-    """Every layer file, its tensors under the one-stage model's names and the stage it is in."""
+def _layer_files(
+    result: Survey, files: RankFiles, declarations: list[StageDeclaration], tensor: int = 0
+) -> list[LayerFile] | None:
+    """Every layer file (of tensor rank `tensor`), its tensors under the one-stage model's names
+    and the stage it is in."""
     trainable = {name for d in declarations for name in d.trainable}
     declared = {name for d in declarations for name in d.names}
     tied = sorted(name for name in trainable if name.startswith(TIED_PREFIX))
     owner = {layer: d.stage for d in declarations for layer in d.layers}
     starts = {d.stage: min(d.layers) for d in declarations if d.layers}
     layers: list[LayerFile] = []
-    for index, path in files.layers.items():
+    for index, path in files.tensor_layers(tensor).items():
         state = load(result, path)
         if state is None:
             continue
@@ -240,7 +262,9 @@ def _layer_files(result: Survey, files: RankFiles, declarations: list[StageDecla
             assert layer is not None
             result.add(
                 CheckpointNotFoundError,
-                os.path.join(files.tag_dir, N.layer_states_name(layer)),
+                os.path.join(
+                    files.tag_dir, N.layer_states_name(layer, tensor if files.layer_tensor_ranks > 1 else None)
+                ),
                 f"missing: stage {d.stage} lists {missing[0]}"
                 + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
                 + " (the layer's weights and buffers are only in its layer file)",
@@ -297,14 +321,19 @@ def _module_order(declarations: list[StageDeclaration], layers: list[LayerFile])
     return {name: position for position, name in enumerate(dict.fromkeys(names))}
 
 
-def _stage_placements(stage_entries: list[tuple[Entry, ...]]) -> dict[str, str]:
-    """Which stage held each tensor ("stages 0, 1" for a tied param every one of them kept)."""
+def _stage_placements(indexes: list[CheckpointIndex]) -> dict[str, str]:
+    """Which stage held each tensor ("stages 0, 1" for a tied param every one of them kept), and
+    how the stage's tensor ranks held it (a stage's own placement)."""
     held: dict[str, list[int]] = {}
-    for stage, entries in enumerate(stage_entries):
-        for entry in entries:
+    within: dict[str, str] = {}
+    for stage, index in enumerate(indexes):
+        for entry in index.entries:
             held.setdefault(entry.name, []).append(stage)
+        for name, placement in index.placements.items():
+            within.setdefault(name, placement)
     return {
-        name: f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))} (tied copies)"
+        name: (f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))} (tied copies)")
+        + (f"; {within[name]}" if name in within else "")
         for name, stages in held.items()
     }
 
@@ -328,7 +357,7 @@ def _merged_state(
     states: list[TrainingState],
     order: dict[str, int],
     declarations: list[StageDeclaration],
-    layers: list[LayerFile],
+    layers: list[list[LayerFile]],
 ) -> TrainingState:
     """One training state of the stages': their params (tied ones once), their param groups
     joined group by group in the one-stage model's order (its optimizer's), the counters and the
@@ -354,7 +383,10 @@ def _merged_state(
         PipelineStage(
             params=tuple(p.name for p in state.params),
             buffers=declaration.buffers,
-            layer_files=tuple(layer.path for layer in layers if layer.stage == declaration.stage),
+            layer_files=tuple(
+                layer.path for tensor_layers in layers for layer in tensor_layers if layer.stage == declaration.stage
+            ),
+            tensor_shards=state.tensor_shards,
         )
         for state, declaration in zip(states, declarations)
     )
@@ -368,4 +400,5 @@ def _merged_state(
         module_dtype_names={k: v for s in states for k, v in s.module_dtype_names.items()},
         state_padding=tuple(p for s in states for p in s.state_padding),
         stages=stages,
+        tensor_shards=(),  # each stage's, in its PipelineStage
     )

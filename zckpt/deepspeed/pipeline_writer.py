@@ -53,9 +53,22 @@ def plan_pipeline_checkpoint(state: TrainingState, target: Target, stages: int |
     if target.stage != 1:
         raise UsageError(None, f"--stage {target.stage}: DeepSpeed's pipeline engine runs ZeRO-0/1 only")
     out_stages = pipeline_stages(state, stages)
+    if len(out_stages) != len(state.stages) and any(stage.tensor_shards for stage in state.stages):
+        raise UsageError(
+            None,
+            f"--pipeline-stages {stages}: zckpt writes a pipeline x tensor parallel checkpoint at its own stages; as one "
+            "stage, each tensor rank's shards would be joined across stages (not supported yet)",
+        )
     files: list[PlannedFile] = []
     plans = []
     for number, stage in enumerate(out_stages):
+        if stage.tensor_shards:  # each tensor rank of the stage its own data-parallel checkpoint
+            tp = len(stage.tensor_shards)
+            for t, shard in enumerate(stage.tensor_shards):
+                plan = plan_checkpoint(shard, target)
+                plans.append(plan)
+                files.extend(_as_stage_file(p, number, len(out_stages), stage, t, tp) for p in plan.files)
+            continue
         plan = plan_checkpoint(stage_state(state, stage), target)
         plans.append(plan)
         for planned in plan.files:
@@ -101,14 +114,17 @@ def one_stage_state(state: TrainingState) -> TrainingState:
     return replace(one, index=replace(one.index, entries=state.index.entries), module_names=state.module_names)
 
 
-def _as_stage_file(planned: PlannedFile, stage: int, stages: int, held: PipelineStage) -> PlannedFile:
-    """A file the data-parallel writer planned, as pipeline stage `stage` names and holds it."""
+def _as_stage_file(
+    planned: PlannedFile, stage: int, stages: int, held: PipelineStage, tensor: int = 0, tp: int = 1
+) -> PlannedFile:
+    """A file the data-parallel writer planned, as pipeline stage `stage` (tensor rank `tensor`
+    of `tp`) names and holds it: model-parallel rank ``stage * tp + tensor``."""
     values: dict[str, Any] = {
         N.MODULE: None,  # the weights are in the layer files
         N.BUFFER_NAMES: list(held.buffers),
         N.SHARED_PARAMS: {},
-        N.MP_WORLD_SIZE: stages,
+        N.MP_WORLD_SIZE: stages * tp,
     }
     if isinstance(planned.obj, dict) and N.CHECKPOINT_PARALLEL_DIMENSIONS in planned.obj:
-        values[N.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": stages, "tp_degree": 1}
-    return at_model_parallel_rank(planned, stage, values)
+        values[N.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": stages, "tp_degree": tp}
+    return at_model_parallel_rank(planned, stage * tp + tensor, values)

@@ -68,13 +68,13 @@ class RankFiles:
 
     def tensor_rank(self, tensor: int) -> "RankFiles":
         """The model and optimizer files of one tensor rank: a data-parallel checkpoint of its
-        shards, named with its model-parallel rank."""
+        shards, named with its model-parallel rank (a pipeline stage's: stage * tp + tensor)."""
         own = tuple(
             dataclasses.replace(f, coords=RankCoords.dp(f.coords.data))
             for f in self.files
             if f.kind in ("model", "optim") and f.coords.tensor == tensor
         )
-        return RankFiles(self.tag_dir, own, mp_rank=tensor)
+        return RankFiles(self.tag_dir, own, mp_rank=self.mp_rank + tensor)
 
     @property
     def moe(self) -> bool:
@@ -87,8 +87,23 @@ class RankFiles:
 
     @property
     def layers(self) -> dict[int, str]:
-        """The pipeline layer files by global layer index."""
-        return dict(sorted((f.layer, f.path) for f in self.files if f.kind == "layer" and f.layer is not None))
+        """The pipeline layer files by global layer index (tensor rank 0's)."""
+        return self.tensor_layers(0)
+
+    def tensor_layers(self, tensor: int) -> dict[int, str]:
+        """One tensor rank's pipeline layer files (``layer_NN-model_TT-...``) by global layer index."""
+        return dict(
+            sorted(
+                (f.layer, f.path)
+                for f in self.files
+                if f.kind == "layer" and f.layer is not None and f.coords.tensor == tensor
+            )
+        )
+
+    @property
+    def layer_tensor_ranks(self) -> int:
+        """How many tensor ranks the layer files name (1: a pipeline run without tensor parallelism)."""
+        return max((f.coords.tensor for f in self.files if f.kind == "layer"), default=0) + 1
 
     @property
     def stages(self) -> list[int]:
@@ -97,14 +112,15 @@ class RankFiles:
 
     def stage(self, pipe: int) -> "RankFiles":
         """The model and optimizer files of one pipeline stage, as the data-parallel checkpoint
-        each stage is (its own ZeRO partitioning over its own data-parallel group), named with
-        the stage's model-parallel rank."""
+        each stage is (its own ZeRO partitioning over its own data-parallel group; with tensor
+        ranks, one per tensor rank: see :meth:`tensor_rank`), named with the stage's first
+        model-parallel rank (``stage * tp``)."""
         own = tuple(
-            dataclasses.replace(f, coords=RankCoords.dp(f.coords.data))
+            dataclasses.replace(f, coords=RankCoords(0, f.coords.tensor, 0, f.coords.data))
             for f in self.files
             if f.kind in ("model", "optim") and f.coords.pipe == pipe
         )
-        return RankFiles(self.tag_dir, own, mp_rank=pipe)
+        return RankFiles(self.tag_dir, own, mp_rank=pipe * self.layer_tensor_ranks)
 
     @property
     def model(self) -> dict[int | None, str]:
@@ -173,6 +189,9 @@ def scan_rank_files(tag_dir: str, folder_kind: str) -> RankFiles:
     found = [f for f in (parse_rank_file(os.path.join(tag_dir, name)) for name in listing) if f is not None]
     if _pipeline_only(found):
         found = [_as_stage(f) for f in found]
+    elif _pipeline_tensor(found):
+        tp = max(f.coords.tensor for f in found if f.kind == "layer") + 1
+        found = [_as_stage(f, tp) for f in found]
     refusal = layout_refusal(tag_dir, found)
     if refusal is not None:
         return RankFiles(tag_dir, tuple(found), fatal=refusal)
@@ -203,6 +222,14 @@ def _pipeline_only(files: list[RankFile]) -> bool:
     )
 
 
+def _pipeline_tensor(files: list[RankFile]) -> bool:
+    """Layer files of several tensor ranks (``layer_NN-model_TT-...``) and no expert files: a
+    pipeline x tensor parallel run, whose ``mp_rank_NN`` is ``stage * tp + tensor rank``."""
+    return any(f.kind == "layer" and f.coords.tensor > 0 for f in files) and not any(
+        f.kind in ("expert", "expert_optim") for f in files
+    )
+
+
 def _moe_only(files: list[RankFile]) -> bool:
     """Expert files beside ZeRO files of one model-parallel rank: a mixture-of-experts run over
     data-parallel ranks (ZeRO-0's ``expp_rank_*`` optimizer files are not read)."""
@@ -219,19 +246,19 @@ def _tensor_only(files: list[RankFile]) -> bool:
     return any(f.coords.tensor > 0 for f in files) and all(f.kind in ("model", "optim") for f in files)
 
 
-def _as_stage(file: RankFile) -> RankFile:
-    """A model or optimizer file of a pipeline run: its ``mp_rank`` is its stage."""
+def _as_stage(file: RankFile, tp: int = 1) -> RankFile:
+    """A model or optimizer file of a pipeline run: its ``mp_rank`` is ``stage * tp + tensor rank``."""
     if file.kind not in ("model", "optim"):
         return file
     coords = file.coords
-    return dataclasses.replace(file, coords=RankCoords(coords.tensor, 0, 0, coords.data))
+    return dataclasses.replace(file, coords=RankCoords(coords.tensor // tp, coords.tensor % tp, 0, coords.data))
 
 
 def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
-    """The one refusal of a folder holding files of a layout zckpt does not read (tensor and
-    expert parallel): which layouts and a file of each; None if there are none. Pipeline runs
-    of one tensor rank are read (their model and optimizer files carry their stage)."""
-    if _pipeline_only(files) or _moe_only(files) or _tensor_only(files):
+    """The one refusal of a folder holding files of a layout zckpt does not read (experts beside
+    pipeline stages or tensor ranks, ZeRO-0 experts): which layouts and a file of each; None if
+    there are none."""
+    if _pipeline_only(files) or _pipeline_tensor(files) or _moe_only(files) or _tensor_only(files):
         return None
     layers = [f for f in files if f.kind == "layer"]
     model_parallel = [f for f in files if f.kind in ("model", "optim") and f.coords.tensor > 0]
@@ -254,8 +281,9 @@ def layout_refusal(tag_dir: str, files: list[RankFile]) -> LayoutError | None:
         return None
     return LayoutError(
         tag_dir,
-        f"a {' and '.join(layouts)} checkpoint ({'; '.join(details)}): zckpt reads data- and pipeline-parallel ZeRO "
-        "checkpoints and mixture-of-experts ZeRO-1/2 checkpoints only (tensor-parallel layouts, pipelines with experts and ZeRO-0 experts are not supported yet)",
+        f"a {' and '.join(layouts)} checkpoint ({'; '.join(details)}): zckpt reads data-, pipeline- and tensor-parallel "
+        "ZeRO checkpoints and mixture-of-experts ZeRO-1/2 checkpoints only (experts beside pipeline stages or tensor "
+        "ranks, and ZeRO-0 experts, are not supported yet)",
     )
 
 

@@ -1,21 +1,22 @@
-"""Tensor-parallel checkpoints of DeepSpeed's AutoTP (``"tensor_parallel": {"autotp_size": N}``,
-ZeRO-1/2): read as the unsharded model.
+"""Tensor-parallel checkpoints, ZeRO-1/2/3: DeepSpeed's AutoTP (``"tensor_parallel":
+{"autotp_size": N}``) and Megatron-style runs (an ``mpu``), read as the unsharded model.
 
 What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``): per tensor rank
-t, ``mp_rank_{t:02d}_model_states.pt`` (its module's shards) and its data ranks' ZeRO files
-``zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt``: each tensor rank is its own ZeRO
-partitioning of its shards over its data ranks. Every model-states file carries
-``universal_checkpoint_info`` with an exact ``affine_map``: per param (a regular expression of its
-name), its logical shape and, per tensor rank, the pieces it holds, each a strided block
-(``shape``) at ``source`` (offset, strides) in the logical tensor and ``dest`` in the shard, with
-``locations``: every rank that holds the same piece (a replicated param lists them all).
+t, its model-states file(s) (``mp_rank_{t:02d}_model_states.pt``; ZeRO-3: one per data rank) and
+its data ranks' ZeRO files ``zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt``: each tensor rank
+is its own ZeRO partitioning of its shards over its data ranks. How the shards merge is the
+``universal_checkpoint_info`` of the model-states files: AutoTP's has an exact ``affine_map`` (per
+param, a regular expression of its name, its logical shape and, per tensor rank, the pieces it
+holds, each a strided block (``shape``) at ``source`` (offset, strides) in the logical tensor and
+``dest`` in the shard, with ``locations``: every rank that holds the same piece); Megatron's has
+merge patterns, which :mod:`.megatron_rules` turns into such pieces.
 
 :func:`read_tensor_parallel` reads each tensor rank with the data-parallel reader
 (:func:`~.dp_reader.read_ranks`) and assembles every tensor (masters, each optimizer state,
 buffers) from its pieces as file segments: no byte is read to plan it. A piece several ranks
 hold is taken from the first; the other ranks' copies of a replicated param are kept as
-``replicas``, which verify compares. A tensor-parallel checkpoint without an affine map (Megatron's
-pattern-only ``universal_checkpoint_info``, or none) is refused rather than guessed.
+``replicas``, which verify compares. A tensor-parallel checkpoint without merge information is
+refused rather than guessed.
 """
 
 from __future__ import annotations
@@ -32,58 +33,52 @@ from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
 from . import names as N
 from .dp_reader import read_ranks
+from .megatron_rules import has_merge_patterns, megatron_specs
 from .rank_files import RankFiles, load
 from .survey import Survey
 
-AFFINE_MAP = "affine_map"
 
-
-def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
-    """Read an AutoTP tag folder into `result`: each tensor rank as the data-parallel ZeRO
-    checkpoint it is, every tensor assembled from the ranks' pieces."""
+def read_tensor_parallel(
+    result: Survey, files: RankFiles, modules: list[dict] | None = None, mp_world: int | None = None
+) -> None:
+    """Read a tensor-parallel tag folder into `result`: each tensor rank as the data-parallel ZeRO
+    checkpoint it is, every tensor assembled from the ranks' pieces. A pipeline stage of a
+    pipeline x tensor parallel run gives each tensor rank's module state dict (`modules`, rebuilt
+    from its layer files) and the run's model-parallel size (`mp_world`)."""
     location = result.location
     assert location is not None
-    if files.zero3:
-        other = next(os.path.basename(f.path) for f in files.files if f.coords.tensor > 0)
-        result.add(
-            LayoutError,
-            files.tag_dir,
-            f"a ZeRO-3 tensor-parallel checkpoint ({other} ...): zckpt reads AutoTP at ZeRO-1/2 only so far",
-        )
-        return
     ranks = files.tensor_ranks
     tp = max(ranks) + 1
-    first = files.tensor_rank(0).model.get(None)
+    key = files.first  # rank 0's model-states file: ZeRO-1/2 keep one per tensor rank, ZeRO-3 one per rank
+    first = files.tensor_rank(0).model.get(key)
     model0 = load(result, first) if first is not None else None
-    missing = [t for t in range(tp) if t not in ranks or None not in files.tensor_rank(t).model]
+    missing = [t for t in range(tp) if t not in ranks or key not in files.tensor_rank(t).model]
     if missing:
         result.add(
             LayoutError,
-            os.path.join(files.tag_dir, N.model_states_name(1, 0, missing[0])),
+            os.path.join(files.tag_dir, N.model_states_name(3 if files.zero3 else 1, 0, missing[0])),
             f"missing (tensor rank {missing[0]} of {tp})",
         )
         return
     if not isinstance(model0, dict):
         return
     affine = _affine_map(model0)
-    if affine is None:
-        info = model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
-        said = (
-            "its universal_checkpoint_info has merge patterns but no affine_map (Megatron-style)"
-            if isinstance(info, dict)
-            else "it records no universal_checkpoint_info"
-        )
+    info = model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    megatron = affine is None and has_merge_patterns(info)
+    if affine is None and not megatron:
         result.add(
             LayoutError,
             first,
-            f"a tensor-parallel checkpoint ({tp} tensor ranks) that does not say how its shards merge: {said}. zckpt "
-            "reads DeepSpeed AutoTP checkpoints, whose affine_map gives every param's pieces; it does not guess a merge",
+            f"a tensor-parallel checkpoint ({tp} tensor ranks) that does not say how its shards merge: it records "
+            "no universal_checkpoint_info (an AutoTP affine_map or Megatron's merge patterns, saved as client "
+            "state); zckpt does not guess a merge",
         )
         return
     surveys = []
     for t in range(tp):
         sub = Survey(result.path, location=location)
-        read_ranks(sub, files.tensor_rank(t), mp_world=tp)
+        module = {None: modules[t]} if modules is not None else None
+        read_ranks(sub, files.tensor_rank(t), modules=module, mp_world=mp_world or tp)
         surveys.append(sub)
     base = surveys[0]
     whole = result.take_parts(surveys)
@@ -93,15 +88,20 @@ def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
         return
     assert dp is not None
     try:
-        merge = _Merge(affine, [sub.index for sub in surveys if sub.index is not None], tp)
+        indexes = [sub.index for sub in surveys if sub.index is not None]
+        if megatron:
+            affine = _megatron_map(info, indexes)
+        assert affine is not None
+        merge = _Merge(affine, indexes, tp)
         entries = [merge.entry(e) for e in surveys[0].index.entries]  # type: ignore[union-attr]
-    except LayoutError as exc:
-        result.problems.append(exc)
+    except LayoutError as exc:  # the merge rules are rank 0's model-states file's: named where nothing else is
+        result.problems.append(exc if exc.path else LayoutError(first, exc.problem))
         return
     result.declared = [(e.name, e.source.shape, e.kind) for e in entries if e.kind != "tied"]
     result.declared_dtypes = base.declared_dtypes
+    rules = "Megatron-style, merged by its universal_checkpoint_info patterns" if megatron else "AutoTP"
     result.notes.append(
-        f"tensor-parallel (AutoTP): {tp} tensor ranks x {dp} data-parallel rank{'s' * (dp != 1)}; "
+        f"tensor-parallel ({rules}): {tp} tensor ranks x {dp} data-parallel rank{'s' * (dp != 1)}; "
         f"{len(merge.replicated)} params replicated on every tensor rank, the others merged from their pieces"
     )
     assert base.index is not None
@@ -124,9 +124,28 @@ def read_tensor_parallel(result: Survey, files: RankFiles) -> None:
 
 def _affine_map(model0: dict) -> dict[str, Any] | None:
     info = model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
-    affine = info.get(AFFINE_MAP) if isinstance(info, dict) else None
+    affine = info.get(N.AFFINE_MAP) if isinstance(info, dict) else None
     params = affine.get("params") if isinstance(affine, dict) else None
     return params if isinstance(params, dict) and params else None
+
+
+def _megatron_map(info: dict[str, Any], indexes: list[CheckpointIndex]) -> dict[str, Any]:
+    """Megatron's merge patterns as an affine map keyed by each param's exact name."""
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    trainable = set()
+    for entry in indexes[0].entries:
+        if entry.kind == "tied":
+            continue
+        by_rank = []
+        for t, index in enumerate(indexes):
+            found = next((e for e in index.entries if e.name == entry.name), None)
+            if found is None:
+                raise LayoutError(index.tag_dir, f"tensor rank {t} has no {entry.name} (rank 0 has)")
+            by_rank.append(found.source.shape)
+        shapes[entry.name] = by_rank
+        if entry.kind == "param":
+            trainable.add(entry.name)
+    return {re.escape(name): spec for name, spec in megatron_specs(info, shapes, trainable).items()}
 
 
 class _Merge:

@@ -1,8 +1,9 @@
-"""Tensor-parallel (AutoTP) checkpoints written (:func:`plan_tensor_parallel_checkpoint`): the
-training state of an AutoTP run laid out for another number of data-parallel ranks at the same
-tensor ranks, as DeepSpeed saves it, so a plain ``load_checkpoint`` of the new run reads it.
+"""Tensor-parallel checkpoints written (:func:`plan_tensor_parallel_checkpoint`): the training
+state of an AutoTP or Megatron-style run laid out for another number of data-parallel ranks (and
+ZeRO stage) at the same tensor ranks, as DeepSpeed saves it, so a plain ``load_checkpoint`` of the
+new run reads it.
 
-Each tensor rank is an ordinary ZeRO-1/2 checkpoint of its shards over its data ranks, so the
+Each tensor rank is an ordinary ZeRO checkpoint of its shards over its data ranks, so the
 data-parallel writer (:func:`~.writer.plan_checkpoint`) plans it from that rank's own state (kept
 by the reader, :mod:`.tensor_parallel`); its files take the rank's ``mp_rank`` and its
 model-states file the tensor-parallel world size. The shards' ``universal_checkpoint_info`` and
@@ -23,8 +24,8 @@ from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank,
 def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
     """Every file of the tensor-parallel checkpoint for `target` (its data-parallel size and ZeRO
     stage) at the input's tensor ranks; pure."""
-    if target.stage not in (1, 2):
-        raise UsageError(None, f"--stage {target.stage}: zckpt writes AutoTP checkpoints at ZeRO-1/2 only")
+    if target.stage not in (1, 2, 3):
+        raise UsageError(None, f"--stage {target.stage}: zckpt writes tensor-parallel checkpoints at ZeRO-1/2/3 only")
     tp = len(state.tensor_shards)
     files: list[PlannedFile] = []
     plans = [plan_checkpoint(shard, target) for shard in state.tensor_shards]
@@ -34,8 +35,8 @@ def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> Che
 
 
 def unsharded_state(state: TrainingState) -> TrainingState:
-    """An AutoTP run's state as that of the unsharded model over its data ranks: every param
-    and module tensor the full tensor the reader assembled by the ``affine_map`` (what a
-    universal checkpoint holds; the loading run cuts its own shards)."""
+    """A tensor-parallel run's state as that of the unsharded model over its data ranks: every
+    param and module tensor the full tensor the reader assembled (what a universal checkpoint
+    holds; the loading run cuts its own shards)."""
     index = replace(state.index, topology=Topology.data_parallel(state.index.topology.dp), replicas=())
     return replace(state, index=index, tensor_shards=())

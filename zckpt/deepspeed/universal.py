@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.errors import UsageError
 from ..core.state import ParamState, TrainingState
 from ..torchfile.save import OutTensor
 from . import names as N
+from .megatron_rules import has_merge_patterns, universal_keys
 from .pipeline_writer import one_stage_state
 from .tensor_parallel_writer import unsharded_state
 from .writer import (
@@ -50,14 +52,24 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     pipeline engine does not read it from a universal folder; zckpt does, for frozen params and
     buffers), so the folder is whole on its own. An AutoTP run's is written unsharded: DeepSpeed's
     loader cuts each tensor rank's piece by the loading model's own ``affine_map``, at any
-    tensor-parallel degree.
+    tensor-parallel degree. A Megatron-style run's is unsharded too, each param's files holding
+    the merge rule ``ds_to_universal`` writes beside the tensor (``cat_dim``, sub-params,
+    ``vocab_tensor``), which DeepSpeed's loader cuts the loading rank's slice by.
     """
+    tensor_parallel = state.index.topology.tp > 1
+    keys = _megatron_keys(state) if tensor_parallel else {}
     if state.stages:
-        state = one_stage_state(state)
-    elif state.tensor_shards:
+        state = one_stage_state(state)  # with tensor ranks: every param already merged
+    elif tensor_parallel:
         state = unsharded_state(state)
     require_data_parallel(state, "to-universal")
     target = plan_target(state, state.index.topology.dp, target_stage)
+    if tensor_parallel and target.stage == 3:
+        raise UsageError(
+            None,
+            "--target-stage 3: zckpt writes the universal folder of a tensor-parallel run for DeepSpeed's ZeRO-1/2 "
+            "loader, which cuts each tensor rank's slice (pass --target-stage 1 or 2)",
+        )
     layout = target_layout(state, target)
     files = plan_model_states(state, target, layout)
     files.append(
@@ -69,15 +81,28 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     )
     zero3 = target.stage == 3
     for param in state.params:
-        files.extend(_param_files(state, param, zero3))
+        files.extend(_param_files(state, param, zero3, keys.get(param.name)))
     return CheckpointPlan(
         N.universal_tag(state.index.source_tag), target, layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE
     )
 
 
-def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[PlannedFile]:
+def _megatron_keys(state: TrainingState) -> dict[str, dict[str, Any]]:
+    """Per trainable param of a Megatron-style tensor-parallel run, what its universal files hold
+    beside the tensor (:func:`~.megatron_rules.universal_keys`); empty for AutoTP, whose loader
+    cuts by the loading model's own map."""
+    info = state.engine_extras.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    if not has_merge_patterns(info) or (isinstance(info, dict) and info.get(N.AFFINE_MAP)):
+        return {}
+    return {param.name: universal_keys(info, param.name) for param in state.params}
+
+
+def _param_files(
+    state: TrainingState, param: ParamState, zero3: bool, keys: dict[str, Any] | None = None
+) -> list[PlannedFile]:
     """The param's folder: its name and its states' names come from the checkpoint (its tag
-    folder is named when one cannot be a file name)."""
+    folder is named when one cannot be a file name). `keys`: what the files hold beside the
+    tensor (a Megatron-style param's merge rule), else ``cat_dim`` 0."""
     where = state.index.tag_dir
     sources = {N.UNIVERSAL_FP32: param.master, **param.states}
     files = []
@@ -85,7 +110,7 @@ def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[P
         files.append(
             PlannedFile(
                 N.universal_state_file(param.name, key, where),
-                _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3),
+                _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3, keys),
                 None,
             )
         )
@@ -95,7 +120,9 @@ def _param_files(state: TrainingState, param: ParamState, zero3: bool) -> list[P
     return files
 
 
-def _wrapped(tensor: OutTensor, zero3: bool) -> Any:
+def _wrapped(tensor: OutTensor, zero3: bool, keys: dict[str, Any] | None) -> Any:
     """ZeRO-3's loader takes the bare flat tensor; ZeRO-1/2's wants DeepSpeed's dict (its key
-    order: ``cat_dim`` first, as ``merge_tp_slices`` fills it)."""
-    return tensor if zero3 else {N.UNIVERSAL_CAT_DIM: 0, N.UNIVERSAL_PARAM: tensor}
+    order: ``cat_dim`` or the other merge keys first, as ``merge_tp_slices`` fills it)."""
+    if zero3:
+        return tensor
+    return {**(keys if keys is not None else {N.UNIVERSAL_CAT_DIM: 0}), N.UNIVERSAL_PARAM: tensor}

@@ -204,15 +204,18 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
 
 
 def at_model_parallel_rank(planned: PlannedFile, mp_rank: int, model_values: dict[str, Any]) -> PlannedFile:
-    """A ZeRO-1/2 file this writer planned (named for model-parallel rank 0) as model-parallel rank
-    `mp_rank` names it (a pipeline stage, a tensor rank); its model-states file with `model_values`
-    set, in the keys' places."""
+    """A file this writer planned (named for model-parallel rank 0) as model-parallel rank
+    `mp_rank` names it (a pipeline stage, a tensor rank); its model-states file (ZeRO-1/2's one,
+    or each of ZeRO-3's per data rank) with `model_values` set, in the keys' places."""
     optim = N.OPTIM_STATES_RE.match(planned.name)
     if optim is not None:
         return replace(planned, name=N.optim_states_name(int(optim["dp"]), mp_rank, bool(optim["prefix"])))
     model = N.MODEL_STATES_RE.match(planned.name)
-    assert model is not None and model["dp"] is None, planned.name  # ZeRO-1/2: one model-states file per rank
-    return PlannedFile(N.model_states_name(1, 0, mp_rank), {**planned.obj, **model_values}, planned.rank)
+    assert model is not None, planned.name
+    name = (
+        N.model_states_name(1, 0, mp_rank) if model["dp"] is None else N.model_states_name(3, int(model["dp"]), mp_rank)
+    )
+    return PlannedFile(name, {**planned.obj, **model_values}, planned.rank)
 
 
 def require_data_parallel(state: TrainingState, what: str) -> None:

@@ -1,0 +1,241 @@
+"""Megatron-style tensor-parallel checkpoints (issue 19): samples written by real DeepSpeed with a
+Megatron ``mpu`` on a tiny GPT whose ranks hold vocabulary-parallel embedding and head (23 rows
+padded to 24), replicated LayerNorms, a fused query/key/value of grouped sub-params, a SwiGLU
+``dense_h_to_4h`` (two sub-params) and row-parallel projections (scripts/make_parallel_ckpts.py:
+ZeRO-1 fp32 at 1 data rank, ZeRO-2 bf16 at 2). Its ``universal_checkpoint_info`` (client state, as
+Megatron-DeepSpeed saves it) has merge patterns and no affine map.
+
+Two independent facts: DeepSpeed's own merge by those patterns (``ds_to_universal``,
+``reference/universal.safetensors``), and each tensor rank's slices as the live engine held them
+(``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, ``reference/live*_tp{T}``).
+DeepSpeed loading zckpt's outputs: tests/test_interop/test_interop_parallel.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import MEGATRON_SAMPLES, Sample, copy_checkpoint, run_cli, same_bits, same_checkpoint_files
+from zckpt import load_state_dict, reshard, to_universal
+from zckpt.core.errors import LayoutError, UsageError
+from zckpt.core.topology import Topology
+from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
+from zckpt.ops.verify import verify
+
+IDS = [s.name for s in MEGATRON_SAMPLES]
+FP32 = next(s for s in MEGATRON_SAMPLES if s.name == "megatron_z1_fp32_tp2")
+REPLICATED = (
+    {"embed.norm.weight", "embed.norm.bias"}
+    | {f"layers.{i}.{n}" for i in (0, 1) for n in ("input_layernorm.weight", "input_layernorm.bias")}
+    | {f"layers.{i}.{n}.bias" for i in (0, 1) for n in ("self_attention.dense", "mlp.dense_4h_to_h")}
+)
+
+
+def _reference(case: Sample) -> dict[str, torch.Tensor]:
+    return load_file(case.folder / "reference" / "universal.safetensors")
+
+
+def test_the_samples_are_there() -> None:
+    assert {s.name for s in MEGATRON_SAMPLES} == {
+        "megatron_z1_fp32_tp2",
+        "megatron_z2_bf16_tp2_dp2",
+        "megatron_z3_fp32_tp2_dp2",
+    }
+
+
+@pytest.mark.parametrize("case", MEGATRON_SAMPLES, ids=IDS)
+def test_masters_and_moments_are_deepspeeds_merge(case: Sample) -> None:
+    index = open_checkpoint(case.checkpoint)
+    assert index.topology == Topology(tp=2, dp=case.meta["dp"]) and index.world_size == case.meta["world_size"]
+    reference = _reference(case)
+    state_dict = load_state_dict(case.checkpoint, dtype="fp32")
+    assert sorted(state_dict) == sorted(k for k in reference if not k.endswith((".exp_avg", ".exp_avg_sq")))
+    assert state_dict["embed.word_embeddings.weight"].shape == (23, 16)  # the vocabulary padding cut
+    assert state_dict["layers.0.mlp.dense_4h_to_h.weight"].shape == (16, 12)  # row-parallel: by columns
+    for name, value in state_dict.items():
+        assert same_bits(value, reference[name]), name
+    state = open_training_state(case.checkpoint)
+    with FileReader() as reader:
+        for param in state.params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    assert {r.name for r in index.replicas} == REPLICATED
+
+
+@pytest.mark.parametrize("case", MEGATRON_SAMPLES, ids=IDS)
+def test_each_tensor_ranks_slices_are_what_the_live_engine_held(case: Sample) -> None:
+    state = open_training_state(case.checkpoint)
+    assert len(state.tensor_shards) == 2
+    with FileReader() as reader:
+        for t, shard in enumerate(state.tensor_shards):
+            live = load_file(case.folder / "reference" / f"live_tp{t}.safetensors")
+            moments = load_file(case.folder / "reference" / f"live_optimizer_tp{t}.safetensors")
+            assert sorted(p.name for p in shard.params) == sorted(live)
+            for param in shard.params:
+                assert same_bits(read_tensor(reader, param.master).reshape(param.shape), live[param.name])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                    assert same_bits(value, moments[f"{param.name}.{key}"]), (t, param.name, key)
+
+
+@pytest.mark.parametrize("case", MEGATRON_SAMPLES, ids=IDS)
+def test_inspect_shows_each_params_rule(case: Sample) -> None:
+    from zckpt.ops.inspect import inspect_path
+
+    report = inspect_path(str(case.checkpoint))
+    placements = {p["name"]: p.get("placement") for p in report["parameters"]}
+    assert {n for n, p in placements.items() if p.startswith("replicated")} == REPLICATED
+    assert (
+        placements["layers.0.self_attention.query_key_value.weight"] == "rows split over 2 tensor ranks (3 pieces each)"
+    )
+    assert placements["layers.0.mlp.dense_h_to_4h.weight"] == "rows split over 2 tensor ranks (2 pieces each)"
+    assert placements["layers.1.mlp.dense_h_to_4h.weight"] == "rows split over 2 tensor ranks"
+    assert placements["layers.1.self_attention.dense.weight"] == "columns split over 2 tensor ranks"
+    assert placements["lm_head.weight"] == "rows split over 2 tensor ranks"
+    assert any("Megatron-style, merged by its universal_checkpoint_info patterns" in n for n in report["notes"])
+
+
+@pytest.mark.slow
+def test_cli_inspect_verify_consolidate(tmp_path: Path) -> None:
+    inspected = run_cli("inspect", FP32.checkpoint)
+    assert inspected.returncode == 0 and "tensor-parallel (Megatron-style" in inspected.stdout
+    verified = run_cli("verify", FP32.checkpoint)
+    assert verified.returncode == 0 and "replicas" in verified.stdout, verified.stdout
+    done = run_cli("consolidate", FP32.checkpoint, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    reference = _reference(FP32)
+    assert all(same_bits(value, reference[name]) for name, value in written.items())
+
+
+def test_a_changed_replica_is_caught(tmp_path: Path) -> None:
+    """Tensor rank 1's master of a replicated LayerNorm bias edited: verify names its file."""
+    tag = copy_checkpoint(tmp_path, FP32)
+    index = open_checkpoint(tag.parent)
+    replica = next(r for r in index.replicas if r.name == "layers.1.input_layernorm.bias").source.segments[0]
+    assert replica.path.endswith("zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    with open(replica.path, "r+b") as f:
+        f.seek(replica.offset)
+        f.write(b"\x00\x00\x80\x3f")
+    report = verify(tag.parent)
+    assert not report.ok
+    assert any("layers.1.input_layernorm.bias differs in 1 of 16 elements" in p for p in report.problems), (
+        report.problems
+    )
+
+
+@pytest.mark.parametrize("case", MEGATRON_SAMPLES, ids=IDS)
+def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, case: Sample) -> None:
+    out = tmp_path / "same"
+    reshard(case.checkpoint, out, world_size=case.meta["dp"])
+    assert same_checkpoint_files(case.checkpoint, out) == []
+
+
+def test_reshard_to_other_data_ranks_keeps_every_value(tmp_path: Path) -> None:
+    out = tmp_path / "dp3"
+    reshard(FP32.checkpoint, out, world_size=3)
+    assert open_checkpoint(out).topology == Topology(tp=2, dp=3)
+    reference = _reference(FP32)
+    for name, value in load_state_dict(out, dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
+
+
+@pytest.mark.parametrize("case", MEGATRON_SAMPLES, ids=IDS)
+def test_to_universal_holds_deepspeeds_merge(tmp_path: Path, case: Sample) -> None:
+    """Each param's folder: the merged tensor (ds_to_universal's values) and, in front of it, the
+    rule DeepSpeed's loader cuts it by (the files are compared with ds_to_universal's own in the
+    interop tier)."""
+    out = tmp_path / "universal"
+    to_universal(case.checkpoint, out, target_stage=min(case.meta["zero_stage"], 2))
+    universal = open_training_state(out)
+    assert universal.index.universal and universal.index.topology == Topology(dp=case.meta["dp"])
+    reference = _reference(case)
+    with FileReader() as reader:
+        for param in universal.params:
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name])
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    folder = out / "global_step3_universal" / "zero"
+    row = torch.load(folder / "layers.1.mlp.dense_4h_to_h.weight" / "fp32.pt", weights_only=True)
+    assert list(row) == ["cat_dim", "param"] and row["cat_dim"] == 1
+    vocab = torch.load(folder / "lm_head.weight" / "exp_avg.pt", weights_only=True)
+    assert list(vocab) == ["cat_dim", "vocab_tensor", "param"] and vocab["param"].shape == (23, 16)
+    halves = torch.load(folder / "layers.0.mlp.dense_h_to_4h.bias" / "fp32.pt", weights_only=True)
+    assert {k: v for k, v in halves.items() if k != "param"} == {"cat_dim": 0, "param_n_sub_params": 2}
+    assert list(torch.load(folder / "embed.norm.weight" / "fp32.pt", weights_only=True)) == ["param"]
+    with pytest.raises(UsageError, match="--target-stage 3: zckpt writes the universal folder of a tensor-par"):
+        to_universal(case.checkpoint, tmp_path / "z3", target_stage=3)
+    assert not (tmp_path / "z3").exists()
+
+
+def _with_rules(tmp_path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of the fp32 sample whose tensor ranks' universal_checkpoint_info `edit` changed
+    (torch re-saves each model-states file)."""
+    tag = copy_checkpoint(tmp_path, FP32)
+    for path in sorted(tag.glob("mp_rank_*_model_states.pt")):
+        saved = torch.load(path, weights_only=False)
+        edit(saved["universal_checkpoint_info"])
+        torch.save(saved, path)
+    return tag.parent
+
+
+def test_params_the_rules_average_are_refused(tmp_path: Path) -> None:
+    """DeepSpeed's merge averages these over the tensor ranks: new numbers, so refused."""
+    checkpoint = _with_rules(
+        tmp_path, lambda info: info.update(parameter_to_average_patterns=[r"layers\.0\.self_attention\.dense\.weight"])
+    )
+    found = survey(checkpoint)
+    assert found.index is None and len(found.problems) == 1
+    assert "mp_rank_00_model_states.pt: layers.0.self_attention.dense.weight: the checkpoint's rules average it" in str(
+        found.problems[0]
+    )
+
+
+def test_sub_params_of_rules_older_than_0_4_split_evenly(tmp_path: Path) -> None:
+    """Rules written before universal checkpoint version 0.4 give sub-param sizes and no per-rank
+    widths (DeepSpeed then splits each evenly): the same merge as the sample's 0.4 rules."""
+
+    def legacy(info: dict) -> None:
+        del info["universal_checkpoint_version"], info["sub_param_shard_widths"]
+
+    checkpoint = _with_rules(tmp_path, legacy)
+    reference = _reference(FP32)
+    for name, value in load_state_dict(checkpoint, dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
+
+
+def test_a_name_two_patterns_of_one_kind_match_is_refused(tmp_path: Path) -> None:
+    checkpoint = _with_rules(
+        tmp_path, lambda info: info["parameter_with_row_parallelism_patterns"].append(r"layers\.\d+\.self_attention")
+    )
+    with pytest.raises(LayoutError, match="matched by several merge patterns of one kind"):
+        open_checkpoint(checkpoint)
+
+
+def test_a_checkpoint_without_merge_rules_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The same shards without universal_checkpoint_info: nothing says how they merge (DeepSpeed's
+    ds_to_universal concatenates every one on dim 0, FORMAT_NOTES), so zckpt refuses."""
+    tag = copy_checkpoint(tmp_path, FP32)
+    for path in sorted(tag.glob("mp_rank_*_model_states.pt")):
+        saved = torch.load(path, weights_only=False)
+        del saved["universal_checkpoint_info"]
+        torch.save(saved, path)
+    done = run_cli("consolidate", tag.parent, tmp_path / "out")
+    assert done.returncode != 0 and not (tmp_path / "out").exists()
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not say how its shards merge: it records no universal_checkpoint_info" in lines[0]
+    assert re.search(r"mp_rank_00_model_states\.pt", lines[0])
+
+
+def test_a_sub_param_rule_not_as_deepspeed_writes_it_is_named(tmp_path: Path) -> None:
+    checkpoint = _with_rules(tmp_path, lambda info: info.__setitem__("parameter_with_sub_params", ["qkv"]))
+    with pytest.raises(LayoutError, match="parameter_with_sub_params holds a str, not a dict"):
+        open_checkpoint(checkpoint)

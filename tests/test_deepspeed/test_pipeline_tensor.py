@@ -1,0 +1,130 @@
+"""Pipeline x tensor parallel checkpoints (issue 19): a sample written by real DeepSpeed's
+PipelineModule over a ``PipeModelDataParallelTopology`` of 2 stages x 2 tensor ranks, its layers
+the Megatron-style GPT's (vocabulary-parallel embedding and head, replicated LayerNorms, fused
+q/k/v sub-params, SwiGLU halves, row-parallel projections), saved with Megatron-DeepSpeed's merge
+patterns for the pipeline names (scripts/make_parallel_ckpts.py, ``pp2_megatron_z1_fp32_tp2``).
+Files: ``layer_NN-model_TT-model_states.pt`` per layer and tensor rank, ``mp_rank_{stage*2+t}``.
+
+Two independent facts: DeepSpeed's merge (``ds_to_universal``, ``reference/universal.safetensors``)
+and each stage's tensor ranks' slices as the live engine held them
+(``reference/live_stage{S}_tp{T}.safetensors``). DeepSpeed loading zckpt's outputs:
+tests/test_interop/test_interop_parallel.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from helpers import PIPELINE_TENSOR_SAMPLES, copy_checkpoint, same_bits, same_checkpoint_files
+from zckpt import load_state_dict, reshard, to_universal
+from zckpt.core.errors import UsageError
+from zckpt.core.topology import Topology
+from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
+from zckpt.ops.verify import verify
+
+CASE = PIPELINE_TENSOR_SAMPLES[0]
+
+
+def _reference() -> dict:
+    return load_file(CASE.folder / "reference" / "universal.safetensors")
+
+
+def test_the_sample_is_there() -> None:
+    assert [s.name for s in PIPELINE_TENSOR_SAMPLES] == ["pp2_megatron_z1_fp32_tp2"]
+
+
+def test_masters_and_moments_are_deepspeeds_merge() -> None:
+    index = open_checkpoint(CASE.checkpoint)
+    assert index.topology == Topology(pp=2, tp=2, dp=1) and index.world_size == 4
+    reference = _reference()
+    state_dict = load_state_dict(CASE.checkpoint, dtype="fp32")
+    assert sorted(state_dict) == sorted(k for k in reference if "exp_avg" not in k)
+    assert state_dict["0.word_embeddings.weight"].shape == (23, 16) and state_dict["3.lm_head.weight"].shape == (23, 16)
+    for name, value in state_dict.items():
+        assert same_bits(value, reference[name]), name
+    state = open_training_state(CASE.checkpoint)
+    with FileReader() as reader:
+        for param in state.params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+
+
+def test_each_stages_tensor_ranks_hold_what_the_live_engine_held() -> None:
+    state = open_training_state(CASE.checkpoint)
+    assert [len(stage.tensor_shards) for stage in state.stages] == [2, 2]
+    with FileReader() as reader:
+        for s, stage in enumerate(state.stages):
+            for t, shard in enumerate(stage.tensor_shards):
+                live = load_file(CASE.folder / "reference" / f"live_stage{s}_tp{t}.safetensors")
+                assert sorted(p.name for p in shard.params) == sorted(live)
+                for param in shard.params:
+                    assert same_bits(read_tensor(reader, param.master).reshape(param.shape), live[param.name])
+
+
+def test_inspect_says_where_each_param_was() -> None:
+    from zckpt.ops.inspect import inspect_path
+
+    report = inspect_path(str(CASE.checkpoint))
+    placements = {p["name"]: p.get("placement") for p in report["parameters"]}
+    assert placements["0.norm.weight"] == "stage 0; replicated on 2 tensor ranks"
+    assert placements["2.mlp.dense_4h_to_h.weight"] == "stage 1; columns split over 2 tensor ranks"
+    assert placements["1.mlp.dense_h_to_4h.weight"] == "stage 0; rows split over 2 tensor ranks (2 pieces each)"
+    assert any(n.startswith("pipeline-parallel: 2 stages x 2 tensor ranks (Megatron-style") for n in report["notes"])
+
+
+def test_a_changed_replica_is_caught(tmp_path: Path) -> None:
+    """Stage 1's tensor rank 1 copy of a replicated LayerNorm weight edited: verify names its file."""
+    tag = copy_checkpoint(tmp_path, CASE)
+    index = open_checkpoint(tag.parent)
+    replica = next(r for r in index.replicas if r.name == "2.input_layernorm.weight").source.segments[0]
+    assert replica.path.endswith("zero_pp_rank_0_mp_rank_03_optim_states.pt")
+    with open(replica.path, "r+b") as f:
+        f.seek(replica.offset)
+        f.write(b"\x00\x00\x80\x3f")
+    report = verify(tag.parent)
+    assert not report.ok
+    assert any("2.input_layernorm.weight differs in 1 of 16 elements" in p for p in report.problems), report.problems
+
+
+def test_a_missing_layer_file_of_a_tensor_rank_is_named(tmp_path: Path) -> None:
+    tag = copy_checkpoint(tmp_path, CASE)
+    (tag / "layer_02-model_01-model_states.pt").unlink()
+    found = survey(tag.parent)
+    assert found.index is None
+    assert any("layer_02-model_01-model_states.pt: missing: stage 1 lists 2." in str(p) for p in found.problems), [
+        str(p) for p in found.problems
+    ]
+
+
+def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path) -> None:
+    out = tmp_path / "same"
+    reshard(CASE.checkpoint, out, world_size=1)
+    assert same_checkpoint_files(CASE.checkpoint, out) == []
+
+
+def test_reshard_to_two_data_ranks_keeps_every_value(tmp_path: Path) -> None:
+    out = tmp_path / "dp2"
+    reshard(CASE.checkpoint, out, world_size=2)
+    assert open_checkpoint(out).topology == Topology(pp=2, tp=2, dp=2)
+    reference = _reference()
+    for name, value in load_state_dict(out, dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
+    with pytest.raises(UsageError, match="--pipeline-stages 1: zckpt writes a pipeline x tensor parallel checkpoint"):
+        reshard(CASE.checkpoint, tmp_path / "one", world_size=1, pipeline_stages=1)
+    assert not (tmp_path / "one").exists()
+
+
+def test_to_universal_holds_deepspeeds_merge_under_the_pipeline_names(tmp_path: Path) -> None:
+    out = tmp_path / "universal"
+    to_universal(CASE.checkpoint, out)
+    universal = open_training_state(out)
+    assert universal.index.universal and universal.index.topology == Topology(dp=1)
+    reference = _reference()
+    with FileReader() as reader:
+        for param in universal.params:
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name])

@@ -1,0 +1,266 @@
+"""Megatron-style merge rules (``universal_checkpoint_info`` patterns) as pieces.
+
+A tensor-parallel run driven by Megatron's ``mpu`` saves each tensor rank's slices and, as client
+state, the rules ``ds_to_universal`` merges them by (``merge_tp_slices``, DeepSpeed 0.19.8): a
+param matching a ``tp_replicated`` pattern is the same on every rank; one matching a
+``2_sub_params_cat_dim_0`` pattern is two halves, each concatenated over the ranks; one with a
+``parameter_with_sub_params`` shape is several sub-params (a fused query/key/value), each
+concatenated on the partition dimension (per-rank widths from ``sub_param_shard_widths``); a
+row-parallel one is concatenated on dim 1, any other on dim 0; a vocabulary one is then cut to
+``original_vocab_size`` rows. Patterns match a name's start (``re.match``), first category first,
+as DeepSpeed's do. Params to average are refused: an average is new numbers, not saved bits.
+
+:func:`megatron_specs` turns those rules into the form of AutoTP's ``affine_map`` (per rank, the
+strided pieces it holds of the logical tensor), so :mod:`.tensor_parallel` assembles Megatron and
+AutoTP checkpoints with one routine; :func:`universal_keys` says what a universal folder holds
+beside each merged tensor so DeepSpeed's loader cuts it again. Pure: names, shapes and the rules
+in, specs out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import LayoutError
+from ..torchfile.pickler import GlobalName, PickledInstance
+from . import names as N
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Rows ``[rank_start, rank_start + length)`` of a rank's slice along `dim` are rows
+    ``[logical_start, ...)`` of the logical tensor along `dim` (every other dim whole)."""
+
+    rank: int
+    dim: int
+    logical_start: int
+    rank_start: int
+    length: int
+
+
+def has_merge_patterns(info: Any) -> bool:
+    """Whether a ``universal_checkpoint_info`` states Megatron-style merge rules."""
+    return isinstance(info, dict) and any(key in info for key in N.MEGATRON_PATTERN_KEYS)
+
+
+def megatron_specs(info: dict[str, Any], shard_shapes: dict[str, list[Shape]], trainable: set[str]) -> dict[str, Any]:
+    """Per param name, its merge as an ``affine_map`` spec (``logical_shape``, and per tensor
+    rank ``shard_shape`` and ``pieces``). `shard_shapes` holds each name's slice shape on every
+    tensor rank. A trainable param no pattern names is concatenated on dim 0 (DeepSpeed's
+    default); a frozen param or buffer no pattern names gets no spec (a copy on each rank)."""
+    specs: dict[str, Any] = {}
+    for name, shapes in shard_shapes.items():
+        blocks, logical = _blocks(info, name, [tuple(s) for s in shapes], name in trainable)
+        if blocks is None:
+            continue
+        if _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name):
+            blocks, logical = _vocabulary_cut(info, name, blocks, logical)
+        specs[name] = _spec(blocks, logical, [tuple(s) for s in shapes])
+    return specs
+
+
+def universal_keys(info: dict[str, Any], name: str) -> dict[str, Any]:
+    """What ``ds_to_universal`` writes beside a trainable param's merged tensor (``merge_tp_slices``,
+    in its order), from which DeepSpeed's universal loader cuts each tensor rank's slice again:
+    the concatenation dim, the sub-param count or shape, whether the rows are a vocabulary."""
+    keys: dict[str, Any] = {}
+    if _matches(info.get(N.TP_REPLICATED_PARAMETER_PATTERNS), name):
+        pass
+    elif _matches(info.get(N.PARAMETER_TO_AVERAGE_PATTERNS), name):
+        raise LayoutError(None, f"{name}: averaged over the tensor ranks by the checkpoint's rules")
+    elif _matches(info.get(N.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), name):
+        keys = {N.UNIVERSAL_CAT_DIM: 0, N.PARAM_N_SUB_PARAMS: 2}
+    elif (sub := _sub_param_rule(info, name)) is not None:
+        rule = sub[1]
+        state = {
+            "patterns": rule.get("patterns"),
+            "shape": rule.get("shape"),
+            "partition_dim": rule.get("partition_dim"),
+        }
+        keys = {N.SUB_PARAM_SHAPE: PickledInstance(GlobalName(*N.SUBPARAM_SHAPE_CLASS), state)}
+    else:
+        row = _matches(info.get(N.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS), name) is not None
+        keys = {N.UNIVERSAL_CAT_DIM: 1 if row else 0}
+    if _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name):
+        keys[N.VOCAB_TENSOR] = True
+    return keys
+
+
+def _matches(patterns: Any, name: str) -> str | None:
+    """The one pattern of `patterns` that matches `name`'s start (DeepSpeed refuses two)."""
+    found = [p for p in (patterns or []) if isinstance(p, str) and re.match(p, name)]
+    if len(found) > 1:
+        raise LayoutError(None, f"{name}: matched by several merge patterns of one kind ({', '.join(found)})")
+    return found[0] if found else None
+
+
+def _blocks(info: dict[str, Any], name: str, shapes: list[Shape], trainable: bool) -> tuple[list[_Block] | None, Shape]:
+    """The blocks of `name`'s logical tensor, by the first rule that names it."""
+    if _matches(info.get(N.TP_REPLICATED_PARAMETER_PATTERNS), name):
+        if any(s != shapes[0] for s in shapes):
+            raise LayoutError(None, f"{name}: replicated on the tensor ranks by its pattern, but their shapes differ")
+        return [], shapes[0]  # no blocks: one piece every rank holds (see _spec)
+    if _matches(info.get(N.PARAMETER_TO_AVERAGE_PATTERNS), name):
+        raise LayoutError(
+            None,
+            f"{name}: the checkpoint's rules average it over the tensor ranks (parameter_to_average_patterns); an "
+            "average is new numbers, not the saved ones, and zckpt does not write it",
+        )
+    if _matches(info.get(N.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), name):
+        return _two_halves(name, shapes)
+    sub = _sub_param_rule(info, name)
+    if sub is not None:
+        return _sub_params(info, name, shapes, *sub)
+    row = _matches(info.get(N.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS), name) is not None
+    if not row and not trainable and not _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name):
+        return None, shapes[0]
+    return _concatenated(name, shapes, 1 if row else 0)
+
+
+def _concatenated(name: str, shapes: list[Shape], dim: int) -> tuple[list[_Block], Shape]:
+    if len(shapes[0]) <= dim:
+        raise LayoutError(None, f"{name}: a {len(shapes[0])}-d tensor cannot be concatenated on dim {dim}")
+    others = [tuple(d for i, d in enumerate(s) if i != dim) for s in shapes]
+    if any(o != others[0] for o in others):
+        raise LayoutError(None, f"{name}: its slices differ in a dimension other than {dim}: {shapes}")
+    blocks, start = [], 0
+    for t, shape in enumerate(shapes):
+        blocks.append(_Block(t, dim, start, 0, shape[dim]))
+        start += shape[dim]
+    return blocks, _with(shapes[0], dim, start)
+
+
+def _two_halves(name: str, shapes: list[Shape]) -> tuple[list[_Block], Shape]:
+    """Each slice cut in two on dim 0 (``torch.chunk``: the first half the larger); the first
+    halves concatenated, then the second ones."""
+    _, logical = _concatenated(name, shapes, 0)
+    halves = [((s[0] + 1) // 2, s[0] - (s[0] + 1) // 2) for s in shapes]
+    blocks, start = [], 0
+    for half in (0, 1):
+        for t, sizes in enumerate(halves):
+            blocks.append(_Block(t, 0, start, 0 if half == 0 else sizes[0], sizes[half]))
+            start += sizes[half]
+    return blocks, logical
+
+
+def _sub_param_rule(info: dict[str, Any], name: str) -> tuple[str, dict[str, Any]] | None:
+    for rule in info.get(N.PARAMETER_WITH_SUB_PARAMS) or []:
+        if not isinstance(rule, dict):
+            raise LayoutError(None, f"parameter_with_sub_params holds a {type(rule).__name__}, not a dict")
+        for pattern in rule.get("patterns") or []:
+            if isinstance(pattern, str) and re.match(pattern, name):
+                return pattern, rule
+    return None
+
+
+def _sub_params(
+    info: dict[str, Any], name: str, shapes: list[Shape], pattern: str, rule: dict[str, Any]
+) -> tuple[list[_Block], Shape]:
+    """Sub-params (a fused q/k/v) on the partition dimension: each rank holds its width of every
+    sub-param in turn; the merge concatenates each sub-param over the ranks, then the sub-params."""
+    tp = len(shapes)
+    dim = int(rule.get("partition_dim", 0))
+    declared = list(rule.get("shape") or ())
+    if dim >= len(declared) or any(len(s) != len(declared) for s in shapes):
+        raise LayoutError(None, f"{name}: its sub-param shape {tuple(declared)} does not fit its slices {shapes}")
+    spec = declared[dim]
+    total = sum(s[dim] for s in shapes)
+    widths_by_pattern = info.get(N.SUB_PARAM_SHARD_WIDTHS) or {}
+    if float(info.get(N.UNIVERSAL_CHECKPOINT_VERSION, 0.0) or 0.0) >= 0.4:
+        if pattern not in widths_by_pattern:
+            raise LayoutError(None, f"{name}: its sub-param rule records no sub_param_shard_widths")
+        widths = [[int(w) for w in per_rank] for per_rank in widths_by_pattern[pattern]]
+    else:  # before 0.4: the sizes (or their count), split evenly
+        sizes = [int(d) for d in spec] if isinstance(spec, (tuple, list)) else [total // int(spec)] * int(spec)
+        if sum(sizes) != total or any(size % tp for size in sizes):
+            raise LayoutError(None, f"{name}: sub-params {sizes} do not split evenly over {tp} tensor ranks")
+        widths = [[size // tp] * tp for size in sizes]
+    if any(len(w) != tp for w in widths) or sum(map(sum, widths)) != total:
+        raise LayoutError(None, f"{name}: sub_param_shard_widths {widths} do not add up to its slices {shapes}")
+    for t, shape in enumerate(shapes):
+        if sum(w[t] for w in widths) != shape[dim]:
+            raise LayoutError(
+                None, f"{name}: tensor rank {t} holds {shape[dim]} on dim {dim}, its widths say otherwise"
+            )
+    blocks, start = [], 0
+    rank_offsets = [0] * tp
+    for per_rank in widths:
+        for t, width in enumerate(per_rank):
+            blocks.append(_Block(t, dim, start, rank_offsets[t], width))
+            rank_offsets[t] += width
+            start += width
+    others = [_with(s, dim, 0) for s in shapes]
+    if any(o != others[0] for o in others):
+        raise LayoutError(None, f"{name}: its slices differ in a dimension other than {dim}: {shapes}")
+    return blocks, _with(shapes[0], dim, total)
+
+
+def _vocabulary_cut(
+    info: dict[str, Any], name: str, blocks: list[_Block], logical: Shape
+) -> tuple[list[_Block], Shape]:
+    """The merged tensor's rows cut to ``original_vocab_size`` (Megatron pads the vocabulary)."""
+    vocab = info.get(N.ORIGINAL_VOCAB_SIZE)
+    if not isinstance(vocab, int) or not logical or not 0 < vocab <= logical[0]:
+        raise LayoutError(
+            None,
+            f"{name}: a vocabulary param of {logical[0] if logical else 0} rows, but original_vocab_size is {vocab}",
+        )
+    if not blocks:
+        return [], _with(logical, 0, vocab)  # replicated: every rank's copy cut alike (see _spec)
+    cut = []
+    for block in blocks:
+        if block.dim != 0:
+            cut.append(block)  # rows whole in the block: cut in _spec by the logical shape
+            continue
+        length = min(block.length, vocab - block.logical_start)
+        if length > 0:
+            cut.append(_Block(block.rank, 0, block.logical_start, block.rank_start, length))
+    return cut, _with(logical, 0, vocab)
+
+
+def _spec(blocks: list[_Block], logical: Shape, shapes: list[Shape]) -> dict[str, Any]:
+    """The affine_map spec of `blocks` (none: one piece, the whole tensor, on every rank)."""
+    tp = len(shapes)
+    logical_strides = _strides(logical)  # a row's length: the same before a vocabulary cut
+    ranks: dict[str, Any] = {}
+    for t, shape in enumerate(shapes):
+        rank_strides = _strides(shape)
+        pieces = []
+        if not blocks:
+            pieces.append(_piece(list(logical), 0, logical_strides, 0, rank_strides, list(range(tp))))
+        for block in (b for b in blocks if b.rank == t):
+            piece_shape = list(shape)
+            piece_shape[block.dim] = block.length
+            if logical and block.dim != 0:
+                piece_shape[0] = logical[0]
+            pieces.append(
+                _piece(
+                    piece_shape,
+                    block.logical_start * logical_strides[block.dim],
+                    logical_strides,
+                    block.rank_start * rank_strides[block.dim],
+                    rank_strides,
+                    [t],
+                )
+            )
+        ranks[str(t)] = {"shard_shape": list(shape), "pieces": pieces}
+    return {"logical_shape": list(logical), "ranks": ranks}
+
+
+def _piece(
+    shape: list[int], source: int, source_strides: list[int], dest: int, dest_strides: list[int], where: list[int]
+) -> dict[str, Any]:
+    return {"shape": shape, "source": [source, source_strides], "dest": [dest, dest_strides], "locations": where}
+
+
+def _strides(shape: Shape | list[int]) -> list[int]:
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+
+
+def _with(shape: Shape, dim: int, size: int) -> Shape:
+    return tuple(size if i == dim else d for i, d in enumerate(shape))
