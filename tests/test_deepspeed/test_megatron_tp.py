@@ -12,6 +12,7 @@ DeepSpeed loading zckpt's outputs: tests/test_interop/test_interop_parallel.py."
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
 
 IDS = [s.name for s in MEGATRON_SAMPLES]
 FP32 = next(s for s in MEGATRON_SAMPLES if s.name == "megatron_z1_fp32_tp2")
@@ -220,19 +222,66 @@ def test_a_name_two_patterns_of_one_kind_match_is_refused(tmp_path: Path) -> Non
         open_checkpoint(checkpoint)
 
 
+def _without_rules(tmp_path: Path, case: Sample = FP32) -> tuple[Path, Path]:
+    """A copy of the sample without universal_checkpoint_info, and its rules as a --tp-rules JSON file."""
+    tag = copy_checkpoint(tmp_path, case)
+    rules = None
+    for path in sorted(tag.glob("*mp_rank_*_model_states.pt")):
+        saved = torch.load(path, weights_only=False)
+        rules = saved.pop("universal_checkpoint_info")
+        torch.save(saved, path)
+    rules_file = tmp_path / "rules.json"
+    rules_file.write_text(json.dumps(rules))  # tuples become lists, as a user writes them
+    return tag.parent, rules_file
+
+
 def test_a_checkpoint_without_merge_rules_is_refused_in_one_line(tmp_path: Path) -> None:
     """The same shards without universal_checkpoint_info: nothing says how they merge (DeepSpeed's
-    ds_to_universal concatenates every one on dim 0, FORMAT_NOTES), so zckpt refuses."""
-    tag = copy_checkpoint(tmp_path, FP32)
-    for path in sorted(tag.glob("mp_rank_*_model_states.pt")):
-        saved = torch.load(path, weights_only=False)
-        del saved["universal_checkpoint_info"]
-        torch.save(saved, path)
-    done = run_cli("consolidate", tag.parent, tmp_path / "out")
+    ds_to_universal concatenates every one on dim 0, FORMAT_NOTES), so zckpt refuses and says
+    what to pass."""
+    checkpoint, _ = _without_rules(tmp_path)
+    done = run_cli("consolidate", checkpoint, tmp_path / "out")
     assert done.returncode != 0 and not (tmp_path / "out").exists()
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not say how its shards merge: it records no universal_checkpoint_info" in lines[0]
-    assert re.search(r"mp_rank_00_model_states\.pt", lines[0])
+    assert re.search(r"mp_rank_00_model_states\.pt", lines[0]) and "pass --tp-rules FILE" in lines[0]
+
+
+@pytest.mark.parametrize("case", MEGATRON_SAMPLES, ids=IDS)
+def test_tp_rules_merge_a_checkpoint_that_records_none(tmp_path: Path, case: Sample) -> None:
+    """The rules given as a --tp-rules JSON file instead: the same merge (ds_to_universal's), the
+    note says where the rules came from, and the universal folder carries them per param."""
+    checkpoint, rules = _without_rules(tmp_path, case)
+    done = run_cli("consolidate", checkpoint, tmp_path / "out", "--tp-rules", rules)
+    assert done.returncode == 0, done.stderr
+    reference = _reference(case)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(written) == sorted(k for k in reference if "exp_avg" not in k)
+    assert all(same_bits(value, reference[name]) for name, value in written.items())
+    index = open_checkpoint(checkpoint, tp_rules=rules)
+    assert any("merged by the --tp-rules patterns" in note for note in index.notes)
+    out = tmp_path / "universal"
+    to_universal(checkpoint, out, target_stage=min(case.meta["zero_stage"], 2), tp_rules=rules)
+    qkv_file = out / "global_step3_universal" / "zero" / "layers.0.self_attention.query_key_value.weight" / "fp32.pt"
+    qkv = torchfile.load(str(qkv_file))  # read as data: its SubparamShape is DeepSpeed's class
+    assert qkv["sub_param_shape"].shape == ((8, 4, 4), 16)  # tuples again, as DeepSpeed's loader needs
+
+
+def test_a_bad_tp_rules_file_is_named(tmp_path: Path) -> None:
+    checkpoint, _ = _without_rules(tmp_path)
+    for text, said in [
+        ("{not json", "--tp-rules: not a JSON file"),
+        ('{"original_vocab_size": 23}', "--tp-rules: a JSON object with at least one of"),
+        ('{"tp_replicated_parameter_patterns": ["("]}', "is not a regular expression"),
+        ('{"parameter_with_sub_params": [{"patterns": []}]}', "needs patterns, shape, partition_dim"),
+    ]:
+        rules = tmp_path / "bad.json"
+        rules.write_text(text)
+        done = run_cli("inspect", checkpoint, "--tp-rules", rules)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and str(rules) in lines[0] and said in lines[0], done.stderr
+    done = run_cli("verify", checkpoint, "--tp-rules", tmp_path / "missing.json")
+    assert done.returncode == 2 and "--tp-rules: cannot read it" in done.stderr
 
 
 def test_a_sub_param_rule_not_as_deepspeed_writes_it_is_named(tmp_path: Path) -> None:

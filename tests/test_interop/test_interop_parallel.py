@@ -426,11 +426,14 @@ def test_deepspeed_resumes_the_universal_checkpoint_of_a_megatron_run(
     _assert_holds_the_merged_state(case, loaded / "resaved", dp)
 
 
-def test_the_universal_files_of_a_megatron_run_are_ds_to_universals(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rules_from", ["checkpoint", "tp-rules-file"])
+def test_the_universal_files_of_a_megatron_run_are_ds_to_universals(tmp_path: Path, rules_from: str) -> None:
     """Every per-param file of zckpt's universal folder holds what ds_to_universal's holds: the
     same keys in the same order (cat_dim, param_n_sub_params, sub_param_shape, vocab_tensor,
-    param), equal rule objects and the same tensor bits (torch.load of both)."""
+    param), equal rule objects and the same tensor bits (torch.load of both); the same when the
+    rules come from a --tp-rules JSON file (a copy of the checkpoint without them)."""
     import os
+    import shutil
     import subprocess
 
     case = _megatron("megatron_z1_fp32_tp2")
@@ -451,7 +454,27 @@ def test_the_universal_files_of_a_megatron_run_are_ds_to_universals(tmp_path: Pa
         cwd=tmp_path,
     )
     ours = tmp_path / "ours"
-    to_universal(case.checkpoint, ours)
+    if rules_from == "checkpoint":
+        to_universal(case.checkpoint, ours)
+    else:
+        stripped = tmp_path / "stripped"
+        shutil.copytree(case.checkpoint, stripped)
+        strip = r"""
+import json, sys, torch
+from pathlib import Path
+for path in sorted(Path(sys.argv[1]).glob("global_step3/*model_states.pt")):
+    saved = torch.load(path, weights_only=False)
+    rules = saved.pop("universal_checkpoint_info")
+    torch.save(saved, path)
+Path(sys.argv[2]).write_text(json.dumps(rules))
+"""
+        subprocess.run(
+            [ds_python(), "-c", strip, str(stripped), str(tmp_path / "rules.json")],
+            check=True,
+            env=ds_env(1, ds_python()),
+            capture_output=True,
+        )
+        to_universal(stripped, ours, tp_rules=tmp_path / "rules.json")
     compare = r"""
 import os, sys, torch
 theirs, ours = sys.argv[1], sys.argv[2]

@@ -15,6 +15,7 @@ from .shared import (
     QuietOption,
     SwapFolderOption,
     TagOption,
+    TpRulesOption,
     WaitOption,
     app,
     swap_notes,
@@ -132,6 +133,7 @@ def consolidate(
         bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")
     ] = False,
     swap_folder: SwapFolderOption = None,
+    tp_rules: TpRulesOption = None,
     wait: WaitOption = False,
     optimizer_states: Annotated[
         bool,
@@ -176,6 +178,7 @@ def consolidate(
             swap_folder=swap_folder,
             wait=wait,
             optimizer_states=optimizer_states,
+            tp_rules=tp_rules,
         ),
         debug,
     )

@@ -13,7 +13,7 @@ import typer
 
 from ..core.sizes import format_size
 from .errors import EXIT_INCOMPLETE, guarded
-from .shared import Command, TagOption, app
+from .shared import Command, TagOption, TpRulesOption, app
 
 
 @app.command(
@@ -52,11 +52,12 @@ def inspect(
             help="With a swap folder as PATH: a checkpoint of the same run, to name what each swap file holds, check the files against its layout and compare the 16-bit param swaps with the fp32 masters.",
         ),
     ] = None,
+    tp_rules: TpRulesOption = None,
 ) -> None:
     """Tell what a checkpoint, weights file or live ZeRO-Infinity swap folder holds and whether it is complete (exit 3 if not)."""
     from ..ops.inspect import inspect_path
 
-    report = guarded(lambda: inspect_path(path, tag, verify, checkpoint=checkpoint))
+    report = guarded(lambda: inspect_path(path, tag, verify, checkpoint=checkpoint, tp_rules=tp_rules))
     typer.echo(json.dumps(report, indent=2) if as_json else render(report))
     if not report["complete"]:
         raise typer.Exit(EXIT_INCOMPLETE)

@@ -15,6 +15,7 @@ from .shared import (
     Stage,
     SwapFolderOption,
     TagOption,
+    TpRulesOption,
     WaitOption,
     WorkersOption,
     app,
@@ -76,6 +77,7 @@ def reshard(
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
+    tp_rules: TpRulesOption = None,
     wait: WaitOption = False,
     pipeline_stages: Annotated[
         Optional[int],
@@ -116,6 +118,7 @@ def reshard(
             swap_folder=swap_folder,
             wait=wait,
             pipeline_stages=pipeline_stages,
+            tp_rules=tp_rules,
         ),
     )
     if primary:

@@ -97,6 +97,14 @@ SwapFolderOption = Annotated[
         help="A live ZeRO-Infinity swap folder of the same run (the nvme_path, or its zero_stage_3/): CHECKPOINT, any checkpoint of the run, gives the layout; the swap folder the newest fp32 masters and optimizer states of every swapped sub-group.",
     ),
 ]
+TpRulesOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--tp-rules",
+        metavar="FILE",
+        help="For a tensor-parallel checkpoint that records no merge rules: a JSON file of Megatron's merge patterns (the keys of universal_checkpoint_info: tp_replicated_parameter_patterns, parameter_with_row_parallelism_patterns, vocabulary_parameter_patterns with original_vocab_size, ...), by which its tensor ranks' slices are joined.",
+    ),
+]
 WaitOption = Annotated[
     bool,
     typer.Option(

@@ -13,6 +13,7 @@ from .shared import (
     QuietOption,
     SwapFolderOption,
     TagOption,
+    TpRulesOption,
     WaitOption,
     app,
     primary_process,
@@ -61,6 +62,7 @@ def to_dcp(
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
+    tp_rules: TpRulesOption = None,
     wait: WaitOption = False,
 ) -> None:
     """Write a torch.distributed.checkpoint (DCP) folder holding {"model", "optim"} as get_state_dict returns them.
@@ -86,6 +88,7 @@ def to_dcp(
             progress=progress,
             verify=not no_verify,
             swap_folder=swap_folder,
+            tp_rules=tp_rules,
             wait=wait,
         ),
     )

@@ -14,6 +14,7 @@ from .shared import (
     Stage,
     SwapFolderOption,
     TagOption,
+    TpRulesOption,
     WaitOption,
     WorkersOption,
     app,
@@ -67,6 +68,7 @@ def to_universal(
     quiet: QuietOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
+    tp_rules: TpRulesOption = None,
     wait: WaitOption = False,
 ) -> None:
     """Write DeepSpeed's universal checkpoint: one file per param and optimizer state, for any world size.
@@ -92,6 +94,7 @@ def to_universal(
             progress=progress,
             verify=not no_verify,
             swap_folder=swap_folder,
+            tp_rules=tp_rules,
             wait=wait,
         ),
     )

@@ -13,7 +13,7 @@ import typer
 
 from ..core.sizes import format_size
 from .errors import EXIT_INCOMPLETE, guarded
-from .shared import Command, SwapFolderOption, TagOption, app
+from .shared import Command, SwapFolderOption, TagOption, TpRulesOption, app
 
 if TYPE_CHECKING:
     from ..ops.verify import VerifyReport
@@ -53,6 +53,7 @@ def verify(
         ),
     ] = None,
     swap_folder: SwapFolderOption = None,
+    tp_rules: TpRulesOption = None,
 ) -> None:
     """Judge a checkpoint before anyone runs on it: exit 0 when every check passes, 3 when any fails.
 
@@ -65,7 +66,13 @@ def verify(
 
     report = guarded(
         lambda: run_verify(
-            path, tag=tag, scan=scan, workers=workers or 2, checkpoint=checkpoint, swap_folder=swap_folder
+            path,
+            tag=tag,
+            scan=scan,
+            workers=workers or 2,
+            checkpoint=checkpoint,
+            swap_folder=swap_folder,
+            tp_rules=tp_rules,
         )
     )
     typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))

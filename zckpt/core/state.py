@@ -96,6 +96,8 @@ class TrainingState:
     stages: tuple[PipelineStage, ...] = ()  # a pipeline-parallel run's stages (empty: data-parallel)
     # a tensor-parallel run: each tensor rank's own state (its shards), which a writer lays out again
     tensor_shards: tuple["TrainingState", ...] = field(default=(), compare=False)
+    # the Megatron-style merge rules its tensor ranks were merged by (the checkpoint's or --tp-rules)
+    tensor_merge_rules: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def state_names(self) -> list[str]:

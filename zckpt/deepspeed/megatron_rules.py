@@ -19,12 +19,14 @@ in, specs out.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import LayoutError
+from ..core.errors import LayoutError, UsageError
 from ..torchfile.pickler import GlobalName, PickledInstance
 from . import names as N
 
@@ -41,6 +43,46 @@ class _Block:
     logical_start: int
     rank_start: int
     length: int
+
+
+def load_rules(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``--tp-rules`` file: a JSON object with the keys of Megatron's ``universal_checkpoint_info``
+    (the pattern lists, ``original_vocab_size``, ``parameter_with_sub_params`` and
+    ``sub_param_shard_widths``), for a tensor-parallel checkpoint that does not record them. Read
+    as data; a sub-param ``shape`` given as lists becomes the tuples DeepSpeed saves."""
+    where = os.fspath(path)
+    try:
+        with open(where, encoding="utf-8") as handle:
+            rules = json.load(handle)
+    except OSError as exc:
+        raise UsageError(where, f"--tp-rules: cannot read it ({exc.strerror})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(where, f"--tp-rules: not a JSON file ({exc})") from None
+    if not isinstance(rules, dict) or not has_merge_patterns(rules):
+        keys = ", ".join(N.MEGATRON_PATTERN_KEYS)
+        raise UsageError(where, f"--tp-rules: a JSON object with at least one of {keys} is expected")
+    for key in N.MEGATRON_PATTERN_KEYS:
+        value = rules.get(key, [])
+        if key != N.PARAMETER_WITH_SUB_PARAMS and not (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ):
+            raise UsageError(where, f"--tp-rules: {key} must be a list of regular expressions")
+        for pattern in value if key != N.PARAMETER_WITH_SUB_PARAMS else []:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise UsageError(where, f"--tp-rules: {key}: {pattern!r} is not a regular expression ({exc})") from None
+    for rule in rules.get(N.PARAMETER_WITH_SUB_PARAMS, []):
+        if not isinstance(rule, dict) or not {"patterns", "shape", "partition_dim"} <= set(rule):
+            raise UsageError(
+                where, "--tp-rules: each parameter_with_sub_params entry needs patterns, shape, partition_dim"
+            )
+        rule["shape"] = _tuples(rule["shape"])
+    return rules
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def has_merge_patterns(info: Any) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
 from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
@@ -71,9 +72,10 @@ def layer_of(name: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def read_pipeline(result: Survey, files: RankFiles) -> None:
+def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | None = None) -> None:
     """Read a pipeline-parallel tag folder into `result`: each stage as the data-parallel ZeRO
-    checkpoint it is, merged into one index and one training state."""
+    checkpoint it is (with tensor ranks, the tensor-parallel one, merged by `tp_rules` where
+    given), merged into one index and one training state."""
     location = result.location
     assert location is not None
     declarations = _declarations(result, files)
@@ -97,7 +99,7 @@ def read_pipeline(result: Survey, files: RankFiles) -> None:
         if tp == 1:
             read_ranks(sub, files.stage(stage), modules={None: modules[0]}, mp_world=stages)
         else:  # each stage a tensor-parallel checkpoint of its layers
-            read_tensor_parallel(sub, files.stage(stage), modules=modules, mp_world=stages * tp)
+            read_tensor_parallel(sub, files.stage(stage), modules=modules, mp_world=stages * tp, tp_rules=tp_rules)
         surveys.append(sub)
     first = surveys[0]
     layer_paths = (layer.path for tensor_layers in by_tensor if tensor_layers for layer in tensor_layers)

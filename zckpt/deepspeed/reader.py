@@ -14,23 +14,31 @@ of another kind is a bug of zckpt's and propagates (the CLI says "internal error
 from __future__ import annotations
 
 import os
+from typing import Union
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
 from ..core.index import CheckpointIndex, TensorRef
 from ..core.state import TrainingState
 from . import swap_folder as swap
 from .locate import is_universal_dir, list_tags, locate, named_in_latest
+from .megatron_rules import load_rules
 from .survey import Survey
 from .universal_reader import UniversalReader
 from .zero_reader import read_zero
 
+TpRules = Union[str, "os.PathLike[str]", dict, None]  # a --tp-rules file, or its rules
+
 
 def open_checkpoint(
-    path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    swap_folder: str | os.PathLike[str] | None = None,
+    tp_rules: TpRules = None,
 ) -> CheckpointIndex:
     """Read and validate a checkpoint; raise the first problem found. With `swap_folder` (a
-    live ZeRO-Infinity ``<nvme_path>``), the swapped sub-groups' data comes from there."""
-    result = _checked(survey(path, tag, swap_folder))
+    live ZeRO-Infinity ``<nvme_path>``), the swapped sub-groups' data comes from there; with
+    `tp_rules`, a tensor-parallel run's shards merge by those Megatron-style rules."""
+    result = _checked(survey(path, tag, swap_folder, tp_rules))
     assert result.index is not None
     return result.index
 
@@ -49,22 +57,31 @@ def _checked(result: "Survey") -> "Survey":
 
 
 def open_training_state(
-    path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    swap_folder: str | os.PathLike[str] | None = None,
+    tp_rules: TpRules = None,
 ) -> TrainingState:
     """Read and validate a checkpoint's whole training state; raise the first problem found.
     With `swap_folder`, masters and optimizer states of swapped sub-groups come from there."""
-    result = _checked(survey(path, tag, swap_folder))
+    result = _checked(survey(path, tag, swap_folder, tp_rules))
     assert result.state is not None
     return result.state
 
 
 def survey(
-    path: str | os.PathLike[str], tag: str | None = None, swap_folder: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    swap_folder: str | os.PathLike[str] | None = None,
+    tp_rules: TpRules = None,
 ) -> Survey:
     """Look at a checkpoint and report what it holds and what is wrong with it. With
     `swap_folder`, the checkpoint gives the layout and the live swap folder the data of every
-    swapped sub-group (see :mod:`zckpt.deepspeed.swap_folder`)."""
+    swapped sub-group (see :mod:`zckpt.deepspeed.swap_folder`). `tp_rules` (a ``--tp-rules``
+    JSON file, or its rules as a dict): how a tensor-parallel run's shards merge, where the
+    checkpoint does not say (:mod:`.megatron_rules`)."""
     folder = swap.scan(swap_folder) if swap_folder is not None else None
+    rules = load_rules(tp_rules) if tp_rules is not None and not isinstance(tp_rules, dict) else tp_rules
     result = Survey(os.fspath(path))
     try:
         result.location = locate(path, tag)
@@ -87,7 +104,7 @@ def survey(
         if result.universal:
             UniversalReader(result).run()
         else:
-            read_zero(result, folder)
+            read_zero(result, folder, rules)
     except ZckptError as exc:  # a damage the readers raise rather than list: still a listed problem
         result.problems.append(exc)
         result.index = result.state = None

@@ -39,12 +39,17 @@ from .survey import Survey
 
 
 def read_tensor_parallel(
-    result: Survey, files: RankFiles, modules: list[dict] | None = None, mp_world: int | None = None
+    result: Survey,
+    files: RankFiles,
+    modules: list[dict] | None = None,
+    mp_world: int | None = None,
+    tp_rules: dict[str, Any] | None = None,
 ) -> None:
     """Read a tensor-parallel tag folder into `result`: each tensor rank as the data-parallel ZeRO
     checkpoint it is, every tensor assembled from the ranks' pieces. A pipeline stage of a
     pipeline x tensor parallel run gives each tensor rank's module state dict (`modules`, rebuilt
-    from its layer files) and the run's model-parallel size (`mp_world`)."""
+    from its layer files) and the run's model-parallel size (`mp_world`). `tp_rules`: merge rules
+    the user gives (``--tp-rules``), used instead of the checkpoint's."""
     location = result.location
     assert location is not None
     ranks = files.tensor_ranks
@@ -56,14 +61,14 @@ def read_tensor_parallel(
     if missing:
         result.add(
             LayoutError,
-            os.path.join(files.tag_dir, N.model_states_name(3 if files.zero3 else 1, 0, missing[0])),
+            os.path.join(files.tag_dir, N.model_states_name(3 if files.zero3 else 1, 0, files.mp_rank + missing[0])),
             f"missing (tensor rank {missing[0]} of {tp})",
         )
         return
     if not isinstance(model0, dict):
         return
-    affine = _affine_map(model0)
-    info = model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    info = tp_rules if tp_rules is not None else model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    affine = _affine_map(info)
     megatron = affine is None and has_merge_patterns(info)
     if affine is None and not megatron:
         result.add(
@@ -71,7 +76,8 @@ def read_tensor_parallel(
             first,
             f"a tensor-parallel checkpoint ({tp} tensor ranks) that does not say how its shards merge: it records "
             "no universal_checkpoint_info (an AutoTP affine_map or Megatron's merge patterns, saved as client "
-            "state); zckpt does not guess a merge",
+            "state); zckpt does not guess a merge: pass --tp-rules FILE, a JSON object of Megatron's merge patterns "
+            "(tp_replicated_parameter_patterns, parameter_with_row_parallelism_patterns, ...; see the README)",
         )
         return
     surveys = []
@@ -99,7 +105,13 @@ def read_tensor_parallel(
         return
     result.declared = [(e.name, e.source.shape, e.kind) for e in entries if e.kind != "tied"]
     result.declared_dtypes = base.declared_dtypes
-    rules = "Megatron-style, merged by its universal_checkpoint_info patterns" if megatron else "AutoTP"
+    rules = (
+        "AutoTP"
+        if not megatron
+        else "Megatron-style, merged by the --tp-rules patterns"
+        if tp_rules is not None
+        else "Megatron-style, merged by its universal_checkpoint_info patterns"
+    )
     result.notes.append(
         f"tensor-parallel ({rules}): {tp} tensor ranks x {dp} data-parallel rank{'s' * (dp != 1)}; "
         f"{len(merge.replicated)} params replicated on every tensor rank, the others merged from their pieces"
@@ -117,13 +129,15 @@ def read_tensor_parallel(
     )
     try:
         result.state = _merged_state(result.index, [sub.state for sub in surveys if sub.state is not None], merge)
+        if megatron:
+            result.state = replace(result.state, tensor_merge_rules=info)
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
 
 
-def _affine_map(model0: dict) -> dict[str, Any] | None:
-    info = model0.get(N.UNIVERSAL_CHECKPOINT_INFO)
+def _affine_map(info: Any) -> dict[str, Any] | None:
+    """The per-param pieces of an AutoTP ``universal_checkpoint_info``, if it has them."""
     affine = info.get(N.AFFINE_MAP) if isinstance(info, dict) else None
     params = affine.get("params") if isinstance(affine, dict) else None
     return params if isinstance(params, dict) and params else None

@@ -89,10 +89,10 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
 
 def _megatron_keys(state: TrainingState) -> dict[str, dict[str, Any]]:
     """Per trainable param of a Megatron-style tensor-parallel run, what its universal files hold
-    beside the tensor (:func:`~.megatron_rules.universal_keys`); empty for AutoTP, whose loader
-    cuts by the loading model's own map."""
-    info = state.engine_extras.get(N.UNIVERSAL_CHECKPOINT_INFO)
-    if not has_merge_patterns(info) or (isinstance(info, dict) and info.get(N.AFFINE_MAP)):
+    beside the tensor (:func:`~.megatron_rules.universal_keys`, by the rules its tensor ranks were
+    merged by); empty for AutoTP, whose loader cuts by the loading model's own map."""
+    info = state.tensor_merge_rules
+    if not has_merge_patterns(info):
         return {}
     return {param.name: universal_keys(info, param.name) for param in state.params}
 

@@ -6,6 +6,8 @@ data-parallel set they are (:mod:`.dp_reader`), or stage by stage for a pipeline
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.errors import UsageError
 from . import swap_folder as swap
 from .dp_reader import read_ranks
@@ -16,9 +18,12 @@ from .survey import Survey
 from .tensor_parallel import read_tensor_parallel
 
 
-def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> None:
+def read_zero(
+    result: Survey, swap_folder: swap.SwapFolder | None = None, tp_rules: dict[str, Any] | None = None
+) -> None:
     """Read the tag folder of `result.location` into `result`: its index and training state
-    when the checkpoint is complete, every problem found otherwise."""
+    when the checkpoint is complete, every problem found otherwise. `tp_rules`: the merge rules
+    of a tensor-parallel run that does not record its own (``--tp-rules``)."""
     location = result.location
     assert location is not None
     files = zero_rank_files(location.tag_dir)
@@ -30,13 +35,13 @@ def read_zero(result: Survey, swap_folder: swap.SwapFolder | None = None) -> Non
         if swap_folder is not None:
             result.add(UsageError, location.tag_dir, "--swap-folder is for ZeRO-3 runs; a pipeline run is ZeRO-0/1")
             return
-        read_pipeline(result, files)
+        read_pipeline(result, files, tp_rules)
         return
     if files.tensor_parallel:
         if swap_folder is not None:
             result.add(UsageError, location.tag_dir, "--swap-folder is for data-parallel ZeRO-3 runs")
             return
-        read_tensor_parallel(result, files)
+        read_tensor_parallel(result, files, tp_rules=tp_rules)
         return
     if files.moe:
         if swap_folder is not None:

@@ -44,6 +44,7 @@ def consolidate(
     swap_folder: str | os.PathLike[str] | None = None,
     wait: bool = False,
     optimizer_states: bool = False,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> ConsolidationResult:
     """Read a ZeRO checkpoint and write its consolidated weights into `output_dir`.
 
@@ -65,14 +66,17 @@ def consolidate(
     run) gives the layout, the swap folder the fp32 masters of every swapped sub-group, so the
     run's newest weights are written (16-bit output rounds those masters to nearest).
 
+    `tp_rules`: a ``--tp-rules`` JSON file of Megatron-style merge patterns, for a tensor-parallel
+    run that records none (see :mod:`zckpt.deepspeed.megatron_rules`).
+
     One writer per output folder: another zckpt run writing `output_dir` makes this one refuse
     (an OutputError naming it), or with `wait` wait for it to end.
     """
     _refuse_file_name(os.fspath(output_dir), format)
     if optimizer_states and format != LIGHTNING:
         raise UsageError(None, "--optimizer-states goes with --format lightning (weights folders hold no optimizer)")
-    state = open_training_state(checkpoint, tag, swap_folder) if optimizer_states else None
-    index = state.index if state is not None else open_checkpoint(checkpoint, tag, swap_folder)
+    state = open_training_state(checkpoint, tag, swap_folder, tp_rules) if optimizer_states else None
+    index = state.index if state is not None else open_checkpoint(checkpoint, tag, swap_folder, tp_rules)
     in_place = (
         index.checkpoint_dir
         if TRAINER_CHECKPOINT_RE.match(os.path.basename(os.path.realpath(index.checkpoint_dir)))

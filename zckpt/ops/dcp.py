@@ -351,18 +351,20 @@ def to_dcp(
     verify: bool = True,
     swap_folder: str | os.PathLike[str] | None = None,
     wait: bool = False,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> DcpResult:
     """Write `checkpoint`'s model and optimizer as a DCP folder `output_dir`, plus
     ``train_state.json``. The folder appears whole or not at all; an existing one (not empty) is
     replaced only with `overwrite`. `dtype`: of the trainable params (fp32 masters by default).
     `swap_folder`: a live ZeRO-Infinity folder of the same run, for the swapped sub-groups.
+    `tp_rules`: a ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
 
     Under torchrun (``WORLD_SIZE`` > 1) the job's processes share the tensors (sizes balanced),
     each writing its own data file ``__<rank>_0.distcp`` as torch's writer names a rank's file;
     process 0 writes ``.metadata`` (it knows where the others put each tensor: the layout is
     planned, not measured), ``train_state.json``, and commits the folder once all are in."""
     output_dir = os.path.normpath(os.fspath(output_dir))
-    source = open_training_state(checkpoint, tag, swap_folder)
+    source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
     plan = plan_dcp(source, dtype)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))

@@ -40,11 +40,13 @@ def inspect_path(
     verify: bool = False,
     *,
     checkpoint: str | os.PathLike[str] | None = None,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Report on a DeepSpeed checkpoint folder, a consolidated output folder, a weights file, or
     a live ZeRO-Infinity swap folder (`checkpoint`, of the same run, names what it holds).
 
     With `verify`, every checkpoint file is read in full and its CRC-32 checksums checked.
+    `tp_rules`: a ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
     """
     path = os.fspath(path)
     found = classify(path)
@@ -70,11 +72,11 @@ def inspect_path(
                     },
                     path,
                 )
-        return inspect_checkpoint(path, tag, verify)
+        return inspect_checkpoint(path, tag, verify, tp_rules)
     if found.kind is Kind.WEIGHTS_INDEX:
         return _inspect_index(path)
     if found.kind is Kind.LATEST_FILE:
-        return _inspect_latest(path, tag, verify)
+        return _inspect_latest(path, tag, verify, tp_rules)
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic == b"PK\x03\x04" or torchfile.is_legacy_torch_file(path):
@@ -148,7 +150,9 @@ def inspect_swap_folder(
     }
 
 
-def _inspect_latest(path: str, tag: str | None, verify: bool) -> dict[str, Any]:
+def _inspect_latest(
+    path: str, tag: str | None, verify: bool, tp_rules: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
     """DeepSpeed's `latest` (or `latest_universal`) file: report on the checkpoint it points into,
     at the tag it names (or `tag`), rather than misread it as a weights file."""
     folder = os.path.dirname(path) or "."
@@ -159,16 +163,15 @@ def _inspect_latest(path: str, tag: str | None, verify: bool) -> dict[str, Any]:
         named = ""
     chosen = tag or named
     if not chosen or not os.path.isdir(os.path.join(folder, chosen)):
-        report = inspect_checkpoint(
-            folder, tag, verify
-        )  # reports `latest`'s problem, or reads the folder as zckpt would
+        # reports `latest`'s problem, or reads the folder as zckpt would
+        report = inspect_checkpoint(folder, tag, verify, tp_rules)
         if base == N.LATEST_UNIVERSAL_FILE and not any(p.startswith(path) for p in report["problems"]):
             report["problems"].append(
                 f"{path}: names tag '{named}', but that folder is not in {folder} (tags here: {', '.join(list_tags(folder)) or 'none'})"
             )
             report["complete"] = False
     else:
-        report = inspect_checkpoint(folder, chosen, verify)
+        report = inspect_checkpoint(folder, chosen, verify, tp_rules)
     report["notes"].insert(
         0,
         f"{path} is DeepSpeed's '{base}' file (naming tag {named or 'nothing'}); this describes the checkpoint folder it belongs to",
@@ -203,8 +206,10 @@ def _param(name: str, shape: tuple[int, ...], dtype: str, **extra: Any) -> dict[
     return {"name": name, "shape": list(shape), "numel": math.prod(shape), "dtype": dtype, **extra}
 
 
-def inspect_checkpoint(path: str, tag: str | None = None, verify: bool = False) -> dict[str, Any]:
-    found = survey(path, tag)
+def inspect_checkpoint(
+    path: str, tag: str | None = None, verify: bool = False, tp_rules: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
+    found = survey(path, tag, tp_rules=tp_rules)
     checksum_problems = [p for _, _, p in map(check_archive, found.files if verify else []) if p]
     location = found.location
     report: dict[str, Any] = {

@@ -53,9 +53,10 @@ def plan_reshard(
     config: dict | str | os.PathLike[str] | None = None,
     swap_folder: str | os.PathLike[str] | None = None,
     pipeline_stages: int | None = None,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
-    state = open_training_state(checkpoint, tag, swap_folder)
+    state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
     return _plan(state, _target(state, world_size, stage, config), pipeline_stages)
 
 
@@ -129,6 +130,7 @@ def reshard(
     swap_folder: str | os.PathLike[str] | None = None,
     wait: bool = False,
     pipeline_stages: int | None = None,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -139,9 +141,10 @@ def reshard(
     `wait`: another zckpt run writing `output_dir` is waited for instead of refused.
     A pipeline-parallel checkpoint stays one: `world_size` data-parallel ranks per stage, at its
     own number of stages or at `pipeline_stages` = 1 (the layers all in one stage).
+    `tp_rules`: a ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
     """
     output_dir = os.fspath(output_dir)
-    source = open_training_state(checkpoint, tag, swap_folder)
+    source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
     plan = _plan(source, _target(source, world_size, stage, config), pipeline_stages)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))

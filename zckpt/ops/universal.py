@@ -40,9 +40,11 @@ def plan_to_universal(
     tag: str | None = None,
     target_stage: int | None = None,
     swap_folder: str | os.PathLike[str] | None = None,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every file of its universal folder."""
-    return plan_universal(open_training_state(checkpoint, tag, swap_folder), target_stage=_stage(target_stage))
+    state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
+    return plan_universal(state, target_stage=_stage(target_stage))
 
 
 def _stage(stage: int | None) -> int | None:
@@ -63,14 +65,16 @@ def to_universal(
     verify: bool = True,
     swap_folder: str | os.PathLike[str] | None = None,
     wait: bool = False,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> UniversalResult:
     """Write the universal checkpoint of `checkpoint` (tag `tag`, default: the latest) into
     `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage).
     With `swap_folder`, the masters and optimizer states of swapped sub-groups come from that
     live ZeRO-Infinity folder (`checkpoint` gives the layout). `wait`: another zckpt run writing
-    `output_dir` is waited for instead of refused."""
+    `output_dir` is waited for instead of refused. `tp_rules`: a ``--tp-rules`` file, for a
+    tensor-parallel run that records no merge rules (each param's files then carry its rule)."""
     output_dir = os.fspath(output_dir)
-    source = open_training_state(checkpoint, tag, swap_folder)
+    source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
     plan = plan_universal(source, target_stage=_stage(target_stage))
     index = source.index
     # beside the tag folders, as DeepSpeed's ds_to_universal is used, but nowhere else inside the input

@@ -100,11 +100,13 @@ def verify(
     workers: int = 2,
     checkpoint: str | os.PathLike[str] | None = None,
     swap_folder: str | os.PathLike[str] | None = None,
+    tp_rules: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Check `path` (a ZeRO checkpoint folder or tag folder, a universal folder, consolidated
     weights: a folder, a .safetensors, a .index.json or a torch .bin, or a live ZeRO-Infinity
     swap folder) and report every problem. A swap folder is checked against the layout of
-    `checkpoint`; ``verify(CHECKPOINT, swap_folder=NVME_PATH)`` is the same check."""
+    `checkpoint`; ``verify(CHECKPOINT, swap_folder=NVME_PATH)`` is the same check. `tp_rules`: a
+    ``--tp-rules`` file, for a tensor-parallel run that records no merge rules."""
     path = os.fspath(path)
     found = classify(path)
     if found.kind is Kind.MISSING:
@@ -122,14 +124,16 @@ def verify(
         raise UsageError(path, "--checkpoint goes with a swap folder as PATH (<nvme_path> or its zero_stage_3/)")
     if not found.is_checkpoint:
         return _verify_weights(path, scan, workers)
-    return _verify_checkpoint(path, tag, scan, workers)
+    return _verify_checkpoint(path, tag, scan, workers, tp_rules)
 
 
 # --- ZeRO checkpoints and universal folders ---------------------------------------------------
 
 
-def _verify_checkpoint(path: str, tag: str | None, scan: bool, workers: int) -> VerifyReport:
-    found = survey(path, tag)
+def _verify_checkpoint(
+    path: str, tag: str | None, scan: bool, workers: int, tp_rules: str | os.PathLike[str] | None = None
+) -> VerifyReport:
+    found = survey(path, tag, tp_rules=tp_rules)
     findings = _Findings()
     kind = "universal_checkpoint" if found.universal else "deepspeed_checkpoint"
     files = _tag_files(found)
