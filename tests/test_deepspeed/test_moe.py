@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import (
     MOE_SAMPLES,
@@ -21,9 +22,11 @@ from helpers import (
     same_checkpoint_files,
 )
 from zckpt import load_state_dict, reshard, to_universal
-from zckpt.core.errors import LayoutError, UsageError
+from zckpt.core.errors import UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
+from zckpt.io.materialize import read_tensor
+from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
 
 IDS = [s.name for s in MOE_SAMPLES]
@@ -128,12 +131,46 @@ def test_moe_writes_it_cannot_make_are_refused(tmp_path: Path, kwargs: dict, mes
     assert not (tmp_path / "out").exists()
 
 
-def test_to_universal_of_experts_is_refused_in_one_line(tmp_path: Path) -> None:
-    with pytest.raises(
-        LayoutError,
-        match="a mixture-of-experts checkpoint .expert-parallel degree 2 x 4 data-parallel ranks.: to-universal",
-    ):
-        to_universal(BF16.checkpoint, tmp_path / "out")
+@pytest.mark.parametrize("case", MOE_SAMPLES, ids=IDS)
+def test_to_universal_stacks_each_local_experts_copies_by_expert_rank(tmp_path: Path, case: Sample) -> None:
+    """DeepSpeed's universal loader finds a param's folder by the loading rank's local name: each
+    expert param's folder holds its copies on the expert ranks stacked on dim 0 (row e: global
+    expert e * per_rank + local), marked for the loader's expert-parallel slicing. Read against
+    the files DeepSpeed saved (torch.load of the expert files: the live values' 16-bit weights)
+    and the live masters; read back by zckpt (un-stacked), the whole model as saved. DeepSpeed
+    resumes it: test_interop_parallel.py."""
+    out = tmp_path / "universal"
+    to_universal(case.checkpoint, out)
+    folder = out / "global_step3_universal" / "zero"
+    ep, per_rank = case.meta["ep"], case.meta["experts"] // case.meta["ep"]
+    live = case.live()
+    for local in range(per_rank):
+        name = EXPERT.format(local)
+        saved = torch.load(folder / name / "fp32.pt", weights_only=True)
+        assert saved["is_expert_param"] is True and saved["ep_num_experts"] == ep and list(saved)[-1] == "param"
+        assert saved["param"].shape == (ep, *live[name].shape)
+        for e in range(ep):
+            assert same_bits(saved["param"][e], live[EXPERT.format(e * per_rank + local)].float()), (local, e)
+    assert not (folder / EXPERT.format(per_rank)).exists()  # folders under local names only
+    universal, original = open_training_state(out), open_training_state(case.checkpoint)
+    assert sorted(p.name for p in universal.params) == sorted(p.name for p in original.params)
+    with FileReader() as reader:
+        for param in original.params:
+            again = universal.param(param.name)
+            assert same_bits(read_tensor(reader, again.master), read_tensor(reader, param.master)), param.name
+            for key, source in param.states.items():
+                assert same_bits(read_tensor(reader, again.states[key]), read_tensor(reader, source)), (param.name, key)
+    whole, written = load_state_dict(case.checkpoint, dtype="fp32"), load_state_dict(out, dtype="fp32")
+    assert sorted(written) == sorted(whole) and all(same_bits(written[k], v) for k, v in whole.items())
+    assert universal.index.topology.ep == ep  # the degree a loading run must keep
+    with pytest.raises(UsageError, match="a mixture-of-experts universal folder holds no expert files"):
+        reshard(out, tmp_path / "plain", world_size=ep)
+    assert not (tmp_path / "plain").exists()
+
+
+def test_to_universal_of_experts_for_zero3_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--target-stage 3: DeepSpeed runs native mixture-of-experts at ZeRO-0/1/2"):
+        to_universal(BF16.checkpoint, tmp_path / "out", target_stage=3)
     assert not (tmp_path / "out").exists()
 
 

@@ -220,7 +220,10 @@ model = build_moe(case)
 groups = split_params_into_different_moe_groups_for_optimizer(
     {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"}
 )
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(case))
+config = ds_config(case)
+if sys.argv[8:] == ["universal"]:
+    config["checkpoint"] = {"load_universal": True}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
 path, client = engine.load_checkpoint(str(checkpoint))
 assert path is not None, "load_checkpoint found nothing"
 live = {}
@@ -237,21 +240,27 @@ dist.barrier()
 MOE_RESHARDS = [("moe_z2_fp32_ep2_dp2", 4), ("moe_z1_bf16_ep2_dp4", 2)]
 
 
+@pytest.mark.parametrize("universal", [False, True], ids=["plain", "universal"])
 @pytest.mark.parametrize("name, world", MOE_RESHARDS, ids=[f"{n}-to-{w}" for n, w in MOE_RESHARDS])
-def test_deepspeed_resumes_a_resharded_moe_checkpoint(tmp_path: Path, name: str, world: int) -> None:
+def test_deepspeed_resumes_a_resharded_moe_checkpoint(tmp_path: Path, name: str, world: int, universal: bool) -> None:
     """DeepSpeed refuses another data-parallel size itself ("used a DP world size of ..."); zckpt's
-    reshard at the same expert-parallel degree is loaded plainly, with every expert's master and
-    moments as saved."""
+    reshard at the same expert-parallel degree is loaded plainly, and its universal folder with
+    load_universal (each expert param's folder the expert ranks' copies stacked, which DeepSpeed's
+    loader slices by expert rank), with every expert's master and moments as saved."""
     from safetensors.torch import load_file
 
     from helpers import same_bits
 
     case = next(s for s in MOE_SAMPLES if s.name == name)
-    out = tmp_path / "resharded"
-    reshard(case.checkpoint, out, world_size=world)
-    loaded = tmp_path / "loaded"
+    out = tmp_path / "converted"
     meta = case.meta
-    _run_deepspeed(MOE_LOADER, loaded, world, out, loaded, meta["dtype"], meta["zero_stage"], world, meta["ep"])
+    if universal:
+        to_universal(case.checkpoint, out)
+    else:
+        reshard(case.checkpoint, out, world_size=world)
+    loaded = tmp_path / "loaded"
+    extra = ["universal"] if universal else []
+    _run_deepspeed(MOE_LOADER, loaded, world, out, loaded, meta["dtype"], meta["zero_stage"], world, meta["ep"], *extra)
     truth = case.live()
     for rank in range(world):
         for key, value in load_file(loaded / f"live_rank{rank}.safetensors").items():

@@ -17,8 +17,9 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from ..core.errors import UsageError
-from ..core.state import TrainingState
+from ..core.errors import LayoutError, UsageError
+from ..core.index import TensorSource
+from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
 from ..torchfile.pickler import PickledReduce
 from . import names as N
@@ -34,6 +35,12 @@ def plan_moe_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
     """Every file of the mixture-of-experts checkpoint for `target` (its data-parallel size and
     ZeRO-1/2 stage) at the input's expert-parallel degree; pure."""
     ep = state.index.topology.ep
+    if state.index.universal:
+        raise UsageError(
+            state.index.tag_dir,
+            "a mixture-of-experts universal folder holds no expert files, which a plain MoE checkpoint needs: load it "
+            "with load_universal (at its expert-parallel degree), or reshard the checkpoint it was made from",
+        )
     if target.stage not in (1, 2):
         raise UsageError(None, f"--stage {target.stage}: DeepSpeed runs native mixture-of-experts at ZeRO-0/1/2 only")
     if target.world_size % ep:
@@ -176,3 +183,61 @@ def _merged_model(
         OrderedDict((n, v.args[0] if isinstance(v, PickledReduce) else v) for n, v in group.items()) for group in shapes
     ]
     return dict(out)
+
+
+def expert_universal_params(state: TrainingState) -> tuple[list[ParamState], dict[str, dict[str, Any]]]:
+    """A mixture-of-experts run's params as its universal folder holds them, and what each file
+    holds beside the tensor. DeepSpeed's universal loader finds a param's folder by the loading
+    rank's own (local) name, and the expert ranks of a native MoE give different experts the
+    same local names; an expert param's folder therefore holds its copies on every expert rank
+    stacked on a new dim 0 (expert rank e's is global expert ``e * per_rank + local``), marked
+    ``is_expert_param`` with ``ep_num_experts`` = the expert-parallel degree, and the loader takes
+    row ``ep_rank`` (DeepSpeed's EP slicing, one expert per local name and rank). Such a folder
+    loads at the run's own expert-parallel degree, over any number of data ranks. Dense params
+    are as they are."""
+    ep = state.index.topology.ep
+    expert = expert_group_indices(state)
+    per_rank = _experts_per_rank(state, expert, ep)
+    stacks: dict[str, list[ParamState | None]] = {}
+    for param in state.params:
+        found = N.expert_id(param.name)
+        if param.group not in expert or found is None:
+            continue
+        rank = found[1] // per_rank[found[0]]
+        stacks.setdefault(_local_name(param.name, rank, per_rank), [None] * ep)[rank] = param
+    params: list[ParamState] = []
+    keys: dict[str, dict[str, Any]] = {}
+    done: set[str] = set()
+    for param in state.params:
+        found = N.expert_id(param.name)
+        if param.group not in expert or found is None:
+            params.append(param)
+            continue
+        local = _local_name(param.name, found[1] // per_rank[found[0]], per_rank)
+        if local in done:
+            continue
+        done.add(local)
+        copies = stacks[local]
+        if any(c is None for c in copies):
+            raise LayoutError(state.index.tag_dir, f"{local}: not every expert rank holds an expert of that name")
+        stacked = [c for c in copies if c is not None]
+        params.append(
+            ParamState(
+                local,
+                (ep, *param.shape),
+                param.group,
+                _stacked([c.master for c in stacked]),
+                {k: _stacked([c.states[k] for c in stacked]) for k in param.states},
+            )
+        )
+        keys[local] = {N.UNIVERSAL_CAT_DIM: 0, N.EP_IS_EXPERT_PARAM: True, N.EP_NUM_EXPERTS: ep}
+    return params, keys
+
+
+def _stacked(sources: list[TensorSource]) -> TensorSource:
+    dtypes = {s.dtype for s in sources}
+    if len(dtypes) != 1:
+        raise LayoutError(None, "an expert's copies differ in dtype")
+    return TensorSource(
+        sources[0].dtype, (len(sources), *sources[0].shape), tuple(g for s in sources for g in s.segments)
+    )

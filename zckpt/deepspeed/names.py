@@ -197,6 +197,10 @@ PARAM_N_SUB_PARAMS = "param_n_sub_params"
 SUB_PARAM_SHAPE = "sub_param_shape"  # a SubparamShape (patterns, shape, partition_dim)
 SUBPARAM_SHAPE_CLASS = ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape")
 VOCAB_TENSOR = "vocab_tensor"
+# an expert param's universal files: its copies on the expert ranks stacked on a new dim 0, which
+# DeepSpeed's loader slices by the loading rank's expert-parallel rank (universal_checkpoint.py)
+EP_IS_EXPERT_PARAM = "is_expert_param"
+EP_NUM_EXPERTS = "ep_num_experts"
 MEGATRON_PATTERN_KEYS = (
     VOCABULARY_PARAMETER_PATTERNS,
     TP_REPLICATED_PARAMETER_PATTERNS,

@@ -18,13 +18,16 @@ Pure: no tensor byte is read.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..core.errors import UsageError
 from ..core.state import ParamState, TrainingState
+from ..core.topology import Topology
 from ..torchfile.save import OutTensor
 from . import names as N
 from .megatron_rules import has_merge_patterns, universal_keys
+from .moe_writer import expert_universal_params
 from .pipeline_writer import one_stage_state
 from .tensor_parallel_writer import unsharded_state
 from .writer import (
@@ -58,12 +61,20 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     """
     tensor_parallel = state.index.topology.tp > 1
     keys = _megatron_keys(state) if tensor_parallel else {}
+    params = list(state.params)
+    experts = state.index.topology.ep > 1
+    if experts:
+        params, keys = expert_universal_params(state)
+        state = replace(state, index=replace(state.index, topology=Topology.data_parallel(state.index.topology.dp)))
     if state.stages:
         state = one_stage_state(state)  # with tensor ranks: every param already merged
+        params = list(state.params)
     elif tensor_parallel:
         state = unsharded_state(state)
     require_data_parallel(state, "to-universal")
     target = plan_target(state, state.index.topology.dp, target_stage)
+    if experts and target.stage == 3:
+        raise UsageError(None, "--target-stage 3: DeepSpeed runs native mixture-of-experts at ZeRO-0/1/2 only")
     if tensor_parallel and target.stage == 3:
         raise UsageError(
             None,
@@ -80,7 +91,7 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
         )
     )
     zero3 = target.stage == 3
-    for param in state.params:
+    for param in params:
         files.extend(_param_files(state, param, zero3, keys.get(param.name)))
     return CheckpointPlan(
         N.universal_tag(state.index.source_tag), target, layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, ZckptError
-from ..core.index import CheckpointIndex, Entry, TensorRef, TensorSource
+from ..core.index import CheckpointIndex, Entry, TensorRef, TensorSource, slice_segments
 from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
+from ..core.topology import Topology
 from ..io.materialize import read_scalar
 from ..io.reading import FileReader, source_of
+from ..torchfile import reader as torchfile
 from . import names as N
 from .layout import LayoutParam, zero12_layout
 from .model_states import declare, describe, module_entries, param_shapes_of, tied_entries
@@ -135,6 +137,10 @@ class UniversalReader:
             files=tuple(self.result.files),
             notes=tuple(self.result.notes),
             universal=True,
+            # stacked expert copies: the expert-parallel degree a loading run must keep
+            topology=Topology(ep=max(rows for _, _, rows in self.expert_rows.values()), dp=world or 0)
+            if self.expert_rows
+            else None,
         )
         self.result.state = self._training_state(models, model0, zero3)
 
@@ -192,6 +198,13 @@ class UniversalReader:
         # the file naming the params, whose names are read as folder names under zero/
         self.declared_in = self._path(N.model_states_name(3 if zero3 else 1))
         entries = []
+        self.expert_rows = self._expert_rows()
+        if self.expert_rows:
+            ep = max(rows for _, _, rows in self.expert_rows.values())
+            self.result.notes.append(
+                f"mixture-of-experts: each expert param's folder stacks its copies on {ep} expert ranks; DeepSpeed "
+                f"loads it at expert-parallel degree {ep} (over any multiple of {ep} ranks)"
+            )
         with FileReader() as reader:
             for name, shape in self.shapes.items():
                 found = self._read_param(reader, name, shape, zero3)
@@ -202,8 +215,48 @@ class UniversalReader:
         self._note_extra_folders()
         return None if self.problems else entries
 
+    def _expert_rows(self) -> dict[str, tuple[str, int, int]]:
+        """Where each expert param of a mixture-of-experts run is, when its universal folder
+        stacks the expert ranks' copies (zckpt's ``to-universal``, :mod:`.moe_writer`): global
+        expert ``e * per_rank + local`` is row ``e`` of the folder of local id ``local``. Name ->
+        (folder's param name, row, rows); empty for any other folder."""
+        experts: dict[str, set[int]] = {}
+        for name in self.shapes:
+            found = N.expert_id(name)
+            if found is not None:
+                experts.setdefault(found[0], set()).add(found[1])
+        rows: dict[str, tuple[str, int, int]] = {}
+        stacked: dict[str, int] = {}  # folder of expert id 0 -> the rows it stacks
+        for name in self.shapes:
+            found = N.expert_id(name)
+            if found is None:
+                continue
+            first = N.with_expert_id(name, 0)
+            ep = stacked.setdefault(first, self._stacked_rows(first))
+            if ep <= 1 or len(experts[found[0]]) % ep:
+                continue
+            per_rank = len(experts[found[0]]) // ep
+            rows[name] = (N.with_expert_id(name, found[1] % per_rank), found[1] // per_rank, ep)
+        return rows
+
+    def _stacked_rows(self, name: str) -> int:
+        """The expert ranks an expert param's folder stacks (``ep_num_experts`` of its master's
+        file, marked ``is_expert_param``); 1 for a folder of one expert."""
+        path = os.path.join(self.tag_dir, N.universal_param_dir(name, self.declared_in), f"{N.UNIVERSAL_FP32}.pt")
+        if not os.path.isfile(path):
+            return 1
+        try:
+            value = torchfile.load(path)
+        except ZckptError:
+            return 1  # the file's damage is named when it is read
+        if isinstance(value, dict) and value.get(N.EP_IS_EXPERT_PARAM) is True:
+            count = value.get(N.EP_NUM_EXPERTS)
+            return count if isinstance(count, int) and count > 0 else 1
+        return 1
+
     def _read_param(self, reader: FileReader, name: str, shape: tuple[int, ...], zero3: bool) -> _ParamFiles | None:
-        folder = os.path.join(self.tag_dir, N.universal_param_dir(name, self.declared_in))
+        stored, row, rows = self.expert_rows.get(name, (name, 0, 1))
+        folder = os.path.join(self.tag_dir, N.universal_param_dir(stored, self.declared_in))
         try:
             stems = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".pt"))
         except FileNotFoundError:
@@ -236,7 +289,7 @@ class UniversalReader:
                     step_saved, step = ScalarState(value=value), value
                 step_path = path
                 continue
-            source = self._state_source(path, value, name, shape)
+            source = self._state_source(path, value, name, shape, row, rows)
             if source is None:
                 return None
             if stem == N.UNIVERSAL_FP32:
@@ -246,9 +299,28 @@ class UniversalReader:
         assert master is not None
         return _ParamFiles(master, states, step, step_saved, step_path)
 
-    def _state_source(self, path: str, value: Any, name: str, shape: tuple[int, ...]) -> TensorSource | None:
-        """The tensor of one state file, viewed as the param's shape (flat files are accepted)."""
+    def _state_source(
+        self, path: str, value: Any, name: str, shape: tuple[int, ...], row: int = 0, rows: int = 1
+    ) -> TensorSource | None:
+        """The tensor of one state file, viewed as the param's shape (flat files are accepted);
+        row `row` of `rows` stacked expert copies where the file stacks them."""
         ref = value.get(N.UNIVERSAL_PARAM) if isinstance(value, dict) else value
+        if rows > 1 and isinstance(ref, TensorRef):
+            if tuple(ref.shape) != (rows, *shape):
+                self._problem(
+                    LayoutError,
+                    path,
+                    f"holds a tensor of shape {list(ref.shape)}; {name} stacked over {rows} expert ranks is "
+                    f"{[rows, *shape]}",
+                )
+                return None
+            try:
+                whole = source_of(ref)
+            except CorruptFileError as exc:
+                self.problems.append(exc)
+                return None
+            numel = numel_of(shape)
+            return TensorSource(ref.dtype, shape, tuple(slice_segments(whole, row * numel, numel)))
         if not isinstance(ref, TensorRef):
             self._problem(
                 CorruptFileError,
