@@ -99,6 +99,7 @@ def test_run_list_covers_every_sample_with_unique_names(script) -> None:
     assert runs[0].heavy and len(script.build_runs(samples, quick=True, only=None)) < len(runs) / 2
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_one_byte_message_change_is_reported(script, tmp_path: Path, capsys) -> None:
     """Two folder trees (the package and an empty sample_ckpts), one help line changed by a byte."""

@@ -614,6 +614,7 @@ def prepare(tmp: Path, ref: Reference, overwrite: bool) -> Path:
 CASES = [(c.name, mode, signame) for c in COMMANDS for mode in MODES for signame in SIGNALS]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode, signame", CASES, ids=["-".join(c) for c in CASES])
 def test_killed_at_random_times(
@@ -648,6 +649,7 @@ OP_CASES = [
 AT_OP = {c[0] for c in OP_CASES}
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode, signame", OP_CASES, ids=["-".join(c) for c in OP_CASES])
 def test_killed_at_each_commit_step(

@@ -529,6 +529,7 @@ def test_hub_cache_snapshots_are_read_and_copied(world: World) -> None:
 SMALL = ("--layers", "1", "--dim", "16", "--heads", "2", "--vocab", "31", "--seq-len", "8", "--micro-batch", "2")
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_train_resume_then_save_writes_only_its_output(world: World) -> None:
     """`zckpt train --resume` reads a checkpoint as every command does (a crafted `latest` or a

@@ -68,6 +68,7 @@ def test_a_signal_while_a_pool_starts_a_thread_cannot_hang_the_exit() -> None:
     assert done.stdout == "interrupted\n" and done.stderr == ""
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_the_plain_pool_hangs_there(tmp_path) -> None:
     """The control: concurrent.futures' own pool, signalled at the same moment, never exits

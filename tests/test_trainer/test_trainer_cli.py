@@ -164,6 +164,7 @@ def test_help_describes_every_option():
     )  # "fp32 (default)", "auto (default)", "(default: not)"
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_readme_chain_runs_as_written(tmp_path: Path) -> None:
     """The README's two torchrun lines, run as written (in a fresh folder; a tiny model and

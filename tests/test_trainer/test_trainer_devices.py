@@ -121,6 +121,7 @@ def _train_in_group(rank: int, world: int, folder: str) -> tuple[tuple[float, ..
     return losses, str(torch.distributed.get_backend())
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_device_keyed_group_runs_the_host_side_as_plain_gloo(tmp_path: Path) -> None:
     """What a CUDA run's group does with host tensors, checked on CPU: a group given in the

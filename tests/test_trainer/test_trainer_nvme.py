@@ -466,6 +466,7 @@ print(json.dumps({"resident": int(open("/proc/self/statm").read().split()[1]) * 
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_memory_does_not_grow_with_depth_under_nvme_params(tmp_path):
     """1 and 5 layers of width 512 (the largest param and the buffer pool the same): in memory

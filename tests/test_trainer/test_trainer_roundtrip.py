@@ -18,6 +18,7 @@ def _script():
     return module
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_roundtrip_two_to_three_ranks(tmp_path, capsys):
     code = _script().main(
@@ -58,6 +59,7 @@ def test_roundtrip_refuses_a_batch_it_cannot_split(tmp_path, capsys):
     assert code == 2 and "cannot be split over 3 ranks" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_roundtrip_with_nvme_two_to_three_ranks(tmp_path, capsys):
     """The same trip with NVMe offload of params, gradients and optimizer state: sub-groups of
