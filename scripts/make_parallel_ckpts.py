@@ -619,21 +619,8 @@ def pipeline_megatron_worker(case: Case, casedir: Path) -> None:
         ref.mkdir(parents=True, exist_ok=True)
         save_file(live, str(ref / f"live_stage{stage}_tp{tp_rank}.safetensors"), metadata={"format": "pt"})
     dist.barrier()
-    engine.save_checkpoint(
-        str(casedir / "checkpoint"), client_state={"universal_checkpoint_info": pipeline_megatron_patterns(case.mtp)}
-    )
-    dist.barrier()
-    if dist.get_rank() == 0:
-        info = {
-            "deepspeed_version": deepspeed.__version__,
-            "torch_version": torch.__version__,
-            "tag": (casedir / "checkpoint" / "latest").read_text().strip(),
-            "global_steps": engine.global_steps,
-            "optimizer": type(engine.optimizer).__name__,
-            "live_optimizer": "not captured",
-        }
-        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
-    dist.barrier()
+    rules = {"universal_checkpoint_info": pipeline_megatron_patterns(case.mtp)}
+    save_and_describe(engine, casedir, "not captured", rules)
 
 
 def megatron_worker(case: Case, casedir: Path) -> None:
@@ -669,21 +656,10 @@ def megatron_worker(case: Case, casedir: Path) -> None:
         save_file(live, str(ref / f"live_tp{mpu.tp_rank}.safetensors"), metadata={"format": "pt"})
         save_file(optim, str(ref / f"live_optimizer_tp{mpu.tp_rank}.safetensors"), metadata={"format": "pt"})
     dist.barrier()
-    engine.save_checkpoint(
-        str(casedir / "checkpoint"), client_state={"universal_checkpoint_info": megatron_checkpoint_info(case.mtp)}
+    rules = {"universal_checkpoint_info": megatron_checkpoint_info(case.mtp)}
+    save_and_describe(
+        engine, casedir, "safe_get_full_optimizer_state of each tensor rank's slices (live_optimizer_tp*)", rules
     )
-    dist.barrier()
-    if dist.get_rank() == 0:
-        info = {
-            "deepspeed_version": deepspeed.__version__,
-            "torch_version": torch.__version__,
-            "tag": (casedir / "checkpoint" / "latest").read_text().strip(),
-            "global_steps": engine.global_steps,
-            "optimizer": type(engine.optimizer).__name__,
-            "live_optimizer": "safe_get_full_optimizer_state of each tensor rank's slices (live_optimizer_tp*)",
-        }
-        (casedir / "_worker_info.json").write_text(json.dumps(info, indent=2))
-    dist.barrier()
 
 
 def universal_reference(casedir: Path, python: str, log: Path, env: dict[str, str]) -> None:
@@ -714,14 +690,14 @@ shutil.rmtree(out)
     run([python, "-c", code, str(casedir)], cwd=REPO, log=log, env=env)
 
 
-def save_and_describe(engine: Any, casedir: Path, live_optimizer: str) -> None:
+def save_and_describe(engine: Any, casedir: Path, live_optimizer: str, client_state: dict | None = None) -> None:
     """Save the checkpoint (every rank), and on rank 0 what the driver writes into meta.json."""
     import deepspeed
     import deepspeed.comm as dist
     import torch
 
     ckpt_dir = casedir / "checkpoint"
-    engine.save_checkpoint(str(ckpt_dir))
+    engine.save_checkpoint(str(ckpt_dir), client_state=client_state or {})
     dist.barrier()
     if dist.get_rank() == 0:
         info = {

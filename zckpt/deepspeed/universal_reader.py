@@ -305,22 +305,6 @@ class UniversalReader:
         """The tensor of one state file, viewed as the param's shape (flat files are accepted);
         row `row` of `rows` stacked expert copies where the file stacks them."""
         ref = value.get(N.UNIVERSAL_PARAM) if isinstance(value, dict) else value
-        if rows > 1 and isinstance(ref, TensorRef):
-            if tuple(ref.shape) != (rows, *shape):
-                self._problem(
-                    LayoutError,
-                    path,
-                    f"holds a tensor of shape {list(ref.shape)}; {name} stacked over {rows} expert ranks is "
-                    f"{[rows, *shape]}",
-                )
-                return None
-            try:
-                whole = source_of(ref)
-            except CorruptFileError as exc:
-                self.problems.append(exc)
-                return None
-            numel = numel_of(shape)
-            return TensorSource(ref.dtype, shape, tuple(slice_segments(whole, row * numel, numel)))
         if not isinstance(ref, TensorRef):
             self._problem(
                 CorruptFileError,
@@ -328,11 +312,17 @@ class UniversalReader:
                 f"holds no tensor (expected a tensor or {{'param': tensor}}, got {type(value).__name__})",
             )
             return None
-        if ref.numel != numel_of(shape) or (len(ref.shape) != 1 and tuple(ref.shape) != shape):
+        numel = numel_of(shape)
+        if rows > 1:  # stacked expert copies: the whole stack, in its shape
+            fits = tuple(ref.shape) == (rows, *shape)
+        else:  # flat files are accepted
+            fits = ref.numel == numel and (len(ref.shape) == 1 or tuple(ref.shape) == shape)
+        if not fits:
+            stacked = f" stacked over {rows} expert ranks ({[rows, *shape]})" if rows > 1 else ""
             self._problem(
                 LayoutError,
                 path,
-                f"holds a tensor of shape {list(ref.shape)}; the model states give {name} shape {list(shape)}",
+                f"holds a tensor of shape {list(ref.shape)}; the model states give {name} shape {list(shape)}{stacked}",
             )
             return None
         if not ref.dtype.is_floating:
@@ -343,7 +333,7 @@ class UniversalReader:
         except CorruptFileError as exc:
             self.problems.append(exc)
             return None
-        return TensorSource(ref.dtype, shape, whole.segments)
+        return TensorSource(ref.dtype, shape, tuple(slice_segments(whole, row * numel, numel)))
 
     def _check_states_complete(self, param_shapes: list[dict], zero3: bool) -> None:
         """Every param has the states the rest of its group has (a missing exp_avg.pt would
