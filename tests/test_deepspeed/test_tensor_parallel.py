@@ -13,12 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import (
+    MEGATRON_SAMPLES,
     TENSOR_PARALLEL_SAMPLES,
     Sample,
     copy_checkpoint,
     run_cli,
     same_bits,
     same_checkpoint_files,
+    sample,
 )
 from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.errors import UsageError
@@ -76,18 +78,26 @@ def test_cli_inspect_verify_consolidate(tmp_path: Path, case: Sample) -> None:
 FP32 = next(s for s in TENSOR_PARALLEL_SAMPLES if s.name == "autotp_z1_fp32_tp2")
 
 
-def test_a_changed_replica_is_caught(tmp_path: Path) -> None:
-    """Tensor rank 1's master of a replicated LayerNorm weight edited: verify names its file."""
-    tag = copy_checkpoint(tmp_path, FP32)
+# (sample, a replicated param, its element count): AutoTP's and a Megatron-style run's
+REPLICAS = [
+    ("autotp_z1_fp32_tp2", "model.norm.weight", 32),
+    ("megatron_z1_fp32_tp2", "layers.1.input_layernorm.bias", 16),
+]
+
+
+@pytest.mark.parametrize("name, param, numel", REPLICAS, ids=[r[0] for r in REPLICAS])
+def test_a_changed_replica_is_caught(tmp_path: Path, name: str, param: str, numel: int) -> None:
+    """Tensor rank 1's master of a replicated LayerNorm param edited: verify names its file."""
+    tag = copy_checkpoint(tmp_path, sample(name))
     index = open_checkpoint(tag.parent)
-    replica = next(r for r in index.replicas if r.name == "model.norm.weight").source.segments[0]
+    replica = next(r for r in index.replicas if r.name == param).source.segments[0]
     assert replica.path.endswith("zero_pp_rank_0_mp_rank_01_optim_states.pt")
     with open(replica.path, "r+b") as f:
         f.seek(replica.offset)
         f.write(b"\x00\x00\x80\x3f")
     report = verify(tag.parent)
     assert not report.ok
-    assert any("model.norm.weight differs in 1 of 32 elements" in p for p in report.problems), report.problems
+    assert any(f"{param} differs in 1 of {numel} elements" in p for p in report.problems), report.problems
 
 
 def test_a_missing_tensor_rank_is_named(tmp_path: Path) -> None:
@@ -100,20 +110,23 @@ def test_a_missing_tensor_rank_is_named(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
+@pytest.mark.parametrize(
+    "case", TENSOR_PARALLEL_SAMPLES + MEGATRON_SAMPLES, ids=IDS + [s.name for s in MEGATRON_SAMPLES]
+)
 def test_reshard_to_its_own_layout_gives_deepspeeds_files_back(tmp_path: Path, case: Sample) -> None:
     out = tmp_path / "same"
     reshard(case.checkpoint, out, world_size=case.meta["dp"])
     assert same_checkpoint_files(case.checkpoint, out) == []
 
 
-def test_reshard_to_other_data_ranks_keeps_every_value(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["autotp_z1_fp32_tp2", "megatron_z1_fp32_tp2"])
+def test_reshard_to_other_data_ranks_keeps_every_value(tmp_path: Path, name: str) -> None:
     out = tmp_path / "dp3"
-    reshard(FP32.checkpoint, out, world_size=3)
+    reshard(sample(name).checkpoint, out, world_size=3)
     assert open_checkpoint(out).topology == Topology(tp=2, dp=3)
-    reference = _reference(FP32)
-    for name, value in load_state_dict(out, dtype="fp32").items():
-        assert same_bits(value, reference[name]), name
+    reference = _reference(sample(name))
+    for key, value in load_state_dict(out, dtype="fp32").items():
+        assert same_bits(value, reference[key]), key
 
 
 @pytest.mark.parametrize("name, stage", [("autotp_z1_fp32_tp2", 3), ("autotp_z3_bf16_tp2_dp2", 1)])
