@@ -32,7 +32,7 @@ from . import names as N
 from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
 from .survey import Survey
-from .tensor_parallel import read_tensor_parallel
+from .tensor_parallel import merge_rules_label, read_tensor_parallel
 
 TIED_PREFIX = "tied_modules."
 
@@ -129,8 +129,8 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
     dp = first.index.topology.dp
     order = _module_order(declarations, layers)
     entries, replicas = _merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order)
-    rules = next((n for sub in surveys for n in sub.notes if n.startswith("tensor-parallel (")), "")
-    tensors = f" x {tp} tensor ranks ({rules[len('tensor-parallel (') :].split(')')[0]})" if tp > 1 else ""
+    megatron = first.state is not None and bool(first.state.tensor_merge_rules)
+    tensors = f" x {tp} tensor ranks ({merge_rules_label(megatron, tp_rules is not None)})" if tp > 1 else ""
     result.notes.append(
         f"pipeline-parallel: {stages} stage{'s' * (stages != 1)}{tensors} x {dp} data-parallel rank{'s' * (dp != 1)}, "
         f"{len(layers) * tp} layer files (frozen params and buffers read from them)"

@@ -105,13 +105,7 @@ def read_tensor_parallel(
         return
     result.declared = [(e.name, e.source.shape, e.kind) for e in entries if e.kind != "tied"]
     result.declared_dtypes = base.declared_dtypes
-    rules = (
-        "AutoTP"
-        if not megatron
-        else "Megatron-style, merged by the --tp-rules patterns"
-        if tp_rules is not None
-        else "Megatron-style, merged by its universal_checkpoint_info patterns"
-    )
+    rules = merge_rules_label(megatron, tp_rules is not None)
     result.notes.append(
         f"tensor-parallel ({rules}): {tp} tensor ranks x {dp} data-parallel rank{'s' * (dp != 1)}; "
         f"{len(merge.replicated)} params replicated on every tensor rank, the others merged from their pieces"
@@ -134,6 +128,13 @@ def read_tensor_parallel(
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
+
+
+def merge_rules_label(megatron: bool, given: bool) -> str:
+    """What a tensor-parallel run's shards were merged by, for its note."""
+    if not megatron:
+        return "AutoTP"
+    return f"Megatron-style, merged by {'the --tp-rules' if given else 'its universal_checkpoint_info'} patterns"
 
 
 def _affine_map(info: Any) -> dict[str, Any] | None:
