@@ -97,38 +97,65 @@ def megatron_specs(info: dict[str, Any], shard_shapes: dict[str, list[Shape]], t
     default); a frozen param or buffer no pattern names gets no spec (a copy on each rank)."""
     specs: dict[str, Any] = {}
     for name, shapes in shard_shapes.items():
-        blocks, logical = _blocks(info, name, [tuple(s) for s in shapes], name in trainable)
-        if blocks is None:
+        rule = merge_rule(info, name, name in trainable)
+        if rule.kind == "copies":
             continue
-        if _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name):
+        blocks, logical = _blocks(info, rule, name, [tuple(s) for s in shapes])
+        if rule.vocabulary:
             blocks, logical = _vocabulary_cut(info, name, blocks, logical)
         specs[name] = _spec(blocks, logical, [tuple(s) for s in shapes])
     return specs
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    """How one param's tensor-rank slices join, by the first rule that names it (DeepSpeed's
+    order): `kind` is "replicated", "halves" (2 sub-params on dim 0), "sub_params", "dim1" (row
+    parallel), "dim0", or "copies" (a frozen param or buffer no pattern names); `vocabulary`:
+    rows cut to ``original_vocab_size`` after the join."""
+
+    kind: str
+    vocabulary: bool = False
+    sub_params: tuple[str, dict[str, Any]] | None = None  # the matched pattern and its rule
+
+
+def merge_rule(info: dict[str, Any], name: str, trainable: bool = True) -> MergeRule:
+    """The rule `info` gives `name` (params it averages are refused: an average is not saved bits)."""
+    vocabulary = _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name) is not None
+    if _matches(info.get(N.TP_REPLICATED_PARAMETER_PATTERNS), name):
+        return MergeRule("replicated", vocabulary)
+    if _matches(info.get(N.PARAMETER_TO_AVERAGE_PATTERNS), name):
+        raise LayoutError(
+            None,
+            f"{name}: the checkpoint's rules average it over the tensor ranks (parameter_to_average_patterns); an "
+            "average is new numbers, not the saved ones, and zckpt does not write it",
+        )
+    if _matches(info.get(N.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), name):
+        return MergeRule("halves", vocabulary)
+    sub = _sub_param_rule(info, name)
+    if sub is not None:
+        return MergeRule("sub_params", vocabulary, sub)
+    if _matches(info.get(N.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS), name):
+        return MergeRule("dim1", vocabulary)
+    return MergeRule("dim0" if trainable or vocabulary else "copies", vocabulary)
 
 
 def universal_keys(info: dict[str, Any], name: str) -> dict[str, Any]:
     """What ``ds_to_universal`` writes beside a trainable param's merged tensor (``merge_tp_slices``,
     in its order), from which DeepSpeed's universal loader cuts each tensor rank's slice again:
     the concatenation dim, the sub-param count or shape, whether the rows are a vocabulary."""
+    rule = merge_rule(info, name)
     keys: dict[str, Any] = {}
-    if _matches(info.get(N.TP_REPLICATED_PARAMETER_PATTERNS), name):
-        pass
-    elif _matches(info.get(N.PARAMETER_TO_AVERAGE_PATTERNS), name):
-        raise LayoutError(None, f"{name}: averaged over the tensor ranks by the checkpoint's rules")
-    elif _matches(info.get(N.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), name):
+    if rule.kind == "halves":
         keys = {N.UNIVERSAL_CAT_DIM: 0, N.PARAM_N_SUB_PARAMS: 2}
-    elif (sub := _sub_param_rule(info, name)) is not None:
-        rule = sub[1]
-        state = {
-            "patterns": rule.get("patterns"),
-            "shape": rule.get("shape"),
-            "partition_dim": rule.get("partition_dim"),
-        }
+    elif rule.kind == "sub_params":
+        assert rule.sub_params is not None
+        found = rule.sub_params[1]
+        state = {key: found.get(key) for key in ("patterns", "shape", "partition_dim")}
         keys = {N.SUB_PARAM_SHAPE: PickledInstance(GlobalName(*N.SUBPARAM_SHAPE_CLASS), state)}
-    else:
-        row = _matches(info.get(N.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS), name) is not None
-        keys = {N.UNIVERSAL_CAT_DIM: 1 if row else 0}
-    if _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name):
+    elif rule.kind in ("dim0", "dim1"):
+        keys = {N.UNIVERSAL_CAT_DIM: 1 if rule.kind == "dim1" else 0}
+    if rule.vocabulary:
         keys[N.VOCAB_TENSOR] = True
     return keys
 
@@ -141,27 +168,18 @@ def _matches(patterns: Any, name: str) -> str | None:
     return found[0] if found else None
 
 
-def _blocks(info: dict[str, Any], name: str, shapes: list[Shape], trainable: bool) -> tuple[list[_Block] | None, Shape]:
-    """The blocks of `name`'s logical tensor, by the first rule that names it."""
-    if _matches(info.get(N.TP_REPLICATED_PARAMETER_PATTERNS), name):
+def _blocks(info: dict[str, Any], rule: MergeRule, name: str, shapes: list[Shape]) -> tuple[list[_Block], Shape]:
+    """The blocks of `name`'s logical tensor by its rule."""
+    if rule.kind == "replicated":
         if any(s != shapes[0] for s in shapes):
             raise LayoutError(None, f"{name}: replicated on the tensor ranks by its pattern, but their shapes differ")
         return [], shapes[0]  # no blocks: one piece every rank holds (see _spec)
-    if _matches(info.get(N.PARAMETER_TO_AVERAGE_PATTERNS), name):
-        raise LayoutError(
-            None,
-            f"{name}: the checkpoint's rules average it over the tensor ranks (parameter_to_average_patterns); an "
-            "average is new numbers, not the saved ones, and zckpt does not write it",
-        )
-    if _matches(info.get(N.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), name):
+    if rule.kind == "halves":
         return _two_halves(name, shapes)
-    sub = _sub_param_rule(info, name)
-    if sub is not None:
-        return _sub_params(info, name, shapes, *sub)
-    row = _matches(info.get(N.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS), name) is not None
-    if not row and not trainable and not _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name):
-        return None, shapes[0]
-    return _concatenated(name, shapes, 1 if row else 0)
+    if rule.kind == "sub_params":
+        assert rule.sub_params is not None
+        return _sub_params(info, name, shapes, *rule.sub_params)
+    return _concatenated(name, shapes, 1 if rule.kind == "dim1" else 0)
 
 
 def _concatenated(name: str, shapes: list[Shape], dim: int) -> tuple[list[_Block], Shape]:
