@@ -147,21 +147,37 @@ def test_probe_reads_original_checkpoint(name: str, tmp_path: Path) -> None:
         assert not cross.get("offset_disagreements")
 
 
-def test_probe_resumed_run_continues_bit_for_bit(tmp_path: Path) -> None:
+def test_probe_resumed_run_continues_the_original_run(tmp_path: Path) -> None:
     """Load the older tag (global_step2) of a two-tag checkpoint and train 1 step on the
-    generator's data stream: the engine then holds exactly what the original run held at step 3."""
+    generator's data stream: the engine then holds what the original run held at step 3.
+
+    Bit for bit on the kind of CPU the sample was made on; on another (this one has AVX-512,
+    measured) torch's float kernels round a few elements differently: up to 2e-7 of a tensor's
+    largest value. So each tensor must be within 1e-5 of its largest value of the original's,
+    while the step itself moves every trainable param by at least 1e3 times that difference
+    (about 1e-2 here): a misaligned batch, lr or step count would show; rounding does not."""
     s = sample("z2_fp32_ws2_twotags")
     _, _, state = run_probe(s.name, s.checkpoint, 2, tmp_path / "probe", tag="global_step2", train_steps=1)
     assert state["global_steps"] == 2 and state["param_groups"][0]["step"] == [2.0]
     train = state["train"]
     assert train["steps"] == [3] and train["global_steps_after"] == 3
     assert all(math.isfinite(x) for x in train["losses_mean"]) and len(train["losses_per_rank"][0]) == 2
+    loaded = load_file(tmp_path / "probe" / "live.safetensors")  # step 2, as loaded
     after = load_file(tmp_path / "probe" / "live_after_train.safetensors")
     after_optim = load_file(tmp_path / "probe" / "live_optimizer_after_train.safetensors")
     for name, expected in s.live().items():
-        assert same_bits(after[name], expected), name
+        off = _largest_difference(after[name], expected)
+        assert off <= 1e-5 * float(expected.double().abs().max()), (name, off)
+        moved = _largest_difference(expected, loaded[name])
+        assert off == 0 or moved >= 1e3 * off, (name, off, moved)
     for name, expected in load_file(s.folder / "reference" / "live_optimizer.safetensors").items():
-        assert same_bits(after_optim[name], expected), name
+        off = _largest_difference(after_optim[name], expected)
+        assert off <= 1e-5 * float(expected.double().abs().max()), (name, off)
+
+
+def _largest_difference(a, b) -> float:  # type: ignore[no-untyped-def]
+    assert a.dtype == b.dtype and a.shape == b.shape
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
 def test_probe_reports_deepspeed_refusal(tmp_path: Path) -> None:
