@@ -112,6 +112,23 @@ def sample(name: str) -> Sample:
     return next(s for s in ALL_SAMPLES if s.name == name)
 
 
+def assert_holds_the_merge(state: Any, reference: dict[str, torch.Tensor], masters: bool = False) -> None:
+    """Every param's Adam moments of a training state (and with `masters` its fp32 master) equal
+    `reference`'s ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (``<name>``): DeepSpeed's own merge
+    of a tensor-parallel checkpoint (``reference/universal.safetensors``)."""
+    from zckpt.io.materialize import read_tensor
+    from zckpt.io.reading import FileReader
+
+    with FileReader() as reader:
+        for param in state.params:
+            if masters:
+                master = read_tensor(reader, param.master).reshape(param.shape)
+                assert same_bits(master, reference[param.name]), param.name
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and every bit (NaNs included)."""
     if a.dtype != b.dtype or a.shape != b.shape:

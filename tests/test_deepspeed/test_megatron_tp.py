@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import MEGATRON_SAMPLES, Sample, copy_checkpoint, run_cli, same_bits
+from helpers import MEGATRON_SAMPLES, Sample, assert_holds_the_merge, copy_checkpoint, run_cli, same_bits
 from zckpt import load_state_dict, to_universal
 from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
@@ -62,11 +62,7 @@ def test_masters_and_moments_are_deepspeeds_merge(case: Sample) -> None:
     for name, value in state_dict.items():
         assert same_bits(value, reference[name]), name
     state = open_training_state(case.checkpoint)
-    with FileReader() as reader:
-        for param in state.params:
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = read_tensor(reader, param.states[key]).reshape(param.shape)
-                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    assert_holds_the_merge(state, reference)
     assert {r.name for r in index.replicas} == REPLICATED
 
 
@@ -126,12 +122,7 @@ def test_to_universal_holds_deepspeeds_merge(tmp_path: Path, case: Sample) -> No
     universal = open_training_state(out)
     assert universal.index.universal and universal.index.topology == Topology(dp=case.meta["dp"])
     reference = _reference(case)
-    with FileReader() as reader:
-        for param in universal.params:
-            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name])
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = read_tensor(reader, param.states[key]).reshape(param.shape)
-                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    assert_holds_the_merge(universal, reference, masters=True)
     folder = out / "global_step3_universal" / "zero"
     row = torch.load(folder / "layers.1.mlp.dense_4h_to_h.weight" / "fp32.pt", weights_only=True)
     assert list(row) == ["cat_dim", "param"] and row["cat_dim"] == 1

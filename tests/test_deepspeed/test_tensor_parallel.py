@@ -16,6 +16,7 @@ from helpers import (
     MEGATRON_SAMPLES,
     TENSOR_PARALLEL_SAMPLES,
     Sample,
+    assert_holds_the_merge,
     copy_checkpoint,
     run_cli,
     same_bits,
@@ -26,8 +27,6 @@ from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.errors import UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
-from zckpt.io.materialize import read_tensor
-from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
 
 IDS = [s.name for s in TENSOR_PARALLEL_SAMPLES]
@@ -55,11 +54,7 @@ def test_masters_and_moments_are_deepspeeds_merge(case: Sample) -> None:
     for name, value in state_dict.items():
         assert same_bits(value, reference[name]), name
     state = open_training_state(case.checkpoint)
-    with FileReader() as reader:
-        for param in state.params:
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = read_tensor(reader, param.states[key]).reshape(param.shape)
-                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    assert_holds_the_merge(state, reference)
     assert {r.name for r in index.replicas} == REPLICATED
     assert state.client_state == {}  # universal_checkpoint_info is the engine's
 
@@ -157,12 +152,7 @@ def test_to_universal_is_the_unsharded_model_deepspeed_merges(tmp_path: Path, ca
     assert universal.index.universal and universal.index.topology == Topology(dp=case.meta["dp"])
     reference = _reference(case)
     assert sorted(p.name for p in universal.params) == sorted(k for k in reference if "exp_avg" not in k)
-    with FileReader() as reader:
-        for param in universal.params:
-            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name])
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = read_tensor(reader, param.states[key]).reshape(param.shape)
-                assert same_bits(value, reference[f"{param.name}.{key}"]), (param.name, key)
+    assert_holds_the_merge(universal, reference, masters=True)
     whole, written = load_state_dict(case.checkpoint, dtype="fp32"), load_state_dict(out, dtype="fp32")
     assert list(written) == list(whole)
     for name, value in whole.items():
