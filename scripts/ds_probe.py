@@ -257,7 +257,7 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     opt = engine.optimizer
-    base = opt.optimizer
+    base = getattr(opt, "optimizer", opt)  # ZeRO-0 (fp32): the script's torch optimizer itself
     live: dict[str, Any] = {}
     module_vals: dict[str, Any] = {}
     optim: dict[str, Any] = {}
@@ -303,6 +303,25 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
             for k in optim_keys:
                 v = safe_get_full_optimizer_state(p, k)
                 put(optim, "optimizer", pid, v.float(), "safe_get_full_optimizer_state", "." + k)
+        return {
+            "live": live,
+            "optim": optim,
+            "module": module_vals,
+            "methods": methods,
+            "cross_checks": cross,
+            "optim_keys": optim_keys,
+        }
+
+    if stage == 0:  # ZeRO off: the module's params are the fp32 masters, the torch optimizer's state is per param
+        for pid, p in params.items():
+            if not p.requires_grad:
+                continue
+            put(live, "live", pid, p.data.float(), "p.data (ZeRO-0: the master)")
+            for k, v in sorted(base.state.get(p, {}).items()):
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    put(optim, "optimizer", pid, v.float(), "optimizer.state[p] (ZeRO-0)", "." + k)
+                    if k not in optim_keys:
+                        optim_keys.append(k)
         return {
             "live": live,
             "optim": optim,
@@ -411,7 +430,7 @@ def group_state(engine: Any, stage: int) -> list[dict]:
     import torch
 
     opt = engine.optimizer
-    base = opt.optimizer
+    base = getattr(opt, "optimizer", opt)  # ZeRO-0 (fp32): the script's torch optimizer itself
     out = []
     for gi, group in enumerate(base.param_groups):
         hyper = {k: jsonable(v) for k, v in group.items() if k != "params"}
@@ -506,7 +525,7 @@ def worker(args: argparse.Namespace) -> None:
             "world_size": world,
             "dtype": case.dtype,
             "optimizer_class": type(engine.optimizer).__name__,
-            "base_optimizer_class": type(engine.optimizer.optimizer).__name__,
+            "base_optimizer_class": type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
             "global_steps": engine.global_steps,
             "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps,

@@ -94,6 +94,7 @@ CASES = [
     Case("autotp_z3_bf16_tp2_dp2", 3, "bf16", pp=1, dp=2, tp=2, grad_accum=1),
     Case("megatron_z3_fp32_tp2_dp2", 3, "fp32", pp=1, dp=2, mtp=2, grad_accum=1),
     Case("pp2_megatron_z1_fp32_tp2", 1, "fp32", pp=2, dp=1, mtp=2),
+    Case("moe_z0_fp32_ep2_dp2", 0, "fp32", pp=1, dp=2, ep=2, grad_accum=1),
 ]
 
 
@@ -230,15 +231,28 @@ def moe_worker(case: Case, casedir: Path) -> None:
         engine.backward(loss)
         engine.step()
     live: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    torch_optimizer = not case.stage and case.dtype == "fp32"  # ZeRO off: p is the master (bf16: BF16_Optimizer)
     for name, p in engine.module.named_parameters():  # every rank, same order: the collectives pair up
-        value = safe_get_full_fp32_param(p) if p.requires_grad else p.data
-        live[expert_global_name(name, p, case.experts, case.ep)] = value.detach().cpu().float().clone().contiguous()
+        value = p.data if torch_optimizer or not p.requires_grad else safe_get_full_fp32_param(p)
+        global_name = expert_global_name(name, p, case.experts, case.ep)
+        live[global_name] = value.detach().cpu().float().clone().contiguous()
+        if torch_optimizer and p.requires_grad:  # the torch optimizer's own state, by param
+            for key in ("exp_avg", "exp_avg_sq"):
+                optim[f"{global_name}.{key}"] = engine.optimizer.state[p][key].detach().cpu().clone().contiguous()
     for name, b in engine.module.named_buffers():
         live[name] = b.detach().cpu().clone().contiguous()
     ref = casedir / "reference"
     ref.mkdir(parents=True, exist_ok=True)
     save_file(live, str(ref / f"live_rank{rank}.safetensors"), metadata={"format": "pt"})
-    save_and_describe(engine, casedir, "not captured (safe_get_full_optimizer_state needs linked fragments)")
+    if optim:
+        save_file(optim, str(ref / f"live_optimizer_rank{rank}.safetensors"), metadata={"format": "pt"})
+    note = (
+        "the torch optimizer's state of each param"
+        if optim
+        else "not captured (safe_get_full_optimizer_state needs linked fragments)"
+    )
+    save_and_describe(engine, casedir, note)
 
 
 def build_llama(case: Case) -> Any:
@@ -727,13 +741,22 @@ def capture_live(engine: Any) -> tuple[dict[str, Any], dict[str, Any] | None, st
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     module = engine.module
+    zero = engine.zero_optimization_stage() > 0
     live: dict[str, Any] = {}
     for name, p in module.named_parameters():
-        value = safe_get_full_fp32_param(p) if p.requires_grad else p.data
+        value = safe_get_full_fp32_param(p) if p.requires_grad and zero else p.data  # ZeRO-0: p is the master
         live[name] = value.detach().cpu().clone().contiguous()
     for name, b in module.named_buffers():
         live[name] = b.detach().cpu().clone().contiguous()
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not zero:  # ZeRO-0: the torch optimizer's own state, by param
+        state = engine.optimizer.state
+        optim = {
+            f"{n}.{k}": state[p][k].detach().cpu().clone().contiguous()
+            for n, p in trainable
+            for k in ("exp_avg", "exp_avg_sq")
+        }
+        return live, optim, "the torch optimizer's state of each param"
     readable = all(
         getattr(getattr(p, "_hp_mapping", None), "optim_fragment", None) is not None
         and "exp_avg" in p._hp_mapping.optim_fragment
@@ -869,6 +892,9 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
             else "reference/universal.safetensors: DeepSpeed ds_to_universal's merge by the saved merge patterns; "
             "reference/live_tp{T}.safetensors: each tensor rank's slices as the live engine held them"
             if case.mtp
+            else "per rank: every param as the module holds it (ZeRO-0: the masters; experts under their global "
+            "ids), module buffers"
+            if case.ep and not case.stage
             else "per rank: safe_get_full_fp32_param of every param (experts under their global ids), module buffers"
             if case.ep
             else "per stage: safe_get_full_fp32_param (trainable), module params (frozen) and buffers"

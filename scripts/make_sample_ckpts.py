@@ -118,6 +118,27 @@ CASES: list[Case] = [
         "output lacks them (live.safetensors has them)",
     ),
     Case("z1_bf16_ws3_groups", "ds19", 1, "bf16", 3, groups=True),
+    Case(
+        "z0_fp32_ws2_tied",
+        "ds19",
+        0,
+        "fp32",
+        2,
+        tied=True,
+        notes="ZeRO-0 (ZeRO off): no optimizer files; the model states hold the module (the fp32 masters) and the "
+        "torch optimizer's state_dict by param index, param_shapes None",
+    ),
+    Case(
+        "z0_fp32_ws2_frozen_tied",
+        "ds19",
+        0,
+        "fp32",
+        2,
+        tied=True,
+        frozen=True,
+        notes="ZeRO-0 with frozen params the script left out of its optimizer: the optimizer's params (by index) "
+        "match the module's in more than one way by shape (fc2.bias or adapter.2.bias, both [37])",
+    ),
     Case("z2_fp32_ws1", "ds19", 2, "fp32", 1),
     Case("z2_bf16_ws3_frozen_groups", "ds19", 2, "bf16", 3, frozen=True, groups=True),
     Case("z2_fp16_ws4_tied", "ds19", 2, "fp16", 4, tied=True),
@@ -475,8 +496,10 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
 
     live: dict[str, Any] = {}
     for pid, p in params.items():
-        if p.requires_grad and case.live_from_module:
-            assert case.dtype == "fp32" and case.stage in (1, 2)
+        if p.requires_grad and (
+            case.live_from_module or case.stage == 0
+        ):  # ZeRO-0: the module's params are the masters
+            assert case.dtype == "fp32" and case.stage in (0, 1, 2)
             v = p.data.detach().cpu().clone()
         elif p.requires_grad:
             v = safe_get_full_fp32_param(p)
@@ -496,6 +519,13 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
     note = "safe_get_full_optimizer_state worked"
     if case.live_from_module:
         return live, None, "skipped: " + case.live_from_module
+    if case.stage == 0:  # ZeRO-0: the torch optimizer's own state, by param
+        for pid, p in params.items():
+            if p.requires_grad:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    for n in names_of[pid]:
+                        optim[f"{n}.{key}"] = engine.optimizer.state[p][key].detach().cpu().clone().contiguous()
+        return live, optim, "the torch optimizer's state of each param (ZeRO-0)"
     for key in ("exp_avg", "exp_avg_sq"):
         readable, reason = optimizer_state_readable(model, case.stage, key)
         if not readable:
@@ -906,6 +936,8 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
         "live_source": (
             "module parameters (see live_optimizer)"
             if case.live_from_module
+            else "the module's params (ZeRO-0: the fp32 masters) and buffers"
+            if case.stage == 0
             else "deepspeed.utils.safe_get_full_fp32_param (trainable), full 16-bit/fp32 value (frozen), module buffers"
         ),
         "live_optimizer": info["live_optimizer"],

@@ -100,9 +100,12 @@ ALL_SAMPLES = load_samples()
 # meta.json of their own), which tests/test_deepspeed/test_pipeline.py and test_moe.py cover, and
 # PyTorch Lightning's (scripts/make_lightning_ckpts.py), which tests/test_ops/test_lightning.py covers
 LIGHTNING_SAMPLES = [s for s in ALL_SAMPLES if "lightning" in s.meta]
-SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta and "lightning" not in s.meta]
+# the ZeRO-0 samples (no ZeRO files: a torch optimizer's state by index; zckpt writes them as ZeRO-1/2/3),
+# which tests/test_deepspeed/test_zero0.py covers; the generic tests compare ZeRO files
+ZERO0_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("zero_stage") == 0]
+SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta and "lightning" not in s.meta and s not in ZERO0_SAMPLES]
 PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep") and not s.meta.get("tp")]
-MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep")]
+MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep") and s not in ZERO0_SAMPLES]
 TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp") and "mpu" not in s.meta]  # AutoTP
 MEGATRON_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] == 1]  # an mpu's tensor ranks
 PIPELINE_TENSOR_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] > 1]  # pipeline x tensor

@@ -239,3 +239,49 @@ def test_inspect_shows_each_experts_rank(case: Sample) -> None:
             f"(data-parallel over {world // ep} rank{'s' * (world // ep != 1)})"
         ), name
     assert placements["embed.weight"] is None and placements["moe.deepspeed_moe.gate.wg.weight"] is None
+
+
+@pytest.mark.parametrize("ep, world", [(1, 2), (4, 4)], ids=["ep1-of-2", "ep4-of-4"])
+def test_reshard_to_another_expert_parallel_degree_keeps_every_value(tmp_path: Path, ep: int, world: int) -> None:
+    """Experts moved between expert ranks: the output reads back at the new degree, every expert's
+    master and moments are the live engine's and the original's (DeepSpeed's load of it: interop)."""
+    case = next(s for s in MOE_SAMPLES if s.name == "moe_z2_fp32_ep2_dp2")
+    out = tmp_path / "moved"
+    reshard(case.checkpoint, out, world_size=world, expert_parallel=ep)
+    index = open_checkpoint(out)
+    assert index.topology == Topology(ep=ep, dp=world)
+    live = case.live()
+    state_dict = load_state_dict(out, dtype="fp32")
+    assert all(same_bits(state_dict[n], v.float()) for n, v in live.items())
+    moved, original = open_training_state(out), open_training_state(case.checkpoint)
+    assert [g.hyperparams.get("name") for g in moved.groups] == ["parameters", f"ep_size_{ep}"]
+    with FileReader() as reader:
+        for param in original.params:
+            for key, source in param.states.items():
+                again = moved.param(param.name).states[key]
+                assert same_bits(read_tensor(reader, again), read_tensor(reader, source)), (param.name, key)
+    # the experts rank 1 of the new run holds, as DeepSpeed names them (local ids) in its optimizer file
+    from zckpt.torchfile import reader as torchfile
+
+    optim = torchfile.load(str(out / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    names = list(optim["optimizer_state_dict"]["param_slice_mappings"][1])
+    ids = {int(re.search(r"deepspeed_experts\.(\d+)\.", n)[1]) for n in names}
+    # ep 4: its one expert, local id 0; ep 1: its half of all 4 experts' flat group (local ids up to 3)
+    assert ids == {0} if ep == 4 else ids == {2, 3}
+
+
+@pytest.mark.parametrize(
+    "checkpoint, ep, problem",
+    [
+        ("moe_z2_fp32_ep2_dp2", 3, "has 4 experts, which do not divide over 3 expert ranks"),
+        ("z2_fp32_ws1", 2, "for mixture-of-experts checkpoints; this one has no experts"),
+    ],
+)
+def test_an_expert_parallel_degree_that_cannot_be_is_refused(
+    tmp_path: Path, checkpoint: str, ep: int, problem: str
+) -> None:
+    from helpers import sample
+
+    done = run_cli("reshard", sample(checkpoint).checkpoint, tmp_path / "out", "-w", "3", "--expert-parallel", ep)
+    assert done.returncode == 2 and problem in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -105,6 +105,8 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     ("z1_bf16_ws3_bf16optimizer_frozen", 2, 1),
     ("hf_trainer", 3, 2),
     ("z1_fp32_ws2_roundrobin", 3, 1),
+    ("z0_fp32_ws2_tied", 3, 1),  # ZeRO-0: the torch optimizer's state, saved by index, named and laid out
+    ("z0_fp32_ws2_tied", 1, 3),
 ]
 
 
@@ -114,6 +116,14 @@ def test_deepspeed_loads_resharded_sample(name: str, world_size: int, stage: int
     reshard(case.checkpoint, tmp_path / "out", world_size=world_size, stage=stage)
     live, optim, state = run_probe(name, tmp_path / "out", world_size, tmp_path / "probe", stage=stage)
     _check_loaded(case, live, optim, state, world_size, stage)
+
+
+def test_deepspeed_resumes_zero0_files_at_another_data_parallel_size_as_they_are(tmp_path: Path) -> None:
+    """Why reshard asks a ZeRO-0 checkpoint for --stage: DeepSpeed's own load of ZeRO-0 files (the module
+    and the torch optimizer's state, by index) does not depend on the data-parallel size."""
+    case = sample("z0_fp32_ws2_tied")
+    live, optim, state = run_probe(case.name, case.checkpoint, 3, tmp_path / "probe")
+    _check_loaded(case, live, optim, state, 3, 0)
 
 
 def test_deepspeed_loads_nvme_offloaded_sample_resharded_without_nvme(tmp_path: Path) -> None:

@@ -236,35 +236,50 @@ engine.save_checkpoint(str(out / "resaved"))
 dist.barrier()
 """
 
-# (sample, ranks of the loading run): the same experts over twice or half the ranks
-MOE_RESHARDS = [("moe_z2_fp32_ep2_dp2", 4), ("moe_z1_bf16_ep2_dp4", 2)]
+# (sample, ranks of the loading run, its ZeRO stage; None: the sample's): the same experts over twice
+# or half the ranks; a ZeRO-0 run's (the torch optimizer's state by index, per expert rank) as ZeRO-2
+MOE_RESHARDS = [("moe_z2_fp32_ep2_dp2", 4, None), ("moe_z1_bf16_ep2_dp4", 2, None), ("moe_z0_fp32_ep2_dp2", 4, 2)]
 
 
 @pytest.mark.parametrize("universal", [False, True], ids=["plain", "universal"])
-@pytest.mark.parametrize("name, world", MOE_RESHARDS, ids=[f"{n}-to-{w}" for n, w in MOE_RESHARDS])
-def test_deepspeed_resumes_a_resharded_moe_checkpoint(tmp_path: Path, name: str, world: int, universal: bool) -> None:
+@pytest.mark.parametrize("name, world, stage", MOE_RESHARDS, ids=[f"{n}-to-{w}" for n, w, _ in MOE_RESHARDS])
+def test_deepspeed_resumes_a_resharded_moe_checkpoint(
+    tmp_path: Path, name: str, world: int, stage: int | None, universal: bool
+) -> None:
     """DeepSpeed refuses another data-parallel size itself ("used a DP world size of ..."); zckpt's
     reshard at the same expert-parallel degree is loaded plainly, and its universal folder with
     load_universal (each expert param's folder the expert ranks' copies stacked, which DeepSpeed's
     loader slices by expert rank), with every expert's master and moments as saved."""
+    from helpers import sample
+
+    case = sample(name)
+    out = tmp_path / "converted"
+    meta = case.meta
+    if universal:
+        stage = to_universal(case.checkpoint, out).target_stage  # a ZeRO-0 run's: for ZeRO-1
+    else:
+        reshard(case.checkpoint, out, world_size=world, stage=stage)
+    loaded = tmp_path / "loaded"
+    extra = ["universal"] if universal else []
+    load_stage = meta["zero_stage"] if stage is None else stage
+    _run_deepspeed(MOE_LOADER, loaded, world, out, loaded, meta["dtype"], load_stage, world, meta["ep"], *extra)
+    _assert_moe_loaded(case, loaded, world)
+
+
+def _assert_moe_loaded(case: Sample, loaded: Path, world: int) -> None:
+    """The loading run held every expert's and dense param's saved master on each rank (under
+    global expert ids), the saved step, and resaved the saved moments."""
     from safetensors.torch import load_file
 
     from helpers import same_bits
 
-    case = next(s for s in MOE_SAMPLES if s.name == name)
-    out = tmp_path / "converted"
-    meta = case.meta
-    if universal:
-        to_universal(case.checkpoint, out)
-    else:
-        reshard(case.checkpoint, out, world_size=world)
-    loaded = tmp_path / "loaded"
-    extra = ["universal"] if universal else []
-    _run_deepspeed(MOE_LOADER, loaded, world, out, loaded, meta["dtype"], meta["zero_stage"], world, meta["ep"], *extra)
     truth = case.live()
+    held = set()
     for rank in range(world):
         for key, value in load_file(loaded / f"live_rank{rank}.safetensors").items():
             assert same_bits(value, truth[key].float()), (rank, key)
+            held.add(key)
+    assert held == {n for n in truth if n not in case.meta["buffers"]}  # every expert on some rank
     assert json.loads((loaded / "engine.json").read_text())["global_steps"] == case.meta["global_steps"]
     resaved, original = open_training_state(loaded / "resaved"), open_training_state(case.checkpoint)
     with FileReader() as reader:
@@ -272,6 +287,36 @@ def test_deepspeed_resumes_a_resharded_moe_checkpoint(tmp_path: Path, name: str,
             again = resaved.param(param.name)
             for key, source in param.states.items():
                 assert same_bits(read_tensor(reader, again.states[key]), read_tensor(reader, source)), (param.name, key)
+
+
+# (sample, ranks of the loading run, its expert-parallel degree, its ZeRO stage; None: the sample's)
+MOE_DEGREES = [
+    ("moe_z2_fp32_ep2_dp2", 2, 1, None),
+    ("moe_z2_fp32_ep2_dp2", 4, 4, None),
+    ("moe_z1_bf16_ep2_dp4", 4, 4, None),
+    ("moe_z0_fp32_ep2_dp2", 4, 4, 1),
+]
+
+
+@pytest.mark.parametrize(
+    "name, world, ep, stage", MOE_DEGREES, ids=[f"{n}-to-ep{e}-of-{w}" for n, w, e, _ in MOE_DEGREES]
+)
+def test_deepspeed_resumes_a_moe_checkpoint_at_another_expert_parallel_degree(
+    tmp_path: Path, name: str, world: int, ep: int, stage: int | None
+) -> None:
+    """The move no DeepSpeed tool makes (its universal loader finds experts by local id, so a
+    universal folder loads at its own degree only): zckpt lays each expert out on the expert rank
+    that holds it at the new degree, and a plain load_checkpoint of a run built with
+    MoE(ep_size=E) holds every expert's master and moments as saved."""
+    from helpers import sample
+
+    case = sample(name)
+    out = tmp_path / "converted"
+    reshard(case.checkpoint, out, world_size=world, stage=stage, expert_parallel=ep)
+    loaded = tmp_path / "loaded"
+    load_stage = case.meta["zero_stage"] if stage is None else stage
+    _run_deepspeed(MOE_LOADER, loaded, world, out, loaded, case.meta["dtype"], load_stage, world, ep)
+    _assert_moe_loaded(case, loaded, world)
 
 
 TP_LOADER = r"""

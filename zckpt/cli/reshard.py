@@ -87,6 +87,14 @@ def reshard(
             help="A pipeline-parallel checkpoint: 1 puts every layer in one stage (default: its own stages; --world-size is then the data-parallel ranks per stage).",
         ),
     ] = None,
+    expert_parallel: Annotated[
+        Optional[int],
+        typer.Option(
+            "--expert-parallel",
+            metavar="E",
+            help="A mixture-of-experts checkpoint: the new run's expert-parallel degree (default: its own; experts move between expert ranks; --world-size a multiple of it).",
+        ),
+    ] = None,
 ) -> None:
     """Rewrite a ZeRO checkpoint for another world size and/or ZeRO stage, with the whole training state.
 
@@ -119,6 +127,7 @@ def reshard(
             wait=wait,
             pipeline_stages=pipeline_stages,
             tp_rules=tp_rules,
+            expert_parallel=expert_parallel,
         ),
     )
     if primary:
@@ -133,6 +142,8 @@ def reshard(
             parts = [f"{out_stages} pipeline stage{'s' * (out_stages != 1)}"] if out_stages > 1 else []
             parts += [f"{tp} tensor ranks"] if tp > 1 else []
             shape = f" ({' x '.join(parts)} x {dp} data-parallel rank{'s' * (dp != 1)})"
+        if expert_parallel is not None:
+            shape = f" (expert-parallel {expert_parallel}, was {source.topology.ep})"
         typer.echo(
             f"wrote {result.tag} for world size {world}{shape} (ZeRO-{result.target.stage}) from world size "
             f"{source.world_size} (ZeRO-{source.zero_stage}): {len(result.files)} files, {format_size(result.bytes_written)}"

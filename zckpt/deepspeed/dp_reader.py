@@ -22,6 +22,7 @@ from .rank_checks import check_file_kinds, check_padding, check_same_run, check_
 from .rank_files import LoadedRanks, RankFiles, load
 from .schema import MODEL_SCHEMA, schema_problems
 from .survey import Survey
+from .zero0 import check_optimizer, is_zero0, read_zero0
 
 
 def read_ranks(
@@ -49,6 +50,12 @@ def read_ranks(
         models = {rank: view("model", rank, m) for rank, m in models.items()}
         optims = {rank: view("optim", rank, o) for rank, o in optims.items()}
     model0 = models.get(files.first)
+    if not files.optim and is_zero0(model0):  # the torch optimizer's state dict is in the model-states file
+        path, problems = files.model[files.first], len(result.problems)
+        optimizer = check_optimizer(result, model0, path)
+        if len(result.problems) == problems:
+            read_zero0(result, model0, optimizer, path, path, mp_world)
+        return
     if isinstance(model0, dict) and not schema_problems(model0, MODEL_SCHEMA):
         declare(result, model0)
     if any(v is None for v in list(models.values()) + list(optims.values())) or not check_file_kinds(

@@ -36,6 +36,7 @@ from .model_states import rounded_copies
 from .optim_state import flat_states
 from .rank_files import RankFiles, load
 from .survey import Survey
+from .zero0 import check_optimizer, read_zero0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,9 @@ def read_moe(result: Survey, files: RankFiles) -> None:
             "mixture-of-experts at ZeRO-0/1/2 only, so these are files of two runs",
         )
         return
+    if not files.optim:  # ZeRO-0: each expert rank's torch optimizer state in its expp_rank file
+        _read_moe_zero0(result, files)
+        return
     experts = expert_groups(result, files)
     if experts is None:
         if not result.problems:
@@ -127,6 +131,12 @@ def read_moe(result: Survey, files: RankFiles) -> None:
         sub = Survey(result.path, location=location)
         read_ranks(sub, own, view=lambda kind, rank, state, e=ep_rank: _expert_view(kind, state, experts, e))
         surveys.append(sub)
+    _merge_views(result, files, experts, surveys)
+
+
+def _merge_views(result: Survey, files: RankFiles, experts: ExpertGroups, surveys: list[Survey]) -> None:
+    """One index and training state from the dense view's survey and each expert rank's."""
+    dense = surveys[0]
     whole = result.take_parts(surveys, files.expert_paths)
     result.declared = [d for sub in surveys for d in sub.declared]
     result.declared_dtypes = dense.declared_dtypes
@@ -164,6 +174,100 @@ def read_moe(result: Survey, files: RankFiles) -> None:
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
+
+
+def _read_moe_zero0(result: Survey, files: RankFiles) -> None:
+    """A ZeRO-0 mixture-of-experts run: rank 0's model states hold the dense module; expert rank
+    e's ``expp_rank_e`` file its torch optimizer's state dict (dense groups, replicated on every
+    expert rank, then its experts' ``moe`` groups, local ids in module order); the expert files
+    the experts' fp32 params under global ids. Read as the same views as ZeRO-1/2's: the dense
+    groups with rank 0's optimizer, each expert rank's groups with its experts' weights."""
+    location = result.location
+    assert location is not None
+    model_path = files.model.get(None)
+    optim_files = {f.coords.expert: f.path for f in files.files if f.kind == "expert_optim"}
+    if model_path is None:
+        result.add(
+            CheckpointNotFoundError, files.tag_dir, "no mp_rank_00_model_states.pt (the dense module) in the tag folder"
+        )
+        return
+    ep = max(optim_files) + 1
+    missing = [e for e in range(ep) if e not in optim_files]
+    if missing:
+        result.add(
+            CheckpointNotFoundError,
+            os.path.join(files.tag_dir, N.expert_optim_states_name(missing[0])),
+            f"missing (the optimizer state of expert rank {missing[0]} of {ep})",
+        )
+        return
+    model = load(result, model_path)
+    optimizers = {
+        e: check_optimizer(result, load(result, path) or {}, path, required=True) for e, path in optim_files.items()
+    }
+    if not isinstance(model, dict) or result.problems or any(o is None for o in optimizers.values()):
+        return
+    groups = optimizers[0]["param_groups"]
+    moe = tuple(g for g, group in enumerate(groups) if group.get("moe"))
+    counts = model.get(N.NUM_EXPERTS)
+    layers = [f for f in files.files if f.kind == "expert"]
+    totals = counts if isinstance(counts, list) and all(isinstance(c, int) and c % ep == 0 for c in counts) else None
+    if not moe or totals is None or len(layers) != sum(totals):
+        result.add(
+            LayoutError,
+            optim_files[0],
+            f"{len(moe)} expert param groups, {len(layers)} expert files, num_experts {counts} over {ep} expert ranks: "
+            "these do not make one mixture-of-experts run",
+        )
+        return
+    weights = _expert_weights(result, layers)
+    if weights is None:
+        return
+    per_rank = {N.expert_id(name)[0]: count // ep for name, count in zip(_expert_prefixes(weights), totals)}
+    world = model.get(N.DP_WORLD_SIZE) if isinstance(model.get(N.DP_WORLD_SIZE), int) else ep
+    experts = ExpertGroups(world, moe, ep, per_rank, count=len(groups))
+
+    def part(optimizer: dict, keep: list[int]) -> dict:
+        kept = [optimizer["param_groups"][g] for g in keep]
+        held = {i for group in kept for i in group["params"]}
+        return {"state": {i: v for i, v in optimizer["state"].items() if i in held}, "param_groups": kept}
+
+    dense = Survey(result.path, location=location)
+    read_zero0(dense, model, part(optimizers[0], experts.dense), model_path, optim_files[0])
+    surveys = [dense]
+    for e in range(ep):
+        own = OrderedDict(
+            (name, ref)
+            for name, ref in weights.items()
+            if (found := N.expert_id(name)) is not None and found[1] // per_rank[found[0]] == e
+        )
+        view = {**model, N.MODULE: own, N.BUFFER_NAMES: [], N.DP_WORLD_SIZE: world // ep}
+        sub = Survey(result.path, location=location)
+        read_zero0(sub, view, part(optimizers[e], list(moe)), model_path, optim_files[e])
+        surveys.append(sub)
+    _merge_views(result, files, experts, surveys)
+
+
+def _expert_weights(result: Survey, layers: list) -> dict[str, TensorRef] | None:
+    """Every expert file's tensors under their global names, by layer and expert id (the module's order)."""
+    weights: dict[str, TensorRef] = {}
+    for f in sorted(layers, key=lambda f: (f.layer or 0, f.coords.expert)):
+        state = load(result, f.path)
+        if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
+            if state is not None:
+                result.add(CorruptFileError, f.path, "not an expert file (a state dict of tensors)")
+            return None
+        weights.update(state)
+    return weights
+
+
+def _expert_prefixes(weights: dict[str, TensorRef]) -> list[str]:
+    """One name per MoE layer (the first of each layer's expert prefix), in order."""
+    seen: dict[str, str] = {}
+    for name in weights:
+        found = N.expert_id(name)
+        if found is not None:
+            seen.setdefault(found[0], name)
+    return list(seen.values())
 
 
 def _expert_placements(entries: list[Entry], experts: ExpertGroups) -> dict[str, str]:

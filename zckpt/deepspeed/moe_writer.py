@@ -31,10 +31,16 @@ def expert_group_indices(state: TrainingState) -> list[int]:
     return [g for g, group in enumerate(state.groups) if group.hyperparams.get("moe")]
 
 
-def plan_moe_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
+def plan_moe_checkpoint(state: TrainingState, target: Target, expert_parallel: int | None = None) -> CheckpointPlan:
     """Every file of the mixture-of-experts checkpoint for `target` (its data-parallel size and
-    ZeRO-1/2 stage) at the input's expert-parallel degree; pure."""
-    ep = state.index.topology.ep
+    ZeRO-1/2 stage) at the input's expert-parallel degree or at `expert_parallel`; pure.
+
+    Another degree moves experts between expert ranks: expert rank e of the new run holds global
+    experts ``e * per_rank .. (e + 1) * per_rank - 1`` under local ids, its expert groups
+    partitioned over its W / E ranks and named ``ep_size_E`` as DeepSpeed names them; the expert
+    files (one per global expert) are the same at any degree, and DeepSpeed's loader reads each
+    rank's experts from them by global id."""
+    ep = expert_parallel or state.index.topology.ep
     if state.index.universal:
         raise UsageError(
             state.index.tag_dir,
@@ -52,6 +58,8 @@ def plan_moe_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
     expert = expert_group_indices(state)
     dense = [g for g in range(len(state.groups)) if g not in expert]
     per_rank = _experts_per_rank(state, expert, ep)
+    if ep != state.index.topology.ep:
+        state = _renamed_expert_groups(state, expert, state.index.topology.ep, ep)
     dense_plan = plan_checkpoint(_view(state, dense, lambda name: name), target)
     expert_target = replace(target, world_size=target.world_size // ep)
     expert_plans = [
@@ -78,14 +86,35 @@ def plan_moe_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
 
 
 def _experts_per_rank(state: TrainingState, expert: list[int], ep: int) -> dict[str, int]:
-    """Experts per expert rank, per MoE module (the name before ``deepspeed_experts.<id>``)."""
+    """Experts per expert rank, per MoE module (the name before ``deepspeed_experts.<id>``).
+    Raises UsageError when a module's experts do not divide over `ep` expert ranks."""
     ids: dict[str, set[int]] = {}
     for g in expert:
         for name in state.groups[g].params:
             found = N.expert_id(name)
             if found is not None:
                 ids.setdefault(found[0], set()).add(found[1])
+    for prefix, found in ids.items():
+        if len(found) % ep:
+            raise UsageError(
+                None,
+                f"--expert-parallel {ep}: {prefix.rstrip('.')} has {len(found)} experts, which do not divide over "
+                f"{ep} expert ranks",
+            )
     return {prefix: len(found) // ep for prefix, found in ids.items()}
+
+
+def _renamed_expert_groups(state: TrainingState, expert: list[int], old: int, new: int) -> TrainingState:
+    """The expert groups under the name a run at expert-parallel degree `new` gives them
+    (``ep_size_<degree>``, DeepSpeed's ``MoE.expert_group_name``, which its loader restores)."""
+    groups = list(state.groups)
+    for g in expert:
+        name = groups[g].hyperparams.get("name")
+        if name == f"{N.EXPERT_GROUP_PREFIX}{old}":
+            groups[g] = replace(
+                groups[g], hyperparams={**groups[g].hyperparams, "name": f"{N.EXPERT_GROUP_PREFIX}{new}"}
+            )
+    return replace(state, groups=tuple(groups))
 
 
 def _local_name(name: str, ep_rank: int, per_rank: dict[str, int]) -> str:

@@ -50,6 +50,15 @@ def with_expert_id(name: str, expert: int) -> str:
 EXPERT_OPTIM_STATES_RE = re.compile(r"^expp_rank_(?P<ep>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 
 
+# DeepSpeed's name of a native MoE layer's expert group, and of its param group (MoE.expert_group_name)
+EXPERT_GROUP_PREFIX = "ep_size_"
+
+
+def expert_optim_states_name(ep_rank: int, mp_rank: int = 0) -> str:
+    """A ZeRO-0 mixture-of-experts run's optimizer file of one expert rank."""
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
 def model_states_name(zero_stage: int, dp_rank: int = 0, mp_rank: int = 0) -> str:
     """ZeRO-1/2 keep one model-states file per model-parallel rank; ZeRO-3 one per dp rank too."""
     if zero_stage >= 3:

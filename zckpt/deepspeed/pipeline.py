@@ -33,6 +33,7 @@ from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
 from .survey import Survey
 from .tensor_parallel import merge_rules_label, read_tensor_parallel
+from .zero0 import torch_optimizer_state
 
 TIED_PREFIX = "tied_modules."
 
@@ -178,6 +179,18 @@ def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | 
             continue
         state = load(result, model[None])
         if state is None:
+            continue
+        if (
+            isinstance(state, dict)
+            and state.get(N.PARAM_SHAPES) is None
+            and torch_optimizer_state(state.get(N.OPTIMIZER))
+        ):
+            result.add(
+                LayoutError,
+                model[None],
+                "a ZeRO-0 pipeline stage (its torch optimizer's state by index, no param names): zckpt reads "
+                "pipeline runs at ZeRO-1 only",
+            )
             continue
         if not isinstance(state, dict) or not isinstance(state.get(N.PARAM_SHAPES), (list, dict)):
             result.add(CorruptFileError, model[None], "not a DeepSpeed model-states file (no 'param_shapes')")

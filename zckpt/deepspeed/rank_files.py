@@ -232,10 +232,11 @@ def _pipeline_tensor(files: list[RankFile]) -> bool:
 
 def _moe_only(files: list[RankFile]) -> bool:
     """Expert files beside ZeRO files of one model-parallel rank: a mixture-of-experts run over
-    data-parallel ranks (ZeRO-0's ``expp_rank_*`` optimizer files are not read)."""
+    data-parallel ranks; at ZeRO-0, ``expp_rank_*`` optimizer files instead of ZeRO ones."""
     return (
         any(f.kind == "expert" for f in files)
-        and not any(f.kind in ("layer", "expert_optim") for f in files)
+        and not any(f.kind == "layer" for f in files)
+        and not (any(f.kind == "expert_optim" for f in files) and any(f.kind == "optim" for f in files))
         and all(f.coords.tensor == 0 for f in files)
     )
 
@@ -298,17 +299,14 @@ def _some(files: list[RankFile]) -> str:
 
 def zero_rank_files(tag_dir: str) -> RankFiles:
     """The rank files of a ZeRO tag folder, with a fatal problem when they cannot make one
-    checkpoint (no model or optimizer files, or both ZeRO-1/2 and ZeRO-3 model files)."""
+    checkpoint (no model files, or both ZeRO-1/2 and ZeRO-3 model files). Without optimizer files
+    the reader looks for ZeRO-0's optimizer state in the model-states file (:mod:`.zero0`)."""
     files = scan_rank_files(tag_dir, "tag folder")
     if files.fatal is not None:
         return files
     fatal = None
     if not files.model:
         fatal = CheckpointNotFoundError(tag_dir, "no *_model_states.pt file in the tag folder")
-    elif not files.optim:
-        fatal = CheckpointNotFoundError(
-            tag_dir, "no *_optim_states.pt files: saved without ZeRO optimizer state, nothing to consolidate from"
-        )
     elif None in files.model and len(files.model) > 1:
         fatal = LayoutError(
             tag_dir,

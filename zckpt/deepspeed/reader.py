@@ -65,6 +65,8 @@ def open_training_state(
     """Read and validate a checkpoint's whole training state; raise the first problem found.
     With `swap_folder`, masters and optimizer states of swapped sub-groups come from there."""
     result = _checked(survey(path, tag, swap_folder, tp_rules))
+    if result.state is None and result.state_problem is not None:
+        raise result.state_problem
     assert result.state is not None
     return result.state
 

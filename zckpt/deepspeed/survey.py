@@ -45,6 +45,9 @@ class Survey:
     tags: tuple[str, ...] = ()
     named_tag: str | None = None
     state: TrainingState | None = None  # the whole training state, when the checkpoint is complete
+    # why the training state could not be read where the weights could (a ZeRO-0 optimizer whose
+    # params its files do not name): what commands that need the state raise
+    state_problem: ZckptError | None = None
     universal: bool = False  # a universal folder (zero/<param>/<state>.pt), not rank partitions
     swap: SwapReport | None = None  # read with a live swap folder: what it held and where data came from
 

@@ -46,7 +46,8 @@ from .writer import (
 def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> CheckpointPlan:
     """Every file of the universal folder ``<tag>_universal`` as an object tree.
 
-    `target_stage`: the ZeRO stage of the run that will load it (default: the input's).
+    `target_stage`: the ZeRO stage of the run that will load it (default: the input's; ZeRO-1 for
+    a ZeRO-0 run, whose torch optimizer has no universal loader).
 
     A pipeline run's state is written as the model built as one stage: its params are named as
     ``PipelineModule`` names them at any stage count (``<global layer>.<name>``,
@@ -72,6 +73,8 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     elif tensor_parallel:
         state = unsharded_state(state)
     require_data_parallel(state, "to-universal")
+    if target_stage is None and state.index.zero_stage == 0:  # DeepSpeed's universal loader is ZeRO-1/2/3's
+        target_stage = 1
     target = plan_target(state, state.index.topology.dp, target_stage)
     if experts and target.stage == 3:
         raise UsageError(None, "--target-stage 3: DeepSpeed runs native mixture-of-experts at ZeRO-0/1/2 only")

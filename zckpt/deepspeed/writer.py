@@ -132,6 +132,12 @@ def plan_target(
                 f"{STAGE_KEY} reads as {given.stage} (ZeRO off): reshard writes ZeRO stage 1, 2 or 3 checkpoints; pass --stage",
             )
         stage = given.stage
+    if stage is None and index.zero_stage == 0:
+        raise UsageError(
+            None,
+            "a ZeRO-0 checkpoint: pass --stage 1, 2 or 3 (zckpt writes ZeRO files; DeepSpeed resumes ZeRO-0 files "
+            "at any data-parallel size as they are)",
+        )
     if stage is None:
         stage = index.zero_stage
     if stage not in (1, 2, 3):

@@ -18,7 +18,7 @@ from ..core.errors import OutputError, UsageError
 from ..core.state import TrainingState
 from ..core.untrusted import path_component, regular_file_inside
 from ..deepspeed import names as N
-from ..deepspeed.moe_writer import plan_moe_checkpoint
+from ..deepspeed.moe_writer import expert_group_indices, plan_moe_checkpoint
 from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.run_config import load_config
@@ -54,18 +54,29 @@ def plan_reshard(
     swap_folder: str | os.PathLike[str] | None = None,
     pipeline_stages: int | None = None,
     tp_rules: str | os.PathLike[str] | None = None,
+    expert_parallel: int | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
     state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    return _plan(state, _target(state, world_size, stage, config), pipeline_stages)
+    return _plan(state, _target(state, world_size, stage, config), pipeline_stages, expert_parallel)
 
 
-def _plan(state: TrainingState, target: Target, pipeline_stages: int | None) -> CheckpointPlan:
-    """A pipeline run's checkpoint stays one (at its stages or one); any other is data-parallel."""
+def _plan(
+    state: TrainingState, target: Target, pipeline_stages: int | None, expert_parallel: int | None = None
+) -> CheckpointPlan:
+    """A pipeline run's checkpoint stays one (at its stages or one); a mixture-of-experts run's one
+    (at its expert-parallel degree or `expert_parallel`); any other is data-parallel."""
+    experts = bool(expert_group_indices(state))
+    if expert_parallel is not None and (expert_parallel < 1 or not experts):
+        raise UsageError(
+            None,
+            f"--expert-parallel {expert_parallel}: "
+            + ("at least 1" if expert_parallel < 1 else "for mixture-of-experts checkpoints; this one has no experts"),
+        )
     if state.stages:
         return plan_pipeline_checkpoint(state, target, pipeline_stages)
-    if state.index.topology.ep > 1 and pipeline_stages is None:
-        return plan_moe_checkpoint(state, target)
+    if experts and pipeline_stages is None:
+        return plan_moe_checkpoint(state, target, expert_parallel)
     if state.tensor_shards and pipeline_stages is None:
         return plan_tensor_parallel_checkpoint(state, target)
     if pipeline_stages is not None:
@@ -131,6 +142,7 @@ def reshard(
     wait: bool = False,
     pipeline_stages: int | None = None,
     tp_rules: str | os.PathLike[str] | None = None,
+    expert_parallel: int | None = None,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -142,10 +154,12 @@ def reshard(
     A pipeline-parallel checkpoint stays one: `world_size` data-parallel ranks per stage, at its
     own number of stages or at `pipeline_stages` = 1 (the layers all in one stage).
     `tp_rules`: a ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
+    `expert_parallel`: a mixture-of-experts run's new expert-parallel degree (experts move between
+    expert ranks; `world_size` a multiple of it).
     """
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    plan = _plan(source, _target(source, world_size, stage, config), pipeline_stages)
+    plan = _plan(source, _target(source, world_size, stage, config), pipeline_stages, expert_parallel)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):

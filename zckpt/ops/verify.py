@@ -437,7 +437,8 @@ def _needs(found: Survey) -> list[Need]:
         threads = 2 * (os.cpu_count() or 1)
         buffers = threads * min(CHUNK_BYTES, 2 * largest)
         try:
-            target = plan_target(found.state, found.state.index.world_size, None, None)
+            stage = 1 if found.state.index.zero_stage == 0 else None  # ZeRO-0 is written as ZeRO-1
+            target = plan_target(found.state, found.state.index.world_size, stage, None)
             size = sum(a.total_size for _, a in archives(plan_checkpoint(found.state, target)))
             needs.append(Need("reshard (about the same at any world size)", size, base + buffers))
             size = sum(a.total_size for _, a in archives(plan_universal(found.state)))

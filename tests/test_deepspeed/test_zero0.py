@@ -1,0 +1,148 @@
+"""ZeRO-0 checkpoints (ZeRO off; issue 19's native mixture-of-experts row at ZeRO-0): samples
+written by real DeepSpeed 0.19.8 on CPU (``scripts/make_sample_ckpts.py`` z0_*,
+``scripts/make_parallel_ckpts.py`` moe_z0_*). Such a run saves no optimizer files: the module (its
+fp32 params are the masters) and the torch optimizer's ``state_dict()`` keyed by param index, with
+no param names. The truth is the live engine before saving: every param as the module held it and
+the torch optimizer's own ``state[param]`` moments, under each param's name
+(``reference/live*.safetensors``), which zckpt never wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import Sample, run_cli, same_bits, sample
+from zckpt import load_state_dict, reshard, to_universal
+from zckpt.core.errors import LayoutError, UsageError
+from zckpt.core.topology import Topology
+from zckpt.deepspeed.reader import open_checkpoint, open_training_state
+from zckpt.deepspeed.zero0 import name_optimizer_params
+from zckpt.io.materialize import read_scalar, read_tensor
+from zckpt.io.reading import FileReader
+
+PLAIN = sample("z0_fp32_ws2_tied")
+FROZEN = sample("z0_fp32_ws2_frozen_tied")
+MOE = sample("moe_z0_fp32_ep2_dp2")
+EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.0.weight"
+
+
+def _live_optimizer(case: Sample) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(case.folder / "reference" / "live_optimizer.safetensors")
+
+
+def _assert_live_state(checkpoint: Path, case: Sample) -> None:
+    """The training state read from `checkpoint` holds the live engine's masters and moments
+    for every trainable param, and the step the run took."""
+    state = open_training_state(checkpoint)
+    live, moments = case.live(), _live_optimizer(case)
+    with FileReader() as reader:
+        for param in state.params:
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), live[param.name]), param.name
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                assert same_bits(value, moments[f"{param.name}.{key}"]), (param.name, key)
+        for group in state.groups:
+            scalar = group.scalars["step"]
+            step = read_scalar(reader, scalar.tensor) if scalar.tensor is not None else scalar.value
+            assert step == case.meta["steps"]
+    assert state.global_steps == case.meta["steps"]
+
+
+@pytest.mark.parametrize("case", [PLAIN, FROZEN, MOE], ids=lambda s: s.name)
+def test_consolidate_gives_the_live_engines_weights(case: Sample) -> None:
+    index = open_checkpoint(case.checkpoint)
+    assert index.zero_stage == 0 and index.world_size == case.meta["world_size"]
+    live = case.live()
+    state_dict = load_state_dict(case.checkpoint, dtype="fp32")
+    assert sorted(state_dict) == sorted(live)
+    for name, value in live.items():
+        assert same_bits(state_dict[name], value), name
+
+
+def test_the_experts_are_every_expert_ranks() -> None:
+    index = open_checkpoint(MOE.checkpoint)
+    assert index.topology == Topology(ep=2, dp=2)
+    assert all(EXPERT.format(e) in index.names() for e in range(4))
+    assert index.placements[EXPERT.format(3)].startswith("expert 3 on expert rank 1 of 2")
+
+
+@pytest.mark.parametrize("case", [PLAIN, MOE], ids=lambda s: s.name)
+def test_the_optimizer_state_is_the_live_engines(case: Sample) -> None:
+    """The torch optimizer's state, saved by index, lands on the right names: every moment equals
+    the live optimizer's state of the param of that name (the expert ranks' own files for experts)."""
+    _assert_live_state(case.checkpoint, case)
+    state = open_training_state(case.checkpoint)
+    aliases = {e.name for e in state.index.entries if e.kind == "tied"}  # the live dump lists tied names twice
+    assert len(state.params) * 2 == len([k for k in _live_optimizer(case) if k.rsplit(".", 1)[0] not in aliases])
+    if case is MOE:
+        assert len(state.groups) == 2 and state.groups[1].hyperparams.get("moe") is True
+        assert {p.name for p in state.params if p.group == 1} == {n for n in state.index.names() if "experts" in n}
+
+
+def test_a_tied_weight_is_one_param_and_an_alias() -> None:
+    index = open_checkpoint(PLAIN.checkpoint)
+    tied = [e for e in index.entries if e.kind == "tied"]
+    assert [(e.name, e.alias_of) for e in tied] == [("lm_head.weight", "embed.weight")]
+
+
+@pytest.mark.parametrize(
+    "case, world, stage",
+    [(PLAIN, 3, 1), (PLAIN, 1, 2), (PLAIN, 2, 3), (MOE, 4, 2), (MOE, 2, 1)],
+    ids=lambda v: v.name if isinstance(v, Sample) else str(v),
+)
+def test_reshard_as_zero_files_keeps_every_value(tmp_path: Path, case: Sample, world: int, stage: int) -> None:
+    out = tmp_path / "out"
+    reshard(case.checkpoint, out, world_size=world, stage=stage)
+    index = open_checkpoint(out)
+    assert index.zero_stage == stage and index.topology.dp == world
+    _assert_live_state(out, case)
+    state_dict = load_state_dict(out, dtype="fp32")
+    assert all(same_bits(state_dict[n], v) for n, v in case.live().items())
+
+
+@pytest.mark.parametrize("case", [PLAIN, MOE], ids=lambda s: s.name)
+def test_to_universal_keeps_every_value(tmp_path: Path, case: Sample) -> None:
+    result = to_universal(case.checkpoint, tmp_path / "uni")
+    assert result.target_stage == 1  # DeepSpeed's universal loader is ZeRO-1/2/3's, not a torch optimizer's
+    _assert_live_state(Path(result.output_dir) / result.tag, case)
+
+
+def test_reshard_without_a_stage_says_to_pick_one(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="a ZeRO-0 checkpoint: pass --stage 1, 2 or 3"):
+        reshard(PLAIN.checkpoint, tmp_path / "out", world_size=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_optimizer_that_cannot_be_named_refuses_the_training_state_only(tmp_path: Path) -> None:
+    """The frozen sample's optimizer holds 10 of the module's 14 params; by shape, fc2.bias and the
+    frozen adapter.2.bias ([37] both) could each be the 9th: consolidation reads the module, a
+    command that needs the optimizer's names says why it cannot, in one line, naming the file."""
+    with pytest.raises(LayoutError, match="more than one way"):
+        open_training_state(FROZEN.checkpoint)
+    done = run_cli("reshard", FROZEN.checkpoint, tmp_path / "out", "-w", "1", "--stage", "1")
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mp_rank_00_model_states.pt" in lines[0] and "more than one way" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+    assert run_cli("consolidate", FROZEN.checkpoint, tmp_path / "weights").returncode == 0
+
+
+def test_naming_matches_the_module_order_by_shape() -> None:
+    module = [("a", (2, 3)), ("b", (3,)), ("frozen", (5,)), ("c", (4,))]
+    assert name_optimizer_params([0, 1, 2], {0: (2, 3), 1: (3,), 2: (4,)}, module) == ["a", "b", "c"]
+    # a param without per-element state matches any shape, when the rest pins it down
+    assert name_optimizer_params([7, 8], {7: None, 8: (4,)}, [("x", (5,)), ("c", (4,))]) == ["x", "c"]
+
+
+def test_naming_refuses_what_shapes_cannot_decide() -> None:
+    module = [("w1", (3, 3)), ("b1", (3,)), ("w2", (3, 3)), ("b2", (3,))]
+    ambiguous = name_optimizer_params([0, 1], {0: (3, 3), 1: (3,)}, module)
+    assert isinstance(ambiguous, str) and "more than one way" in ambiguous
+    # a weight-decay split: weights first, then biases, is not the module's order
+    split = name_optimizer_params([0, 1, 2, 3], {0: (3, 3), 1: (3, 3), 2: (3,), 3: (3,)}, module)
+    assert isinstance(split, str) and "not the module's params in module order" in split
+    assert "holds 5 params, the module 4" in name_optimizer_params([0, 1, 2, 3, 4], {}, module)

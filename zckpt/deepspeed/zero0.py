@@ -1,0 +1,321 @@
+"""ZeRO-0 checkpoints (fp32, ZeRO off: DeepSpeed's engine around the script's torch optimizer).
+
+What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``): no optimizer
+files; rank 0's model-states file holds the module (whose fp32 params are the masters) and the torch
+optimizer's ``state_dict()`` whole under ``optimizer``: ``state`` and ``param_groups`` keyed by
+*index*, in the order the script passed its params, with ``param_shapes`` None. A
+mixture-of-experts run saves each expert rank's optimizer state dict in
+``expp_rank_E_mp_rank_XX_optim_states.pt`` instead (:mod:`.moe`).
+
+Nothing in the files names the indices; DeepSpeed's own resume relies on the new run passing its
+params in the same order. zckpt names them in module order, the order ``model.parameters()``
+passes them (:func:`name_optimizer_params`): the optimizer's params, group after group, must be
+the module's params in that order, a param the optimizer does not hold being frozen, every saved
+state's shape matching its param's, and the match must be the only one; anything else is refused
+in one line (e.g. param groups that split the module's order, such as a weight-decay split).
+
+The result is described as the ZeRO files are (:func:`with_declared_params`: ``param_shapes``
+and ``shared_params`` as DeepSpeed's ZeRO runs record them), so the model-states code reads
+buffers, frozen params and tied aliases as it does for ZeRO-1; :func:`read_zero0` then builds
+the index and training state from the module and the optimizer's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.dtypes import FP32
+from ..core.errors import CorruptFileError, LayoutError, ZckptError
+from ..core.index import CheckpointIndex, Entry, TensorRef
+from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
+from ..core.topology import Topology
+from ..io.materialize import read_scalar
+from ..io.reading import FileReader, source_of
+from . import names as N
+from .model_states import declare, describe, module_entries, tied_entries, whole
+from .optim_state import saved_run_state
+from .survey import Survey
+
+# what a torch optimizer's state_dict() holds, and nothing else
+TORCH_OPTIMIZER_KEYS = {"state", "param_groups"}
+STEP = "step"  # torch's per-param step counter: one value per group
+
+
+def is_zero0(model: Any) -> bool:
+    """A ZeRO-0 run's model-states file: ZeRO runs record ``param_shapes``, ZeRO-0 saves None
+    there and its optimizer's state (or None) beside the module."""
+    return isinstance(model, dict) and N.OPTIMIZER in model and model.get(N.PARAM_SHAPES) is None
+
+
+def torch_optimizer_state(value: Any) -> bool:
+    """A torch optimizer's ``state_dict()``: ``state`` by index, ``param_groups`` listing indices."""
+    return (
+        isinstance(value, dict)
+        and set(value) == TORCH_OPTIMIZER_KEYS
+        and isinstance(value["state"], dict)
+        and isinstance(value["param_groups"], list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in value["param_groups"])
+    )
+
+
+def _state_shape(entry: Any) -> tuple[int, ...] | None:
+    """The shape of a param's per-element states (its shape); None when it has none (a scalar-only state)."""
+    shapes = {tuple(v.shape) for k, v in entry.items() if isinstance(v, TensorRef) and k != STEP}
+    return shapes.pop() if len(shapes) == 1 else None
+
+
+def name_optimizer_params(
+    indices: list[int], shapes: dict[int, tuple[int, ...] | None], candidates: list[tuple[str, tuple[int, ...]]]
+) -> list[str] | str:
+    """The names of the optimizer's params `indices` (group after group), matched in order to a
+    subsequence of `candidates` (the module's params in order, name and shape) by the shape of
+    each one's saved states (None: no per-element state, any shape). The names, or why not: no
+    match, or more than one (shapes cannot tell which module params were left out)."""
+    n, m = len(indices), len(candidates)
+    if n > m:
+        return f"the optimizer holds {n} params, the module {m}"
+
+    def fits(i: int, j: int) -> bool:
+        shape = shapes.get(indices[i])
+        return shape is None or shape == candidates[j][1]
+
+    # ways[i][j]: matches of indices[i:] into candidates[j:], counted up to 2
+    ways = [[0] * (m + 1) for _ in range(n + 1)]
+    for j in range(m + 1):
+        ways[n][j] = 1
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            ways[i][j] = min(2, ways[i][j + 1] + (ways[i + 1][j + 1] if fits(i, j) else 0))
+    if ways[0][0] == 0:
+        first = next((i for i in range(min(n, m)) if not fits(i, i)), None)
+        where = (
+            f"; param {indices[first]}'s states have shape {list(shapes.get(indices[first]) or ())}, "
+            f"module param {candidates[first][0]} {list(candidates[first][1])}"
+            if first is not None
+            else ""
+        )
+        return f"its {n} params, group after group, are not the module's params in module order{where}"
+    if ways[0][0] > 1:
+        return (
+            f"its {n} params match the module's {m} in order in more than one way "
+            "(the shapes do not tell which module params it left out)"
+        )
+    names, j = [], 0
+    for i in range(n):
+        while not (fits(i, j) and ways[i + 1][j + 1] >= 1):
+            j += 1
+        names.append(candidates[j][0])
+        j += 1
+    return names
+
+
+def tied_aliases(module: dict, buffers: set[str]) -> dict[str, str]:
+    """Module params stored as the same tensor as an earlier one (torch.save keeps the sharing of
+    tied weights): alias -> the first name, as ZeRO runs record ``shared_params``."""
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for name, ref in module.items():
+        if not isinstance(ref, TensorRef) or name in buffers or not ref.numel:
+            continue
+        key = (ref.path, ref.offset, ref.dtype, ref.shape, ref.stride)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def _module_params(model: dict, path: str) -> tuple[dict[str, str], list[tuple[str, tuple[int, ...]]]]:
+    """The module's tied aliases, and its params (less buffers and aliases) in order with shapes."""
+    module = model.get(N.MODULE)
+    if not isinstance(module, dict):
+        raise CorruptFileError(path, "not a DeepSpeed model-states file (no 'module')")
+    buffers = set(model.get(N.BUFFER_NAMES) or [])
+    aliases = tied_aliases(module, buffers)
+    candidates = [
+        (name, tuple(ref.shape))
+        for name, ref in module.items()
+        if isinstance(ref, TensorRef) and name not in buffers and name not in aliases and ref.numel
+    ]
+    return aliases, candidates
+
+
+def weights_only(model: dict, path: str) -> dict:
+    """The model-states dict declaring every module param (less buffers and aliases) as one
+    group: what consolidation needs, the module being the weights, when the optimizer's params
+    cannot be named."""
+    aliases, candidates = _module_params(model, path)
+    return {**model, N.PARAM_SHAPES: [dict(candidates)], N.SHARED_PARAMS: aliases}
+
+
+def with_declared_params(model: dict, optimizer: dict, path: str, optimizer_path: str) -> dict:
+    """The model-states dict with ``param_shapes`` (one {name: shape} per optimizer param group)
+    and ``shared_params`` filled in as ZeRO runs record them. Raises LayoutError naming
+    `optimizer_path` when the optimizer's params cannot be named (see :func:`name_optimizer_params`)."""
+    aliases, candidates = _module_params(model, path)
+    groups = [list(g["params"]) for g in optimizer["param_groups"]]
+    indices = [i for g in groups for i in g]
+    state = optimizer["state"]
+    missing = [i for i in indices if not state.get(i)]
+    if missing:
+        raise LayoutError(
+            optimizer_path,
+            f"the optimizer holds no state for param {missing[0]} ({len(missing)} of {len(indices)}): saved before "
+            "their first step, so there are no optimizer states to carry",
+        )
+    named = name_optimizer_params(indices, {i: _state_shape(state[i]) for i in indices}, candidates)
+    if isinstance(named, str):
+        raise LayoutError(
+            optimizer_path,
+            f"ZeRO-0 saves the torch optimizer's state by index, and {named}: zckpt names them in module order "
+            "(model.parameters()) only",
+        )
+    by_index = dict(zip(indices, named))
+    shapes = dict(candidates)
+    param_shapes = [{by_index[i]: shapes[by_index[i]] for i in g} for g in groups]
+    return {**model, N.PARAM_SHAPES: param_shapes, N.SHARED_PARAMS: aliases}
+
+
+def read_zero0(
+    result: Survey, model: dict, optimizer: dict | None, path: str, optimizer_path: str, mp_world: int = 1
+) -> None:
+    """Read a ZeRO-0 model-states dict (its module whole, `optimizer` the torch optimizer's
+    state dict, saved in `optimizer_path`; None: saved without one) into `result`: index and
+    training state (the weights only, the reason kept, when the optimizer's params cannot be named)."""
+    location = result.location
+    assert location is not None
+    try:
+        if optimizer is None:
+            raise LayoutError(path, "saved without optimizer state (a ZeRO-0 run's 'optimizer' is None)")
+        model = with_declared_params(model, optimizer, path, optimizer_path)
+    except LayoutError as exc:  # the weights are still the module's: consolidation needs no names
+        result.state_problem = exc
+        result.notes.append(f"the training state is not read: {exc.problem}")
+        try:
+            model = weights_only(model, path)
+        except ZckptError as damage:
+            result.problems.append(damage)
+            return
+    except ZckptError as exc:
+        result.problems.append(exc)
+        return
+    declare(result, model)
+    run = describe(result, model, None, "", False, path)
+    world = model.get(N.DP_WORLD_SIZE)
+    result.world_size = world if isinstance(world, int) and world >= 1 else 1
+    recorded = model.get(N.MP_WORLD_SIZE)
+    if isinstance(recorded, int) and recorded != mp_world:
+        result.add(LayoutError, path, f"records {recorded} model-parallel ranks; the folder's files name {mp_world}")
+    if result.dtype != FP32:
+        result.add(
+            LayoutError,
+            path,
+            f"a ZeRO-0 {result.dtype.short if result.dtype else ''} run keeps its optimizer state in DeepSpeed's "
+            "FP16_Optimizer layout: zckpt reads fp32 ZeRO-0 checkpoints only",
+        )
+    if result.problems:
+        return
+    entries = module_entries(result, {None: model}, {None: path}, False, result.world_size)
+    if entries is None:
+        return
+    result.notes[:] = [n for n in result.notes if "frozen params read from the module state dict" not in n]
+    module = model[N.MODULE]
+    names = [name for group in model[N.PARAM_SHAPES] for name in group]
+    params = [Entry(name, "param", whole(result, module[name])) for name in names]
+    entries += params + tied_entries(model, entries + params)
+    result.notes.append(
+        "ZeRO-0 (ZeRO off): the module's fp32 params are the masters"
+        + (
+            ""
+            if result.state_problem
+            else "; the torch optimizer's state, saved by index, named in module order (each state's shape checked)"
+        )
+    )
+    if result.problems:
+        return
+    result.index = CheckpointIndex(
+        checkpoint_dir=location.checkpoint_dir,
+        tag=location.tag,
+        tag_dir=location.tag_dir,
+        tags=location.tags,
+        zero_stage=0,
+        world_size=result.world_size,
+        topology=Topology.data_parallel(result.world_size),
+        dtype=FP32,
+        ds_version=result.ds_version,
+        offload=result.offload,
+        entries=tuple(entries),
+        files=tuple(result.files),
+        notes=tuple(result.notes),
+    )
+    if result.state_problem is not None:
+        return
+    try:
+        result.state = _training_state(result.index, model, optimizer, optimizer_path, run.gradient_clipping)
+    except ZckptError as exc:
+        result.problems.append(exc)
+        result.index = None
+
+
+def _training_state(
+    index: CheckpointIndex, model: dict, optimizer: dict, path: str, clip: float | None
+) -> TrainingState:
+    """Each trainable param's master (the module's tensor) and states (the optimizer's, by index),
+    the param groups with their hyperparameters and step (checked equal across each group)."""
+    module, state = model[N.MODULE], optimizer["state"]
+    params: list[ParamState] = []
+    groups: list[ParamGroupState] = []
+    with FileReader() as reader:
+        for g, (group, shapes) in enumerate(zip(optimizer["param_groups"], model[N.PARAM_SHAPES])):
+            scalars: dict[str, ScalarState] = {}
+            first_values: dict[str, Any] = {}
+            for index_, name in zip(group["params"], shapes):
+                entry, shape = state[index_], tuple(shapes[name])
+                per_element = {}
+                for key, value in entry.items():
+                    if isinstance(value, TensorRef) and tuple(value.shape) == shape and key != STEP:
+                        per_element[key] = source_of(value)
+                        continue
+                    saved = (
+                        ScalarState(tensor=source_of(value))
+                        if isinstance(value, TensorRef)
+                        else ScalarState(value=value)
+                    )
+                    seen = read_scalar(reader, saved.tensor) if saved.tensor is not None else value
+                    if key not in first_values:
+                        first_values[key], scalars[key] = seen, saved
+                    elif seen != first_values[key]:
+                        raise LayoutError(
+                            path,
+                            f"param {index_} ({name}) is at {key} {seen}, its group's first at {first_values[key]}",
+                        )
+                params.append(ParamState(name, shape, g, source_of(module[name]), per_element))
+            keys = tuple(state[group["params"][0]]) if group["params"] else ()
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append(ParamGroupState(hyper, scalars, tuple(shapes), keys))
+    run = saved_run_state(model, optimizer)
+    version = N.version_tuple(index.ds_version or "0.0.0")
+    run["optimizer_extras"] = {N.CLIP_GRAD: clip if clip is not None else N.default_gradient_clipping(version)}
+    run["optimizer_kind"] = "zero"
+    return TrainingState(index=index, params=tuple(params), groups=tuple(groups), **run)
+
+
+def check_optimizer(result: Survey, holder: Any, path: str, required: bool = False) -> dict | None:
+    """The torch optimizer state dict a file holds under ``optimizer`` (a ZeRO-0 model-states or
+    ``expp_rank`` file), with any problem listed: another optimizer's layout (DeepSpeed's
+    FP16_Optimizer), or none saved where `required`. None: none saved, or a problem."""
+    optimizer = holder.get(N.OPTIMIZER) if isinstance(holder, dict) else None
+    if optimizer is None:
+        if required:
+            result.add(CorruptFileError, path, "holds no optimizer state (a ZeRO-0 run's optimizer file)")
+        return None
+    if not torch_optimizer_state(optimizer):
+        keys = sorted(optimizer)[:4] if isinstance(optimizer, dict) else type(optimizer).__name__
+        result.add(
+            LayoutError,
+            path,
+            f"a ZeRO-0 optimizer state that is not a torch optimizer's state_dict() (keys {keys}, e.g. DeepSpeed's "
+            "FP16_Optimizer of a 16-bit run): zckpt reads fp32 ZeRO-0 checkpoints only",
+        )
+        return None
+    return optimizer
