@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Sample, run_cli, same_bits, sample
+from helpers import Sample, copy_checkpoint, run_cli, same_bits, sample
 from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
@@ -146,3 +146,88 @@ def test_naming_refuses_what_shapes_cannot_decide() -> None:
     split = name_optimizer_params([0, 1, 2, 3], {0: (3, 3), 1: (3, 3), 2: (3,), 3: (3,)}, module)
     assert isinstance(split, str) and "not the module's params in module order" in split
     assert "holds 5 params, the module 4" in name_optimizer_params([0, 1, 2, 3, 4], {}, module)
+
+
+def _damaged(tmp_path: Path, case: Sample, name: str, change) -> Path:  # noqa: ANN001 (a callable on the dict)
+    """A copy of `case` whose file `name` (in the tag folder) was loaded, changed and saved again
+    by torch (CRCs right: the damage reaches the parser); the copy's checkpoint folder."""
+    tag = copy_checkpoint(tmp_path, case)
+    path = tag / name
+    value = torch.load(path, weights_only=True)
+    change(value)
+    torch.save(value, path)
+    return tag.parent
+
+
+def _one_line_naming(tmp_path: Path, checkpoint: Path, file: str, problem: str, *command: str) -> None:
+    done = run_cli(
+        *(command or ("consolidate",)),
+        checkpoint,
+        tmp_path / "out",
+        *(("-w", "2", "--stage", "1") if command == ("reshard",) else ()),
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert file in lines[0] and problem in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+MODEL = "mp_rank_00_model_states.pt"
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda m: m["optimizer"]["state"].__setitem__(3, [1, 2]), "the optimizer state of param 3 is not a dict"),
+        (
+            lambda m: m["optimizer"]["param_groups"][0]["params"].append(0),
+            "lists 0: not a param index, or one listed twice",
+        ),
+        (
+            lambda m: m["optimizer"]["state"][3].__setitem__(
+                "exp_avg_sq", m["optimizer"]["state"][3]["exp_avg_sq"].flatten()
+            ),
+            "the states of param 3 have different shapes",
+        ),
+    ],
+    ids=["state-not-a-dict", "index-twice", "state-shapes-disagree"],
+)
+def test_a_damaged_optimizer_state_is_one_line_naming_the_file(tmp_path: Path, change, problem: str) -> None:  # noqa: ANN001
+    checkpoint = _damaged(tmp_path, PLAIN, MODEL, change)
+    _one_line_naming(tmp_path, checkpoint, MODEL, problem)
+
+
+def test_an_optimizer_state_of_another_shape_leaves_the_weights_and_refuses_the_rest(tmp_path: Path) -> None:
+    """A moment of another shape than its param in both states: the module is still the weights
+    (consolidate gives the live values), the optimizer's params no longer match the module's."""
+
+    def reshape(m: dict) -> None:
+        for key in ("exp_avg", "exp_avg_sq"):
+            m["optimizer"]["state"][0][key] = m["optimizer"]["state"][0][key].flatten()
+
+    checkpoint = _damaged(tmp_path, PLAIN, MODEL, reshape)
+    state_dict = load_state_dict(checkpoint, dtype="fp32")
+    assert all(same_bits(state_dict[n], v) for n, v in PLAIN.live().items())
+    _one_line_naming(tmp_path, checkpoint, MODEL, "not the module's params in module order", "reshard")
+
+
+def test_a_missing_expert_rank_optimizer_file_is_named(tmp_path: Path) -> None:
+    tag = copy_checkpoint(tmp_path, MOE)
+    (tag / "expp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    _one_line_naming(
+        tmp_path,
+        tag.parent,
+        "expp_rank_1_mp_rank_00_optim_states.pt",
+        "missing (the optimizer state of expert rank 1 of 2)",
+    )
+
+
+def test_an_expert_rank_file_of_another_step_is_named(tmp_path: Path) -> None:
+    def later(o: dict) -> None:
+        for entry in o["optimizer"]["state"].values():
+            entry["step"] = entry["step"] + 1
+
+    checkpoint = _damaged(tmp_path, MOE, "expp_rank_1_mp_rank_00_optim_states.pt", later)
+    _one_line_naming(
+        tmp_path, checkpoint, "expp_rank_1_mp_rank_00_optim_states.pt", "files of different saves are mixed"
+    )

@@ -30,6 +30,8 @@ from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
 from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import TrainingState
 from ..core.topology import RankCoords, Topology
+from ..io.materialize import read_scalar
+from ..io.reading import FileReader, source_of
 from . import names as N
 from .dp_reader import read_ranks
 from .model_states import rounded_copies
@@ -166,7 +168,7 @@ def _merge_views(result: Survey, files: RankFiles, experts: ExpertGroups, survey
         placements=_expert_placements(entries, experts),
         rounded_copies=[
             *(pair for sub in surveys if sub.index is not None for pair in sub.index.rounded_copies),
-            *rounded_copies(expert_weights, entries),
+            *(rounded_copies(expert_weights, entries) if dense.index.zero_stage else ()),  # ZeRO-0: the masters
         ],
     )
     try:
@@ -191,36 +193,48 @@ def _read_moe_zero0(result: Survey, files: RankFiles) -> None:
             CheckpointNotFoundError, files.tag_dir, "no mp_rank_00_model_states.pt (the dense module) in the tag folder"
         )
         return
-    ep = max(optim_files) + 1
-    missing = [e for e in range(ep) if e not in optim_files]
-    if missing:
+    if 0 not in optim_files:
         result.add(
             CheckpointNotFoundError,
-            os.path.join(files.tag_dir, N.expert_optim_states_name(missing[0])),
-            f"missing (the optimizer state of expert rank {missing[0]} of {ep})",
+            os.path.join(files.tag_dir, N.expert_optim_states_name(0)),
+            "missing (the optimizer state of expert rank 0)",
         )
         return
     model = load(result, model_path)
     optimizers = {
         e: check_optimizer(result, load(result, path) or {}, path, required=True) for e, path in optim_files.items()
     }
-    if not isinstance(model, dict) or result.problems or any(o is None for o in optimizers.values()):
+    layers = [f for f in files.files if f.kind == "expert"]
+    weights = _expert_weights(result, layers)
+    if not isinstance(model, dict) or weights is None or result.problems or any(o is None for o in optimizers.values()):
         return
     groups = optimizers[0]["param_groups"]
     moe = tuple(g for g, group in enumerate(groups) if group.get("moe"))
     counts = model.get(N.NUM_EXPERTS)
-    layers = [f for f in files.files if f.kind == "expert"]
-    totals = counts if isinstance(counts, list) and all(isinstance(c, int) and c % ep == 0 for c in counts) else None
-    if not moe or totals is None or len(layers) != sum(totals):
+    held = sum(len(groups[g]["params"]) for g in moe)  # expert rank 0's expert params: the degree follows
+    ep = len(weights) // held if held and len(weights) % held == 0 else 0
+    totals = counts if isinstance(counts, list) and all(isinstance(c, int) for c in counts) else None
+    if not moe or not ep or totals is None or len(layers) != sum(totals) or any(c % ep for c in totals):
         result.add(
             LayoutError,
             optim_files[0],
-            f"{len(moe)} expert param groups, {len(layers)} expert files, num_experts {counts} over {ep} expert ranks: "
-            "these do not make one mixture-of-experts run",
+            f"{len(moe)} expert param groups of {held} params, {len(layers)} expert files of {len(weights)} tensors, "
+            f"num_experts {counts}: these do not make one mixture-of-experts run",
         )
         return
-    weights = _expert_weights(result, layers)
-    if weights is None:
+    missing = [e for e in range(ep) if e not in optim_files]
+    extra = [e for e in optim_files if e >= ep]
+    if missing or extra:
+        e = (missing or extra)[0]
+        result.add(
+            CheckpointNotFoundError if missing else LayoutError,
+            os.path.join(files.tag_dir, N.expert_optim_states_name(e)),
+            f"missing (the optimizer state of expert rank {e} of {ep})"
+            if missing
+            else f"an expert rank {e} beyond the run's expert-parallel degree {ep}: files of another run are mixed",
+        )
+        return
+    if not _check_dense_replicas(result, optimizers, [g for g in range(len(groups)) if g not in moe], optim_files):
         return
     per_rank = {N.expert_id(name)[0]: count // ep for name, count in zip(_expert_prefixes(weights), totals)}
     world = model.get(N.DP_WORLD_SIZE) if isinstance(model.get(N.DP_WORLD_SIZE), int) else ep
@@ -245,6 +259,43 @@ def _read_moe_zero0(result: Survey, files: RankFiles) -> None:
         read_zero0(sub, view, part(optimizers[e], list(moe)), model_path, optim_files[e])
         surveys.append(sub)
     _merge_views(result, files, experts, surveys)
+
+
+def _check_dense_replicas(result: Survey, optimizers: dict[int, dict], dense: list[int], paths: dict[int, str]) -> bool:
+    """Every expert rank's file holds the same dense param groups (their params and settings)
+    at the same step as expert rank 0's: files of one save (a problem listed where not)."""
+    first = optimizers[0]
+    with FileReader() as reader:
+
+        def steps(optimizer: dict) -> list[Any]:
+            found = []
+            for g in dense:
+                params = optimizer["param_groups"][g]["params"]
+                entry = optimizer["state"].get(params[0]) if params else None
+                step = entry.get("step") if isinstance(entry, dict) else None
+                found.append(read_scalar(reader, source_of(step)) if isinstance(step, TensorRef) else step)
+            return found
+
+        expected = steps(first)
+        for e, optimizer in sorted(optimizers.items()):
+            groups = optimizer["param_groups"]
+            if len(groups) != len(first["param_groups"]) or any(
+                {k: v for k, v in groups[g].items() if k != "params"}
+                != {k: v for k, v in first["param_groups"][g].items() if k != "params"}
+                or len(groups[g]["params"]) != len(first["param_groups"][g]["params"])
+                for g in dense
+            ):
+                result.add(LayoutError, paths[e], "its dense param groups differ from expert rank 0's")
+                return False
+            found = steps(optimizer)
+            if found != expected:
+                result.add(
+                    LayoutError,
+                    paths[e],
+                    f"its dense groups are at step {found}, expert rank 0's at {expected}: files of different saves are mixed",
+                )
+                return False
+    return True
 
 
 def _expert_weights(result: Survey, layers: list) -> dict[str, TensorRef] | None:

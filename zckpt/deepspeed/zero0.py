@@ -58,10 +58,33 @@ def torch_optimizer_state(value: Any) -> bool:
     )
 
 
-def _state_shape(entry: Any) -> tuple[int, ...] | None:
-    """The shape of a param's per-element states (its shape); None when it has none (a scalar-only state)."""
+def _check_structure(optimizer: dict, path: str) -> None:
+    """The optimizer state dict holds what torch writes: each group's params distinct integer
+    indices, each param's state a dict of named tensors and numbers. Raises CorruptFileError."""
+    seen: set[int] = set()
+    for g, group in enumerate(optimizer["param_groups"]):
+        for index in group["params"]:
+            if not isinstance(index, int) or isinstance(index, bool) or index in seen:
+                raise CorruptFileError(path, f"param group {g} lists {index!r}: not a param index, or one listed twice")
+            seen.add(index)
+    for index, entry in optimizer["state"].items():
+        if not (
+            isinstance(entry, dict)
+            and all(isinstance(k, str) for k in entry)
+            and all(v is None or isinstance(v, (TensorRef, int, float)) for v in entry.values())
+        ):
+            raise CorruptFileError(
+                path, f"the optimizer state of param {index!r} is not a dict of named tensors and numbers"
+            )
+
+
+def _state_shape(entry: dict, index: int, path: str) -> tuple[int, ...] | None:
+    """The shape of a param's per-element states (its shape); None when it has none (a
+    scalar-only state). Raises CorruptFileError when they disagree."""
     shapes = {tuple(v.shape) for k, v in entry.items() if isinstance(v, TensorRef) and k != STEP}
-    return shapes.pop() if len(shapes) == 1 else None
+    if len(shapes) > 1:
+        raise CorruptFileError(path, f"the states of param {index} have different shapes {sorted(shapes)}")
+    return shapes.pop() if shapes else None
 
 
 def name_optimizer_params(
@@ -153,6 +176,7 @@ def with_declared_params(model: dict, optimizer: dict, path: str, optimizer_path
     and ``shared_params`` filled in as ZeRO runs record them. Raises LayoutError naming
     `optimizer_path` when the optimizer's params cannot be named (see :func:`name_optimizer_params`)."""
     aliases, candidates = _module_params(model, path)
+    _check_structure(optimizer, optimizer_path)
     groups = [list(g["params"]) for g in optimizer["param_groups"]]
     indices = [i for g in groups for i in g]
     state = optimizer["state"]
@@ -163,7 +187,7 @@ def with_declared_params(model: dict, optimizer: dict, path: str, optimizer_path
             f"the optimizer holds no state for param {missing[0]} ({len(missing)} of {len(indices)}): saved before "
             "their first step, so there are no optimizer states to carry",
         )
-    named = name_optimizer_params(indices, {i: _state_shape(state[i]) for i in indices}, candidates)
+    named = name_optimizer_params(indices, {i: _state_shape(state[i], i, optimizer_path) for i in indices}, candidates)
     if isinstance(named, str):
         raise LayoutError(
             optimizer_path,
@@ -269,6 +293,7 @@ def _training_state(
         for g, (group, shapes) in enumerate(zip(optimizer["param_groups"], model[N.PARAM_SHAPES])):
             scalars: dict[str, ScalarState] = {}
             first_values: dict[str, Any] = {}
+            element_keys: list[str] | None = None
             for index_, name in zip(group["params"], shapes):
                 entry, shape = state[index_], tuple(shapes[name])
                 per_element = {}
@@ -276,6 +301,11 @@ def _training_state(
                     if isinstance(value, TensorRef) and tuple(value.shape) == shape and key != STEP:
                         per_element[key] = source_of(value)
                         continue
+                    if isinstance(value, TensorRef) and value.numel != 1:
+                        raise CorruptFileError(
+                            path,
+                            f"param {index_} ({name}): its {key} has shape {list(value.shape)}, the param {list(shape)}",
+                        )
                     saved = (
                         ScalarState(tensor=source_of(value))
                         if isinstance(value, TensorRef)
@@ -289,6 +319,13 @@ def _training_state(
                             path,
                             f"param {index_} ({name}) is at {key} {seen}, its group's first at {first_values[key]}",
                         )
+                if element_keys is None:
+                    element_keys = list(per_element)
+                elif list(per_element) != element_keys:
+                    raise CorruptFileError(
+                        path,
+                        f"param {index_} ({name}) has states {list(per_element)}, its group's first {element_keys}",
+                    )
                 params.append(ParamState(name, shape, g, source_of(module[name]), per_element))
             keys = tuple(state[group["params"][0]]) if group["params"] else ()
             hyper = {k: v for k, v in group.items() if k != "params"}

@@ -174,8 +174,10 @@ def _verify_checkpoint(
                 "are their masters rounded (the optimizer's copy of the same step)",
             )
     elif state is None:
+        # the weights read, the optimizer state not: why (a ZeRO-0 optimizer its files do not name)
+        why = f"the optimizer state is not read: {found.state_problem.problem}" if found.state_problem else ""
         for name in ("rank identity", "optimizer state"):
-            findings.add(name, [], "", skipped="not run: the layout has problems")
+            findings.add(name, [], "", skipped="not run: " + (why or "the layout has problems"))
     if scan:
         sources = _checkpoint_sources(found)
         findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
