@@ -270,6 +270,16 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
         "checked_optimizer": 0,
     }
 
+    def captured() -> dict:
+        return {
+            "live": live,
+            "optim": optim,
+            "module": module_vals,
+            "methods": methods,
+            "cross_checks": cross,
+            "optim_keys": optim_keys,
+        }
+
     def put(target: dict, kind: str, pid: int, value: Any, method: str, suffix: str = "") -> None:
         for n in names_of[pid]:
             target[n + suffix] = value.detach().cpu().clone().contiguous()
@@ -303,14 +313,7 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
             for k in optim_keys:
                 v = safe_get_full_optimizer_state(p, k)
                 put(optim, "optimizer", pid, v.float(), "safe_get_full_optimizer_state", "." + k)
-        return {
-            "live": live,
-            "optim": optim,
-            "module": module_vals,
-            "methods": methods,
-            "cross_checks": cross,
-            "optim_keys": optim_keys,
-        }
+        return captured()
 
     if stage == 0:  # ZeRO off: the module's params are the fp32 masters, the torch optimizer's state is per param
         for pid, p in params.items():
@@ -322,14 +325,7 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
                     put(optim, "optimizer", pid, v.float(), "optimizer.state[p] (ZeRO-0)", "." + k)
                     if k not in optim_keys:
                         optim_keys.append(k)
-        return {
-            "live": live,
-            "optim": optim,
-            "module": module_vals,
-            "methods": methods,
-            "cross_checks": cross,
-            "optim_keys": optim_keys,
-        }
+        return captured()
 
     lay = zero12_layout(opt)
     flat_value: dict[tuple[int, str], Any] = {}  # (pid, key or "fp32") -> full tensor
