@@ -147,16 +147,37 @@ def _with_rules(tmp_path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
     return tag.parent
 
 
-def test_params_the_rules_average_are_refused(tmp_path: Path) -> None:
-    """DeepSpeed's merge averages these over the tensor ranks: new numbers, so refused."""
+def test_params_the_rules_average_whose_copies_differ_are_refused(tmp_path: Path) -> None:
+    """DeepSpeed's merge writes the mean of the tensor ranks' copies: where they differ (here a
+    row-parallel weight's two slices, of one shape), new numbers, so refused naming the file."""
     checkpoint = _with_rules(
         tmp_path, lambda info: info.update(parameter_to_average_patterns=[r"layers\.0\.self_attention\.dense\.weight"])
     )
     found = survey(checkpoint)
     assert found.index is None and len(found.problems) == 1
-    assert "mp_rank_00_model_states.pt: layers.0.self_attention.dense.weight: the checkpoint's rules average it" in str(
-        found.problems[0]
+    problem = str(found.problems[0])
+    assert "zero_pp_rank_0_mp_rank_01_optim_states.pt: layers.0.self_attention.dense.weight: the rules average it" in (
+        problem
     )
+    assert "tensor rank 1's master differs from tensor rank 0's" in problem
+
+
+def test_params_the_rules_average_whose_copies_are_equal_are_taken_as_saved(tmp_path: Path) -> None:
+    """The LayerNorms (replicated, so bit-equal on both ranks) marked for averaging instead: their
+    mean is the saved value, so the merge is DeepSpeed's merge of the sample as it is."""
+
+    def average(info: dict) -> None:
+        layernorms = r"layers\.\d+\.input_layernorm\.(weight|bias)"
+        info["tp_replicated_parameter_patterns"].remove(layernorms)
+        info["parameter_to_average_patterns"] = [layernorms]
+
+    checkpoint = _with_rules(tmp_path, average)
+    state = open_training_state(checkpoint)
+    assert_holds_the_merge(state, _reference(FP32), masters=True)
+    assert any("4 the rules average (parameter_to_average_patterns) hold the same bits" in n for n in state.index.notes)
+    reference = _reference(FP32)
+    for name, value in load_state_dict(checkpoint, dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
 
 
 def test_sub_params_of_rules_older_than_0_4_split_evenly(tmp_path: Path) -> None:

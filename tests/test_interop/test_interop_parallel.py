@@ -480,17 +480,40 @@ def test_deepspeed_resumes_the_universal_checkpoint_of_a_megatron_run(
     _assert_holds_the_merged_state(case, loaded / "resaved", dp)
 
 
-@pytest.mark.parametrize("rules_from", ["checkpoint", "tp-rules-file"])
+AVERAGED_LAYERNORMS = r"""
+import sys, torch
+from pathlib import Path
+layernorms = r"layers\.\d+\.input_layernorm\.(weight|bias)"
+for path in sorted(Path(sys.argv[1]).glob("global_step3/*model_states.pt")):
+    saved = torch.load(path, weights_only=False)
+    saved["universal_checkpoint_info"]["tp_replicated_parameter_patterns"].remove(layernorms)
+    saved["universal_checkpoint_info"]["parameter_to_average_patterns"] = [layernorms]
+    torch.save(saved, path)
+"""
+
+
+@pytest.mark.parametrize("rules_from", ["checkpoint", "tp-rules-file", "averaging-rules"])
 def test_the_universal_files_of_a_megatron_run_are_ds_to_universals(tmp_path: Path, rules_from: str) -> None:
     """Every per-param file of zckpt's universal folder holds what ds_to_universal's holds: the
     same keys in the same order (cat_dim, param_n_sub_params, sub_param_shape, vocab_tensor,
     param), equal rule objects and the same tensor bits (torch.load of both); the same when the
-    rules come from a --tp-rules JSON file (a copy of the checkpoint without them)."""
+    rules come from a --tp-rules JSON file (a copy of the checkpoint without them), and when they
+    average the LayerNorms instead of replicating them (ds_to_universal's mean of equal copies)."""
     import os
     import shutil
     import subprocess
 
     case = _megatron("megatron_z1_fp32_tp2")
+    source = case.checkpoint
+    if rules_from == "averaging-rules":
+        source = tmp_path / "averaged"
+        shutil.copytree(case.checkpoint, source)
+        subprocess.run(
+            [ds_python(), "-c", AVERAGED_LAYERNORMS, str(source)],
+            check=True,
+            env=ds_env(1, ds_python()),
+            capture_output=True,
+        )
     theirs = tmp_path / "theirs"
     subprocess.run(
         [
@@ -498,7 +521,7 @@ def test_the_universal_files_of_a_megatron_run_are_ds_to_universals(tmp_path: Pa
             "-m",
             "deepspeed.checkpoint.ds_to_universal",
             "--input_folder",
-            str(case.checkpoint / "global_step3"),
+            str(source / "global_step3"),
             "--output_folder",
             str(theirs),
         ],
@@ -508,8 +531,8 @@ def test_the_universal_files_of_a_megatron_run_are_ds_to_universals(tmp_path: Pa
         cwd=tmp_path,
     )
     ours = tmp_path / "ours"
-    if rules_from == "checkpoint":
-        to_universal(case.checkpoint, ours)
+    if rules_from != "tp-rules-file":
+        to_universal(source, ours)
     else:
         stripped = tmp_path / "stripped"
         shutil.copytree(case.checkpoint, stripped)

@@ -8,7 +8,9 @@ param matching a ``tp_replicated`` pattern is the same on every rank; one matchi
 concatenated on the partition dimension (per-rank widths from ``sub_param_shard_widths``); a
 row-parallel one is concatenated on dim 1, any other on dim 0; a vocabulary one is then cut to
 ``original_vocab_size`` rows. Patterns match a name's start (``re.match``), first category first,
-as DeepSpeed's do. Params to average are refused: an average is new numbers, not saved bits.
+as DeepSpeed's do. A param matching a ``parameter_to_average`` pattern (``ds_to_universal`` writes
+the mean of its copies) is read as a replicated one: the tensor-parallel reader takes it only when
+every rank's copy holds the same bits, and refuses it otherwise (a mean is new numbers, not saved bits).
 
 :func:`megatron_specs` turns those rules into the form of AutoTP's ``affine_map`` (per rank, the
 strided pieces it holds of the logical tensor), so :mod:`.tensor_parallel` assembles Megatron and
@@ -110,9 +112,9 @@ def megatron_specs(info: dict[str, Any], shard_shapes: dict[str, list[Shape]], t
 @dataclass(frozen=True)
 class MergeRule:
     """How one param's tensor-rank slices join, by the first rule that names it (DeepSpeed's
-    order): `kind` is "replicated", "halves" (2 sub-params on dim 0), "sub_params", "dim1" (row
-    parallel), "dim0", or "copies" (a frozen param or buffer no pattern names); `vocabulary`:
-    rows cut to ``original_vocab_size`` after the join."""
+    order): `kind` is "replicated", "averaged" (replicated copies DeepSpeed averages), "halves"
+    (2 sub-params on dim 0), "sub_params", "dim1" (row parallel), "dim0", or "copies" (a frozen
+    param or buffer no pattern names); `vocabulary`: rows cut to ``original_vocab_size`` after the join."""
 
     kind: str
     vocabulary: bool = False
@@ -120,16 +122,12 @@ class MergeRule:
 
 
 def merge_rule(info: dict[str, Any], name: str, trainable: bool = True) -> MergeRule:
-    """The rule `info` gives `name` (params it averages are refused: an average is not saved bits)."""
+    """The rule `info` gives `name`."""
     vocabulary = _matches(info.get(N.VOCABULARY_PARAMETER_PATTERNS), name) is not None
     if _matches(info.get(N.TP_REPLICATED_PARAMETER_PATTERNS), name):
         return MergeRule("replicated", vocabulary)
     if _matches(info.get(N.PARAMETER_TO_AVERAGE_PATTERNS), name):
-        raise LayoutError(
-            None,
-            f"{name}: the checkpoint's rules average it over the tensor ranks (parameter_to_average_patterns); an "
-            "average is new numbers, not the saved ones, and zckpt does not write it",
-        )
+        return MergeRule("averaged", vocabulary)
     if _matches(info.get(N.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), name):
         return MergeRule("halves", vocabulary)
     sub = _sub_param_rule(info, name)
@@ -170,9 +168,11 @@ def _matches(patterns: Any, name: str) -> str | None:
 
 def _blocks(info: dict[str, Any], rule: MergeRule, name: str, shapes: list[Shape]) -> tuple[list[_Block], Shape]:
     """The blocks of `name`'s logical tensor by its rule."""
-    if rule.kind == "replicated":
+    if rule.kind in ("replicated", "averaged"):
         if any(s != shapes[0] for s in shapes):
-            raise LayoutError(None, f"{name}: replicated on the tensor ranks by its pattern, but their shapes differ")
+            raise LayoutError(
+                None, f"{name}: {rule.kind} over the tensor ranks by its pattern, but their shapes differ"
+            )
         return [], shapes[0]  # no blocks: one piece every rank holds (see _spec)
     if rule.kind == "halves":
         return _two_halves(name, shapes)

@@ -31,9 +31,10 @@ from ..core.errors import LayoutError
 from ..core.index import CheckpointIndex, Entry, Segment, TensorSource, merged_index, slice_segments
 from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
+from ..io.reading import FileReader
 from . import names as N
 from .dp_reader import read_ranks
-from .megatron_rules import has_merge_patterns, megatron_specs
+from .megatron_rules import has_merge_patterns, megatron_specs, merge_rule
 from .rank_files import RankFiles, load
 from .survey import Survey
 
@@ -103,12 +104,23 @@ def read_tensor_parallel(
     except LayoutError as exc:  # the merge rules are rank 0's model-states file's: named where nothing else is
         result.problems.append(exc if exc.path else LayoutError(first, exc.problem))
         return
+    averaged = [
+        e.name for e in entries if megatron and e.kind != "tied" and merge_rule(info, e.name).kind == "averaged"
+    ]
+    if averaged and not _copies_equal(result, averaged, surveys):
+        return
     result.declared = [(e.name, e.source.shape, e.kind) for e in entries if e.kind != "tied"]
     result.declared_dtypes = base.declared_dtypes
     rules = merge_rules_label(megatron, tp_rules is not None)
     result.notes.append(
         f"tensor-parallel ({rules}): {tp} tensor ranks x {dp} data-parallel rank{'s' * (dp != 1)}; "
         f"{len(merge.replicated)} params replicated on every tensor rank, the others merged from their pieces"
+        + (
+            f"; {len(averaged)} the rules average (parameter_to_average_patterns) hold the same bits on every "
+            "rank, taken as saved"
+            if averaged
+            else ""
+        )
     )
     assert base.index is not None
     result.index = merged_index(
@@ -128,6 +140,49 @@ def read_tensor_parallel(
     except LayoutError as exc:
         result.problems.append(exc)
         result.index = None
+
+
+def _copies_equal(result: Survey, names: list[str], surveys: list[Survey]) -> bool:
+    """Whether every tensor rank's copy of each of `names` (weights, masters, optimizer states)
+    holds tensor rank 0's bits. DeepSpeed's merge writes the mean of such params; where the
+    copies are equal that is the saved value, where they differ it is new numbers, which zckpt
+    does not write (a problem listed, naming the rank's file)."""
+    with FileReader() as reader:
+        for name in names:
+            copies = [_sources(sub, name) for sub in surveys]
+            for t, found in enumerate(copies[1:], start=1):
+                for what, source in found.items():
+                    first = copies[0].get(what)
+                    if first is None or source.shape != first.shape or source.dtype != first.dtype:
+                        same = False
+                    else:
+                        same = reader.read_source(source).tobytes() == reader.read_source(first).tobytes()
+                    if not same:
+                        path = source.segments[0].path if source.segments else None
+                        result.add(
+                            LayoutError,
+                            path,
+                            f"{name}: the rules average it over the tensor ranks (parameter_to_average_patterns), and "
+                            f"tensor rank {t}'s {what} differs from tensor rank 0's: their mean would be new numbers, "
+                            "not the saved ones, and zckpt does not write it",
+                        )
+                        return False
+    return True
+
+
+def _sources(survey: Survey, name: str) -> dict[str, TensorSource]:
+    """One tensor rank's copies of a param: its module entry (the master of a trainable one) and
+    its optimizer states."""
+    found: dict[str, TensorSource] = {}
+    if survey.index is not None:
+        entry = next((e for e in survey.index.entries if e.name == name), None)
+        if entry is not None:
+            found["value" if entry.kind != "param" else "master"] = entry.source
+    if survey.state is not None:
+        param = next((p for p in survey.state.params if p.name == name), None)
+        if param is not None:
+            found.update(param.states)
+    return found
 
 
 def merge_rules_label(megatron: bool, given: bool) -> str:
