@@ -231,3 +231,15 @@ def test_an_expert_rank_file_of_another_step_is_named(tmp_path: Path) -> None:
     _one_line_naming(
         tmp_path, checkpoint, "expp_rank_1_mp_rank_00_optim_states.pt", "files of different saves are mixed"
     )
+
+
+def test_an_expert_file_of_another_shape_is_one_line_not_a_crash(tmp_path: Path) -> None:
+    """An expert weight saved flat (the fuzz found it: an expert rank read for its weights only
+    left the merge of the ranks without a training state, and consolidate crashed): the expert
+    rank's optimizer no longer matches its experts, said in one line naming its file."""
+    name = "layer_0_expert_2_mp_rank_00_model_states.pt"
+    key = "moe.deepspeed_moe.experts.deepspeed_experts.2.0.weight"
+    checkpoint = _damaged(tmp_path, MOE, name, lambda m: m.__setitem__(key, m[key].flatten()))
+    _one_line_naming(
+        tmp_path, checkpoint, "expp_rank_1_mp_rank_00_optim_states.pt", "not the module's params in module order"
+    )

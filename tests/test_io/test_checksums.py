@@ -348,3 +348,19 @@ def test_a_zero3_checkpoint_told_apart_only_by_small_frozen_slices(tmp_path: Pat
         assert not (tmp_path / "copied").exists()
         assert not verify(tmp_path / "rs").ok
         names[victim].write_bytes(honest)
+
+
+def test_a_zip_version_zipfile_refuses_is_a_finding_not_a_crash(tmp_path: Path) -> None:
+    """A central-directory record whose 'version needed to extract' reads 6.4 (one flipped bit; the
+    fuzz found it): Python's zipfile raises NotImplementedError, which verify's checksum pass
+    took for a crash. Now the file is named as damaged, and nothing raises."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(sample("z0_fp32_ws2_tied").checkpoint, folder)
+    path = folder / "global_step3" / "mp_rank_00_model_states.pt"
+    raw = bytearray(path.read_bytes())
+    central = raw.index(b"PK\x01\x02")
+    raw[central + 6 : central + 8] = (64).to_bytes(2, "little")  # version needed to extract: 6.4
+    path.write_bytes(bytes(raw))
+    assert archive_records(str(path)) == ()
+    report = verify(folder)
+    assert not report.ok and any(str(path) in p for p in report.problems), report.problems

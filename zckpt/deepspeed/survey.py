@@ -66,6 +66,11 @@ class Survey:
         for name in ("zero_stage", "dtype", "ds_version", "offload", "tied"):
             setattr(self, name, getattr(first, name))
         self.problems.extend(p for part in parts for p in part.problems)
+        # a part read for its weights only (a ZeRO-0 optimizer its files do not name): the merge
+        # of the parts needs every part's training state, so that is the problem here
+        self.problems.extend(
+            part.state_problem for part in parts if part.state is None and part.state_problem and not part.problems
+        )
         notes = (n for part in parts for n in part.notes)
         self.notes.extend(dict.fromkeys(n for n in notes if keep_note is None or keep_note(n)))
         self.files = sorted({*(f for part in parts for f in part.files), *extra_files})

@@ -120,7 +120,7 @@ def archive_records(path: str) -> tuple[Record, ...]:
                     fields = _LOCAL_HEADER.unpack(header)
                     start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
                     records.append(Record(info.filename, start, info.file_size, info.CRC))
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):  # the last: a damaged version field
         return ()
     return tuple(sorted(records, key=lambda r: r.start))
 
