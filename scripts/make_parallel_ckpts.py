@@ -95,6 +95,7 @@ CASES = [
     Case("megatron_z3_fp32_tp2_dp2", 3, "fp32", pp=1, dp=2, mtp=2, grad_accum=1),
     Case("pp2_megatron_z1_fp32_tp2", 1, "fp32", pp=2, dp=1, mtp=2),
     Case("moe_z0_fp32_ep2_dp2", 0, "fp32", pp=1, dp=2, ep=2, grad_accum=1),
+    Case("megatron_z0_fp32_tp2", 0, "fp32", pp=1, dp=1, mtp=2, grad_accum=1),
 ]
 
 
@@ -661,6 +662,11 @@ def megatron_worker(case: Case, casedir: Path) -> None:
         engine.step()
     live, optim = {}, {}
     for name, p in engine.module.named_parameters():  # collective over the data-parallel group
+        if not case.stage:  # ZeRO off: p is the master, the torch optimizer's state is by param
+            live[name] = p.data.detach().cpu().float().clone().contiguous()
+            for key in ("exp_avg", "exp_avg_sq"):
+                optim[f"{name}.{key}"] = engine.optimizer.state[p][key].detach().cpu().float().clone().contiguous()
+            continue
         live[name] = safe_get_full_fp32_param(p).detach().cpu().float().clone().contiguous()
         for key in ("exp_avg", "exp_avg_sq"):
             optim[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().float().clone().contiguous()
@@ -671,9 +677,8 @@ def megatron_worker(case: Case, casedir: Path) -> None:
         save_file(optim, str(ref / f"live_optimizer_tp{mpu.tp_rank}.safetensors"), metadata={"format": "pt"})
     dist.barrier()
     rules = {"universal_checkpoint_info": megatron_checkpoint_info(case.mtp)}
-    save_and_describe(
-        engine, casedir, "safe_get_full_optimizer_state of each tensor rank's slices (live_optimizer_tp*)", rules
-    )
+    how = "the torch optimizer's state[param]" if not case.stage else "safe_get_full_optimizer_state"
+    save_and_describe(engine, casedir, f"{how} of each tensor rank's slices (live_optimizer_tp*)", rules)
 
 
 def universal_reference(casedir: Path, python: str, log: Path, env: dict[str, str]) -> None:
@@ -840,7 +845,7 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
     ckpt = casedir / "checkpoint"
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         (ckpt / name).unlink(missing_ok=True)
-    if case.tp or case.mtp:
+    if (case.tp or case.mtp) and case.stage:  # ZeRO-0: ds_to_universal finds no optimizer files
         universal_reference(casedir, python, log, env)
     else:
         merge_live(casedir, case, python, log, env)
@@ -889,6 +894,9 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         "live_source": (
             "reference/universal.safetensors: DeepSpeed ds_to_universal's merged fp32 masters and Adam moments"
             if case.tp
+            else "reference/live_tp{T}.safetensors: each tensor rank's slices as the live engine held them (ZeRO-0: "
+            "its module params, the masters; ds_to_universal finds no optimizer files to merge)"
+            if case.mtp and not case.stage
             else "reference/universal.safetensors: DeepSpeed ds_to_universal's merge by the saved merge patterns; "
             "reference/live_tp{T}.safetensors: each tensor rank's slices as the live engine held them"
             if case.mtp

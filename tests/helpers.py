@@ -107,7 +107,8 @@ SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta and "lightning" not 
 PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep") and not s.meta.get("tp")]
 MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep") and s not in ZERO0_SAMPLES]
 TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp") and "mpu" not in s.meta]  # AutoTP
-MEGATRON_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] == 1]  # an mpu's tensor ranks
+# an mpu's tensor ranks, with ds_to_universal's merge beside them (the ZeRO-0 one has none: ZERO0_SAMPLES)
+MEGATRON_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] == 1 and s not in ZERO0_SAMPLES]
 PIPELINE_TENSOR_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] > 1]  # pipeline x tensor
 
 

@@ -25,6 +25,7 @@ from zckpt.io.reading import FileReader
 PLAIN = sample("z0_fp32_ws2_tied")
 FROZEN = sample("z0_fp32_ws2_frozen_tied")
 MOE = sample("moe_z0_fp32_ep2_dp2")
+MEGATRON = sample("megatron_z0_fp32_tp2")
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.0.weight"
 
 
@@ -243,3 +244,27 @@ def test_an_expert_file_of_another_shape_is_one_line_not_a_crash(tmp_path: Path)
     _one_line_naming(
         tmp_path, checkpoint, "expp_rank_1_mp_rank_00_optim_states.pt", "not the module's params in module order"
     )
+
+
+def test_each_tensor_rank_of_a_megatron_run_is_its_live_engines() -> None:
+    """A Megatron-style run at ZeRO-0: each tensor rank's files are a ZeRO-0 checkpoint of its
+    slices, named by module order; every slice's master and moments equal what that rank's live
+    engine held (its module params, its torch optimizer's state), and the ranks merge by the
+    checkpoint's patterns (DeepSpeed's cut of the merge back into slices: the interop tier)."""
+    from safetensors.torch import load_file
+
+    state = open_training_state(MEGATRON.checkpoint)
+    assert state.index.topology == Topology(tp=2, dp=1) and state.index.zero_stage == 0
+    assert len(state.tensor_shards) == 2
+    with FileReader() as reader:
+        for t, shard in enumerate(state.tensor_shards):
+            live = load_file(MEGATRON.folder / "reference" / f"live_tp{t}.safetensors")
+            moments = load_file(MEGATRON.folder / "reference" / f"live_optimizer_tp{t}.safetensors")
+            assert {p.name for p in shard.params} == set(live)
+            for param in shard.params:
+                assert same_bits(read_tensor(reader, param.master).reshape(param.shape), live[param.name]), param.name
+                for key in ("exp_avg", "exp_avg_sq"):
+                    value = read_tensor(reader, param.states[key]).reshape(param.shape)
+                    assert same_bits(value, moments[f"{param.name}.{key}"]), (t, param.name, key)
+    merged = load_state_dict(MEGATRON.checkpoint, dtype="fp32")
+    assert merged["lm_head.weight"].shape[0] == 23  # the vocabulary cut to original_vocab_size
