@@ -120,7 +120,8 @@ def archive_records(path: str) -> tuple[Record, ...]:
                     fields = _LOCAL_HEADER.unpack(header)
                     start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
                     records.append(Record(info.filename, start, info.file_size, info.CRC))
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):  # the last: a damaged version field
+    # NotImplementedError: zipfile's answer to a damaged "version needed to extract" field
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
         return ()
     return tuple(sorted(records, key=lambda r: r.start))
 
