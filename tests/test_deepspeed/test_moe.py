@@ -285,3 +285,12 @@ def test_an_expert_parallel_degree_that_cannot_be_is_refused(
     done = run_cli("reshard", sample(checkpoint).checkpoint, tmp_path / "out", "-w", "3", "--expert-parallel", ep)
     assert done.returncode == 2 and problem in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, world, ep", [("moe_z2_fp32_ep2_dp2", 2, 1), ("moe_z1_bf16_ep2_dp4", 4, 4)])
+def test_expert_parallel_round_trip_gives_deepspeeds_files_back(tmp_path: Path, name: str, world: int, ep: int) -> None:
+    """To another degree and back: every file DeepSpeed wrote, the same pickled trees and bytes."""
+    case = next(s for s in MOE_SAMPLES if s.name == name)
+    reshard(case.checkpoint, tmp_path / "there", world_size=world, expert_parallel=ep)
+    reshard(tmp_path / "there", tmp_path / "back", world_size=case.meta["world_size"], expert_parallel=case.meta["ep"])
+    assert same_checkpoint_files(case.checkpoint, tmp_path / "back") == []
