@@ -70,6 +70,7 @@ class Case:
     experts: int = 4
     tp: int = 0  # AutoTP degree of a tensor-parallel case
     mtp: int = 0  # tensor-parallel degree of a Megatron-style case (an mpu, merge patterns)
+    plain: bool = False  # a pipeline case without tied or frozen layers (a Block and an untied head instead)
 
     @property
     def kind(self) -> str:
@@ -96,6 +97,7 @@ CASES = [
     Case("pp2_megatron_z1_fp32_tp2", 1, "fp32", pp=2, dp=1, mtp=2),
     Case("moe_z0_fp32_ep2_dp2", 0, "fp32", pp=1, dp=2, ep=2, grad_accum=1),
     Case("megatron_z0_fp32_tp2", 0, "fp32", pp=1, dp=1, mtp=2, grad_accum=1),
+    Case("pp2_z0_fp32_dp2_untied", 0, "fp32", pp=2, dp=2, plain=True),
 ]
 
 
@@ -160,6 +162,9 @@ def build_pipeline(case: Case) -> Any:
         LayerSpec(Block),
         TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head),
     ]
+    if case.plain:
+        layers = [LayerSpec(nn.Embedding, VOCAB, DIM), LayerSpec(Block), LayerSpec(Block), torch.tanh]
+        layers += [LayerSpec(Block), LayerSpec(nn.Linear, DIM, VOCAB)]
     return PipelineModule(
         layers=layers, num_stages=case.pp, loss_fn=loss_fn, partition_method="uniform", base_seed=SEED
     )
@@ -885,6 +890,8 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
             if case.mtp
             else {"ep": case.ep, "experts": case.experts, "frozen": [], "buffers": ["scale"]}
             if case.ep
+            else {"frozen": [], "tied": {}, "buffers": ["1.scale", "2.scale", "4.scale"]}
+            if case.plain
             else {
                 "frozen": ["2.proj.weight", "2.proj.bias"],
                 "tied": {"embed": "tied_modules.embed.weight (layers 0 and 5; a copy in each stage)"},

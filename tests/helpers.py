@@ -104,7 +104,11 @@ LIGHTNING_SAMPLES = [s for s in ALL_SAMPLES if "lightning" in s.meta]
 # which tests/test_deepspeed/test_zero0.py covers; the generic tests compare ZeRO files
 ZERO0_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("zero_stage") == 0]
 SAMPLE_LIST = [s for s in ALL_SAMPLES if "pp" not in s.meta and "lightning" not in s.meta and s not in ZERO0_SAMPLES]
-PIPELINE_SAMPLES = [s for s in ALL_SAMPLES if "pp" in s.meta and not s.meta.get("ep") and not s.meta.get("tp")]
+PIPELINE_SAMPLES = [
+    s
+    for s in ALL_SAMPLES
+    if "pp" in s.meta and not s.meta.get("ep") and not s.meta.get("tp") and s not in ZERO0_SAMPLES
+]
 MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep") and s not in ZERO0_SAMPLES]
 TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp") and "mpu" not in s.meta]  # AutoTP
 # an mpu's tensor ranks, with ds_to_universal's merge beside them (the ZeRO-0 one has none: ZERO0_SAMPLES)

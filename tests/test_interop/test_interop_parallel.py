@@ -78,9 +78,9 @@ sys.path.insert(0, sys.argv[1])
 from make_parallel_ckpts import Case, build_pipeline, capture_live, ds_config
 
 checkpoint, out, dtype, pp, dp = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-universal = sys.argv[7:] == ["universal"]
+universal, plain = "universal" in sys.argv[7:], "plain" in sys.argv[7:]  # plain: the model without tied or frozen layers
 deepspeed.init_distributed(dist_backend="gloo")
-case = Case("load", 1, dtype, pp=pp, dp=dp)
+case = Case("load", 1, dtype, pp=pp, dp=dp, plain=plain)
 model = build_pipeline(case)
 config = ds_config(case)
 if universal:
@@ -161,6 +161,32 @@ def test_deepspeed_resumes_the_universal_checkpoint_of_a_pipeline_run(
     _run_deepspeed(LOADER, loaded, pp * dp, out, loaded, case.meta["dtype"], pp, dp, "universal")
     trainable = {p.name for p in open_training_state(case.checkpoint).params}
     _assert_holds_the_saved_state(case, loaded, pp, trainable)
+
+
+# a ZeRO-0 pipeline run (no tied or frozen layers): (how, stages and data ranks of the loading run)
+ZERO0_PIPELINE_LOADS = [("reshard", 2, 1), ("reshard", 1, 2), ("universal", 1, 2)]
+
+
+@pytest.mark.parametrize(
+    "how, pp, dp", ZERO0_PIPELINE_LOADS, ids=[f"{h}-pp{p}-dp{d}" for h, p, d in ZERO0_PIPELINE_LOADS]
+)
+def test_deepspeed_resumes_a_zero0_pipeline_run(tmp_path: Path, how: str, pp: int, dp: int) -> None:
+    """A ZeRO-0 PipelineModule run, whose files name no stage's params (zckpt finds the one cut of
+    the layer files the stages' optimizers match): resharded as ZeRO-1 at its stages and as one
+    stage, and as a universal folder, loaded by DeepSpeed's PipelineEngine (ZeRO-1), holding the
+    live engine's masters and moments and the step."""
+    from helpers import sample
+
+    case = sample("pp2_z0_fp32_dp2_untied")
+    out = tmp_path / "converted"
+    if how == "universal":
+        to_universal(case.checkpoint, out)
+    else:
+        reshard(case.checkpoint, out, world_size=dp, stage=1, pipeline_stages=None if pp == 2 else pp)
+    loaded = tmp_path / "loaded"
+    extra = ["plain", *(["universal"] if how == "universal" else [])]
+    _run_deepspeed(LOADER, loaded, pp * dp, out, loaded, "fp32", pp, dp, *extra)
+    _assert_holds_the_saved_state(case, loaded, pp)
 
 
 def _assert_holds_the_saved_state(case: Sample, loaded: Path, pp: int, only: set[str] | None = None) -> None:

@@ -20,11 +20,12 @@ other stages' copies are kept as ``replicas`` for verify, which checks them equa
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, ZckptError
 from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import ParamState, PipelineStage, TrainingState
 from ..core.topology import Topology
@@ -33,7 +34,7 @@ from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
 from .survey import Survey
 from .tensor_parallel import merge_rules_label, read_tensor_parallel
-from .zero0 import torch_optimizer_state
+from .zero0 import name_optimizer_params, optimizer_params, torch_optimizer_state
 
 TIED_PREFIX = "tied_modules."
 
@@ -180,19 +181,16 @@ def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | 
         state = load(result, model[None])
         if state is None:
             continue
-        if (
-            isinstance(state, dict)
-            and state.get(N.PARAM_SHAPES) is None
-            and torch_optimizer_state(state.get(N.OPTIMIZER))
-        ):
+        zero0 = isinstance(state, dict) and state.get(N.PARAM_SHAPES) is None
+        if zero0 and not torch_optimizer_state(state.get(N.OPTIMIZER)):
             result.add(
                 LayoutError,
                 model[None],
-                "a ZeRO-0 pipeline stage (its torch optimizer's state by index, no param names): zckpt reads "
-                "pipeline runs at ZeRO-1 only",
+                "a ZeRO-0 pipeline stage without a torch optimizer's state (a 16-bit run's FP16_Optimizer, or none): "
+                "zckpt reads fp32 ZeRO-0 pipeline runs only",
             )
             continue
-        if not isinstance(state, dict) or not isinstance(state.get(N.PARAM_SHAPES), (list, dict)):
+        if not zero0 and (not isinstance(state, dict) or not isinstance(state.get(N.PARAM_SHAPES), (list, dict))):
             result.add(CorruptFileError, model[None], "not a DeepSpeed model-states file (no 'param_shapes')")
             continue
         heads[stage] = (model[None], state)
@@ -216,15 +214,83 @@ def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | 
         )
     if result.problems:
         return None
+    named: dict[int, list[str]] = {}
+    if any(state.get(N.PARAM_SHAPES) is None for _, state in heads.values()):
+        found = _zero0_trainable(result, files, heads)
+        if found is None:
+            return None
+        named = found
     declarations = []
     for stage in range(stages):
         path, state = heads[stage]
-        shapes = state[N.PARAM_SHAPES]
-        groups = [shapes] if isinstance(shapes, dict) else shapes
-        trainable = tuple(str(name) for group in groups if isinstance(group, dict) for name in group)
+        if stage in named:
+            trainable = tuple(named[stage])
+        else:
+            shapes = state[N.PARAM_SHAPES]
+            groups = [shapes] if isinstance(shapes, dict) else shapes
+            trainable = tuple(str(name) for group in groups if isinstance(group, dict) for name in group)
         buffers = tuple(str(name) for name in state.get(N.BUFFER_NAMES) or [])
         declarations.append(StageDeclaration(stage, path, trainable, buffers))
     return declarations
+
+
+def _zero0_trainable(
+    result: Survey, files: RankFiles, heads: dict[int, tuple[str, dict]]
+) -> dict[int, list[str]] | None:
+    """A ZeRO-0 pipeline run's stages name no params: each stage's torch optimizer holds its
+    params by index. Stages hold consecutive layers, so every way to cut the layer files into
+    the stages is tried: a stage's optimizer must match its layers' params in module order (by
+    shape, uniquely: :func:`~.zero0.name_optimizer_params`) and hold the layers of the buffers
+    its file lists. The trainable names of each stage when exactly one cut fits (None, a problem
+    listed, otherwise: a tied module, whose key no file records, fits none)."""
+    tag_dir = files.tag_dir
+    first_path = heads[min(heads)][0]
+    if files.layer_tensor_ranks > 1 or any(state.get(N.PARAM_SHAPES) is not None for _, state in heads.values()):
+        result.add(LayoutError, first_path, "a ZeRO-0 pipeline x tensor run, or stages of ZeRO-0 and ZeRO-1 runs mixed")
+        return None
+    layers: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for index, path in files.layers.items():
+        state = load(result, path)
+        if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
+            if state is not None:
+                result.add(CorruptFileError, path, "not a pipeline layer file (a state dict of tensors)")
+            return None
+        layers[index] = [(f"{index}.{name}", tuple(ref.shape)) for name, ref in state.items() if ref.numel]
+    params: dict[int, tuple[list[int], dict[int, Any]]] = {}
+    for stage, (path, state) in sorted(heads.items()):
+        try:
+            params[stage] = optimizer_params(state[N.OPTIMIZER], path)
+        except ZckptError as exc:
+            result.problems.append(exc)
+            return None
+    stages, order = len(heads), sorted(layers)
+    buffers = {stage: {str(b) for b in state.get(N.BUFFER_NAMES) or []} for stage, (_, state) in heads.items()}
+    fits: list[dict[int, list[str]]] = []
+    for cuts in itertools.combinations(range(1, len(order)), stages - 1):
+        runs = [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]
+        named: dict[int, list[str]] = {}
+        for stage, run in enumerate(runs):
+            held = set(run)
+            if any((layer := layer_of(b)) is not None and layer not in held for b in buffers[stage]):
+                break
+            candidates = [(n, shape) for index in run for n, shape in layers[index] if n not in buffers[stage]]
+            names = name_optimizer_params(*params[stage], candidates)
+            if isinstance(names, str):
+                break
+            named[stage] = names
+        else:
+            fits.append(named)
+    if len(fits) != 1:
+        result.add(
+            LayoutError,
+            first_path,
+            f"a ZeRO-0 pipeline run: its stages' optimizers (params by index) match {len(fits) or 'no'} "
+            f"way{'s' * (len(fits) > 1)} of cutting the {len(order)} layer files of {tag_dir} into {stages} stages "
+            "by the params' shapes"
+            + ("" if fits else " (a tied module, whose key no file records, or params passed out of module order)"),
+        )
+        return None
+    return fits[0]
 
 
 def _stage_count(state: dict) -> int | None:

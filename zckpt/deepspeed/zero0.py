@@ -171,23 +171,31 @@ def weights_only(model: dict, path: str) -> dict:
     return {**model, N.PARAM_SHAPES: [dict(candidates)], N.SHARED_PARAMS: aliases}
 
 
+def optimizer_params(optimizer: dict, path: str) -> tuple[list[int], dict[int, tuple[int, ...] | None]]:
+    """The optimizer's param indices, group after group, and the shape of each one's states.
+    Raises CorruptFileError for a damaged state dict, LayoutError where a param has no state
+    (saved before its first step: nothing to carry)."""
+    _check_structure(optimizer, path)
+    indices = [i for g in optimizer["param_groups"] for i in g["params"]]
+    state = optimizer["state"]
+    missing = [i for i in indices if not state.get(i)]
+    if missing:
+        raise LayoutError(
+            path,
+            f"the optimizer holds no state for param {missing[0]} ({len(missing)} of {len(indices)}): saved before "
+            "their first step, so there are no optimizer states to carry",
+        )
+    return indices, {i: _state_shape(state[i], i, path) for i in indices}
+
+
 def with_declared_params(model: dict, optimizer: dict, path: str, optimizer_path: str) -> dict:
     """The model-states dict with ``param_shapes`` (one {name: shape} per optimizer param group)
     and ``shared_params`` filled in as ZeRO runs record them. Raises LayoutError naming
     `optimizer_path` when the optimizer's params cannot be named (see :func:`name_optimizer_params`)."""
     aliases, candidates = _module_params(model, path)
-    _check_structure(optimizer, optimizer_path)
+    indices, shapes_by_index = optimizer_params(optimizer, optimizer_path)
     groups = [list(g["params"]) for g in optimizer["param_groups"]]
-    indices = [i for g in groups for i in g]
-    state = optimizer["state"]
-    missing = [i for i in indices if not state.get(i)]
-    if missing:
-        raise LayoutError(
-            optimizer_path,
-            f"the optimizer holds no state for param {missing[0]} ({len(missing)} of {len(indices)}): saved before "
-            "their first step, so there are no optimizer states to carry",
-        )
-    named = name_optimizer_params(indices, {i: _state_shape(state[i], i, optimizer_path) for i in indices}, candidates)
+    named = name_optimizer_params(indices, shapes_by_index, candidates)
     if isinstance(named, str):
         raise LayoutError(
             optimizer_path,
