@@ -411,14 +411,7 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
                     continue
                 cross["optimizer_disagreements"].append(f"{names_of[pid][0]}.{k}")
             put(optim, "optimizer", pid, mine, "flat_partition_allgather", "." + k)
-    return {
-        "live": live,
-        "optim": optim,
-        "module": module_vals,
-        "methods": methods,
-        "cross_checks": cross,
-        "optim_keys": optim_keys,
-    }
+    return captured()
 
 
 def group_state(engine: Any, stage: int) -> list[dict]:

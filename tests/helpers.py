@@ -516,3 +516,31 @@ class _StandIn:
 def load_with_stand_ins(path: Path) -> Any:
     """A DeepSpeed file read by torch.load itself (not zckpt), DeepSpeed's classes as inert stand-ins."""
     return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_StandIns("stand_ins"))
+
+
+def assert_slices_are_live(state: Any, case: Sample, cut: dict[str, int] | None = None) -> None:
+    """Each tensor rank's shards in a training state hold what that rank's live engine held: every
+    slice's master and Adam moments (``reference/live_tp{T}`` and ``live_optimizer_tp{T}``). `cut`:
+    params whose rows from that index of the whole tensor on are vocabulary padding, zeros here
+    (a universal folder holds the vocabulary unpadded and DeepSpeed's loader pads it with zeros)."""
+    from safetensors.torch import load_file
+
+    from zckpt.io.materialize import read_tensor
+    from zckpt.io.reading import FileReader
+
+    assert state.tensor_shards
+    with FileReader() as reader:
+        for t, shard in enumerate(state.tensor_shards):
+            live = load_file(case.folder / "reference" / f"live_tp{t}.safetensors")
+            moments = load_file(case.folder / "reference" / f"live_optimizer_tp{t}.safetensors")
+            assert {p.name for p in shard.params} == set(live)
+            for param in shard.params:
+                rows = param.shape[0]
+                if cut and param.name in cut:  # this rank's rows below the cut
+                    rows = max(0, min(rows, cut[param.name] - t * param.shape[0]))
+                pairs = [(param.master, live[param.name])]
+                pairs += [(param.states[k], moments[f"{param.name}.{k}"]) for k in ("exp_avg", "exp_avg_sq")]
+                for source, truth in pairs:
+                    value = read_tensor(reader, source).reshape(param.shape)
+                    assert same_bits(value[:rows], truth[:rows]), (t, param.name)
+                    assert not value[rows:].any(), (t, param.name)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Sample, copy_checkpoint, run_cli, same_bits, sample
+from helpers import Sample, assert_slices_are_live, copy_checkpoint, run_cli, same_bits, sample
 from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
@@ -251,21 +251,10 @@ def test_each_tensor_rank_of_a_megatron_run_is_its_live_engines() -> None:
     slices, named by module order; every slice's master and moments equal what that rank's live
     engine held (its module params, its torch optimizer's state), and the ranks merge by the
     checkpoint's patterns (DeepSpeed's cut of the merge back into slices: the interop tier)."""
-    from safetensors.torch import load_file
-
     state = open_training_state(MEGATRON.checkpoint)
     assert state.index.topology == Topology(tp=2, dp=1) and state.index.zero_stage == 0
     assert len(state.tensor_shards) == 2
-    with FileReader() as reader:
-        for t, shard in enumerate(state.tensor_shards):
-            live = load_file(MEGATRON.folder / "reference" / f"live_tp{t}.safetensors")
-            moments = load_file(MEGATRON.folder / "reference" / f"live_optimizer_tp{t}.safetensors")
-            assert {p.name for p in shard.params} == set(live)
-            for param in shard.params:
-                assert same_bits(read_tensor(reader, param.master).reshape(param.shape), live[param.name]), param.name
-                for key in ("exp_avg", "exp_avg_sq"):
-                    value = read_tensor(reader, param.states[key]).reshape(param.shape)
-                    assert same_bits(value, moments[f"{param.name}.{key}"]), (t, param.name, key)
+    assert_slices_are_live(state, MEGATRON)
     merged = load_state_dict(MEGATRON.checkpoint, dtype="fp32")
     assert merged["lm_head.weight"].shape[0] == 23  # the vocabulary cut to original_vocab_size
 

@@ -454,13 +454,10 @@ def test_deepspeed_cuts_a_megatron_zero0_run_back_into_its_live_slices(tmp_path:
     ranks; saved again, every slice's master and moments are what that rank's live engine held (the
     vocabulary's padding rows aside in the universal case: a universal folder holds the vocabulary cut
     to original_vocab_size, and DeepSpeed's loader pads it with zeros again)."""
-    from safetensors.torch import load_file
-
-    from helpers import same_bits, sample
+    from helpers import assert_slices_are_live, sample
 
     case = sample("megatron_z0_fp32_tp2")
-    vocabulary = {"embed.word_embeddings.weight", "lm_head.weight"}
-    original_vocab = json.loads((case.folder / "meta.json").read_text())["model"]["megatron_gpt"].split()[1]
+    original_vocab = int(case.meta["model"]["megatron_gpt"].split()[1])  # "vocab 23 padded to 24, ..."
     out = tmp_path / "converted"
     if universal:
         to_universal(case.checkpoint, out)
@@ -470,21 +467,8 @@ def test_deepspeed_cuts_a_megatron_zero0_run_back_into_its_live_slices(tmp_path:
     _run_deepspeed(MEGATRON_LOADER, loaded, 2, out, loaded, "fp32", 1, 1, 2, *(["universal"] if universal else []))
     resaved = open_training_state(loaded / "resaved")
     assert resaved.global_steps == case.meta["global_steps"] and len(resaved.tensor_shards) == 2
-    with FileReader() as reader:
-        for t, shard in enumerate(resaved.tensor_shards):
-            live = load_file(case.folder / "reference" / f"live_tp{t}.safetensors")
-            moments = load_file(case.folder / "reference" / f"live_optimizer_tp{t}.safetensors")
-            assert {p.name for p in shard.params} == set(live)
-            for param in shard.params:
-                rows = param.shape[0]
-                if universal and param.name in vocabulary:  # this rank's rows below original_vocab_size
-                    rows = min(rows, int(original_vocab) - t * param.shape[0])
-                pairs = [(param.master, live[param.name])]
-                pairs += [(param.states[k], moments[f"{param.name}.{k}"]) for k in ("exp_avg", "exp_avg_sq")]
-                for source, truth in pairs:
-                    value = read_tensor(reader, source).reshape(param.shape)
-                    assert same_bits(value[:rows], truth[:rows]), (t, param.name)
-                    assert not value[rows:].any(), (t, param.name)  # the padding DeepSpeed adds: zeros
+    vocabulary = ("embed.word_embeddings.weight", "lm_head.weight")
+    assert_slices_are_live(resaved, case, dict.fromkeys(vocabulary, original_vocab) if universal else None)
 
 
 def _megatron(name: str) -> Sample:
