@@ -129,6 +129,16 @@ CASES: list[Case] = [
         "torch optimizer's state_dict by param index, param_shapes None",
     ),
     Case(
+        "z0_bf16_ws2_tied",
+        "ds19",
+        0,
+        "bf16",
+        2,
+        tied=True,
+        notes="ZeRO-0 bf16: DeepSpeed's FP16_UnfusedOptimizer saves each param's fp32 master (fp32_groups) beside the "
+        "torch optimizer's state by index and the loss scaler's values; the module holds the bf16 copies",
+    ),
+    Case(
         "z0_fp32_ws2_frozen_tied",
         "ds19",
         0,
@@ -494,9 +504,19 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
     model = engine.module
     names_of, params = params_by_identity(model)
 
+    # ZeRO-0 (ZeRO off): an fp32 run's module params are the masters and its torch optimizer's state is
+    # by param; a 16-bit run's (DeepSpeed's FP16_UnfusedOptimizer) pairs each module param with its
+    # fp32 master (fp16_groups / fp32_groups), whose torch optimizer state holds the moments
+    masters: dict[int, Any] = {}
+    if case.stage == 0 and case.dtype != "fp32":
+        opt = engine.optimizer
+        for group16, group32 in zip(opt.fp16_groups, opt.fp32_groups):
+            masters.update({id(p16): p32 for p16, p32 in zip(group16, group32)})
     live: dict[str, Any] = {}
     for pid, p in params.items():
-        if p.requires_grad and (
+        if p.requires_grad and pid in masters:
+            v = masters[pid].data.detach().cpu().clone()
+        elif p.requires_grad and (
             case.live_from_module or case.stage == 0
         ):  # ZeRO-0: the module's params are the masters
             assert case.dtype == "fp32" and case.stage in (0, 1, 2)
@@ -519,12 +539,13 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
     note = "safe_get_full_optimizer_state worked"
     if case.live_from_module:
         return live, None, "skipped: " + case.live_from_module
-    if case.stage == 0:  # ZeRO-0: the torch optimizer's own state, by param
+    if case.stage == 0:  # ZeRO-0: the torch optimizer's own state, by param (a 16-bit run's: by its master)
+        state = engine.optimizer.optimizer.state if masters else engine.optimizer.state
         for pid, p in params.items():
             if p.requires_grad:
                 for key in ("exp_avg", "exp_avg_sq"):
                     for n in names_of[pid]:
-                        optim[f"{n}.{key}"] = engine.optimizer.state[p][key].detach().cpu().clone().contiguous()
+                        optim[f"{n}.{key}"] = state[masters.get(pid, p)][key].detach().cpu().clone().contiguous()
         return live, optim, "the torch optimizer's state of each param (ZeRO-0)"
     for key in ("exp_avg", "exp_avg_sq"):
         readable, reason = optimizer_state_readable(model, case.stage, key)
@@ -937,6 +958,8 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
             "module parameters (see live_optimizer)"
             if case.live_from_module
             else "the module's params (ZeRO-0: the fp32 masters) and buffers"
+            if case.stage == 0 and case.dtype == "fp32"
+            else "each param's fp32 master (ZeRO-0, 16-bit: FP16_UnfusedOptimizer's fp32_groups) and buffers"
             if case.stage == 0
             else "deepspeed.utils.safe_get_full_fp32_param (trainable), full 16-bit/fp32 value (frozen), module buffers"
         ),

@@ -21,8 +21,10 @@ from zckpt.deepspeed.reader import open_checkpoint, open_training_state
 from zckpt.deepspeed.zero0 import name_optimizer_params
 from zckpt.io.materialize import read_scalar, read_tensor
 from zckpt.io.reading import FileReader
+from zckpt.ops.verify import verify
 
 PLAIN = sample("z0_fp32_ws2_tied")
+BF16 = sample("z0_bf16_ws2_tied")  # DeepSpeed's FP16_UnfusedOptimizer: fp32 masters beside the state
 FROZEN = sample("z0_fp32_ws2_frozen_tied")
 MOE = sample("moe_z0_fp32_ep2_dp2")
 MEGATRON = sample("megatron_z0_fp32_tp2")
@@ -46,14 +48,17 @@ def _assert_live_state(checkpoint: Path, case: Sample) -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 value = read_tensor(reader, param.states[key]).reshape(param.shape)
                 assert same_bits(value, moments[f"{param.name}.{key}"]), (param.name, key)
+        # DeepSpeed's FP16_UnfusedOptimizer (a 16-bit ZeRO-0 run) steps its torch optimizer once on
+        # zero grads when it starts (initialize_optimizer_states): the saved step is one more
+        extra = 1 if case.meta["zero_stage"] == 0 and case.meta["dtype"] != "fp32" else 0
         for group in state.groups:
             scalar = group.scalars["step"]
             step = read_scalar(reader, scalar.tensor) if scalar.tensor is not None else scalar.value
-            assert step == case.meta["steps"]
+            assert step == case.meta["steps"] + extra
     assert state.global_steps == case.meta["steps"]
 
 
-@pytest.mark.parametrize("case", [PLAIN, FROZEN, MOE], ids=lambda s: s.name)
+@pytest.mark.parametrize("case", [PLAIN, BF16, FROZEN, MOE], ids=lambda s: s.name)
 def test_consolidate_gives_the_live_engines_weights(case: Sample) -> None:
     index = open_checkpoint(case.checkpoint)
     assert index.zero_stage == 0 and index.world_size == case.meta["world_size"]
@@ -61,7 +66,23 @@ def test_consolidate_gives_the_live_engines_weights(case: Sample) -> None:
     state_dict = load_state_dict(case.checkpoint, dtype="fp32")
     assert sorted(state_dict) == sorted(live)
     for name, value in live.items():
-        assert same_bits(state_dict[name], value), name
+        assert same_bits(state_dict[name], value.float() if value.is_floating_point() else value), name
+
+
+def test_a_16bit_run_reads_its_fp32_masters_and_checks_the_module_against_them(tmp_path: Path) -> None:
+    """A bf16 ZeRO-0 run's module holds bf16 copies; its fp32 masters are FP16_UnfusedOptimizer's
+    fp32_groups. Consolidation gives the masters (the live engine's), verify checks each module
+    weight is its master rounded, and names the file where one is not."""
+    index = open_checkpoint(BF16.checkpoint)
+    assert index.dtype.short == "bf16" and len(index.rounded_copies) == 14
+    assert verify(BF16.checkpoint).ok
+
+    def nudge(m: dict) -> None:
+        m["module"]["fc1.weight"][0, 0] += 1
+
+    checkpoint = _damaged(tmp_path, BF16, MODEL, nudge)
+    report = verify(checkpoint)
+    assert not report.ok and any("fc1.weight" in p and MODEL in p for p in report.problems), report.problems
 
 
 def test_the_experts_are_every_expert_ranks() -> None:
@@ -71,7 +92,7 @@ def test_the_experts_are_every_expert_ranks() -> None:
     assert index.placements[EXPERT.format(3)].startswith("expert 3 on expert rank 1 of 2")
 
 
-@pytest.mark.parametrize("case", [PLAIN, MOE], ids=lambda s: s.name)
+@pytest.mark.parametrize("case", [PLAIN, BF16, MOE], ids=lambda s: s.name)
 def test_the_optimizer_state_is_the_live_engines(case: Sample) -> None:
     """The torch optimizer's state, saved by index, lands on the right names: every moment equals
     the live optimizer's state of the param of that name (the expert ranks' own files for experts)."""
@@ -92,7 +113,7 @@ def test_a_tied_weight_is_one_param_and_an_alias() -> None:
 
 @pytest.mark.parametrize(
     "case, world, stage",
-    [(PLAIN, 3, 1), (PLAIN, 1, 2), (PLAIN, 2, 3), (MOE, 4, 2), (MOE, 2, 1)],
+    [(PLAIN, 3, 1), (PLAIN, 1, 2), (PLAIN, 2, 3), (BF16, 3, 1), (BF16, 1, 3), (MOE, 4, 2), (MOE, 2, 1)],
     ids=lambda v: v.name if isinstance(v, Sample) else str(v),
 )
 def test_reshard_as_zero_files_keeps_every_value(tmp_path: Path, case: Sample, world: int, stage: int) -> None:
@@ -105,7 +126,7 @@ def test_reshard_as_zero_files_keeps_every_value(tmp_path: Path, case: Sample, w
     assert all(same_bits(state_dict[n], v) for n, v in case.live().items())
 
 
-@pytest.mark.parametrize("case", [PLAIN, MOE], ids=lambda s: s.name)
+@pytest.mark.parametrize("case", [PLAIN, BF16, MOE], ids=lambda s: s.name)
 def test_to_universal_keeps_every_value(tmp_path: Path, case: Sample) -> None:
     result = to_universal(case.checkpoint, tmp_path / "uni")
     assert result.target_stage == 1  # DeepSpeed's universal loader is ZeRO-1/2/3's, not a torch optimizer's

@@ -107,6 +107,8 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     ("z1_fp32_ws2_roundrobin", 3, 1),
     ("z0_fp32_ws2_tied", 3, 1),  # ZeRO-0: the torch optimizer's state, saved by index, named and laid out
     ("z0_fp32_ws2_tied", 1, 3),
+    ("z0_bf16_ws2_tied", 3, 1),  # a 16-bit ZeRO-0 run: FP16_UnfusedOptimizer's fp32 masters beside its state
+    ("z0_bf16_ws2_tied", 1, 3),
 ]
 
 

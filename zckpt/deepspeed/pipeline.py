@@ -34,7 +34,7 @@ from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
 from .survey import Survey
 from .tensor_parallel import merge_rules_label, read_tensor_parallel
-from .zero0 import name_optimizer_params, optimizer_params, torch_optimizer_state
+from .zero0 import name_optimizer_params, normalized_optimizer, optimizer_params
 
 TIED_PREFIX = "tied_modules."
 
@@ -182,12 +182,12 @@ def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | 
         if state is None:
             continue
         zero0 = isinstance(state, dict) and state.get(N.PARAM_SHAPES) is None
-        if zero0 and not torch_optimizer_state(state.get(N.OPTIMIZER)):
+        if zero0 and normalized_optimizer(state.get(N.OPTIMIZER)) is None:
             result.add(
                 LayoutError,
                 model[None],
-                "a ZeRO-0 pipeline stage without a torch optimizer's state (a 16-bit run's FP16_Optimizer, or none): "
-                "zckpt reads fp32 ZeRO-0 pipeline runs only",
+                "a ZeRO-0 pipeline stage without an optimizer state zckpt reads (a fused FP16_Optimizer's flat "
+                "groups, or none)",
             )
             continue
         if not zero0 and (not isinstance(state, dict) or not isinstance(state.get(N.PARAM_SHAPES), (list, dict))):
@@ -259,7 +259,7 @@ def _zero0_trainable(
     params: dict[int, tuple[list[int], dict[int, Any]]] = {}
     for stage, (path, state) in sorted(heads.items()):
         try:
-            params[stage] = optimizer_params(state[N.OPTIMIZER], path)
+            params[stage] = optimizer_params(normalized_optimizer(state[N.OPTIMIZER]), path)
         except ZckptError as exc:
             result.problems.append(exc)
             return None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.dtypes import FP32
+from ..core.dtypes import FP16, FP32
 from ..core.errors import CorruptFileError, LayoutError, ZckptError
 from ..core.index import CheckpointIndex, Entry, TensorRef
 from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
@@ -32,7 +32,7 @@ from ..core.topology import Topology
 from ..io.materialize import read_scalar
 from ..io.reading import FileReader, source_of
 from . import names as N
-from .model_states import declare, describe, module_entries, tied_entries, whole
+from .model_states import declare, describe, module_entries, rounded_copies, tied_entries, whole
 from .optim_state import saved_run_state
 from .survey import Survey
 
@@ -56,6 +56,38 @@ def torch_optimizer_state(value: Any) -> bool:
         and isinstance(value["param_groups"], list)
         and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in value["param_groups"])
     )
+
+
+# DeepSpeed's FP16_UnfusedOptimizer (a 16-bit ZeRO-0 run with a torch optimizer): the torch state
+# under this key, beside each param's fp32 master and the loss scaler's values
+INNER_STATE = "optimizer_state_dict"
+FP32_GROUPS = "fp32_groups"
+SCALER_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
+MASTERS = "masters"  # zckpt's own key of a normalized state: the fp32 master of each param index
+SCALER = "scaler"  # and the loss scaler's saved values
+
+
+def normalized_optimizer(optimizer: Any) -> dict | None:
+    """The optimizer state of a ZeRO-0 run in one form: a torch optimizer's ``state_dict()`` as it
+    is (fp32 run: the module's params are the masters), or DeepSpeed's FP16_UnfusedOptimizer's
+    (a bf16/fp16 run) as its inner torch state plus each param index's fp32 master (``fp32_groups``,
+    in the groups' order) and the loss scaler's values. None for anything else (the fused
+    FP16_Optimizer's flat groups)."""
+    if torch_optimizer_state(optimizer):
+        return optimizer
+    if not isinstance(optimizer, dict) or not torch_optimizer_state(optimizer.get(INNER_STATE)):
+        return None
+    inner, groups = optimizer[INNER_STATE], optimizer.get(FP32_GROUPS)
+    if not isinstance(groups, list) or len(groups) != len(inner["param_groups"]):
+        return None
+    masters: dict[Any, TensorRef] = {}
+    for tensors, group in zip(groups, inner["param_groups"]):
+        if not isinstance(tensors, list) or len(tensors) != len(group["params"]):
+            return None
+        if not all(isinstance(t, TensorRef) for t in tensors):
+            return None
+        masters.update(zip(group["params"], tensors))
+    return {**inner, MASTERS: masters, SCALER: {k: optimizer[k] for k in SCALER_KEYS if k in optimizer}}
 
 
 def _check_structure(optimizer: dict, path: str) -> None:
@@ -178,6 +210,15 @@ def optimizer_params(optimizer: dict, path: str) -> tuple[list[int], dict[int, t
     _check_structure(optimizer, path)
     indices = [i for g in optimizer["param_groups"] for i in g["params"]]
     state = optimizer["state"]
+    masters = optimizer.get(MASTERS)
+    if masters is not None:  # each param's fp32 master: its shape, which its states must have
+        for i in indices:
+            moments = _state_shape(state.get(i) or {}, i, path)
+            if moments is not None and moments != tuple(masters[i].shape):
+                raise CorruptFileError(
+                    path,
+                    f"the states of param {i} have shape {list(moments)}, its fp32 master {list(masters[i].shape)}",
+                )
     missing = [i for i in indices if not state.get(i)]
     if missing:
         raise LayoutError(
@@ -185,6 +226,8 @@ def optimizer_params(optimizer: dict, path: str) -> tuple[list[int], dict[int, t
             f"the optimizer holds no state for param {missing[0]} ({len(missing)} of {len(indices)}): saved before "
             "their first step, so there are no optimizer states to carry",
         )
+    if masters is not None:
+        return indices, {i: tuple(masters[i].shape) for i in indices}
     return indices, {i: _state_shape(state[i], i, path) for i in indices}
 
 
@@ -206,6 +249,15 @@ def with_declared_params(model: dict, optimizer: dict, path: str, optimizer_path
     shapes = dict(candidates)
     param_shapes = [{by_index[i]: shapes[by_index[i]] for i in g} for g in groups]
     return {**model, N.PARAM_SHAPES: param_shapes, N.SHARED_PARAMS: aliases}
+
+
+def _masters_by_name(model: dict, optimizer: dict) -> dict[str, TensorRef]:
+    """Each named param's fp32 master (a 16-bit run's), by the names its group's indices got."""
+    return {
+        name: optimizer[MASTERS][index]
+        for group, shapes in zip(optimizer["param_groups"], model[N.PARAM_SHAPES])
+        for index, name in zip(group["params"], shapes)
+    }
 
 
 def read_zero0(
@@ -238,12 +290,23 @@ def read_zero0(
     recorded = model.get(N.MP_WORLD_SIZE)
     if isinstance(recorded, int) and recorded != mp_world:
         result.add(LayoutError, path, f"records {recorded} model-parallel ranks; the folder's files name {mp_world}")
-    if result.dtype != FP32:
+    masters = (optimizer or {}).get(MASTERS)
+    if masters is not None and result.state_problem is not None:  # the masters need the names: none to give
+        result.problems.append(result.state_problem)
+        result.state_problem = None
+        return
+    if result.dtype == FP16 and masters is not None:
+        result.state_problem = LayoutError(
+            optimizer_path,
+            "an fp16 ZeRO-0 run: its loss scaler (FP16_UnfusedOptimizer's values) is not carried into ZeRO files "
+            "yet (consolidate, inspect and verify read the checkpoint; reshard, to-universal and to-dcp do not)",
+        )
+    if result.dtype != FP32 and masters is None:
         result.add(
             LayoutError,
             path,
-            f"a ZeRO-0 {result.dtype.short if result.dtype else ''} run keeps its optimizer state in DeepSpeed's "
-            "FP16_Optimizer layout: zckpt reads fp32 ZeRO-0 checkpoints only",
+            f"a ZeRO-0 {result.dtype.short if result.dtype else ''} run whose fp32 masters are not saved beside "
+            "its optimizer state (DeepSpeed's FP16_UnfusedOptimizer keeps them; this file has none)",
         )
     if result.problems:
         return
@@ -253,10 +316,16 @@ def read_zero0(
     result.notes[:] = [n for n in result.notes if "frozen params read from the module state dict" not in n]
     module = model[N.MODULE]
     names = [name for group in model[N.PARAM_SHAPES] for name in group]
-    params = [Entry(name, "param", whole(result, module[name])) for name in names]
+    by_name = _masters_by_name(model, optimizer) if masters is not None and result.state_problem is None else {}
+    params = [Entry(name, "param", whole(result, by_name.get(name, module[name]))) for name in names]
     entries += params + tied_entries(model, entries + params)
     result.notes.append(
-        "ZeRO-0 (ZeRO off): the module's fp32 params are the masters"
+        (
+            "ZeRO-0 (ZeRO off): the module's fp32 params are the masters"
+            if masters is None
+            else f"ZeRO-0 (ZeRO off, {result.dtype.short if result.dtype else ''}): the fp32 masters saved beside the "
+            "optimizer state (DeepSpeed's FP16_UnfusedOptimizer), the module's weights their rounded copies"
+        )
         + (
             ""
             if result.state_problem
@@ -273,12 +342,13 @@ def read_zero0(
         zero_stage=0,
         world_size=result.world_size,
         topology=Topology.data_parallel(result.world_size),
-        dtype=FP32,
+        dtype=result.dtype or FP32,
         ds_version=result.ds_version,
         offload=result.offload,
         entries=tuple(entries),
         files=tuple(result.files),
         notes=tuple(result.notes),
+        rounded_copies=tuple(rounded_copies(module, params)) if masters is not None else (),
     )
     if result.state_problem is not None:
         return
@@ -334,7 +404,8 @@ def _training_state(
                         path,
                         f"param {index_} ({name}) has states {list(per_element)}, its group's first {element_keys}",
                     )
-                params.append(ParamState(name, shape, g, source_of(module[name]), per_element))
+                master = (optimizer.get(MASTERS) or {}).get(index_, module[name])  # a 16-bit run's fp32 master
+                params.append(ParamState(name, shape, g, source_of(master), per_element))
             keys = tuple(state[group["params"][0]]) if group["params"] else ()
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append(ParamGroupState(hyper, scalars, tuple(shapes), keys))
@@ -354,13 +425,14 @@ def check_optimizer(result: Survey, holder: Any, path: str, required: bool = Fal
         if required:
             result.add(CorruptFileError, path, "holds no optimizer state (a ZeRO-0 run's optimizer file)")
         return None
-    if not torch_optimizer_state(optimizer):
-        keys = sorted(optimizer)[:4] if isinstance(optimizer, dict) else type(optimizer).__name__
+    normalized = normalized_optimizer(optimizer)
+    if normalized is None:
+        keys = sorted(optimizer)[:5] if isinstance(optimizer, dict) else type(optimizer).__name__
         result.add(
             LayoutError,
             path,
-            f"a ZeRO-0 optimizer state that is not a torch optimizer's state_dict() (keys {keys}, e.g. DeepSpeed's "
-            "FP16_Optimizer of a 16-bit run): zckpt reads fp32 ZeRO-0 checkpoints only",
+            f"a ZeRO-0 optimizer state of another layout (keys {keys}; DeepSpeed's fused FP16_Optimizer keeps flat "
+            "groups): zckpt reads a torch optimizer's state_dict() and DeepSpeed's FP16_UnfusedOptimizer's",
         )
         return None
-    return optimizer
+    return normalized
