@@ -316,13 +316,20 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
         return captured()
 
     if stage == 0:  # ZeRO off: the module's params are the fp32 masters, the torch optimizer's state is per param
+        # (a 16-bit run's FP16_UnfusedOptimizer pairs each module param with its fp32 master)
+        masters = {
+            id(p16): p32
+            for group16, group32 in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", []))
+            for p16, p32 in zip(group16, group32)
+        }
         for pid, p in params.items():
             if not p.requires_grad:
                 continue
-            put(live, "live", pid, p.data.float(), "p.data (ZeRO-0: the master)")
-            for k, v in sorted(base.state.get(p, {}).items()):
+            master = masters.get(pid, p)
+            put(live, "live", pid, master.data.float(), "the fp32 master (ZeRO-0)")
+            for k, v in sorted(base.state.get(master, {}).items()):
                 if torch.is_tensor(v) and v.shape == p.shape:
-                    put(optim, "optimizer", pid, v.float(), "optimizer.state[p] (ZeRO-0)", "." + k)
+                    put(optim, "optimizer", pid, v.float(), "optimizer.state[master] (ZeRO-0)", "." + k)
                     if k not in optim_keys:
                         optim_keys.append(k)
         return captured()
@@ -454,6 +461,13 @@ def scaler_state(engine: Any) -> dict:
             cur = getattr(opt, "loss_scale", None)
         except Exception:  # noqa: BLE001 - some optimizers raise on it
             cur = None
+    config = getattr(opt, "loss_scale_config", None)
+    if scaler is None and config is not None and getattr(config, "use_grad_scaling", False):
+        # a 16-bit ZeRO-0 run's FP16_UnfusedOptimizer keeps a LossScaleConfig (no hysteresis):
+        # its fields under DynamicLossScaler's names
+        names = {"dynamic": "dynamic_loss_scale", "min_scale": "min_loss_scale"}
+        fields = ("cur_scale", "dynamic", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window", "min_scale")
+        scaler = {name: getattr(config, names.get(name, name)) for name in fields}
     return {
         "cur_scale": jsonable(cur),
         "loss_scaler": jsonable(scaler) if scaler is not None else None,

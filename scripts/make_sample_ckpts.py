@@ -139,6 +139,15 @@ CASES: list[Case] = [
         "torch optimizer's state by index and the loss scaler's values; the module holds the bf16 copies",
     ),
     Case(
+        "z0_fp16_ws2",
+        "ds19",
+        0,
+        "fp16",
+        2,
+        notes="ZeRO-0 fp16: FP16_UnfusedOptimizer as for bf16, with the dynamic loss scaler's values "
+        "(cur_scale, cur_iter, last_overflow_iter, scale_factor, scale_window)",
+    ),
+    Case(
         "z0_fp32_ws2_frozen_tied",
         "ds19",
         0,

@@ -50,9 +50,12 @@ def _check_loaded(case: Sample, live: dict, optim: dict, state: dict, world_size
         assert group["hyperparameters"]["weight_decay"] == saved.hyperparams["weight_decay"]
     if meta["dtype"] == "fp16":
         scaler = state["loss_scaler"]
-        for key, value in vars(original.loss_scaler).items():
-            if isinstance(value, (int, float, bool)):
-                assert scaler[key] == value, key
+        expected = {k: v for k, v in vars(original.loss_scaler).items() if isinstance(v, (int, float, bool))}
+        if state["zero_stage"] == 0:  # FP16_UnfusedOptimizer keeps no hysteresis: the fields it has
+            expected = {k: v for k, v in expected.items() if k in scaler}
+            assert len(expected) == 7, expected
+        for key, value in expected.items():
+            assert scaler[key] == value, key
     assert state["lr_scheduler"] == original.lr_scheduler
 
 

@@ -109,6 +109,7 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     ("z0_fp32_ws2_tied", 1, 3),
     ("z0_bf16_ws2_tied", 3, 1),  # a 16-bit ZeRO-0 run: FP16_UnfusedOptimizer's fp32 masters beside its state
     ("z0_bf16_ws2_tied", 1, 3),
+    ("z0_fp16_ws2", 3, 2),  # and its dynamic loss scaler's values, into DeepSpeed's DynamicLossScaler
 ]
 
 
@@ -120,10 +121,13 @@ def test_deepspeed_loads_resharded_sample(name: str, world_size: int, stage: int
     _check_loaded(case, live, optim, state, world_size, stage)
 
 
-def test_deepspeed_resumes_zero0_files_at_another_data_parallel_size_as_they_are(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["z0_fp32_ws2_tied", "z0_fp16_ws2"])
+def test_deepspeed_resumes_zero0_files_at_another_data_parallel_size_as_they_are(tmp_path: Path, name: str) -> None:
     """Why reshard asks a ZeRO-0 checkpoint for --stage: DeepSpeed's own load of ZeRO-0 files (the module
-    and the torch optimizer's state, by index) does not depend on the data-parallel size."""
-    case = sample("z0_fp32_ws2_tied")
+    and the torch optimizer's state, by index) does not depend on the data-parallel size. For the fp16
+    run, the loss scaler DeepSpeed restores from them is the one zckpt writes into ZeRO files (checked
+    field by field against the training state zckpt reads)."""
+    case = sample(name)
     live, optim, state = run_probe(case.name, case.checkpoint, 3, tmp_path / "probe")
     _check_loaded(case, live, optim, state, 3, 0)
 

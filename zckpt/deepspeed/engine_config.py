@@ -23,6 +23,7 @@ from .swap_rules import (
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
 FORMAT_VERSION = "0.19.8"  # the DeepSpeed release whose checkpoint format the trainer writes
 DYNAMIC_LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
+LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "LossScaler")  # a static scale
 # DynamicLossScaler's attributes in the order its __init__ sets them (FORMAT_OBSERVED.md)
 _SCALER_FIELDS = (
     "cur_scale",
@@ -198,6 +199,11 @@ def _count(value: Any) -> int | None:
 def dynamic_loss_scaler(values: dict[str, Any]) -> PickledInstance:
     """DeepSpeed's DynamicLossScaler object (fp16) holding `values` (its attribute names)."""
     return PickledInstance(DYNAMIC_LOSS_SCALER, {**{k: values[k] for k in _SCALER_FIELDS}, "dtype": FP16})
+
+
+def static_loss_scaler(scale: Any = 1.0) -> PickledInstance:
+    """DeepSpeed's LossScaler object: a static scale (1 for bf16 and fp32 runs)."""
+    return PickledInstance(LOSS_SCALER, {"cur_scale": scale, "dynamic": False})
 
 
 def optimizer_extras(fp16: bool) -> dict[str, Any]:

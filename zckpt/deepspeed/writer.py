@@ -29,6 +29,7 @@ from ..core.topology import RankCoords, Topology
 from ..torchfile.reader import PickledEnumMember, PickledObject, TorchDevice, TorchSize, global_name
 from ..torchfile.save import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import names as N
+from .engine_config import static_loss_scaler
 from .layout import (
     LayoutParam,
     ZeroLayout,
@@ -44,7 +45,6 @@ from .swap_rules import SwapRule
 
 UINT8 = BY_SHORT["uint8"]  # a file copied as its bytes
 ZERO_STAGE_ENUM = GlobalName("deepspeed.runtime.zero.config", "ZeroStageEnum")
-LOSS_SCALER = GlobalName("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 FRAGMENT_ADDRESS = GlobalName("deepspeed.utils.tensor_fragment", "fragment_address")
 
 
@@ -551,7 +551,7 @@ class OptimPlanner:
         if self.state.loss_scaler is not None:
             return carry(self.state.loss_scaler)
         # BF16_Optimizer files keep no scaler; bf16 and fp32 runs use a static scale of 1
-        return PickledInstance(LOSS_SCALER, {"cur_scale": 1.0, "dynamic": False})
+        return static_loss_scaler()
 
 
 # --- model_states --------------------------------------------------------------------------------

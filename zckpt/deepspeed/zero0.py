@@ -31,7 +31,9 @@ from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..core.topology import Topology
 from ..io.materialize import read_scalar
 from ..io.reading import FileReader, source_of
+from ..torchfile.records import PickledObject, record_class
 from . import names as N
+from .engine_config import DYNAMIC_LOSS_SCALER, LOSS_SCALER
 from .model_states import declare, describe, module_entries, rounded_copies, tied_entries, whole
 from .optim_state import saved_run_state
 from .survey import Survey
@@ -295,12 +297,6 @@ def read_zero0(
         result.problems.append(result.state_problem)
         result.state_problem = None
         return
-    if result.dtype == FP16 and masters is not None:
-        result.state_problem = LayoutError(
-            optimizer_path,
-            "an fp16 ZeRO-0 run: its loss scaler (FP16_UnfusedOptimizer's values) is not carried into ZeRO files "
-            "yet (consolidate, inspect and verify read the checkpoint; reshard, to-universal and to-dcp do not)",
-        )
     if result.dtype != FP32 and masters is None:
         result.add(
             LayoutError,
@@ -413,7 +409,39 @@ def _training_state(
     version = N.version_tuple(index.ds_version or "0.0.0")
     run["optimizer_extras"] = {N.CLIP_GRAD: clip if clip is not None else N.default_gradient_clipping(version)}
     run["optimizer_kind"] = "zero"
+    if index.dtype == FP16 and optimizer.get(SCALER):
+        run["loss_scaler"] = loss_scaler(optimizer[SCALER], run["ds_config"])
+        run["optimizer_extras"][N.DYNAMIC_LOSS_SCALE] = bool(optimizer[SCALER].get("dynamic_loss_scale"))
     return TrainingState(index=index, params=tuple(params), groups=tuple(groups), **run)
+
+
+def loss_scaler(saved: dict[str, Any], ds_config: dict[str, Any]) -> PickledObject:
+    """The loss scaler a ZeRO optimizer file keeps (as zckpt reads one: DeepSpeed's object as
+    plain data), from what an fp16 ZeRO-0 run's FP16_UnfusedOptimizer saved (the scale, its
+    iteration counters and, when dynamic, the growth settings) and the run's ``fp16`` config for
+    the rest, which that optimizer does not save and a resumed DeepSpeed run takes from its
+    config again (minimum scale, hysteresis)."""
+    fp16 = ds_config.get("fp16") if isinstance(ds_config.get("fp16"), dict) else {}
+    if not saved.get("dynamic_loss_scale"):
+        return record_class(LOSS_SCALER.module, LOSS_SCALER.name)(
+            state={"cur_scale": saved.get("cur_scale", 1.0), "dynamic": False}
+        )
+    hysteresis = fp16.get("hysteresis", 2)
+    values = {
+        "cur_scale": saved["cur_scale"],
+        "dynamic": True,
+        "cur_iter": saved.get("cur_iter", 0),
+        "last_overflow_iter": saved.get("last_overflow_iter", -1),
+        "scale_factor": saved.get("scale_factor", 2.0),
+        "scale_window": saved.get("scale_window", fp16.get("loss_scale_window", 1000)),
+        "min_scale": fp16.get("min_loss_scale", 1),
+        "delayed_shift": hysteresis,
+        "cur_hysteresis": hysteresis,
+        "consecutive_hysteresis": fp16.get("consecutive_hysteresis", False),
+        "raise_error_at_min_scale": True,
+        "dtype": FP16,
+    }
+    return record_class(DYNAMIC_LOSS_SCALER.module, DYNAMIC_LOSS_SCALER.name)(state=values)
 
 
 def check_optimizer(result: Survey, holder: Any, path: str, required: bool = False) -> dict | None:
