@@ -96,6 +96,7 @@ CASES = [
     Case("megatron_z3_fp32_tp2_dp2", 3, "fp32", pp=1, dp=2, mtp=2, grad_accum=1),
     Case("pp2_megatron_z1_fp32_tp2", 1, "fp32", pp=2, dp=1, mtp=2),
     Case("moe_z0_fp32_ep2_dp2", 0, "fp32", pp=1, dp=2, ep=2, grad_accum=1),
+    Case("moe_z0_bf16_ep2_dp2", 0, "bf16", pp=1, dp=2, ep=2, grad_accum=1),
     Case("megatron_z0_fp32_tp2", 0, "fp32", pp=1, dp=1, mtp=2, grad_accum=1),
     Case("pp2_z0_fp32_dp2_untied", 0, "fp32", pp=2, dp=2, plain=True),
 ]
@@ -238,14 +239,22 @@ def moe_worker(case: Case, casedir: Path) -> None:
         engine.step()
     live: dict[str, Any] = {}
     optim: dict[str, Any] = {}
-    torch_optimizer = not case.stage and case.dtype == "fp32"  # ZeRO off: p is the master (bf16: BF16_Optimizer)
+    # ZeRO off: an fp32 run's module params are the masters, its torch optimizer's state by param; a
+    # 16-bit run's FP16_UnfusedOptimizer pairs each module param with its fp32 master
+    zero_off = not case.stage
+    masters: dict[int, Any] = {}
+    if zero_off and case.dtype != "fp32":
+        for group16, group32 in zip(engine.optimizer.fp16_groups, engine.optimizer.fp32_groups):
+            masters.update({id(p16): p32 for p16, p32 in zip(group16, group32)})
+    state = engine.optimizer.optimizer.state if masters else engine.optimizer.state if zero_off else {}
     for name, p in engine.module.named_parameters():  # every rank, same order: the collectives pair up
-        value = p.data if torch_optimizer or not p.requires_grad else safe_get_full_fp32_param(p)
+        master = masters.get(id(p), p)
+        value = master.data if zero_off or not p.requires_grad else safe_get_full_fp32_param(p)
         global_name = expert_global_name(name, p, case.experts, case.ep)
         live[global_name] = value.detach().cpu().float().clone().contiguous()
-        if torch_optimizer and p.requires_grad:  # the torch optimizer's own state, by param
+        if zero_off and p.requires_grad:  # the torch optimizer's own state, by param (its master)
             for key in ("exp_avg", "exp_avg_sq"):
-                optim[f"{global_name}.{key}"] = engine.optimizer.state[p][key].detach().cpu().clone().contiguous()
+                optim[f"{global_name}.{key}"] = state[master][key].detach().cpu().clone().contiguous()
     for name, b in engine.module.named_buffers():
         live[name] = b.detach().cpu().clone().contiguous()
     ref = casedir / "reference"
@@ -907,8 +916,8 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
             else "reference/universal.safetensors: DeepSpeed ds_to_universal's merge by the saved merge patterns; "
             "reference/live_tp{T}.safetensors: each tensor rank's slices as the live engine held them"
             if case.mtp
-            else "per rank: every param as the module holds it (ZeRO-0: the masters; experts under their global "
-            "ids), module buffers"
+            else "per rank: every param's fp32 master (ZeRO-0: an fp32 run's module params, a 16-bit run's "
+            "FP16_UnfusedOptimizer fp32_groups; experts under their global ids), module buffers"
             if case.ep and not case.stage
             else "per rank: safe_get_full_fp32_param of every param (experts under their global ids), module buffers"
             if case.ep

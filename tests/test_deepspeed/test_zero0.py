@@ -28,6 +28,7 @@ BF16 = sample("z0_bf16_ws2_tied")  # DeepSpeed's FP16_UnfusedOptimizer: fp32 mas
 FP16 = sample("z0_fp16_ws2")  # the same, with a dynamic loss scaler
 FROZEN = sample("z0_fp32_ws2_frozen_tied")
 MOE = sample("moe_z0_fp32_ep2_dp2")
+MOE_BF16 = sample("moe_z0_bf16_ep2_dp2")  # each expp_rank file FP16_UnfusedOptimizer's, masters beside
 MEGATRON = sample("megatron_z0_fp32_tp2")
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts.{}.0.weight"
 
@@ -59,7 +60,7 @@ def _assert_live_state(checkpoint: Path, case: Sample) -> None:
     assert state.global_steps == case.meta["steps"]
 
 
-@pytest.mark.parametrize("case", [PLAIN, BF16, FP16, FROZEN, MOE], ids=lambda s: s.name)
+@pytest.mark.parametrize("case", [PLAIN, BF16, FP16, FROZEN, MOE, MOE_BF16], ids=lambda s: s.name)
 def test_consolidate_gives_the_live_engines_weights(case: Sample) -> None:
     index = open_checkpoint(case.checkpoint)
     assert index.zero_stage == 0 and index.world_size == case.meta["world_size"]
@@ -93,7 +94,7 @@ def test_the_experts_are_every_expert_ranks() -> None:
     assert index.placements[EXPERT.format(3)].startswith("expert 3 on expert rank 1 of 2")
 
 
-@pytest.mark.parametrize("case", [PLAIN, BF16, FP16, MOE], ids=lambda s: s.name)
+@pytest.mark.parametrize("case", [PLAIN, BF16, FP16, MOE, MOE_BF16], ids=lambda s: s.name)
 def test_the_optimizer_state_is_the_live_engines(case: Sample) -> None:
     """The torch optimizer's state, saved by index, lands on the right names: every moment equals
     the live optimizer's state of the param of that name (the expert ranks' own files for experts)."""
@@ -101,7 +102,7 @@ def test_the_optimizer_state_is_the_live_engines(case: Sample) -> None:
     state = open_training_state(case.checkpoint)
     aliases = {e.name for e in state.index.entries if e.kind == "tied"}  # the live dump lists tied names twice
     assert len(state.params) * 2 == len([k for k in _live_optimizer(case) if k.rsplit(".", 1)[0] not in aliases])
-    if case is MOE:
+    if case in (MOE, MOE_BF16):
         assert len(state.groups) == 2 and state.groups[1].hyperparams.get("moe") is True
         assert {p.name for p in state.params if p.group == 1} == {n for n in state.index.names() if "experts" in n}
 
@@ -114,7 +115,17 @@ def test_a_tied_weight_is_one_param_and_an_alias() -> None:
 
 @pytest.mark.parametrize(
     "case, world, stage",
-    [(PLAIN, 3, 1), (PLAIN, 1, 2), (PLAIN, 2, 3), (BF16, 3, 1), (BF16, 1, 3), (FP16, 3, 2), (MOE, 4, 2), (MOE, 2, 1)],
+    [
+        (PLAIN, 3, 1),
+        (PLAIN, 1, 2),
+        (PLAIN, 2, 3),
+        (BF16, 3, 1),
+        (BF16, 1, 3),
+        (FP16, 3, 2),
+        (MOE, 4, 2),
+        (MOE, 2, 1),
+        (MOE_BF16, 4, 1),
+    ],
     ids=lambda v: v.name if isinstance(v, Sample) else str(v),
 )
 def test_reshard_as_zero_files_keeps_every_value(tmp_path: Path, case: Sample, world: int, stage: int) -> None:

@@ -264,7 +264,12 @@ dist.barrier()
 
 # (sample, ranks of the loading run, its ZeRO stage; None: the sample's): the same experts over twice
 # or half the ranks; a ZeRO-0 run's (the torch optimizer's state by index, per expert rank) as ZeRO-2
-MOE_RESHARDS = [("moe_z2_fp32_ep2_dp2", 4, None), ("moe_z1_bf16_ep2_dp4", 2, None), ("moe_z0_fp32_ep2_dp2", 4, 2)]
+MOE_RESHARDS = [
+    ("moe_z2_fp32_ep2_dp2", 4, None),
+    ("moe_z1_bf16_ep2_dp4", 2, None),
+    ("moe_z0_fp32_ep2_dp2", 4, 2),
+    ("moe_z0_bf16_ep2_dp2", 4, 1),
+]
 
 
 @pytest.mark.parametrize("universal", [False, True], ids=["plain", "universal"])

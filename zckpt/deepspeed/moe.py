@@ -38,7 +38,7 @@ from .model_states import rounded_copies
 from .optim_state import flat_states
 from .rank_files import RankFiles, load
 from .survey import Survey
-from .zero0 import check_optimizer, read_zero0
+from .zero0 import MASTERS, check_optimizer, read_zero0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +241,14 @@ def _read_moe_zero0(result: Survey, files: RankFiles) -> None:
     experts = ExpertGroups(world, moe, ep, per_rank, count=len(groups))
 
     def part(optimizer: dict, keep: list[int]) -> dict:
+        """The param groups `keep` of an optimizer state, with their params' states (and a 16-bit
+        run's fp32 masters and loss scaler values)."""
         kept = [optimizer["param_groups"][g] for g in keep]
         held = {i for group in kept for i in group["params"]}
-        return {"state": {i: v for i, v in optimizer["state"].items() if i in held}, "param_groups": kept}
+        out = {**optimizer, "state": {i: v for i, v in optimizer["state"].items() if i in held}, "param_groups": kept}
+        if MASTERS in optimizer:
+            out[MASTERS] = {i: v for i, v in optimizer[MASTERS].items() if i in held}
+        return out
 
     dense = Survey(result.path, location=location)
     read_zero0(dense, model, part(optimizers[0], experts.dense), model_path, optim_files[0])
