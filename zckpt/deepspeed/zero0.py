@@ -1,11 +1,14 @@
-"""ZeRO-0 checkpoints (fp32, ZeRO off: DeepSpeed's engine around the script's torch optimizer).
+"""ZeRO-0 checkpoints (ZeRO off: DeepSpeed's engine around the script's torch optimizer).
 
 What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``): no optimizer
-files; rank 0's model-states file holds the module (whose fp32 params are the masters) and the torch
-optimizer's ``state_dict()`` whole under ``optimizer``: ``state`` and ``param_groups`` keyed by
-*index*, in the order the script passed its params, with ``param_shapes`` None. A
-mixture-of-experts run saves each expert rank's optimizer state dict in
-``expp_rank_E_mp_rank_XX_optim_states.pt`` instead (:mod:`.moe`).
+files; rank 0's model-states file holds the module and, under ``optimizer``, the torch optimizer's
+``state_dict()`` whole: ``state`` and ``param_groups`` keyed by *index*, in the order the script
+passed its params, with ``param_shapes`` None. In an fp32 run the module's params are the masters;
+a 16-bit run wraps the optimizer in DeepSpeed's FP16_UnfusedOptimizer, which saves each param's
+fp32 master (``fp32_groups``) and the loss scale beside the torch state
+(:func:`normalized_optimizer` makes both one form). A mixture-of-experts run saves each expert
+rank's optimizer state in ``expp_rank_E_mp_rank_XX_optim_states.pt`` instead (:mod:`.moe`); a
+pipeline stage's has no module, and :mod:`.pipeline` finds which layers are the stage's.
 
 Nothing in the files names the indices; DeepSpeed's own resume relies on the new run passing its
 params in the same order. zckpt names them in module order, the order ``model.parameters()``
