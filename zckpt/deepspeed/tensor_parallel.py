@@ -31,6 +31,7 @@ from ..core.errors import LayoutError
 from ..core.index import CheckpointIndex, Entry, Segment, TensorSource, merged_index, slice_segments
 from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
+from ..io.materialize import unequal_elements
 from ..io.reading import FileReader
 from . import names as N
 from .dp_reader import read_ranks
@@ -142,6 +143,9 @@ def read_tensor_parallel(
         result.index = None
 
 
+COMPARE_CHUNK = 1 << 22  # elements of two copies compared at a time: memory stays bounded
+
+
 def _copies_equal(result: Survey, names: list[str], surveys: list[Survey]) -> bool:
     """Whether every tensor rank's copy of each of `names` (weights, masters, optimizer states)
     holds tensor rank 0's bits. DeepSpeed's merge writes the mean of such params; where the
@@ -153,10 +157,11 @@ def _copies_equal(result: Survey, names: list[str], surveys: list[Survey]) -> bo
             for t, found in enumerate(copies[1:], start=1):
                 for what, source in found.items():
                     first = copies[0].get(what)
-                    if first is None or source.shape != first.shape or source.dtype != first.dtype:
-                        same = False
-                    else:
-                        same = reader.read_source(source).tobytes() == reader.read_source(first).tobytes()
+                    same = (
+                        first is not None
+                        and (source.shape, source.dtype) == (first.shape, first.dtype)
+                        and not unequal_elements(reader, first, source, COMPARE_CHUNK)
+                    )
                     if not same:
                         path = source.segments[0].path if source.segments else None
                         result.add(

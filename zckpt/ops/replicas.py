@@ -7,11 +7,9 @@ Outputs write each name once; this is the check that the copy left out was the s
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..core.index import CheckpointIndex, Entry
-from ..io.materialize import convert
-from ..io.reading import FileReader, read_range
+from ..io.materialize import unequal_elements
+from ..io.reading import FileReader
 
 _CHUNK = 1 << 22  # elements compared at a time: memory stays bounded whatever the tensor's size
 _ROUNDING_CHUNK = 1 << 20  # the same for masters rounded (the rounding's temporaries are a few times a chunk)
@@ -75,7 +73,7 @@ def _rounding_difference(reader: FileReader, master: Entry, copy: Entry) -> str 
     numel = copy.source.numel
     if master.source.numel != numel:
         return f"has {numel} elements, not {master.source.numel} as"
-    unequal = _unequal_elements(reader, master, copy, _ROUNDING_CHUNK)
+    unequal = unequal_elements(reader, master.source, copy.source, _ROUNDING_CHUNK)
     return f"differs in {unequal} of {numel} elements from" if unequal else None
 
 
@@ -87,33 +85,5 @@ def _difference(reader: FileReader, a: Entry, b: Entry) -> str | None:
     """How `b`'s tensor differs from `a`'s, or None when the bits are equal."""
     if (a.source.shape, a.source.dtype) != (b.source.shape, b.source.dtype):
         return f"is {b.source.dtype.name} {list(b.source.shape)}, not {a.source.dtype.name} {list(a.source.shape)} as"
-    unequal = _unequal_elements(reader, a, b, _CHUNK)
+    unequal = unequal_elements(reader, a.source, b.source, _CHUNK)
     return f"differs in {unequal} of {a.source.numel} elements from" if unequal else None
-
-
-def _unequal_elements(reader: FileReader, reference: Entry, other: Entry, chunk: int) -> int:
-    """How many elements of `other` differ in their stored bits from `reference`'s converted to
-    `other`'s dtype (unchanged where the dtypes agree: NaN payloads and -0.0 count as stored),
-    read `chunk` elements at a time so that memory stays bounded whatever the tensor's size."""
-    numel, unequal = other.source.numel, 0
-    for start in range(0, numel, chunk):
-        count = min(chunk, numel - start)
-        wide = np.empty(count, dtype=reference.source.dtype.numpy_raw)
-        kept = np.empty(count, dtype=other.source.dtype.numpy_raw)
-        read_range(reader, reference.source, start, wide)
-        read_range(reader, other.source, start, kept)
-        unequal += _unequal(convert(wide, reference.source.dtype, other.source.dtype), kept)
-    return unequal
-
-
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _unequal(left: np.ndarray, right: np.ndarray) -> int:
-    """How many elements of two raw arrays of one element size differ in their stored bits (as
-    unsigned integers of that size: 40x faster than comparing bytes and grouping them)."""
-    bits = _BITS.get(left.dtype.itemsize)
-    if bits is None:  # complex128: 16 bytes an element
-        width = left.dtype.itemsize
-        return int(np.count_nonzero((left.view(np.uint8) != right.view(np.uint8)).reshape(-1, width).any(1)))
-    return int(np.count_nonzero(left.view(bits) != right.view(bits)))
