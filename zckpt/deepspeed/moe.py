@@ -136,8 +136,15 @@ def read_moe(result: Survey, files: RankFiles) -> None:
     _merge_views(result, files, experts, surveys)
 
 
-def _merge_views(result: Survey, files: RankFiles, experts: ExpertGroups, surveys: list[Survey]) -> None:
-    """One index and training state from the dense view's survey and each expert rank's."""
+def _merge_views(
+    result: Survey,
+    files: RankFiles,
+    experts: ExpertGroups,
+    surveys: list[Survey],
+    expert_states: dict[str, Any] | None = None,
+) -> None:
+    """One index and training state from the dense view's survey and each expert rank's
+    (`expert_states`: the expert files already read, by path)."""
     dense = surveys[0]
     whole = result.take_parts(surveys, files.expert_paths)
     result.declared = [d for sub in surveys for d in sub.declared]
@@ -147,7 +154,7 @@ def _merge_views(result: Survey, files: RankFiles, experts: ExpertGroups, survey
         return
     assert dense.index is not None and dense.state is not None
     expert_names = {p.name for sub in surveys[1:] if sub.state is not None for p in sub.state.params}
-    expert_weights = _check_expert_files(result, files, expert_names)
+    expert_weights = _check_expert_files(result, files, expert_names, expert_states)
     if expert_weights is None:
         return
     order = _module_order(dense.state.module_names, [s.state for s in surveys[1:] if s.state is not None])
@@ -205,7 +212,8 @@ def _read_moe_zero0(result: Survey, files: RankFiles) -> None:
         e: check_optimizer(result, load(result, path) or {}, path, required=True) for e, path in optim_files.items()
     }
     layers = [f for f in files.files if f.kind == "expert"]
-    weights = _expert_weights(result, layers)
+    expert_states: dict[str, Any] = {}  # read here for the experts' weights, then checked with the names
+    weights = _expert_weights(result, layers, expert_states)
     if not isinstance(model, dict) or weights is None or result.problems or any(o is None for o in optimizers.values()):
         return
     groups = optimizers[0]["param_groups"]
@@ -263,7 +271,7 @@ def _read_moe_zero0(result: Survey, files: RankFiles) -> None:
         sub = Survey(result.path, location=location)
         read_zero0(sub, view, part(optimizers[e], list(moe)), model_path, optim_files[e])
         surveys.append(sub)
-    _merge_views(result, files, experts, surveys)
+    _merge_views(result, files, experts, surveys, expert_states)
 
 
 def _check_dense_replicas(result: Survey, optimizers: dict[int, dict], dense: list[int], paths: dict[int, str]) -> bool:
@@ -303,11 +311,12 @@ def _check_dense_replicas(result: Survey, optimizers: dict[int, dict], dense: li
     return True
 
 
-def _expert_weights(result: Survey, layers: list) -> dict[str, TensorRef] | None:
-    """Every expert file's tensors under their global names, by layer and expert id (the module's order)."""
+def _expert_weights(result: Survey, layers: list, expert_states: dict[str, Any]) -> dict[str, TensorRef] | None:
+    """Every expert file's tensors under their global names, by layer and expert id (the module's
+    order); each file read into `expert_states`."""
     weights: dict[str, TensorRef] = {}
     for f in sorted(layers, key=lambda f: (f.layer or 0, f.coords.expert)):
-        state = load(result, f.path)
+        state = load(result, f.path, expert_states)
         if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
             if state is not None:
                 result.add(CorruptFileError, f.path, "not an expert file (a state dict of tensors)")
@@ -343,7 +352,9 @@ def _expert_placements(entries: list[Entry], experts: ExpertGroups) -> dict[str,
     return placements
 
 
-def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]) -> dict[str, TensorRef] | None:
+def _check_expert_files(
+    result: Survey, files: RankFiles, expert_names: set[str], expert_states: dict[str, Any] | None = None
+) -> dict[str, TensorRef] | None:
     """Each expert file parses as a state dict of its own expert's params, and together they hold
     every expert param once: each one's weights by name (None: a problem listed). The writers copy
     these files byte for byte: one that is not what its name says (a link to anything else) must
@@ -353,7 +364,7 @@ def _check_expert_files(result: Survey, files: RankFiles, expert_names: set[str]
     for f in files.files:
         if f.kind != "expert":
             continue
-        state = load(result, f.path)
+        state = load(result, f.path, expert_states)
         if state is None:
             continue
         if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):

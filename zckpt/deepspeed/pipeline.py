@@ -80,12 +80,13 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
     given), merged into one index and one training state."""
     location = result.location
     assert location is not None
-    declarations = _declarations(result, files)
+    layer_states: dict[str, Any] = {}  # a ZeRO-0 run's layer files, read to name its params, then for their tensors
+    declarations = _declarations(result, files, layer_states)
     if declarations is None:
         return
     stages = len(declarations)
     tp = files.layer_tensor_ranks
-    by_tensor = [_layer_files(result, files, declarations, t) for t in range(tp)]
+    by_tensor = [_layer_files(result, files, declarations, t, layer_states) for t in range(tp)]
     if any(layers is None for layers in by_tensor):
         return
     layers = by_tensor[0]
@@ -165,7 +166,7 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
         result.index = None
 
 
-def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | None:
+def _declarations(result: Survey, files: RankFiles, layer_states: dict[str, Any]) -> list[StageDeclaration] | None:
     """Each stage's model-states file read for its names; every stage of the run there."""
     tag_dir = files.tag_dir
     heads: dict[int, tuple[str, dict]] = {}
@@ -216,7 +217,7 @@ def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | 
         return None
     named: dict[int, list[str]] = {}
     if any(state.get(N.PARAM_SHAPES) is None for _, state in heads.values()):
-        found = _zero0_trainable(result, files, heads)
+        found = _zero0_trainable(result, files, heads, layer_states)
         if found is None:
             return None
         named = found
@@ -235,7 +236,7 @@ def _declarations(result: Survey, files: RankFiles) -> list[StageDeclaration] | 
 
 
 def _zero0_trainable(
-    result: Survey, files: RankFiles, heads: dict[int, tuple[str, dict]]
+    result: Survey, files: RankFiles, heads: dict[int, tuple[str, dict]], layer_states: dict[str, Any]
 ) -> dict[int, list[str]] | None:
     """A ZeRO-0 pipeline run's stages name no params: each stage's torch optimizer holds its
     params by index. Stages hold consecutive layers, so every way to cut the layer files into
@@ -250,7 +251,7 @@ def _zero0_trainable(
         return None
     layers: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
     for index, path in files.layers.items():
-        state = load(result, path)
+        state = load(result, path, layer_states)
         if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):
             if state is not None:
                 result.add(CorruptFileError, path, "not a pipeline layer file (a state dict of tensors)")
@@ -304,10 +305,14 @@ def _stage_count(state: dict) -> int | None:
 
 
 def _layer_files(
-    result: Survey, files: RankFiles, declarations: list[StageDeclaration], tensor: int = 0
+    result: Survey,
+    files: RankFiles,
+    declarations: list[StageDeclaration],
+    tensor: int = 0,
+    layer_states: dict[str, Any] | None = None,
 ) -> list[LayerFile] | None:
     """Every layer file (of tensor rank `tensor`), its tensors under the one-stage model's names
-    and the stage it is in."""
+    and the stage it is in (`layer_states`: the files already read, by path)."""
     trainable = {name for d in declarations for name in d.trainable}
     declared = {name for d in declarations for name in d.names}
     tied = sorted(name for name in trainable if name.startswith(TIED_PREFIX))
@@ -315,7 +320,7 @@ def _layer_files(
     starts = {d.stage: min(d.layers) for d in declarations if d.layers}
     layers: list[LayerFile] = []
     for index, path in files.tensor_layers(tensor).items():
-        state = load(result, path)
+        state = load(result, path, layer_states)
         if state is None:
             continue
         if not isinstance(state, dict) or not all(isinstance(v, TensorRef) for v in state.values()):

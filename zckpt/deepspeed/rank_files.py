@@ -315,13 +315,20 @@ def zero_rank_files(tag_dir: str) -> RankFiles:
     return dataclasses.replace(files, fatal=fatal)
 
 
-def load(result: Survey, path: str) -> Any | None:
-    """A pickle's content (tensors as TensorRefs), or None with the problem listed."""
+def load(result: Survey, path: str, loaded: dict[str, Any] | None = None) -> Any | None:
+    """A pickle's content (tensors as TensorRefs), or None with the problem listed. With
+    `loaded`, a file one pass over a tag folder reads for two steps is read (and its problem
+    listed) once: the content is kept there by path."""
+    if loaded is not None and path in loaded:
+        return loaded[path]
     try:
-        return torchfile.load(path)
+        content = torchfile.load(path)
     except ZckptError as exc:
         result.problems.append(exc)
-        return None
+        content = None
+    if loaded is not None:
+        loaded[path] = content
+    return content
 
 
 @dataclass(frozen=True)
