@@ -138,8 +138,12 @@ def whole(result: Survey, ref: TensorRef) -> TensorSource:
         return TensorSource(ref.dtype, ref.shape, ())
 
 
-def module_entries(result: Survey, models: dict, model_paths: dict, zero3: bool, world: int) -> list[Entry] | None:
-    """The buffers and frozen params, from the model-states files (None: a problem listed)."""
+def module_entries(
+    result: Survey, models: dict, model_paths: dict, zero3: bool, world: int, note_frozen: bool = True
+) -> list[Entry] | None:
+    """The buffers and frozen params, from the model-states files (None: a problem listed).
+    `note_frozen`: say where the frozen params of a run that records none came from, and that
+    zero_to_fp32.py drops them (a ZeRO-0 run's, where that tool fails altogether, need no note)."""
     first = 0 if zero3 else None
     model0, model0_path = models[first], model_paths[first]
     module = model0[N.MODULE]
@@ -201,7 +205,7 @@ def module_entries(result: Survey, models: dict, model_paths: dict, zero3: bool,
                 )
                 return None
             entries.append(Entry(name, "frozen", whole(result, ref)))
-        if recovered:
+        if recovered and note_frozen:
             result.notes.append(
                 f"{len(recovered)} frozen params read from the module state dict (zero_to_fp32.py drops them)"
             )

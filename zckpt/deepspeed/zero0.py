@@ -309,10 +309,9 @@ def read_zero0(
         )
     if result.problems:
         return
-    entries = module_entries(result, {None: model}, {None: path}, False, result.world_size)
+    entries = module_entries(result, {None: model}, {None: path}, False, result.world_size, note_frozen=False)
     if entries is None:
         return
-    result.notes[:] = [n for n in result.notes if "frozen params read from the module state dict" not in n]
     module = model[N.MODULE]
     names = [name for group in model[N.PARAM_SHAPES] for name in group]
     by_name = _masters_by_name(model, optimizer) if masters is not None and result.state_problem is None else {}
@@ -352,17 +351,23 @@ def read_zero0(
     if result.state_problem is not None:
         return
     try:
-        result.state = _training_state(result.index, model, optimizer, optimizer_path, run.gradient_clipping)
+        result.state = _training_state(result.index, model, optimizer, by_name, optimizer_path, run.gradient_clipping)
     except ZckptError as exc:
         result.problems.append(exc)
         result.index = None
 
 
 def _training_state(
-    index: CheckpointIndex, model: dict, optimizer: dict, path: str, clip: float | None
+    index: CheckpointIndex,
+    model: dict,
+    optimizer: dict,
+    masters: dict[str, TensorRef],
+    path: str,
+    clip: float | None,
 ) -> TrainingState:
-    """Each trainable param's master (the module's tensor) and states (the optimizer's, by index),
-    the param groups with their hyperparameters and step (checked equal across each group)."""
+    """Each trainable param's master (`masters`' tensor of its name: a 16-bit run's; else the
+    module's) and states (the optimizer's, by index), the param groups with their
+    hyperparameters and step (checked equal across each group)."""
     module, state = model[N.MODULE], optimizer["state"]
     params: list[ParamState] = []
     groups: list[ParamGroupState] = []
@@ -403,8 +408,7 @@ def _training_state(
                         path,
                         f"param {index_} ({name}) has states {list(per_element)}, its group's first {element_keys}",
                     )
-                master = (optimizer.get(MASTERS) or {}).get(index_, module[name])  # a 16-bit run's fp32 master
-                params.append(ParamState(name, shape, g, source_of(master), per_element))
+                params.append(ParamState(name, shape, g, source_of(masters.get(name, module[name])), per_element))
             keys = tuple(state[group["params"][0]]) if group["params"] else ()
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append(ParamGroupState(hyper, scalars, tuple(shapes), keys))
