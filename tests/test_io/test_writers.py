@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -375,6 +376,64 @@ def test_a_second_writer_is_refused_in_one_line_naming_the_first(tmp_path: Path)
     second = OutputLock(str(out))
     second.acquire()
     second.release()
+
+
+def once_after(monkeypatch: pytest.MonkeyPatch, name: str, then: Callable[[], None]) -> None:
+    """`os.path.<name>` answers its first call truthfully, then `then()` runs: what another
+    run does in that instant."""
+    real = getattr(os.path, name)
+    calls = []
+
+    def patched(path):
+        answer = real(path)
+        if not calls:
+            calls.append(path)
+            then()
+        return answer
+
+    monkeypatch.setattr(os.path, name, patched)
+
+
+def test_a_folder_another_run_makes_between_our_look_and_our_try_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers started together all find no folder, and all make it: the ones whose makedirs
+    comes second take the folder the first made (CI once refused one "exists and is not a
+    folder")."""
+    out = tmp_path / "out"
+    once_after(monkeypatch, "isdir", out.mkdir)
+    lock = OutputLock(str(out))
+    lock.acquire()
+    monkeypatch.undo()
+    assert (out / LOCK_FILE).read_text() == owner_tag() + "\n"
+    lock.release()
+    assert out.is_dir()  # made by the other run: left alone
+
+
+def test_a_folder_removed_between_our_look_and_our_try_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that made the folder and leaves without writing removes it, maybe just after
+    another run found it there."""
+    out = tmp_path / "out"
+    out.mkdir()
+    once_after(monkeypatch, "isdir", out.rmdir)
+    lock = OutputLock(str(out))
+    lock.acquire()
+    monkeypatch.undo()
+    assert (out / LOCK_FILE).read_text() == owner_tag() + "\n"
+    lock.release()
+    assert not out.exists()  # made by this lock: removed empty
+
+
+def test_a_file_in_the_folders_place_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.write_text("x")
+    with pytest.raises(OutputError, match="exists and is not a folder"):
+        OutputLock(str(out)).acquire()
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(OutputError, match="exists and is not a folder"):
+        OutputLock(str(tmp_path / "link")).acquire()
 
 
 @pytest.mark.slow

@@ -331,7 +331,12 @@ class OutputLock:
         temp = os.path.join(
             self.folder, temp_name(f"{LOCK_FILE[1:]}-{id(self):x}")
         )  # one per lock: threads of a process too
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # the folder went meanwhile (a run that made it left it empty)
+            if os.path.lexists(self.folder):
+                raise
+            return _Holder(None, None, None, retry=True)
         taken = False
         try:
             os.write(fd, f"{owner_tag()}\n".encode())
@@ -378,16 +383,20 @@ class OutputLock:
             os.close(fd)
 
     def _make_folder(self) -> None:
-        if os.path.isdir(self.folder):
-            return
-        if os.path.lexists(self.folder):
-            raise OutputError(self.folder, "exists and is not a folder")
-        try:
-            os.makedirs(self.folder)
-            self._made_folder = True
-        except FileExistsError:  # made by another run meanwhile
-            if not os.path.isdir(self.folder):
-                raise OutputError(self.folder, "exists and is not a folder") from None
+        """Make the folder unless it is there. Other runs start into the same folder at the same
+        moment: one makes it between our look and our try, or (a run that made it and wrote
+        nothing, leaving) removes it; only a name that stays a non-folder is refused."""
+        while not os.path.isdir(self.folder):
+            try:
+                os.makedirs(self.folder)
+                self._made_folder = True
+                return
+            except FileExistsError:
+                if os.path.isdir(self.folder):
+                    return
+                if os.path.lexists(self.folder):
+                    raise OutputError(self.folder, "exists and is not a folder") from None
+                # removed meanwhile: make it again
 
     def release(self) -> None:
         """Remove the lock file, then unlock it; remove the folder if this lock made it and it is empty."""
