@@ -8,12 +8,21 @@ the torch optimizer's own ``state[param]`` moments, under each param's name
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import Sample, assert_slices_are_live, copy_checkpoint, run_cli, same_bits, sample
+from helpers import (
+    Sample,
+    assert_slices_are_live,
+    copy_checkpoint,
+    run_cli,
+    same_bits,
+    same_checkpoint_files,
+    sample,
+)
 from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.errors import LayoutError, UsageError
 from zckpt.core.topology import Topology
@@ -315,6 +324,85 @@ def test_a_pipeline_run_at_zero0_reshards_as_zero1(tmp_path: Path) -> None:
     index = open_checkpoint(out)
     assert index.topology == Topology(pp=2, dp=1) and index.zero_stage == 1
     _assert_live_state(out, PIPELINE)
+
+
+def test_a_pipeline_run_cut_into_three_stages_holds_the_live_state(tmp_path: Path) -> None:
+    """`--layer-partition 0,2,4,6`: the 6 layers (layer 3 a function, no file) cut into 3 stages
+    as PipelineModule's "uniform" cut at 3 stages makes them (the interop tier has DeepSpeed
+    load it so): each stage holds its layers' params, buffers and files, every master and
+    moment is the live engine's; cut back at 2 stages it is the same checkpoint as one written
+    at the run's own 2 stages."""
+    out = tmp_path / "pp3"
+    reshard(PIPELINE.checkpoint, out, world_size=1, stage=1, layer_partition=(0, 2, 4, 6))
+    index = open_checkpoint(out)
+    assert index.topology == Topology(pp=3, dp=1) and index.zero_stage == 1
+    stages = {
+        name: index.placements[name] for name in ("0.weight", "1.up.weight", "2.scale", "4.up.weight", "5.weight")
+    }
+    assert stages == {
+        "0.weight": "stage 0",
+        "1.up.weight": "stage 0",
+        "2.scale": "stage 1",
+        "4.up.weight": "stage 2",
+        "5.weight": "stage 2",
+    }
+    _assert_live_state(out, PIPELINE)
+    assert verify(str(out)).ok
+    back, direct = tmp_path / "pp2", tmp_path / "pp2-direct"
+    reshard(out, back, world_size=1, layer_partition=(0, 3, 6))
+    reshard(PIPELINE.checkpoint, direct, world_size=1, stage=1)
+    assert same_checkpoint_files(direct, back) == []
+
+
+@pytest.mark.parametrize(
+    "case, kwargs, message",
+    [
+        (
+            "pp2_z1_fp32_dp1",
+            {"layer_partition": (0, 2, 4, 6)},
+            "the model ties tied_modules.embed.weight between stages",
+        ),
+        (
+            "pp2_z0_fp32_dp2_untied",
+            {"layer_partition": (0, 3, 4, 6)},
+            "stage 1 (layers 3-3) would hold no trainable param",
+        ),
+        (
+            "pp2_z0_fp32_dp2_untied",
+            {"layer_partition": (0, 2, 5)},
+            "the checkpoint has layer 5, beyond its layer count 5",
+        ),
+        ("pp2_z0_fp32_dp2_untied", {"layer_partition": (1, 3, 6)}, "increasing layer numbers from 0 are expected"),
+        ("pp2_z0_fp32_dp2_untied", {"layer_partition": (0, 3, 3, 6)}, "increasing layer numbers from 0 are expected"),
+        (
+            "pp2_z0_fp32_dp2_untied",
+            {"layer_partition": (0, 3, 6), "pipeline_stages": 3},
+            "cuts 2 stage(s) but --pipeline-stages is 3",
+        ),
+        ("pp2_z0_fp32_dp2_untied", {"pipeline_stages": 3}, "pass --layer-partition"),
+        ("pp2_megatron_z1_fp32_tp2", {"layer_partition": (0, 2, 4)}, "without tensor ranks only"),
+        ("z0_fp32_ws2_tied", {"layer_partition": (0, 2, 4)}, "--layer-partition is for pipeline-parallel checkpoints"),
+    ],
+)
+def test_a_layer_partition_that_cannot_be_is_refused(tmp_path: Path, case: str, kwargs: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        reshard(sample(case).checkpoint, tmp_path / "out", world_size=1, stage=1, **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_layer_partition(tmp_path: Path) -> None:
+    done = run_cli(
+        "reshard", PIPELINE.checkpoint, tmp_path / "out", "-w", "1", "--stage", "1", "--layer-partition", "0,2,4,6"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "3 pipeline stages x 1 data-parallel rank" in done.stdout
+    bad = run_cli(
+        "reshard", PIPELINE.checkpoint, tmp_path / "bad", "-w", "1", "--stage", "1", "--layer-partition", "0,two,6"
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "zckpt: error: --layer-partition 0,two,6: comma-separated layer numbers are expected"
+    ]
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_tied_pipeline_run_at_zero0_is_refused_in_one_line(tmp_path: Path) -> None:

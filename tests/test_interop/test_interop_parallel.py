@@ -96,7 +96,8 @@ if engine.grid.data_parallel_id == 0:
     if optim is not None:
         save_file(optim, str(out / f"optim_stage{engine.stage_id}.safetensors"))
 if dist.get_rank() == 0:
-    (out / "engine.json").write_text(json.dumps({"global_steps": engine.global_steps, "optim": note}))
+    facts = {"global_steps": engine.global_steps, "optim": note, "parts": [int(p) for p in model.parts]}
+    (out / "engine.json").write_text(json.dumps(facts))
 engine.save_checkpoint(str(out / "resaved"))  # what the engine loaded, as DeepSpeed saves it
 dist.barrier()
 """
@@ -163,8 +164,11 @@ def test_deepspeed_resumes_the_universal_checkpoint_of_a_pipeline_run(
     _assert_holds_the_saved_state(case, loaded, pp, trainable)
 
 
-# a ZeRO-0 pipeline run (no tied or frozen layers): (how, stages and data ranks of the loading run)
-ZERO0_PIPELINE_LOADS = [("reshard", 2, 1), ("reshard", 1, 2), ("universal", 1, 2)]
+# a ZeRO-0 pipeline run (no tied or frozen layers; 6 layers, 2 stages): (how, stages and data ranks
+# of the loading run); 3 stages: cut by --layer-partition as the loading run's PipelineModule
+# (partition_method "uniform") cuts them
+ZERO0_PIPELINE_LOADS = [("reshard", 2, 1), ("reshard", 1, 2), ("reshard", 3, 1), ("universal", 1, 2)]
+UNIFORM_PARTS = {3: (0, 2, 4, 6)}
 
 
 @pytest.mark.parametrize(
@@ -172,20 +176,24 @@ ZERO0_PIPELINE_LOADS = [("reshard", 2, 1), ("reshard", 1, 2), ("universal", 1, 2
 )
 def test_deepspeed_resumes_a_zero0_pipeline_run(tmp_path: Path, how: str, pp: int, dp: int) -> None:
     """A ZeRO-0 PipelineModule run, whose files name no stage's params (zckpt finds the one cut of
-    the layer files the stages' optimizers match): resharded as ZeRO-1 at its stages and as one
-    stage, and as a universal folder, loaded by DeepSpeed's PipelineEngine (ZeRO-1), holding the
-    live engine's masters and moments and the step."""
+    the layer files the stages' optimizers match): resharded as ZeRO-1 at its stages, as one
+    stage and as three (its layers cut anew), and as a universal folder, loaded by DeepSpeed's
+    PipelineEngine (ZeRO-1), holding the live engine's masters and moments and the step."""
     from helpers import sample
 
     case = sample("pp2_z0_fp32_dp2_untied")
     out = tmp_path / "converted"
     if how == "universal":
         to_universal(case.checkpoint, out)
+    elif pp in UNIFORM_PARTS:
+        reshard(case.checkpoint, out, world_size=dp, stage=1, layer_partition=UNIFORM_PARTS[pp])
     else:
         reshard(case.checkpoint, out, world_size=dp, stage=1, pipeline_stages=None if pp == 2 else pp)
     loaded = tmp_path / "loaded"
     extra = ["plain", *(["universal"] if how == "universal" else [])]
     _run_deepspeed(LOADER, loaded, pp * dp, out, loaded, "fp32", pp, dp, *extra)
+    if pp in UNIFORM_PARTS:  # the loading run cut its layers where zckpt was told they are cut
+        assert json.loads((loaded / "engine.json").read_text())["parts"] == list(UNIFORM_PARTS[pp])
     _assert_holds_the_saved_state(case, loaded, pp)
 
 

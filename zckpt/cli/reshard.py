@@ -32,6 +32,7 @@ from .shared import (
         "\b\nExamples:\n"
         "  zckpt reshard runs/ckpt runs/ckpt-4gpu -w 4     # same ZeRO stage, 4 ranks\n"
         "  zckpt reshard runs/ckpt out/ -w 3 --stage 3    # ZeRO-2 -> ZeRO-3, 3 ranks\n"
+        "  zckpt reshard pp2/ pp3/ -w 1 --layer-partition 0,2,4,6  # 3 stages\n"
         "  zckpt reshard out/checkpoint-500 new/checkpoint-500 -w 8 \\\n"
         "      --config ds_config.json\n"
         "  # on a cluster the ranks split the files:\n"
@@ -87,6 +88,14 @@ def reshard(
             help="A pipeline-parallel checkpoint: 1 puts every layer in one stage (default: its own stages; --world-size is then the data-parallel ranks per stage).",
         ),
     ] = None,
+    layer_partition: Annotated[
+        Optional[str],
+        typer.Option(
+            "--layer-partition",
+            metavar="0,A,B,..,L",
+            help="A pipeline-parallel checkpoint cut into other stages: each new stage's first layer, then the layer count (the new run's PipelineModule `parts`, as it logs them: stage s holds layers parts[s] to parts[s+1]-1).",
+        ),
+    ] = None,
     expert_parallel: Annotated[
         Optional[int],
         typer.Option(
@@ -108,6 +117,12 @@ def reshard(
 
     if world_size < 1:
         fail(f"--world-size must be at least 1, got {world_size}", EXIT_USAGE)
+    parts = None
+    if layer_partition is not None:
+        try:
+            parts = tuple(int(part) for part in layer_partition.split(","))
+        except ValueError:
+            fail(f"--layer-partition {layer_partition}: comma-separated layer numbers are expected", EXIT_USAGE)
     primary = primary_process()
     result = with_progress(
         quiet or not primary,
@@ -128,6 +143,7 @@ def reshard(
             pipeline_stages=pipeline_stages,
             tp_rules=tp_rules,
             expert_parallel=expert_parallel,
+            layer_partition=parts,
         ),
     )
     if primary:
@@ -135,7 +151,11 @@ def reshard(
     if not quiet and primary:
         source = result.source.index
         dp = result.target.world_size
-        out_stages = (pipeline_stages or len(result.source.stages)) if result.source.stages else 1
+        out_stages = (
+            ((len(parts) - 1 if parts else None) or pipeline_stages or len(result.source.stages))
+            if result.source.stages
+            else 1
+        )
         tp = source.topology.tp
         world, shape = f"{dp * out_stages * tp}", ""
         if out_stages > 1 or tp > 1:

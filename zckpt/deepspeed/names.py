@@ -96,6 +96,19 @@ def layer_states_name(layer: int, tp_rank: int | None = None) -> str:
     )
 
 
+def layer_states_index(name: str) -> int | None:
+    """The global layer number a layer file's name carries; None for any other name."""
+    match = LAYER_STATES_RE.match(name)
+    return int(match["layer"]) if match else None
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index a pipeline param name starts with (``4.up.weight`` -> 4); None for tied
+    ones (``tied_modules.<key>.<name>``)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 SWAP_SUFFIX = ".tensor.swp"
 
 

@@ -55,7 +55,7 @@ class StageDeclaration:
     @property
     def layers(self) -> set[int]:
         """The indices of the (untied) layers whose names the stage lists."""
-        return {layer for name in self.names if (layer := layer_of(name)) is not None}
+        return {layer for name in self.names if (layer := N.layer_of(name)) is not None}
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,6 @@ class LayerFile:
     path: str
     tensors: dict[str, TensorRef]  # global name -> tensor, in the file's order
     stage: int
-
-
-def layer_of(name: str) -> int | None:
-    """The layer index a pipeline param name starts with (``4.up.weight`` -> 4); None for tied ones."""
-    head = name.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | None = None) -> None:
@@ -272,7 +266,7 @@ def _zero0_trainable(
         named: dict[int, list[str]] = {}
         for stage, run in enumerate(runs):
             held = set(run)
-            if any((layer := layer_of(b)) is not None and layer not in held for b in buffers[stage]):
+            if any((layer := N.layer_of(b)) is not None and layer not in held for b in buffers[stage]):
                 break
             candidates = [(n, shape) for index in run for n, shape in layers[index] if n not in buffers[stage]]
             names = name_optimizer_params(*params[stage], candidates)
@@ -342,9 +336,9 @@ def _layer_files(
         return None
     held = {name for layer in layers for name in layer.tensors}
     for d in declarations:
-        missing = [name for name in (*d.trainable, *d.buffers) if name not in held and layer_of(name) is not None]
+        missing = [name for name in (*d.trainable, *d.buffers) if name not in held and N.layer_of(name) is not None]
         if missing:
-            layer = layer_of(missing[0])
+            layer = N.layer_of(missing[0])
             assert layer is not None
             result.add(
                 CheckpointNotFoundError,

@@ -23,36 +23,102 @@ from . import names as N
 from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank, copied_file, plan_checkpoint
 
 
-def pipeline_stages(state: TrainingState, stages: int | None) -> tuple[PipelineStage, ...]:
-    """The stages of the output: the input's (`stages` None or the same number), or one stage
-    holding every param in the one-stage model's order. Other stage counts need the model's
-    partitioning of its layers, which the checkpoint does not record."""
+def pipeline_stages(
+    state: TrainingState, stages: int | None, layer_partition: tuple[int, ...] | None = None
+) -> tuple[PipelineStage, ...]:
+    """The stages of the output: the input's (`stages` None or the same number), one stage
+    holding every param in the one-stage model's order, or the stages `layer_partition` cuts
+    the layers into. Other stage counts need that partition: the checkpoint does not record
+    how the model split its layers (function layers leave no file)."""
     source = state.stages
+    if layer_partition is not None:
+        return _partitioned_stages(state, stages, layer_partition)
     if stages is None or stages == len(source):
         return source
     if stages == 1:
-        params = tuple(name for group in state.groups for name in group.params)
-        by_module = {name: i for i, name in enumerate(state.module_names)}
-        return (
-            PipelineStage(
-                params=tuple(sorted(params, key=lambda n: by_module.get(n, len(by_module)))),
-                buffers=tuple(b for stage in source for b in stage.buffers),
-                layer_files=tuple(f for stage in source for f in stage.layer_files),
-            ),
-        )
+        return (_stage_of_layers(state, None),)
     raise UsageError(
         None,
-        f"--pipeline-stages {stages}: zckpt writes a pipeline checkpoint at its own {len(source)} stages or as 1; "
-        "another split of the layers needs the model's partitioning, which the checkpoint does not record",
+        f"--pipeline-stages {stages}: at a stage count other than its own {len(source)} or 1, zckpt needs the new "
+        "run's split of the layers, which the checkpoint does not record: pass --layer-partition (the first layer "
+        "of each stage, then the layer count, as PipelineModule's `parts`)",
     )
 
 
-def plan_pipeline_checkpoint(state: TrainingState, target: Target, stages: int | None = None) -> CheckpointPlan:
+def _stage_of_layers(state: TrainingState, layers: range | None) -> PipelineStage:
+    """A stage holding the layers in `layers` (every layer: None): their trainable params in the
+    one-stage model's order (the order the stage's module registers them), their buffers and
+    layer files."""
+
+    def held(name: str) -> bool:
+        return layers is None or N.layer_of(name) in layers
+
+    params = [name for group in state.groups for name in group.params if held(name)]
+    by_module = {name: i for i, name in enumerate(state.module_names)}
+    files = [f for stage in state.stages for f in stage.layer_files]
+    return PipelineStage(
+        params=tuple(sorted(params, key=lambda n: by_module.get(n, len(by_module)))),
+        buffers=tuple(b for stage in state.stages for b in stage.buffers if held(b)),
+        layer_files=tuple(f for f in files if layers is None or layer_file_index(f) in layers),
+    )
+
+
+def _partitioned_stages(state: TrainingState, stages: int | None, parts: tuple[int, ...]) -> tuple[PipelineStage, ...]:
+    """The stages DeepSpeed's ``PipelineModule`` builds from its ``parts`` (stage s holds layers
+    ``parts[s]`` to ``parts[s+1] - 1``), checked against what the checkpoint holds."""
+    label = "--layer-partition " + ",".join(map(str, parts))
+    count = len(parts) - 1
+    if count < 1 or parts[0] != 0 or any(b <= a for a, b in zip(parts, parts[1:])):
+        raise UsageError(
+            None,
+            f"{label}: increasing layer numbers from 0 are expected: each stage's first layer, then the layer count",
+        )
+    if stages is not None and stages != count:
+        raise UsageError(None, f"{label} cuts {count} stage(s) but --pipeline-stages is {stages}")
+    tied = sorted({name for name in state.module_names if N.layer_of(name) is None})
+    if tied and count > 1:
+        raise UsageError(
+            None,
+            f"{label}: the model ties {tied[0]} between stages; which new stages hold it depends on where its "
+            "tied layers sit, which the checkpoint does not record (--pipeline-stages 1 takes it)",
+        )
+    layers = {N.layer_of(n) for n in state.module_names} | {
+        layer_file_index(f) for stage in state.stages for f in stage.layer_files
+    }
+    last = max((layer for layer in layers if layer is not None), default=-1)
+    if last >= parts[-1]:
+        raise UsageError(None, f"{label}: the checkpoint has layer {last}, beyond its layer count {parts[-1]}")
+    if count == 1:
+        return (_stage_of_layers(state, None),)  # tied modules too
+    out = tuple(_stage_of_layers(state, range(a, b)) for a, b in zip(parts, parts[1:]))
+    for number, (stage, a, b) in enumerate(zip(out, parts, parts[1:])):
+        if not stage.params:
+            raise UsageError(
+                None,
+                f"{label}: stage {number} (layers {a}-{b - 1}) would hold no trainable param; "
+                "DeepSpeed's optimizer cannot run a stage without one",
+            )
+    return out
+
+
+def layer_file_index(path: str) -> int | None:
+    """The global layer number a layer file's name carries."""
+    return N.layer_states_index(os.path.basename(path))
+
+
+def plan_pipeline_checkpoint(
+    state: TrainingState,
+    target: Target,
+    stages: int | None = None,
+    layer_partition: tuple[int, ...] | None = None,
+) -> CheckpointPlan:
     """Every file of the pipeline checkpoint for `target` (its data-parallel size and ZeRO stage)
-    at `stages` pipeline stages (default: the input's); pure."""
+    at `stages` pipeline stages (default: the input's) or the stages of `layer_partition`; pure."""
     if target.stage != 1:
         raise UsageError(None, f"--stage {target.stage}: DeepSpeed's pipeline engine runs ZeRO-0/1 only")
-    out_stages = pipeline_stages(state, stages)
+    if layer_partition is not None and any(stage.tensor_shards for stage in state.stages):
+        raise UsageError(None, "--layer-partition: zckpt re-partitions pipeline checkpoints without tensor ranks only")
+    out_stages = pipeline_stages(state, stages, layer_partition)
     if len(out_stages) != len(state.stages) and any(stage.tensor_shards for stage in state.stages):
         raise UsageError(
             None,

@@ -55,14 +55,19 @@ def plan_reshard(
     pipeline_stages: int | None = None,
     tp_rules: str | os.PathLike[str] | None = None,
     expert_parallel: int | None = None,
+    layer_partition: tuple[int, ...] | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
     state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    return _plan(state, _target(state, world_size, stage, config), pipeline_stages, expert_parallel)
+    return _plan(state, _target(state, world_size, stage, config), pipeline_stages, expert_parallel, layer_partition)
 
 
 def _plan(
-    state: TrainingState, target: Target, pipeline_stages: int | None, expert_parallel: int | None = None
+    state: TrainingState,
+    target: Target,
+    pipeline_stages: int | None,
+    expert_parallel: int | None = None,
+    layer_partition: tuple[int, ...] | None = None,
 ) -> CheckpointPlan:
     """A pipeline run's checkpoint stays one (at its stages or one); a mixture-of-experts run's one
     (at its expert-parallel degree or `expert_parallel`); any other is data-parallel."""
@@ -74,13 +79,14 @@ def _plan(
             + ("at least 1" if expert_parallel < 1 else "for mixture-of-experts checkpoints; this one has no experts"),
         )
     if state.stages:
-        return plan_pipeline_checkpoint(state, target, pipeline_stages)
-    if experts and pipeline_stages is None:
+        return plan_pipeline_checkpoint(state, target, pipeline_stages, layer_partition)
+    if pipeline_stages is not None or layer_partition is not None:
+        option = "--pipeline-stages" if pipeline_stages is not None else "--layer-partition"
+        raise UsageError(None, f"{option} is for pipeline-parallel checkpoints; this one has no pipeline stages")
+    if experts:
         return plan_moe_checkpoint(state, target, expert_parallel)
-    if state.tensor_shards and pipeline_stages is None:
+    if state.tensor_shards:
         return plan_tensor_parallel_checkpoint(state, target)
-    if pipeline_stages is not None:
-        raise UsageError(None, "--pipeline-stages is for pipeline-parallel checkpoints; this one is data-parallel")
     return plan_checkpoint(state, target)
 
 
@@ -143,6 +149,7 @@ def reshard(
     pipeline_stages: int | None = None,
     tp_rules: str | os.PathLike[str] | None = None,
     expert_parallel: int | None = None,
+    layer_partition: tuple[int, ...] | None = None,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -152,14 +159,16 @@ def reshard(
     optimizer states of its swapped sub-groups replace the checkpoint's (see consolidate).
     `wait`: another zckpt run writing `output_dir` is waited for instead of refused.
     A pipeline-parallel checkpoint stays one: `world_size` data-parallel ranks per stage, at its
-    own number of stages or at `pipeline_stages` = 1 (the layers all in one stage).
+    own number of stages, at `pipeline_stages` = 1 (the layers all in one stage), or as the
+    new run's PipelineModule cuts its layers into stages: `layer_partition`, its ``parts`` (each
+    stage's first layer, then the layer count).
     `tp_rules`: a ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
     `expert_parallel`: a mixture-of-experts run's new expert-parallel degree (experts move between
     expert ranks; `world_size` a multiple of it).
     """
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    plan = _plan(source, _target(source, world_size, stage, config), pipeline_stages, expert_parallel)
+    plan = _plan(source, _target(source, world_size, stage, config), pipeline_stages, expert_parallel, layer_partition)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
