@@ -516,6 +516,37 @@ def test_deepspeed_resumes_a_resharded_megatron_checkpoint(tmp_path: Path, name:
     _assert_holds_the_merged_state(case, loaded / "resaved", dp)
 
 
+# (sample, data-parallel ranks and ZeRO stage of the loading run, which has no tensor parallelism)
+ONE_TENSOR_RANK = [
+    ("autotp_z2_bf16_tp2_dp2", 2, 2),
+    ("autotp_z3_bf16_tp2_dp2", 2, 3),
+    ("megatron_z1_fp32_tp2", 1, 1),
+    ("megatron_z3_fp32_tp2_dp2", 2, 3),
+]
+
+
+@pytest.mark.parametrize("name, dp, stage", ONE_TENSOR_RANK, ids=[f"{n}-to-tp1-dp{d}" for n, d, _ in ONE_TENSOR_RANK])
+def test_deepspeed_resumes_a_tensor_parallel_run_resharded_to_one_tensor_rank(
+    tmp_path: Path, name: str, dp: int, stage: int
+) -> None:
+    """``reshard --tensor-parallel 1``: the unsharded model's plain checkpoint, loaded with a plain
+    load_checkpoint by DeepSpeed running the model without AutoTP (the AutoTP run), or with the
+    mpu at one tensor rank (the Megatron-style run; its vocabulary at 23 rows, unpadded); saved
+    again, every param's master and moments are ds_to_universal's merge of the original."""
+    from helpers import MEGATRON_SAMPLES, TENSOR_PARALLEL_SAMPLES
+
+    case = next(s for s in TENSOR_PARALLEL_SAMPLES + MEGATRON_SAMPLES if s.name == name)
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=dp, tensor_parallel=1)
+    loaded = tmp_path / "loaded"
+    meta = case.meta
+    if name.startswith("autotp"):
+        _run_deepspeed(TP_LOADER, loaded, dp, out, loaded, meta["dtype"], stage, dp, 0)
+    else:
+        _run_deepspeed(MEGATRON_LOADER, loaded, dp, out, loaded, meta["dtype"], stage, dp, 1)
+    _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
 # (sample, tensor ranks and data ranks of the loading run)
 MEGATRON_UNIVERSAL_LOADS = [
     ("megatron_z1_fp32_tp2", 2, 2),

@@ -96,6 +96,14 @@ def reshard(
             help="A pipeline-parallel checkpoint cut into other stages: each new stage's first layer, then the layer count (the new run's PipelineModule `parts`, as it logs them: stage s holds layers parts[s] to parts[s+1]-1).",
         ),
     ] = None,
+    tensor_parallel: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tensor-parallel",
+            metavar="T",
+            help="A tensor-parallel checkpoint (AutoTP, Megatron-style): 1 writes the unsharded model's, for a run without tensor parallelism (default: its own tensor ranks).",
+        ),
+    ] = None,
     expert_parallel: Annotated[
         Optional[int],
         typer.Option(
@@ -144,6 +152,7 @@ def reshard(
             tp_rules=tp_rules,
             expert_parallel=expert_parallel,
             layer_partition=parts,
+            tensor_parallel=tensor_parallel,
         ),
     )
     if primary:
@@ -156,7 +165,7 @@ def reshard(
             if result.source.stages
             else 1
         )
-        tp = source.topology.tp
+        tp = source.topology.tp if tensor_parallel is None else tensor_parallel
         world, shape = f"{dp * out_stages * tp}", ""
         if out_stages > 1 or tp > 1:
             parts = [f"{out_stages} pipeline stage{'s' * (out_stages != 1)}"] if out_stages > 1 else []

@@ -214,6 +214,7 @@ PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
 PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
 SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"  # per pattern, per sub-param, each rank's width
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"
+PADDED_VOCAB_SIZE = "padded_vocab_size"
 # what ds_to_universal writes beside a merged tensor, for the loader to cut it again
 PARAM_N_SUB_PARAMS = "param_n_sub_params"
 SUB_PARAM_SHAPE = "sub_param_shape"  # a SubparamShape (patterns, shape, partition_dim)

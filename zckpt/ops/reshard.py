@@ -23,7 +23,7 @@ from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.run_config import load_config
 from ..deepspeed.save import SaveResult, write_checkpoint
-from ..deepspeed.tensor_parallel_writer import plan_tensor_parallel_checkpoint
+from ..deepspeed.tensor_parallel_writer import one_tensor_rank_state, plan_tensor_parallel_checkpoint
 from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from ..io.jobs import job_share
 from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
@@ -56,36 +56,61 @@ def plan_reshard(
     tp_rules: str | os.PathLike[str] | None = None,
     expert_parallel: int | None = None,
     layer_partition: tuple[int, ...] | None = None,
+    tensor_parallel: int | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
     state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    return _plan(state, _target(state, world_size, stage, config), pipeline_stages, expert_parallel, layer_partition)
+    layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel)
+    return _plan(state, _target(state, world_size, stage, config), layout)
 
 
-def _plan(
-    state: TrainingState,
-    target: Target,
-    pipeline_stages: int | None,
-    expert_parallel: int | None = None,
-    layer_partition: tuple[int, ...] | None = None,
-) -> CheckpointPlan:
-    """A pipeline run's checkpoint stays one (at its stages or one); a mixture-of-experts run's one
-    (at its expert-parallel degree or `expert_parallel`); any other is data-parallel."""
+@dataclass(frozen=True)
+class Layout:
+    """The model-parallel layout asked of the output; None: the input's."""
+
+    pipeline_stages: int | None = None
+    expert_parallel: int | None = None
+    layer_partition: tuple[int, ...] | None = None
+    tensor_parallel: int | None = None
+
+
+def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPlan:
+    """A pipeline run's checkpoint stays one (at its stages, one, or the stages of a layer
+    partition); a mixture-of-experts run's one (at its expert-parallel degree or another); a
+    tensor-parallel run's one (at its tensor ranks, or one: the unsharded model); any other is
+    data-parallel."""
     experts = bool(expert_group_indices(state))
+    expert_parallel, tensor_parallel = layout.expert_parallel, layout.tensor_parallel
     if expert_parallel is not None and (expert_parallel < 1 or not experts):
         raise UsageError(
             None,
             f"--expert-parallel {expert_parallel}: "
             + ("at least 1" if expert_parallel < 1 else "for mixture-of-experts checkpoints; this one has no experts"),
         )
+    tp = state.index.topology.tp
+    if tensor_parallel is not None and tensor_parallel not in (1, tp):
+        raise UsageError(
+            None,
+            f"--tensor-parallel {tensor_parallel}: zckpt writes a tensor-parallel checkpoint at its own {tp} tensor "
+            f"rank(s) or at 1 (the unsharded model); another degree needs each param's cut at that degree (a "
+            "universal folder takes any: to-universal)",
+        )
     if state.stages:
-        return plan_pipeline_checkpoint(state, target, pipeline_stages, layer_partition)
-    if pipeline_stages is not None or layer_partition is not None:
-        option = "--pipeline-stages" if pipeline_stages is not None else "--layer-partition"
+        if tensor_parallel == 1 and tp > 1:
+            raise UsageError(
+                None,
+                "--tensor-parallel 1: zckpt writes a pipeline x tensor checkpoint at its own tensor ranks (its layer "
+                "files hold each rank's slices); consolidate or to-universal take it whole",
+            )
+        return plan_pipeline_checkpoint(state, target, layout.pipeline_stages, layout.layer_partition)
+    if layout.pipeline_stages is not None or layout.layer_partition is not None:
+        option = "--pipeline-stages" if layout.pipeline_stages is not None else "--layer-partition"
         raise UsageError(None, f"{option} is for pipeline-parallel checkpoints; this one has no pipeline stages")
     if experts:
         return plan_moe_checkpoint(state, target, expert_parallel)
     if state.tensor_shards:
+        if tensor_parallel == 1:
+            return plan_checkpoint(one_tensor_rank_state(state), target)
         return plan_tensor_parallel_checkpoint(state, target)
     return plan_checkpoint(state, target)
 
@@ -150,6 +175,7 @@ def reshard(
     tp_rules: str | os.PathLike[str] | None = None,
     expert_parallel: int | None = None,
     layer_partition: tuple[int, ...] | None = None,
+    tensor_parallel: int | None = None,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -165,10 +191,13 @@ def reshard(
     `tp_rules`: a ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
     `expert_parallel`: a mixture-of-experts run's new expert-parallel degree (experts move between
     expert ranks; `world_size` a multiple of it).
+    `tensor_parallel`: 1 writes a tensor-parallel run (AutoTP or Megatron-style) as the unsharded
+    model's checkpoint over `world_size` data ranks.
     """
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    plan = _plan(source, _target(source, world_size, stage, config), pipeline_stages, expert_parallel, layer_partition)
+    layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel)
+    plan = _plan(source, _target(source, world_size, stage, config), layout)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
     if is_inside(index.tag_dir, os.path.join(output_dir, plan.tag)):
