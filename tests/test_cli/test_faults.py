@@ -15,7 +15,7 @@ What each killed run must leave:
 
 The commands run as real `zckpt` processes, forked from a warm interpreter that has imported
 zckpt and torch already (a fork costs milliseconds where a fresh interpreter costs 0.3-2 s), so
-that a few hundred kills fit in the default tier. Two kinds of kill points:
+that a few hundred kills fit in the heavy tier (`pytest -m heavy`, where this whole file runs). Two kinds of kill points:
 - at a random time between 0 and the uninterrupted run's measured duration (seeded);
 - right before and right after each operation that makes, moves or removes a name in the output
   folder (mkdir, rename, replace, remove, rmdir: the commit steps, which a timed kill almost
@@ -702,6 +702,7 @@ def disk(tmp_path: Path):
 DISK_CASES = [(c.name, mode, keep) for c in COMMANDS for mode in MODES for keep in ("nothing", "half")]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode, keep", DISK_CASES, ids=["-".join(c) for c in DISK_CASES])
 def test_full_disk(
@@ -760,6 +761,7 @@ def read_only(tmp_path: Path):
 RO_CASES = [(c.name, layout) for c in COMMANDS for layout in ("missing", "empty", "previous")]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", RO_CASES, ids=["-".join(c) for c in RO_CASES])
 def test_read_only_output_folder(
@@ -784,6 +786,7 @@ def test_read_only_output_folder(
     COUNTS[("read-only", name, layout)] += 1
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_zz_counts(references: dict[tuple[str, str], Reference]) -> None:
     """How many cases ran (printed with `pytest -s`); runs last in this file."""

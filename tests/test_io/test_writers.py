@@ -195,6 +195,7 @@ def rounds(kind: str) -> list[int]:
     return list(range(COUNTS[kind]))
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("round_", rounds("gated"))
 def test_writers_started_together_one_wins_the_others_name_it(
@@ -220,6 +221,7 @@ def test_writers_started_together_one_wins_the_others_name_it(
     SEEN["gated", f"won by {variants[winner]}"] += 1
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("round_", rounds("natural"))
 def test_world_sizes_2_and_3_racing_into_one_folder(references, tmp_path: Path, round_: int) -> None:
@@ -244,6 +246,7 @@ def test_world_sizes_2_and_3_racing_into_one_folder(references, tmp_path: Path, 
     SEEN["natural", "rounds with one winner"] += 1
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("round_", rounds("wait"))
 def test_writers_with_wait_write_in_turn(references, gate_path: Path, tmp_path: Path, round_: int) -> None:
@@ -288,6 +291,7 @@ def rank_env(env: dict[str, str], rank: int, port: int) -> dict[str, str]:
     }
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_torchrun_jobs_one_holds_the_folder_for_all_its_ranks(references, gate_path: Path, tmp_path: Path) -> None:
     """Two 2-process jobs (world sizes 2 and 3) into one folder, gated: process 0 of each tries
@@ -312,6 +316,7 @@ def test_two_torchrun_jobs_one_holds_the_folder_for_all_its_ranks(references, ga
     SEEN["torchrun", "job refused, holder named"] += 1
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_torchrun_job_waits_with_all_its_ranks(references, gate_path: Path, tmp_path: Path) -> None:
     """A 2-process job with --wait behind another writer: process 0 tries the lock again and

@@ -137,6 +137,7 @@ def test_train_state_json_holds_the_counters_and_scheduler(name: str, tmp_path: 
         assert state["loss_scaler"]["state"]["cur_scale"] == case.meta["final_loss_scale"]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_memory_holds_one_tensor_not_the_checkpoint(tmp_path: Path) -> None:
     """Python's allocations (numpy's buffers are traced) peak far below the output's size on a
@@ -347,6 +348,7 @@ def test_parallel_layouts_leave_as_the_unsharded_model(name: str, reference: str
             assert same_bits(state["exp_avg"], truth[f"{key}.exp_avg"]), key
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [2, 3])
 def test_torchrun_processes_share_the_tensors(processes: int, tmp_path: Path) -> None:

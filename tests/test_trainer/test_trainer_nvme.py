@@ -187,6 +187,7 @@ print(json.dumps({"resident": resident, "pool": swapper.pool_bytes if swapper el
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_swapped_state_takes_the_pool_not_the_model(tmp_path):
     """A model whose swapped optimizer state (masters, moments, gradients) is 10x the pool: after
@@ -278,6 +279,7 @@ def test_cli_trains_with_nvme_path(tmp_path):
     assert len(swapped) == 4 and "0_param.tensor.swp" in swapped  # wte is ds_id 0
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "accumulation", [dict(), dict(grad_accum=3, clip=0.05, dtype="bf16")], ids=["plain", "grad-accum-clip-bf16"]
@@ -417,6 +419,7 @@ def param_runs(tmp_path_factory):
     return folder, run_ranks(2, folder / "ranks", _param_runs, str(folder))
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_nvme_params_train_as_in_memory_bit_for_bit(param_runs):
     """DeepSpeed's offload_param: the embedding (trainable) and the frozen lm head live in
@@ -439,6 +442,7 @@ def test_nvme_params_train_as_in_memory_bit_for_bit(param_runs):
         )
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_swap_folder_reader_finds_the_params_current(param_runs):
     """zckpt's reader of DeepSpeed's live swap folders compares the 16-bit param swaps with the
