@@ -15,7 +15,7 @@ import sys
 import types
 import zipfile
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -516,6 +516,36 @@ class _StandIn:
 def load_with_stand_ins(path: Path) -> Any:
     """A DeepSpeed file read by torch.load itself (not zckpt), DeepSpeed's classes as inert stand-ins."""
     return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_StandIns("stand_ins"))
+
+
+VOCABULARY = ("embed.word_embeddings.weight", "lm_head.weight")  # the Megatron samples' vocabulary params
+
+
+def assert_padded_vocabulary_is_live(state: Any, case: Sample) -> None:
+    """A Megatron sample's state at one tensor rank with its vocabulary padded as saved: each
+    vocabulary param's master and moments are its tensor ranks' live slices joined (padding rows
+    included), every other param's ds_to_universal's merge (``reference/universal.safetensors``)."""
+    from zckpt.io.materialize import read_tensor
+
+    ranks = range(case.meta["tp"])
+    live = [load_file(case.folder / "reference" / f"live_tp{t}.safetensors") for t in ranks]
+    moments = [load_file(case.folder / "reference" / f"live_optimizer_tp{t}.safetensors") for t in ranks]
+    reference = load_file(case.folder / "reference" / "universal.safetensors")
+    assert not state.tensor_shards and state.index.topology.tp == 1
+    with FileReader() as reader:
+        for param in state.params:
+            if param.name not in VOCABULARY:
+                continue
+            truths = [(param.master, torch.cat([r[param.name] for r in live]))]
+            truths += [
+                (param.states[k], torch.cat([m[f"{param.name}.{k}"] for m in moments]))
+                for k in ("exp_avg", "exp_avg_sq")
+            ]
+            for source, truth in truths:
+                assert same_bits(read_tensor(reader, source).reshape(param.shape), truth), param.name
+    others = replace(state, params=tuple(p for p in state.params if p.name not in VOCABULARY))
+    assert {p.name for p in state.params} - {p.name for p in others.params} == set(VOCABULARY)
+    assert_holds_the_merge(others, reference, masters=True)
 
 
 def assert_slices_are_live(state: Any, case: Sample, cut: dict[str, int] | None = None) -> None:

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from helpers import MEGATRON_SAMPLES, TENSOR_PARALLEL_SAMPLES, Sample, assert_holds_the_merge, run_cli, sample
+from helpers import (
+    MEGATRON_SAMPLES,
+    TENSOR_PARALLEL_SAMPLES,
+    Sample,
+    assert_holds_the_merge,
+    assert_padded_vocabulary_is_live,
+    run_cli,
+    sample,
+)
 from zckpt import reshard
 from zckpt.core.errors import UsageError
 from zckpt.core.topology import Topology
@@ -61,6 +69,46 @@ def test_the_merge_rules_are_those_of_one_tensor_rank(tmp_path: Path) -> None:
     assert saved["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": 1}
     assert saved["mp_world_size"] == 1
     assert "universal_checkpoint_info" not in _model_states(autotp)
+
+
+def test_a_padded_vocabulary_keeps_the_rows_the_run_saved(tmp_path: Path) -> None:
+    """`--padded-vocab-size 24`: the vocabulary params keep 24 rows, the tensor ranks' live slices
+    joined (the padding row the run trained included), the rest is DeepSpeed's merge; the rules
+    say 24 padded rows of a 23-row vocabulary."""
+    case = sample("megatron_z1_fp32_tp2")
+    out = tmp_path / "tp1"
+    reshard(case.checkpoint, out, world_size=1, tensor_parallel=1, padded_vocab_size=24)
+    assert_padded_vocabulary_is_live(open_training_state(out), case)
+    info = _model_states(out)["universal_checkpoint_info"]
+    assert (info["original_vocab_size"], info["padded_vocab_size"]) == (23, 24)
+    assert verify(str(out)).ok
+
+
+@pytest.mark.parametrize(
+    "case, options, message",
+    [
+        (
+            "megatron_z1_fp32_tp2",
+            {"tensor_parallel": 1, "padded_vocab_size": 25},
+            "holds 24 rows over its tensor ranks",
+        ),
+        (
+            "megatron_z1_fp32_tp2",
+            {"tensor_parallel": 1, "padded_vocab_size": 22},
+            "smaller than the vocabulary (23 rows",
+        ),
+        ("megatron_z1_fp32_tp2", {"padded_vocab_size": 24}, "for a tensor-parallel run written at one tensor rank"),
+        (
+            "autotp_z1_fp32_tp2",
+            {"tensor_parallel": 1, "padded_vocab_size": 64},
+            "for a Megatron-style tensor-parallel run",
+        ),
+    ],
+)
+def test_a_padded_vocabulary_it_cannot_write_is_refused(tmp_path: Path, case: str, options: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(message)):
+        reshard(sample(case).checkpoint, tmp_path / "out", world_size=1, **options)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -440,15 +440,19 @@ import deepspeed
 import deepspeed.comm as dist
 
 sys.path.insert(0, sys.argv[1])
+import make_parallel_ckpts
 from make_parallel_ckpts import Case, MegatronMpu, build_megatron, ds_config, megatron_checkpoint_info
 
 checkpoint, out, dtype, stage, dp, tp = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:8])
+for arg in sys.argv[8:]:
+    if arg.startswith("vocab="):  # the vocabulary padded to these rows, as a run with other padding settings pads it
+        make_parallel_ckpts.padded_vocab = lambda tp, rows=int(arg[6:]): rows
 deepspeed.init_distributed(dist_backend="gloo")
 case = Case("load", stage, dtype, pp=1, dp=dp, mtp=tp, grad_accum=1)
 mpu = MegatronMpu(tp)
 model = build_megatron(case, mpu)
 config = ds_config(case)
-if sys.argv[8:] == ["universal"]:
+if "universal" in sys.argv[8:]:
     config["checkpoint"] = {"load_universal": True}
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
 path, client = engine.load_checkpoint(str(checkpoint))
@@ -544,6 +548,21 @@ def test_deepspeed_resumes_a_tensor_parallel_run_resharded_to_one_tensor_rank(
     else:
         _run_deepspeed(MEGATRON_LOADER, loaded, dp, out, loaded, meta["dtype"], stage, dp, 1)
     _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+
+
+def test_deepspeed_resumes_a_megatron_run_at_one_tensor_rank_with_its_vocabulary_padded(tmp_path: Path) -> None:
+    """``--tensor-parallel 1 --padded-vocab-size 24``: a new run that pads the vocabulary (23 rows)
+    to 24 at one tensor rank, as Megatron pads to a multiple of its divisor, loads the plain
+    checkpoint; saved again, the vocabulary params hold the saving run's 24 rows (its two ranks'
+    live slices, the padding row included) and every other param ds_to_universal's merge."""
+    case = _megatron("megatron_z1_fp32_tp2")
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=1, tensor_parallel=1, padded_vocab_size=24)
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(MEGATRON_LOADER, loaded, 1, out, loaded, "fp32", 1, 1, 1, "vocab=24")
+    from helpers import assert_padded_vocabulary_is_live
+
+    assert_padded_vocabulary_is_live(open_training_state(loaded / "resaved"), case)
 
 
 # (sample, tensor ranks and data ranks of the loading run)

@@ -104,6 +104,14 @@ def reshard(
             help="A tensor-parallel checkpoint (AutoTP, Megatron-style): 1 writes the unsharded model's, for a run without tensor parallelism (default: its own tensor ranks).",
         ),
     ] = None,
+    padded_vocab_size: Annotated[
+        Optional[int],
+        typer.Option(
+            "--padded-vocab-size",
+            metavar="V",
+            help="With --tensor-parallel 1, a Megatron-style run: the vocabulary rows the new run pads to (default: the vocabulary unpadded; at most the rows saved).",
+        ),
+    ] = None,
     expert_parallel: Annotated[
         Optional[int],
         typer.Option(
@@ -153,6 +161,7 @@ def reshard(
             expert_parallel=expert_parallel,
             layer_partition=parts,
             tensor_parallel=tensor_parallel,
+            padded_vocab_size=padded_vocab_size,
         ),
     )
     if primary:

@@ -158,10 +158,10 @@ def universal_keys(info: dict[str, Any], name: str) -> dict[str, Any]:
     return keys
 
 
-def rules_at_one_rank(info: dict[str, Any]) -> dict[str, Any]:
+def rules_at_one_rank(info: dict[str, Any], padded_vocab_size: int | None = None) -> dict[str, Any]:
     """The rules a run of the same model at one tensor rank records: the same patterns, each
-    sub-param's widths summed over the ranks into one, the vocabulary at ``original_vocab_size``
-    rows (as zckpt merges it)."""
+    sub-param's widths summed over the ranks into one, the vocabulary padded to
+    `padded_vocab_size` rows (default: not padded, ``original_vocab_size`` rows, as zckpt merges it)."""
     out = dict(info)
     widths = info.get(N.SUB_PARAM_SHARD_WIDTHS)
     if isinstance(widths, dict):
@@ -169,7 +169,9 @@ def rules_at_one_rank(info: dict[str, Any]) -> dict[str, Any]:
             pattern: [[sum(per_rank)] for per_rank in sub_params] if isinstance(sub_params, list) else sub_params
             for pattern, sub_params in widths.items()
         }
-    if N.PADDED_VOCAB_SIZE in info and N.ORIGINAL_VOCAB_SIZE in info:
+    if padded_vocab_size is not None:
+        out[N.PADDED_VOCAB_SIZE] = padded_vocab_size
+    elif N.PADDED_VOCAB_SIZE in info and N.ORIGINAL_VOCAB_SIZE in info:
         out[N.PADDED_VOCAB_SIZE] = info[N.ORIGINAL_VOCAB_SIZE]
     return out
 

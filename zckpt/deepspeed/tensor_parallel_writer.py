@@ -13,12 +13,13 @@ model-states file the tensor-parallel world size. The shards' ``universal_checkp
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from ..core.errors import UsageError
 from ..core.state import TrainingState
 from ..core.topology import Topology
 from . import names as N
-from .megatron_rules import has_merge_patterns, rules_at_one_rank
+from .megatron_rules import has_merge_patterns, merge_rule, rules_at_one_rank
 from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank, plan_checkpoint
 
 
@@ -43,9 +44,10 @@ def unsharded_state(state: TrainingState) -> TrainingState:
     return replace(state, index=index, tensor_shards=())
 
 
-def one_tensor_rank_state(state: TrainingState) -> TrainingState:
+def one_tensor_rank_state(state: TrainingState, padded_vocab_size: int | None = None) -> TrainingState:
     """A tensor-parallel run's state as a run of the same model at one tensor rank saves it: every
-    tensor whole (a Megatron vocabulary at ``original_vocab_size`` rows), the parallel dimensions
+    tensor whole (a Megatron vocabulary at ``original_vocab_size`` rows, or `padded_vocab_size`
+    where the state was read with the rules of :func:`vocabulary_rules`), the parallel dimensions
     one tensor rank, and the merge rules a Megatron-style model records at one rank (AutoTP's
     ``affine_map`` describes the old ranks' pieces: a run without AutoTP records none)."""
     extras = dict(state.engine_extras)
@@ -56,5 +58,45 @@ def one_tensor_rank_state(state: TrainingState) -> TrainingState:
     if isinstance(info, dict) and N.AFFINE_MAP in info:
         del extras[N.UNIVERSAL_CHECKPOINT_INFO]
     elif has_merge_patterns(info):
-        extras[N.UNIVERSAL_CHECKPOINT_INFO] = rules_at_one_rank(info)
+        extras[N.UNIVERSAL_CHECKPOINT_INFO] = rules_at_one_rank(info, padded_vocab_size)
     return replace(unsharded_state(state), engine_extras=extras)
+
+
+def vocabulary_rules(state: TrainingState, info: dict[str, Any] | None, padded_vocab_size: int) -> dict[str, Any]:
+    """Merge rules (`info`, the run's Megatron-style ones) that keep `padded_vocab_size` rows of
+    each vocabulary param instead of ``original_vocab_size``: the rows a run at one tensor rank
+    that pads its vocabulary to that size has (Megatron pads to a multiple of
+    ``make_vocab_size_divisible_by`` x the tensor ranks, so fewer ranks pad less). Read the
+    checkpoint with them. Refused where the rows were not saved, or would cut the vocabulary."""
+    label = f"--padded-vocab-size {padded_vocab_size}"
+    if (
+        not has_merge_patterns(info)
+        or not info
+        or N.AFFINE_MAP in info
+        or not info.get(N.VOCABULARY_PARAMETER_PATTERNS)
+    ):
+        raise UsageError(
+            None, f"{label}: for a Megatron-style tensor-parallel run whose merge rules name its vocabulary"
+        )
+    assert info is not None
+    original = info.get(N.ORIGINAL_VOCAB_SIZE)
+    saved: dict[str, int] = {}
+    for shard in state.tensor_shards:
+        for entry in shard.index.entries:
+            rule = merge_rule(info, entry.name, entry.kind == "param")
+            if rule.vocabulary and entry.source.shape:
+                rows = entry.source.shape[0]  # the rank's rows: joined on dim 0, or a copy
+                joined = rule.kind not in ("replicated", "averaged", "copies")
+                saved[entry.name] = saved.get(entry.name, 0) + rows if joined else rows
+    if not saved:
+        raise UsageError(None, f"{label}: no param of this checkpoint matches its vocabulary patterns")
+    name, rows = min(saved.items(), key=lambda item: item[1])
+    if isinstance(original, int) and padded_vocab_size < original:
+        raise UsageError(None, f"{label}: smaller than the vocabulary ({original} rows, original_vocab_size)")
+    if padded_vocab_size > rows:
+        raise UsageError(
+            None,
+            f"{label}: {name} holds {rows} rows over its tensor ranks (its padded vocabulary); more would be rows "
+            "the run never had (a universal folder pads with zeros on load: to-universal)",
+        )
+    return {**info, N.ORIGINAL_VOCAB_SIZE: padded_vocab_size}

@@ -18,12 +18,13 @@ from ..core.errors import OutputError, UsageError
 from ..core.state import TrainingState
 from ..core.untrusted import path_component, regular_file_inside
 from ..deepspeed import names as N
+from ..deepspeed.megatron_rules import load_rules
 from ..deepspeed.moe_writer import expert_group_indices, plan_moe_checkpoint
 from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.run_config import load_config
 from ..deepspeed.save import SaveResult, write_checkpoint
-from ..deepspeed.tensor_parallel_writer import one_tensor_rank_state, plan_tensor_parallel_checkpoint
+from ..deepspeed.tensor_parallel_writer import one_tensor_rank_state, plan_tensor_parallel_checkpoint, vocabulary_rules
 from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from ..io.jobs import job_share
 from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
@@ -57,10 +58,11 @@ def plan_reshard(
     expert_parallel: int | None = None,
     layer_partition: tuple[int, ...] | None = None,
     tensor_parallel: int | None = None,
+    padded_vocab_size: int | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
-    state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel)
+    layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel, padded_vocab_size)
+    state = _open_source(checkpoint, tag, swap_folder, tp_rules, layout)
     return _plan(state, _target(state, world_size, stage, config), layout)
 
 
@@ -72,6 +74,29 @@ class Layout:
     expert_parallel: int | None = None
     layer_partition: tuple[int, ...] | None = None
     tensor_parallel: int | None = None
+    padded_vocab_size: int | None = None  # with tensor_parallel 1: a Megatron vocabulary's rows
+
+
+def _open_source(
+    checkpoint: str | os.PathLike[str],
+    tag: str | None,
+    swap_folder: str | os.PathLike[str] | None,
+    tp_rules: str | os.PathLike[str] | None,
+    layout: Layout,
+) -> TrainingState:
+    """The input's training state; with a padded vocabulary asked, read again by rules that keep
+    that many vocabulary rows."""
+    state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
+    rows = layout.padded_vocab_size
+    if rows is None:
+        return state
+    if layout.tensor_parallel != 1 or not state.tensor_shards or state.stages:
+        raise UsageError(
+            None,
+            f"--padded-vocab-size {rows}: for a tensor-parallel run written at one tensor rank (--tensor-parallel 1)",
+        )
+    info = load_rules(tp_rules) if tp_rules is not None else state.engine_extras.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    return open_training_state(checkpoint, tag, swap_folder, vocabulary_rules(state, info, rows))
 
 
 def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPlan:
@@ -110,7 +135,7 @@ def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPla
         return plan_moe_checkpoint(state, target, expert_parallel)
     if state.tensor_shards:
         if tensor_parallel == 1:
-            return plan_checkpoint(one_tensor_rank_state(state), target)
+            return plan_checkpoint(one_tensor_rank_state(state, layout.padded_vocab_size), target)
         return plan_tensor_parallel_checkpoint(state, target)
     return plan_checkpoint(state, target)
 
@@ -176,6 +201,7 @@ def reshard(
     expert_parallel: int | None = None,
     layer_partition: tuple[int, ...] | None = None,
     tensor_parallel: int | None = None,
+    padded_vocab_size: int | None = None,
 ) -> ReshardResult:
     """Rewrite `checkpoint` for `world_size` ranks (and ZeRO `stage`) into `output_dir`.
 
@@ -192,11 +218,12 @@ def reshard(
     `expert_parallel`: a mixture-of-experts run's new expert-parallel degree (experts move between
     expert ranks; `world_size` a multiple of it).
     `tensor_parallel`: 1 writes a tensor-parallel run (AutoTP or Megatron-style) as the unsharded
-    model's checkpoint over `world_size` data ranks.
+    model's checkpoint over `world_size` data ranks; `padded_vocab_size`: a Megatron vocabulary's
+    rows there (default ``original_vocab_size``), for a run that pads it (no more than were saved).
     """
     output_dir = os.fspath(output_dir)
-    source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel)
+    layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel, padded_vocab_size)
+    source = _open_source(checkpoint, tag, swap_folder, tp_rules, layout)
     plan = _plan(source, _target(source, world_size, stage, config), layout)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
