@@ -133,10 +133,10 @@ def reshard(
 
     if world_size < 1:
         fail(f"--world-size must be at least 1, got {world_size}", EXIT_USAGE)
-    parts = None
+    layer_parts = None
     if layer_partition is not None:
         try:
-            parts = tuple(int(part) for part in layer_partition.split(","))
+            layer_parts = tuple(int(part) for part in layer_partition.split(","))
         except ValueError:
             fail(f"--layer-partition {layer_partition}: comma-separated layer numbers are expected", EXIT_USAGE)
     primary = primary_process()
@@ -159,7 +159,7 @@ def reshard(
             pipeline_stages=pipeline_stages,
             tp_rules=tp_rules,
             expert_parallel=expert_parallel,
-            layer_partition=parts,
+            layer_partition=layer_parts,
             tensor_parallel=tensor_parallel,
             padded_vocab_size=padded_vocab_size,
         ),
@@ -169,11 +169,9 @@ def reshard(
     if not quiet and primary:
         source = result.source.index
         dp = result.target.world_size
-        out_stages = (
-            ((len(parts) - 1 if parts else None) or pipeline_stages or len(result.source.stages))
-            if result.source.stages
-            else 1
-        )
+        out_stages = 1
+        if result.source.stages:
+            out_stages = len(layer_parts) - 1 if layer_parts else pipeline_stages or len(result.source.stages)
         tp = source.topology.tp if tensor_parallel is None else tensor_parallel
         world, shape = f"{dp * out_stages * tp}", ""
         if out_stages > 1 or tp > 1:

@@ -69,16 +69,10 @@ def vocabulary_rules(state: TrainingState, info: dict[str, Any] | None, padded_v
     ``make_vocab_size_divisible_by`` x the tensor ranks, so fewer ranks pad less). Read the
     checkpoint with them. Refused where the rows were not saved, or would cut the vocabulary."""
     label = f"--padded-vocab-size {padded_vocab_size}"
-    if (
-        not has_merge_patterns(info)
-        or not info
-        or N.AFFINE_MAP in info
-        or not info.get(N.VOCABULARY_PARAMETER_PATTERNS)
-    ):
+    if not has_merge_patterns(info) or N.AFFINE_MAP in info or not info.get(N.VOCABULARY_PARAMETER_PATTERNS):
         raise UsageError(
             None, f"{label}: for a Megatron-style tensor-parallel run whose merge rules name its vocabulary"
         )
-    assert info is not None
     original = info.get(N.ORIGINAL_VOCAB_SIZE)
     saved: dict[str, int] = {}
     for shard in state.tensor_shards:

@@ -45,6 +45,17 @@ class ReshardResult:
     dropped: tuple[str, ...]  # carried files left out (RNG states of processes the target lacks)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The model-parallel layout asked of the output; None: the input's."""
+
+    pipeline_stages: int | None = None
+    expert_parallel: int | None = None
+    layer_partition: tuple[int, ...] | None = None
+    tensor_parallel: int | None = None
+    padded_vocab_size: int | None = None  # with tensor_parallel 1: a Megatron vocabulary's rows
+
+
 def plan_reshard(
     checkpoint: str | os.PathLike[str],
     *,
@@ -64,17 +75,6 @@ def plan_reshard(
     layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel, padded_vocab_size)
     state = _open_source(checkpoint, tag, swap_folder, tp_rules, layout)
     return _plan(state, _target(state, world_size, stage, config), layout)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The model-parallel layout asked of the output; None: the input's."""
-
-    pipeline_stages: int | None = None
-    expert_parallel: int | None = None
-    layer_partition: tuple[int, ...] | None = None
-    tensor_parallel: int | None = None
-    padded_vocab_size: int | None = None  # with tensor_parallel 1: a Megatron vocabulary's rows
 
 
 def _open_source(
