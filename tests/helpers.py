@@ -548,6 +548,55 @@ def assert_padded_vocabulary_is_live(state: Any, case: Sample) -> None:
     assert_holds_the_merge(others, reference, masters=True)
 
 
+def megatron_slice(name: str, whole: torch.Tensor, tp: int, t: int) -> torch.Tensor:
+    """Tensor rank `t` of `tp`'s slice of a Megatron sample's param, cut from the whole tensor as
+    the sample's model cuts it (``scripts/make_parallel_ckpts.py``, ``megatron_modules``: a row
+    chunk, a column chunk for the row-parallel projections, a row chunk of each q/k/v part and of
+    each SwiGLU half, the LayerNorms and row-parallel biases whole)."""
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(tp, dim=0)[t]
+
+    if "norm." in name or name.endswith(("dense.bias", "dense_4h_to_h.bias")):
+        return whole
+    if name.endswith(("dense.weight", "dense_4h_to_h.weight")):
+        return whole.chunk(tp, dim=1)[t]
+    if "query_key_value" in name:
+        return torch.cat([rows(part) for part in whole.split([8, 4, 4])])
+    if name.startswith("layers.0.mlp.dense_h_to_4h"):  # the SwiGLU layer's gate and value halves
+        return torch.cat([rows(part) for part in whole.split(whole.shape[0] // 2)])
+    return rows(whole)
+
+
+def assert_megatron_slices(state: Any, case: Sample, tp: int) -> None:
+    """Each of `tp` tensor ranks' shards in a training state holds its slice (:func:`megatron_slice`)
+    of what the sample's run held: masters and Adam moments ds_to_universal's merge
+    (``reference/universal.safetensors``), the vocabulary params the saving ranks' live slices
+    joined (the padding rows as trained)."""
+    from zckpt.io.materialize import read_tensor
+
+    saved = range(case.meta["tp"])
+    live = [load_file(case.folder / "reference" / f"live_tp{r}.safetensors") for r in saved]
+    moments = [load_file(case.folder / "reference" / f"live_optimizer_tp{r}.safetensors") for r in saved]
+    reference = load_file(case.folder / "reference" / "universal.safetensors")
+
+    def whole(name: str, key: str | None) -> torch.Tensor:
+        if name in VOCABULARY:
+            return torch.cat([r[name] for r in live] if key is None else [m[f"{name}.{key}"] for m in moments])
+        return reference[name if key is None else f"{name}.{key}"]
+
+    assert len(state.tensor_shards) == tp and state.index.topology.tp == tp
+    with FileReader() as reader:
+        for t, shard in enumerate(state.tensor_shards):
+            assert sorted(p.name for p in shard.params) == sorted(live[0]), t
+            for param in shard.params:
+                pairs = [(param.master, None)] + [(param.states[k], k) for k in ("exp_avg", "exp_avg_sq")]
+                for source, key in pairs:
+                    truth = megatron_slice(param.name, whole(param.name, key), tp, t)
+                    value = read_tensor(reader, source).reshape(param.shape)
+                    assert same_bits(value, truth), (t, param.name, key)
+
+
 def assert_slices_are_live(state: Any, case: Sample, cut: dict[str, int] | None = None) -> None:
     """Each tensor rank's shards in a training state hold what that rank's live engine held: every
     slice's master and Adam moments (``reference/live_tp{T}`` and ``live_optimizer_tp{T}``). `cut`:

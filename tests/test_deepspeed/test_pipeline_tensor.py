@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from helpers import PIPELINE_TENSOR_SAMPLES, assert_holds_the_merge, copy_checkpoint, same_bits, same_checkpoint_files
 from zckpt import load_state_dict, reshard, to_universal
-from zckpt.core.errors import UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.io.materialize import read_tensor
@@ -110,9 +109,49 @@ def test_reshard_to_two_data_ranks_keeps_every_value(tmp_path: Path) -> None:
     reference = _reference()
     for name, value in load_state_dict(out, dtype="fp32").items():
         assert same_bits(value, reference[name]), name
-    with pytest.raises(UsageError, match="--pipeline-stages 1: zckpt writes a pipeline x tensor parallel checkpoint"):
-        reshard(CASE.checkpoint, tmp_path / "one", world_size=1, pipeline_stages=1)
-    assert not (tmp_path / "one").exists()
+
+
+# (the output's layer partition: each stage's first layer, then the layer count)
+CUTS = [(0, 4), (0, 2, 3, 4), (0, 1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("parts", CUTS, ids=[f"{len(p) - 1}-stages" for p in CUTS])
+def test_another_stage_count_keeps_each_tensor_ranks_slices(tmp_path: Path, parts: tuple[int, ...]) -> None:
+    """The 2 x 2 run cut into 1, 3 and 4 stages at its 2 tensor ranks: each new stage's tensor rank
+    t holds its layers' slices as tensor rank t's live engine held them (whatever stage held them
+    before), every merged master and moment is DeepSpeed's merge, the layer files are carried."""
+    out = tmp_path / "cut"
+    reshard(CASE.checkpoint, out, world_size=1, layer_partition=parts)
+    state = open_training_state(out)
+    assert state.index.topology == Topology(pp=len(parts) - 1, tp=2, dp=1)
+    assert_holds_the_merge(state, _reference(), masters=True)
+    live = [
+        {
+            name: value
+            for s in range(2)
+            for name, value in load_file(CASE.folder / "reference" / f"live_stage{s}_tp{t}.safetensors").items()
+        }
+        for t in range(2)
+    ]
+    with FileReader() as reader:
+        for number, (stage, first, end) in enumerate(zip(state.stages, parts, parts[1:])):
+            for t, shard in enumerate(stage.tensor_shards):
+                assert sorted(p.name for p in shard.params) == sorted(
+                    n for n in live[t] if first <= int(n.split(".")[0]) < end
+                ), (number, t)
+                for param in shard.params:
+                    assert same_bits(read_tensor(reader, param.master).reshape(param.shape), live[t][param.name])
+    assert sorted(p.name for p in (out / "global_step3").glob("layer_*")) == sorted(
+        p.name for p in (CASE.checkpoint / "global_step3").glob("layer_*")
+    )
+    assert verify(str(out)).ok
+
+
+def test_three_stages_and_back_give_deepspeeds_files(tmp_path: Path) -> None:
+    """2 -> 3 -> 2 stages (at the run's own cut, 0,2,4) writes the files DeepSpeed wrote."""
+    reshard(CASE.checkpoint, tmp_path / "three", world_size=1, layer_partition=(0, 2, 3, 4))
+    reshard(tmp_path / "three", tmp_path / "back", world_size=1, layer_partition=(0, 2, 4))
+    assert same_checkpoint_files(CASE.checkpoint, tmp_path / "back") == []
 
 
 def test_to_universal_holds_deepspeeds_merge_under_the_pipeline_names(tmp_path: Path) -> None:

@@ -565,6 +565,29 @@ def test_deepspeed_resumes_a_megatron_run_at_one_tensor_rank_with_its_vocabulary
     assert_padded_vocabulary_is_live(open_training_state(loaded / "resaved"), case)
 
 
+def test_deepspeed_resumes_a_megatron_run_at_four_tensor_ranks_and_its_own_files_back_at_two(tmp_path: Path) -> None:
+    """The move DeepSpeed's offline reshape does not make (it only shrinks the degree):
+    ``reshard --tensor-parallel 4`` of the 2-rank run, loaded plainly by DeepSpeed with the mpu at 4
+    tensor ranks; saved again, each rank's slices are the model's own cut at 4 ranks of what the run
+    held (its vocabulary's padding row included). Those files, DeepSpeed's own 4-rank checkpoint,
+    resharded to 2 ranks (2 data ranks, ZeRO-2) and loaded there; saved again, each rank's slices
+    are what the first run's live engine held, and the merge is ds_to_universal's."""
+    from helpers import assert_megatron_slices, assert_slices_are_live
+
+    case = _megatron("megatron_z1_fp32_tp2")
+    out = tmp_path / "tp4"
+    reshard(case.checkpoint, out, world_size=1, tensor_parallel=4)
+    loaded = tmp_path / "loaded_tp4"
+    _run_deepspeed(MEGATRON_LOADER, loaded, 4, out, loaded, "fp32", 1, 1, 4)
+    assert_megatron_slices(open_training_state(loaded / "resaved"), case, 4)
+    back = tmp_path / "tp2"
+    reshard(loaded / "resaved", back, world_size=2, stage=2, tensor_parallel=2)
+    again = tmp_path / "loaded_tp2"
+    _run_deepspeed(MEGATRON_LOADER, again, 4, back, again, "fp32", 2, 2, 2)
+    assert_slices_are_live(open_training_state(again / "resaved"), case)
+    _assert_holds_the_merged_state(case, again / "resaved", 2)
+
+
 # (sample, tensor ranks and data ranks of the loading run)
 MEGATRON_UNIVERSAL_LOADS = [
     ("megatron_z1_fp32_tp2", 2, 2),
@@ -752,6 +775,29 @@ def test_deepspeed_resumes_a_resharded_pipeline_tensor_checkpoint(tmp_path: Path
     loaded = tmp_path / "loaded"
     _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, 8, out, loaded, 2, 2, 2)
     _assert_holds_the_merged_state(case, loaded / "resaved", 2)
+
+
+# (the output's layer partition, as the loading PipelineModule's "uniform" method cuts 4 layers)
+PIPE_TENSOR_CUTS = [(0, 4), (0, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("parts", PIPE_TENSOR_CUTS, ids=[f"pp{len(p) - 1}-tp2" for p in PIPE_TENSOR_CUTS])
+def test_deepspeed_resumes_a_pipeline_tensor_checkpoint_at_another_stage_count(
+    tmp_path: Path, parts: tuple[int, ...]
+) -> None:
+    """zckpt's reshard of the 2-stage x 2-tensor-rank checkpoint into 1 and 3 stages at its 2 tensor
+    ranks (``--layer-partition``), loaded by DeepSpeed's PipelineEngine built at that stage count
+    with a plain load_checkpoint, saved again: masters and moments as saved, at the new stages."""
+    from helpers import PIPELINE_TENSOR_SAMPLES
+
+    case = PIPELINE_TENSOR_SAMPLES[0]
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=1, layer_partition=parts)
+    loaded = tmp_path / "loaded"
+    stages = len(parts) - 1
+    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, stages * 2, out, loaded, stages, 2, 1)
+    _assert_holds_the_merged_state(case, loaded / "resaved", 1)
+    assert open_checkpoint(loaded / "resaved").topology.pp == stages
 
 
 def _assert_holds_the_merged_state(case: Sample, resaved_dir: Path, dp: int) -> None:

@@ -101,7 +101,7 @@ def reshard(
         typer.Option(
             "--tensor-parallel",
             metavar="T",
-            help="A tensor-parallel checkpoint (AutoTP, Megatron-style): 1 writes the unsharded model's, for a run without tensor parallelism (default: its own tensor ranks).",
+            help="A tensor-parallel checkpoint (AutoTP, Megatron-style): 1 writes the unsharded model's, for a run without tensor parallelism; another T (Megatron-style runs) cuts every param for T tensor ranks by its merge rules (default: its own tensor ranks).",
         ),
     ] = None,
     padded_vocab_size: Annotated[
@@ -109,7 +109,7 @@ def reshard(
         typer.Option(
             "--padded-vocab-size",
             metavar="V",
-            help="With --tensor-parallel 1, a Megatron-style run: the vocabulary rows the new run pads to (default: the vocabulary unpadded; at most the rows saved).",
+            help="With --tensor-parallel T, a Megatron-style run: the vocabulary rows the new run pads to (default: unpadded at T=1, else the rows saved; at most the rows saved).",
         ),
     ] = None,
     expert_parallel: Annotated[

@@ -158,22 +158,58 @@ def universal_keys(info: dict[str, Any], name: str) -> dict[str, Any]:
     return keys
 
 
-def rules_at_one_rank(info: dict[str, Any], padded_vocab_size: int | None = None) -> dict[str, Any]:
-    """The rules a run of the same model at one tensor rank records: the same patterns, each
-    sub-param's widths summed over the ranks into one, the vocabulary padded to
-    `padded_vocab_size` rows (default: not padded, ``original_vocab_size`` rows, as zckpt merges it)."""
+def rules_at_tensor_ranks(info: dict[str, Any], tp: int, padded_vocab_size: int | None = None) -> dict[str, Any]:
+    """The rules a run of the same model at `tp` tensor ranks records: the same patterns, each
+    sub-param's width split evenly over the ranks (Megatron splits each of a fused q/k/v's parts
+    by its heads), the vocabulary padded to `padded_vocab_size` rows (default at one rank: not
+    padded, ``original_vocab_size`` rows, as zckpt merges it). A sub-param that does not split
+    evenly is refused: that run cannot exist."""
     out = dict(info)
     widths = info.get(N.SUB_PARAM_SHARD_WIDTHS)
     if isinstance(widths, dict):
-        out[N.SUB_PARAM_SHARD_WIDTHS] = {
-            pattern: [[sum(per_rank)] for per_rank in sub_params] if isinstance(sub_params, list) else sub_params
-            for pattern, sub_params in widths.items()
-        }
+        at_tp = {}
+        for pattern, sub_params in widths.items():
+            if not isinstance(sub_params, list):
+                at_tp[pattern] = sub_params
+                continue
+            totals = [sum(int(w) for w in per_rank) for per_rank in sub_params]
+            if any(total % tp for total in totals):
+                raise UsageError(
+                    None,
+                    f"--tensor-parallel {tp}: the sub-params of the params matching {pattern} ({totals} rows) do "
+                    f"not split evenly over {tp} tensor ranks",
+                )
+            at_tp[pattern] = [[total // tp] * tp for total in totals]
+        out[N.SUB_PARAM_SHARD_WIDTHS] = at_tp
     if padded_vocab_size is not None:
         out[N.PADDED_VOCAB_SIZE] = padded_vocab_size
-    elif N.PADDED_VOCAB_SIZE in info and N.ORIGINAL_VOCAB_SIZE in info:
+    elif tp == 1 and N.PADDED_VOCAB_SIZE in info and N.ORIGINAL_VOCAB_SIZE in info:
         out[N.PADDED_VOCAB_SIZE] = info[N.ORIGINAL_VOCAB_SIZE]
     return out
+
+
+def shard_shapes(info: dict[str, Any], name: str, shape: Shape, trainable: bool, tp: int) -> list[Shape]:
+    """The slice of a tensor of `shape` each of `tp` tensor ranks holds by the rule `info` (rules
+    at `tp` ranks) gives `name`: a whole copy of a replicated one, an even share of the dimension
+    it is split on (of each half, of each sub-param). Refused where that share is not whole."""
+    rule = merge_rule(info, name, trainable)
+    if rule.kind in ("replicated", "averaged", "copies"):
+        return [shape] * tp
+    dim = 1 if rule.kind == "dim1" else 0
+    if rule.kind == "sub_params":
+        assert rule.sub_params is not None
+        dim = int(rule.sub_params[1].get("partition_dim", 0))
+    if len(shape) <= dim:
+        raise LayoutError(None, f"{name}: a {len(shape)}-d tensor cannot be split on dim {dim}")
+    unit = 2 * tp if rule.kind == "halves" else tp
+    if shape[dim] % unit:
+        halves = " (each of its two halves)" if rule.kind == "halves" else ""
+        raise UsageError(
+            None,
+            f"--tensor-parallel {tp}: {name} has {shape[dim]} {'columns' if dim == 1 else 'rows'}, which do not "
+            f"split evenly over {tp} tensor ranks{halves}",
+        )
+    return [_with(shape, dim, shape[dim] // tp)] * tp
 
 
 def _matches(patterns: Any, name: str) -> str | None:

@@ -116,14 +116,11 @@ def plan_pipeline_checkpoint(
     at `stages` pipeline stages (default: the input's) or the stages of `layer_partition`; pure."""
     if target.stage != 1:
         raise UsageError(None, f"--stage {target.stage}: DeepSpeed's pipeline engine runs ZeRO-0/1 only")
-    if layer_partition is not None and any(stage.tensor_shards for stage in state.stages):
-        raise UsageError(None, "--layer-partition: zckpt re-partitions pipeline checkpoints without tensor ranks only")
     out_stages = pipeline_stages(state, stages, layer_partition)
-    if len(out_stages) != len(state.stages) and any(stage.tensor_shards for stage in state.stages):
-        raise UsageError(
-            None,
-            f"--pipeline-stages {stages}: zckpt writes a pipeline x tensor parallel checkpoint at its own stages; as one "
-            "stage, each tensor rank's shards would be joined across stages (not supported yet)",
+    if out_stages is not state.stages and any(stage.tensor_shards for stage in state.stages):
+        ranks = [tensor_rank_state(state, t) for t in range(len(state.stages[0].tensor_shards))]
+        out_stages = tuple(
+            replace(stage, tensor_shards=tuple(stage_state(rank, stage) for rank in ranks)) for stage in out_stages
         )
     files: list[PlannedFile] = []
     plans = []
@@ -167,6 +164,42 @@ def stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
         groups=groups,
         module_names=tuple(n for n in state.module_names if n in own),
         state_padding=(),
+        stages=(),
+    )
+
+
+def tensor_rank_state(state: TrainingState, tensor: int) -> TrainingState:
+    """Tensor rank `tensor`'s shards of every stage of a pipeline x tensor run, as one state (its
+    stages' params, groups and module tensors in stage order), which :func:`stage_state` cuts
+    into the stages of another layout. A module tied across stages is each stage's copy: the
+    first stage's is taken (the others hold the same bits: verify compares them)."""
+    shards = [stage.tensor_shards[tensor] for stage in state.stages]
+    first = shards[0]
+    if any(len(shard.groups) != len(first.groups) for shard in shards):
+        raise UsageError(None, "the stages' optimizers hold different numbers of param groups: cannot join them")
+    params: dict[str, Any] = {}
+    entries: dict[str, Any] = {}
+    dtypes: dict[str, str] = {}
+    for shard in shards:
+        for param in shard.params:
+            params.setdefault(param.name, param)
+        for entry in shard.index.entries:
+            entries.setdefault(entry.name, entry)
+        for name, dtype in shard.module_dtype_names.items():
+            dtypes.setdefault(name, dtype)
+    groups = tuple(
+        replace(group, params=tuple(dict.fromkeys(n for shard in shards for n in shard.groups[i].params)))
+        for i, group in enumerate(first.groups)
+    )
+    return replace(
+        first,
+        index=replace(first.index, entries=tuple(entries.values())),
+        params=tuple(params.values()),
+        groups=groups,
+        module_names=tuple(dict.fromkeys(n for shard in shards for n in shard.module_names)),
+        module_dtype_names=dtypes,
+        state_padding=(),
+        rank_buffers=(),
         stages=(),
     )
 

@@ -22,6 +22,7 @@ refused rather than guessed.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from dataclasses import replace
@@ -305,6 +306,30 @@ class _Merge:
         if position != numel:
             raise LayoutError(None, f"{name}: its affine_map pieces cover {position} of {numel} elements")
         return TensorSource(dtype, shape, tuple(_joined(segments, dtype.itemsize)))
+
+
+def cut(name: str, source: TensorSource, spec: dict[str, Any], t: int) -> TensorSource:
+    """Tensor rank `t`'s shard of the logical tensor `source` by `spec` (an ``affine_map`` spec,
+    :meth:`_Merge.assemble`'s inverse): the pieces it holds, as segments of `source`."""
+    logical = tuple(int(d) for d in spec["logical_shape"])
+    if logical != source.shape:
+        raise LayoutError(None, f"{name}: its rule cuts a tensor of shape {logical}, it has {source.shape}")
+    held = (spec.get("ranks") or {}).get(str(t)) or {}
+    shape = tuple(int(d) for d in held.get("shard_shape", ()))
+    runs = sorted(
+        (shard, start, length) for piece in held.get("pieces", []) for start, shard, length in _rows(piece, name)
+    )
+    position, segments = 0, []
+    for shard, start, length in runs:
+        if shard != position:
+            raise LayoutError(
+                None, f"{name}: tensor rank {t}'s pieces leave elements {position}-{shard} uncovered or overlap"
+            )
+        segments.extend(slice_segments(source, start, length))
+        position += length
+    if position != math.prod(shape):
+        raise LayoutError(None, f"{name}: tensor rank {t}'s pieces cover {position} of its {math.prod(shape)} elements")
+    return TensorSource(source.dtype, shape, tuple(_joined(segments, source.dtype.itemsize)))
 
 
 def _split(spec: dict[str, Any], tp: int) -> str:

@@ -24,7 +24,13 @@ from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.run_config import load_config
 from ..deepspeed.save import SaveResult, write_checkpoint
-from ..deepspeed.tensor_parallel_writer import one_tensor_rank_state, plan_tensor_parallel_checkpoint, vocabulary_rules
+from ..deepspeed.tensor_parallel_writer import (
+    one_tensor_rank_state,
+    plan_tensor_parallel_checkpoint,
+    saved_vocabulary_rows,
+    tensor_ranks_state,
+    vocabulary_rules,
+)
 from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
 from ..io.jobs import job_share
 from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
@@ -53,7 +59,7 @@ class Layout:
     expert_parallel: int | None = None
     layer_partition: tuple[int, ...] | None = None
     tensor_parallel: int | None = None
-    padded_vocab_size: int | None = None  # with tensor_parallel 1: a Megatron vocabulary's rows
+    padded_vocab_size: int | None = None  # at another tensor-parallel degree: a Megatron vocabulary's rows
 
 
 def plan_reshard(
@@ -84,26 +90,44 @@ def _open_source(
     tp_rules: str | os.PathLike[str] | None,
     layout: Layout,
 ) -> TrainingState:
-    """The input's training state; with a padded vocabulary asked, read again by rules that keep
-    that many vocabulary rows."""
+    """The input's training state; where a Megatron vocabulary keeps its padding rows (asked, or
+    at another tensor-parallel degree: the saved rows, or those asked), read again by rules that
+    keep that many rows."""
+    rows, tp = layout.padded_vocab_size, layout.tensor_parallel
+    if tp is not None and tp < 1:
+        raise UsageError(None, f"--tensor-parallel {tp}: at least 1")
     state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    rows = layout.padded_vocab_size
-    if rows is None:
+    other_degree = bool(state.tensor_shards) and not state.stages and tp not in (None, 1, state.index.topology.tp)
+    if rows is None and not other_degree:
         return state
-    if layout.tensor_parallel != 1 or not state.tensor_shards or state.stages:
+    if rows is not None and (tp is None or tp == state.index.topology.tp or not state.tensor_shards or state.stages):
         raise UsageError(
             None,
-            f"--padded-vocab-size {rows}: for a tensor-parallel run written at one tensor rank (--tensor-parallel 1)",
+            f"--padded-vocab-size {rows}: for a tensor-parallel run written at another tensor-parallel degree "
+            "(--tensor-parallel N)",
         )
     info = load_rules(tp_rules) if tp_rules is not None else state.engine_extras.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    if rows is None:
+        saved = saved_vocabulary_rows(state, info)
+        if saved is None:
+            return state  # no vocabulary (or an AutoTP run, refused at another degree by the plan)
+        name, rows = saved
+        if rows % tp:
+            raise UsageError(
+                None,
+                f"--tensor-parallel {tp}: {name} holds {rows} rows (its padded vocabulary), which do not split "
+                f"evenly over {tp} tensor ranks; pass --padded-vocab-size V, the rows the new run pads it to",
+            )
+    elif tp > 1 and rows % tp:
+        raise UsageError(None, f"--padded-vocab-size {rows}: does not split evenly over {tp} tensor ranks")
     return open_training_state(checkpoint, tag, swap_folder, vocabulary_rules(state, info, rows))
 
 
 def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPlan:
     """A pipeline run's checkpoint stays one (at its stages, one, or the stages of a layer
     partition); a mixture-of-experts run's one (at its expert-parallel degree or another); a
-    tensor-parallel run's one (at its tensor ranks, or one: the unsharded model); any other is
-    data-parallel."""
+    tensor-parallel run's one (at its tensor ranks; at one, the unsharded model; at another
+    degree, a Megatron-style run's params cut again); any other is data-parallel."""
     experts = bool(expert_group_indices(state))
     expert_parallel, tensor_parallel = layout.expert_parallel, layout.tensor_parallel
     if expert_parallel is not None and (expert_parallel < 1 or not experts):
@@ -113,12 +137,17 @@ def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPla
             + ("at least 1" if expert_parallel < 1 else "for mixture-of-experts checkpoints; this one has no experts"),
         )
     tp = state.index.topology.tp
-    if tensor_parallel is not None and tensor_parallel not in (1, tp):
+    if tensor_parallel not in (None, 1, tp) and (tp == 1 or state.stages):
         raise UsageError(
             None,
-            f"--tensor-parallel {tensor_parallel}: zckpt writes a tensor-parallel checkpoint at its own {tp} tensor "
-            f"rank(s) or at 1 (the unsharded model); another degree needs each param's cut at that degree (a "
-            "universal folder takes any: to-universal)",
+            f"--tensor-parallel {tensor_parallel}: zckpt writes "
+            + (
+                "tensor ranks of a tensor-parallel run only (this checkpoint has none: how each param would be cut is "
+                "recorded by no rule)"
+                if tp == 1
+                else f"a pipeline x tensor checkpoint at its own {tp} tensor ranks (its layer files hold each rank's "
+                "slices); consolidate or to-universal take it whole"
+            ),
         )
     if state.stages:
         if tensor_parallel == 1 and tp > 1:
@@ -136,6 +165,8 @@ def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPla
     if state.tensor_shards:
         if tensor_parallel == 1:
             return plan_checkpoint(one_tensor_rank_state(state, layout.padded_vocab_size), target)
+        if tensor_parallel not in (None, tp):
+            return plan_tensor_parallel_checkpoint(tensor_ranks_state(state, tensor_parallel), target)
         return plan_tensor_parallel_checkpoint(state, target)
     return plan_checkpoint(state, target)
 
@@ -218,8 +249,10 @@ def reshard(
     `expert_parallel`: a mixture-of-experts run's new expert-parallel degree (experts move between
     expert ranks; `world_size` a multiple of it).
     `tensor_parallel`: 1 writes a tensor-parallel run (AutoTP or Megatron-style) as the unsharded
-    model's checkpoint over `world_size` data ranks; `padded_vocab_size`: a Megatron vocabulary's
-    rows there (default ``original_vocab_size``), for a run that pads it (no more than were saved).
+    model's checkpoint over `world_size` data ranks; another degree cuts a Megatron-style run's
+    params for that many tensor ranks by its merge rules (each over `world_size` data ranks);
+    `padded_vocab_size`: a Megatron vocabulary's rows there (default at one rank
+    ``original_vocab_size``, at others the rows saved), for a run that pads it (no more than were saved).
     """
     output_dir = os.fspath(output_dir)
     layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel, padded_vocab_size)
