@@ -563,7 +563,8 @@ def megatron_slice(name: str, whole: torch.Tensor, tp: int, t: int) -> torch.Ten
         return whole.chunk(tp, dim=1)[t]
     if "query_key_value" in name:
         return torch.cat([rows(part) for part in whole.split([8, 4, 4])])
-    if name.startswith("layers.0.mlp.dense_h_to_4h"):  # the SwiGLU layer's gate and value halves
+    if name.startswith(("layers.0.mlp.dense_h_to_4h", "1.mlp.dense_h_to_4h")):  # the SwiGLU layer's two halves
+        # (its name in the model, and in the pipeline model, where it is layer 1)
         return torch.cat([rows(part) for part in whole.split(whole.shape[0] // 2)])
     return rows(whole)
 

@@ -15,9 +15,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from helpers import PIPELINE_TENSOR_SAMPLES, assert_holds_the_merge, copy_checkpoint, same_bits, same_checkpoint_files
+from helpers import (
+    PIPELINE_TENSOR_SAMPLES,
+    assert_holds_the_merge,
+    copy_checkpoint,
+    megatron_slice,
+    same_bits,
+    same_checkpoint_files,
+)
 from zckpt import load_state_dict, reshard, to_universal
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
@@ -163,3 +171,50 @@ def test_to_universal_holds_deepspeeds_merge_under_the_pipeline_names(tmp_path: 
     with FileReader() as reader:
         for param in universal.params:
             assert same_bits(read_tensor(reader, param.master).reshape(param.shape), reference[param.name])
+
+
+@pytest.mark.parametrize("tp, parts", [(4, None), (1, None), (4, (0, 4))], ids=["tp4", "tp1", "tp4-one-stage"])
+def test_another_tensor_parallel_degree_cuts_every_stage_and_layer_file(
+    tmp_path: Path, tp: int, parts: tuple[int, ...] | None
+) -> None:
+    """The 2 x 2 run at 4 tensor ranks and at 1 (and at 4 as one stage): each stage's tensor rank
+    holds the model's own cut at that degree of what the run held (its live slices joined: the
+    vocabulary's padding row as trained; at one rank the vocabulary unpadded), every merged master and moment is DeepSpeed's merge, and
+    the model the layer files hold, consolidated, is the run's."""
+    out = tmp_path / "cut"
+    reshard(CASE.checkpoint, out, world_size=1, tensor_parallel=tp, layer_partition=parts)
+    state = open_training_state(out)
+    stages = 2 if parts is None else len(parts) - 1
+    assert state.index.topology == Topology(pp=stages, tp=tp, dp=1)
+    reference = _reference()
+    assert_holds_the_merge(state, reference, masters=True)
+    live = [
+        {
+            name: value
+            for s in range(2)
+            for name, value in load_file(CASE.folder / "reference" / f"live_stage{s}_tp{t}.safetensors").items()
+        }
+        for t in range(2)
+    ]
+    with FileReader() as reader:
+        for stage in state.stages:
+            for t, shard in enumerate(stage.tensor_shards or [state]):
+                for param in shard.params:
+                    if param.name.endswith(("word_embeddings.weight", "lm_head.weight")):
+                        rows = 24 if tp > 1 else 23  # the saved rows; unpadded at one rank
+                        whole = torch.cat([live[0][param.name], live[1][param.name]])[:rows]
+                    else:
+                        whole = reference[param.name]
+                    truth = megatron_slice(param.name, whole, tp, t)
+                    assert same_bits(read_tensor(reader, param.master).reshape(param.shape), truth), (t, param.name)
+    for name, value in load_state_dict(out, dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
+    assert verify(str(out)).ok
+
+
+def test_four_tensor_ranks_and_back_give_deepspeeds_files(tmp_path: Path) -> None:
+    """2 -> 4 -> 2 tensor ranks: every file DeepSpeed wrote, layer files included, tree for tree
+    and tensor for tensor."""
+    reshard(CASE.checkpoint, tmp_path / "tp4", world_size=1, tensor_parallel=4)
+    reshard(tmp_path / "tp4", tmp_path / "back", world_size=1, tensor_parallel=2)
+    assert same_checkpoint_files(CASE.checkpoint, tmp_path / "back") == []

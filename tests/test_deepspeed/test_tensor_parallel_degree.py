@@ -93,7 +93,6 @@ def test_a_padded_vocabulary_asked_is_kept(tmp_path: Path) -> None:
         ("megatron_z1_fp32_tp2", {"tensor_parallel": 4, "padded_vocab_size": 22}, "does not split evenly over 4"),
         ("megatron_z1_fp32_tp2", {"tensor_parallel": 4, "padded_vocab_size": 28}, "holds 24 rows over its tensor"),
         ("autotp_z1_fp32_tp2", {"tensor_parallel": 4}, "an AutoTP run is cut at another degree by its engine"),
-        ("pp2_megatron_z1_fp32_tp2", {"tensor_parallel": 4}, "a pipeline x tensor checkpoint at its own 2"),
         ("z1_fp32_ws2_frozen_tied", {"tensor_parallel": 2}, "tensor ranks of a tensor-parallel run only"),
         ("megatron_z1_fp32_tp2", {"tensor_parallel": 0}, "--tensor-parallel 0: at least 1"),
     ],

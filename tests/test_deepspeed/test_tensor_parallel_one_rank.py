@@ -118,7 +118,6 @@ def test_a_padded_vocabulary_it_cannot_write_is_refused(tmp_path: Path, case: st
 @pytest.mark.parametrize(
     "case, tensor_parallel, message",
     [
-        ("pp2_megatron_z1_fp32_tp2", 1, "--tensor-parallel 1: zckpt writes a pipeline x tensor checkpoint"),
         ("z1_fp32_ws2_frozen_tied", 2, "--tensor-parallel 2: zckpt writes tensor ranks of a tensor-parallel run only"),
     ],
 )

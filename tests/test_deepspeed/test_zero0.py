@@ -380,7 +380,11 @@ def test_a_pipeline_run_cut_into_three_stages_holds_the_live_state(tmp_path: Pat
             "cuts 2 stage(s) but --pipeline-stages is 3",
         ),
         ("pp2_z0_fp32_dp2_untied", {"pipeline_stages": 3}, "pass --layer-partition"),
-        ("pp2_megatron_z1_fp32_tp2", {"layer_partition": (0, 2, 4)}, "without tensor ranks only"),
+        (
+            "pp2_megatron_z1_fp32_tp2",
+            {"layer_partition": (0, 2, 3)},
+            "the checkpoint has layer 3, beyond its layer count 3",
+        ),
         ("z0_fp32_ws2_tied", {"layer_partition": (0, 2, 4)}, "--layer-partition is for pipeline-parallel checkpoints"),
     ],
 )

@@ -39,6 +39,7 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     shm_leak_safety_net,
 )
 from zckpt import consolidate, reshard, to_universal  # noqa: E402
+from zckpt.core.topology import Topology  # noqa: E402
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state  # noqa: E402
 from zckpt.io.materialize import read_tensor  # noqa: E402
 from zckpt.io.reading import FileReader  # noqa: E402
@@ -798,6 +799,32 @@ def test_deepspeed_resumes_a_pipeline_tensor_checkpoint_at_another_stage_count(
     _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, stages * 2, out, loaded, stages, 2, 1)
     _assert_holds_the_merged_state(case, loaded / "resaved", 1)
     assert open_checkpoint(loaded / "resaved").topology.pp == stages
+
+
+# (tensor ranks and layer partition of the output and the loading run: 2 stages at 1 tensor rank, one at 4)
+PIPE_TENSOR_DEGREES = [(1, None), (4, (0, 4))]
+
+
+@pytest.mark.parametrize(
+    "tp, parts", PIPE_TENSOR_DEGREES, ids=[f"tp{t}-pp{2 if p is None else len(p) - 1}" for t, p in PIPE_TENSOR_DEGREES]
+)
+def test_deepspeed_resumes_a_pipeline_tensor_checkpoint_at_another_tensor_degree(
+    tmp_path: Path, tp: int, parts: tuple[int, ...] | None
+) -> None:
+    """zckpt's reshard of the 2-stage x 2-tensor-rank checkpoint to 1 tensor rank (its 2 stages)
+    and to 4 (as one stage), every layer file and ZeRO file cut again, loaded by DeepSpeed's
+    PipelineEngine built at that layout with a plain load_checkpoint, saved again: masters and
+    moments as saved."""
+    from helpers import PIPELINE_TENSOR_SAMPLES
+
+    case = PIPELINE_TENSOR_SAMPLES[0]
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=1, tensor_parallel=tp, layer_partition=parts)
+    loaded = tmp_path / "loaded"
+    stages = 2 if parts is None else len(parts) - 1
+    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, stages * tp, out, loaded, stages, tp, 1)
+    _assert_holds_the_merged_state(case, loaded / "resaved", 1)
+    assert open_checkpoint(loaded / "resaved").topology == Topology(pp=stages, tp=tp, dp=1)
 
 
 def _assert_holds_the_merged_state(case: Sample, resaved_dir: Path, dp: int) -> None:

@@ -101,7 +101,7 @@ def reshard(
         typer.Option(
             "--tensor-parallel",
             metavar="T",
-            help="A tensor-parallel checkpoint (AutoTP, Megatron-style): 1 writes the unsharded model's, for a run without tensor parallelism; another T (Megatron-style runs) cuts every param for T tensor ranks by its merge rules (default: its own tensor ranks).",
+            help="A tensor-parallel checkpoint (AutoTP, Megatron-style): 1 writes the unsharded model's, for a run without tensor parallelism; another T (Megatron-style runs, with pipeline stages too) cuts every param for T tensor ranks by its merge rules (default: its own tensor ranks).",
         ),
     ] = None,
     padded_vocab_size: Annotated[

@@ -1,26 +1,39 @@
 """Pipeline-parallel checkpoints written (:func:`plan_pipeline_checkpoint`): the training state of a
-pipeline run laid out for another number of data-parallel ranks, at the same number of stages
-or as one stage, as DeepSpeed's ``PipelineEngine`` saves it, so a plain ``load_checkpoint`` of
-the new run reads it.
+pipeline run laid out for another number of data-parallel ranks, at the same number of stages,
+as one stage or cut into the stages of a layer partition, and a pipeline x tensor run's at its
+tensor ranks or another degree, as DeepSpeed's ``PipelineEngine`` saves it, so a plain
+``load_checkpoint`` of the new run reads it.
 
-Each stage is an ordinary ZeRO-1 checkpoint over its data ranks, so the data-parallel writer
-(:func:`~.writer.plan_checkpoint`) plans it from the stage's share of the state; its files take
-the stage's ``mp_rank`` and its model-states file the pipeline form (``module=None``, the stage's
-buffer names, the pipeline degree). The layer files hold each layer's own state under global
-layer numbers, whatever the stage count: they are copied as they are.
+Each stage is an ordinary ZeRO-1 checkpoint over its data ranks (with tensor ranks, each rank's),
+so the data-parallel writer (:func:`~.writer.plan_checkpoint`) plans it from the stage's share of
+the state; its files take the stage's ``mp_rank`` and its model-states file the pipeline form
+(``module=None``, the stage's buffer names, the pipeline degree). The layer files hold each
+layer's own state under global layer numbers, whatever the stage count: they are copied as they
+are, or, at another tensor-parallel degree, written again from each rank's slices.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
+from ..core.dtypes import BY_SHORT
 from ..core.errors import UsageError
 from ..core.state import PipelineStage, TrainingState
 from ..core.topology import Topology
 from . import names as N
-from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank, copied_file, plan_checkpoint
+from .tensor_parallel_writer import tensor_ranks_state
+from .writer import (
+    CheckpointPlan,
+    PlannedFile,
+    Target,
+    at_model_parallel_rank,
+    copied_file,
+    plan_checkpoint,
+    tensor_of,
+)
 
 
 def pipeline_stages(
@@ -111,14 +124,31 @@ def plan_pipeline_checkpoint(
     target: Target,
     stages: int | None = None,
     layer_partition: tuple[int, ...] | None = None,
+    tensor_parallel: int | None = None,
 ) -> CheckpointPlan:
     """Every file of the pipeline checkpoint for `target` (its data-parallel size and ZeRO stage)
-    at `stages` pipeline stages (default: the input's) or the stages of `layer_partition`; pure."""
+    at `stages` pipeline stages (default: the input's) or the stages of `layer_partition`; a
+    pipeline x tensor run at its tensor ranks or at `tensor_parallel` (each rank's slices, layer
+    files included, cut by its merge rules at that degree); pure."""
     if target.stage != 1:
         raise UsageError(None, f"--stage {target.stage}: DeepSpeed's pipeline engine runs ZeRO-0/1 only")
     out_stages = pipeline_stages(state, stages, layer_partition)
-    if out_stages is not state.stages and any(stage.tensor_shards for stage in state.stages):
-        ranks = [tensor_rank_state(state, t) for t in range(len(state.stages[0].tensor_shards))]
+    tp = len(state.stages[0].tensor_shards)
+    layer_files = [PlannedFile(os.path.basename(f), copied_file(f), None) for f in _layer_files(state)]
+    ranks: list[TrainingState] = []
+    if tensor_parallel is not None and tensor_parallel != tp:
+        tied = sorted({name for name in state.module_names if N.layer_of(name) is None})
+        if tied:
+            raise UsageError(
+                None,
+                f"--tensor-parallel {tensor_parallel}: the model ties {tied[0]} between stages; zckpt cuts the layers "
+                "of a pipeline x tensor run without tied modules only",
+            )
+        ranks = [replace(rank, stages=()) for rank in tensor_ranks_state(state, tensor_parallel).tensor_shards]
+        layer_files = _cut_layer_files(state, ranks)
+    elif out_stages is not state.stages and tp:
+        ranks = [tensor_rank_state(state, t) for t in range(tp)]
+    if ranks:
         out_stages = tuple(
             replace(stage, tensor_shards=tuple(stage_state(rank, stage) for rank in ranks)) for stage in out_stages
         )
@@ -136,8 +166,7 @@ def plan_pipeline_checkpoint(
         plans.append(plan)
         for planned in plan.files:
             files.append(_as_stage_file(planned, number, len(out_stages), stage))
-    for path in sorted({f for stage in state.stages for f in stage.layer_files}):
-        files.append(PlannedFile(os.path.basename(path), copied_file(path), None))
+    files.extend(layer_files)
     first = plans[0]
     return CheckpointPlan(first.tag, first.target, first.layout, tuple(files), folders=first.folders)
 
@@ -202,6 +231,36 @@ def tensor_rank_state(state: TrainingState, tensor: int) -> TrainingState:
         rank_buffers=(),
         stages=(),
     )
+
+
+def _layer_files(state: TrainingState) -> list[str]:
+    return sorted({f for stage in state.stages for f in stage.layer_files})
+
+
+def _cut_layer_files(state: TrainingState, ranks: list[TrainingState]) -> list[PlannedFile]:
+    """Every layer's file at each of the new tensor ranks: the layer's module tensors under their
+    local names, in the order the module holds them, each the rank's slice (a weight its master
+    rounded to the dtype the module held it in, as the data-parallel writer writes a module)."""
+    dtype = state.index.dtype
+    by_layer: dict[int, list[str]] = {}
+    for name in state.module_names:
+        layer = N.layer_of(name)
+        if layer is not None:
+            by_layer.setdefault(layer, []).append(name)
+    files = []
+    for layer in sorted({i for i in map(layer_file_index, _layer_files(state)) if i is not None}):
+        for t, rank in enumerate(ranks):
+            entries = {e.name: e for e in rank.index.entries}
+            module = OrderedDict(
+                (
+                    name.split(".", 1)[1],
+                    tensor_of(entries[name].source, BY_SHORT.get(state.module_dtype_names.get(name, ""), dtype)),
+                )
+                for name in by_layer.get(layer, [])
+                if name in entries
+            )
+            files.append(PlannedFile(N.layer_states_name(layer, t), module, None))
+    return files
 
 
 def one_stage_state(state: TrainingState) -> TrainingState:

@@ -156,7 +156,8 @@ def saved_vocabulary_rows(state: TrainingState, info: dict[str, Any] | None) -> 
     if not has_merge_patterns(info) or N.AFFINE_MAP in info or not info.get(N.VOCABULARY_PARAMETER_PATTERNS):
         return None
     saved: dict[str, int] = {}
-    for shard in state.tensor_shards:
+    shards = state.tensor_shards or tuple(shard for stage in state.stages for shard in stage.tensor_shards)
+    for shard in shards:
         for entry in shard.index.entries:
             rule = merge_rule(info, entry.name, entry.kind == "param")
             if rule.vocabulary and entry.source.shape:

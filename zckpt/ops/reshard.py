@@ -97,10 +97,11 @@ def _open_source(
     if tp is not None and tp < 1:
         raise UsageError(None, f"--tensor-parallel {tp}: at least 1")
     state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    other_degree = bool(state.tensor_shards) and not state.stages and tp not in (None, 1, state.index.topology.tp)
+    sharded = state.index.topology.tp > 1
+    other_degree = sharded and tp not in (None, 1, state.index.topology.tp)
     if rows is None and not other_degree:
         return state
-    if rows is not None and (tp is None or tp == state.index.topology.tp or not state.tensor_shards or state.stages):
+    if rows is not None and (tp is None or tp == state.index.topology.tp or not sharded):
         raise UsageError(
             None,
             f"--padded-vocab-size {rows}: for a tensor-parallel run written at another tensor-parallel degree "
@@ -137,26 +138,16 @@ def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPla
             + ("at least 1" if expert_parallel < 1 else "for mixture-of-experts checkpoints; this one has no experts"),
         )
     tp = state.index.topology.tp
-    if tensor_parallel not in (None, 1, tp) and (tp == 1 or state.stages):
+    if tensor_parallel not in (None, 1, tp) and tp == 1:
         raise UsageError(
             None,
-            f"--tensor-parallel {tensor_parallel}: zckpt writes "
-            + (
-                "tensor ranks of a tensor-parallel run only (this checkpoint has none: how each param would be cut is "
-                "recorded by no rule)"
-                if tp == 1
-                else f"a pipeline x tensor checkpoint at its own {tp} tensor ranks (its layer files hold each rank's "
-                "slices); consolidate or to-universal take it whole"
-            ),
+            f"--tensor-parallel {tensor_parallel}: zckpt writes tensor ranks of a tensor-parallel run only (this "
+            "checkpoint has none: how each param would be cut is recorded by no rule)",
         )
     if state.stages:
-        if tensor_parallel == 1 and tp > 1:
-            raise UsageError(
-                None,
-                "--tensor-parallel 1: zckpt writes a pipeline x tensor checkpoint at its own tensor ranks (its layer "
-                "files hold each rank's slices); consolidate or to-universal take it whole",
-            )
-        return plan_pipeline_checkpoint(state, target, layout.pipeline_stages, layout.layer_partition)
+        return plan_pipeline_checkpoint(
+            state, target, layout.pipeline_stages, layout.layer_partition, tensor_parallel if tp > 1 else None
+        )
     if layout.pipeline_stages is not None or layout.layer_partition is not None:
         option = "--pipeline-stages" if layout.pipeline_stages is not None else "--layer-partition"
         raise UsageError(None, f"{option} is for pipeline-parallel checkpoints; this one has no pipeline stages")
@@ -250,7 +241,8 @@ def reshard(
     expert ranks; `world_size` a multiple of it).
     `tensor_parallel`: 1 writes a tensor-parallel run (AutoTP or Megatron-style) as the unsharded
     model's checkpoint over `world_size` data ranks; another degree cuts a Megatron-style run's
-    params for that many tensor ranks by its merge rules (each over `world_size` data ranks);
+    params for that many tensor ranks by its merge rules (each over `world_size` data ranks; a
+    pipeline x tensor run's at any degree, 1 included, its layer files too);
     `padded_vocab_size`: a Megatron vocabulary's rows there (default at one rank
     ``original_vocab_size``, at others the rows saved), for a run that pads it (no more than were saved).
     """
