@@ -40,6 +40,18 @@ def _reference() -> dict:
     return load_file(CASE.folder / "reference" / "universal.safetensors")
 
 
+def _live_by_tensor_rank() -> list[dict]:
+    """Each tensor rank's slices as the live engine held them, every stage's together."""
+    return [
+        {
+            name: value
+            for s in range(2)
+            for name, value in load_file(CASE.folder / "reference" / f"live_stage{s}_tp{t}.safetensors").items()
+        }
+        for t in range(2)
+    ]
+
+
 def test_the_sample_is_there() -> None:
     assert [s.name for s in PIPELINE_TENSOR_SAMPLES] == ["pp2_megatron_z1_fp32_tp2"]
 
@@ -133,14 +145,7 @@ def test_another_stage_count_keeps_each_tensor_ranks_slices(tmp_path: Path, part
     state = open_training_state(out)
     assert state.index.topology == Topology(pp=len(parts) - 1, tp=2, dp=1)
     assert_holds_the_merge(state, _reference(), masters=True)
-    live = [
-        {
-            name: value
-            for s in range(2)
-            for name, value in load_file(CASE.folder / "reference" / f"live_stage{s}_tp{t}.safetensors").items()
-        }
-        for t in range(2)
-    ]
+    live = _live_by_tensor_rank()
     with FileReader() as reader:
         for number, (stage, first, end) in enumerate(zip(state.stages, parts, parts[1:])):
             for t, shard in enumerate(stage.tensor_shards):
@@ -188,14 +193,7 @@ def test_another_tensor_parallel_degree_cuts_every_stage_and_layer_file(
     assert state.index.topology == Topology(pp=stages, tp=tp, dp=1)
     reference = _reference()
     assert_holds_the_merge(state, reference, masters=True)
-    live = [
-        {
-            name: value
-            for s in range(2)
-            for name, value in load_file(CASE.folder / "reference" / f"live_stage{s}_tp{t}.safetensors").items()
-        }
-        for t in range(2)
-    ]
+    live = _live_by_tensor_rank()
     with FileReader() as reader:
         for stage in state.stages:
             for t, shard in enumerate(stage.tensor_shards or [state]):

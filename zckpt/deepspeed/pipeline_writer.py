@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.dtypes import BY_SHORT
-from ..core.errors import UsageError
+from ..core.errors import LayoutError, UsageError
 from ..core.state import PipelineStage, TrainingState
 from ..core.topology import Topology
 from . import names as N
@@ -251,14 +251,12 @@ def _cut_layer_files(state: TrainingState, ranks: list[TrainingState]) -> list[P
     for layer in sorted({i for i in map(layer_file_index, _layer_files(state)) if i is not None}):
         for t, rank in enumerate(ranks):
             entries = {e.name: e for e in rank.index.entries}
-            module = OrderedDict(
-                (
-                    name.split(".", 1)[1],
-                    tensor_of(entries[name].source, BY_SHORT.get(state.module_dtype_names.get(name, ""), dtype)),
-                )
-                for name in by_layer.get(layer, [])
-                if name in entries
-            )
+            module = OrderedDict()
+            for name in by_layer.get(layer, []):
+                if name not in entries:
+                    raise LayoutError(state.index.tag_dir, f"{name}: a module tensor of layer {layer} with no value")
+                saved = BY_SHORT.get(state.module_dtype_names.get(name, ""), dtype)
+                module[name.split(".", 1)[1]] = tensor_of(entries[name].source, saved)
             files.append(PlannedFile(N.layer_states_name(layer, t), module, None))
     return files
 
