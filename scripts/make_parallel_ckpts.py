@@ -71,6 +71,7 @@ class Case:
     tp: int = 0  # AutoTP degree of a tensor-parallel case
     mtp: int = 0  # tensor-parallel degree of a Megatron-style case (an mpu, merge patterns)
     plain: bool = False  # a pipeline case without tied or frozen layers (a Block and an untied head instead)
+    tied: bool = False  # a pipeline x tensor case whose head is the embedding (TiedLayerSpec across stages)
 
     @property
     def kind(self) -> str:
@@ -99,6 +100,7 @@ CASES = [
     Case("moe_z0_bf16_ep2_dp2", 0, "bf16", pp=1, dp=2, ep=2, grad_accum=1),
     Case("megatron_z0_fp32_tp2", 0, "fp32", pp=1, dp=1, mtp=2, grad_accum=1),
     Case("pp2_z0_fp32_dp2_untied", 0, "fp32", pp=2, dp=2, plain=True),
+    Case("pp2_megatron_z1_bf16_tp2_tied", 1, "bf16", pp=2, dp=1, mtp=2, tied=True),
 ]
 
 
@@ -556,9 +558,14 @@ def pipeline_megatron_patterns(tp: int) -> dict[str, Any]:
     qkv = r"\d+\.self_attention\.query_key_value\.weight"
     return {
         "universal_checkpoint_version": 0.4,
-        "vocabulary_parameter_patterns": [r"0\.word_embeddings\.weight", r"\d+\.lm_head\.weight"],
+        "vocabulary_parameter_patterns": [
+            r"0\.word_embeddings\.weight",
+            r"\d+\.lm_head\.weight",
+            r"tied_modules\.embed\.word_embeddings\.weight",
+        ],
         "tp_replicated_parameter_patterns": [
             r"0\.norm\.(weight|bias)",
+            r"tied_modules\.embed\.norm\.(weight|bias)",
             r"\d+\.input_layernorm\.(weight|bias)",
             r"\d+\.self_attention\.dense\.bias",
             r"\d+\.mlp\.dense_4h_to_h\.bias",
@@ -581,7 +588,7 @@ def build_pipeline_megatron(case: Case) -> Any:
     one, 3 the head; each layer drawn from its own seed, so the stages agree on nothing but the
     layer index."""
     import torch
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
     topology = PipeModelDataParallelTopology(num_pp=case.pp, num_mp=case.mtp, num_dp=case.dp)
@@ -609,12 +616,21 @@ def build_pipeline_megatron(case: Case) -> Any:
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, MEGATRON_VOCAB), labels.reshape(-1))
 
-    layers = [
-        LayerSpec(EmbedPipe, 0),
-        LayerSpec(LayerPipe, 1, True),
-        LayerSpec(LayerPipe, 2, False),
-        LayerSpec(HeadPipe, 3),
-    ]
+    def tied_head(embed: Any, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's use of the tied embedding: its vocabulary-parallel rows as the head (its
+        LayerNorm, in that stage's copy too, takes no part: as Megatron-DeepSpeed's EmbeddingPipe's
+        position embeddings in the last stage)."""
+        return parts.logits(lambda x: torch.nn.functional.linear(x, embed.word_embeddings.weight), h)
+
+    if case.tied:  # as Megatron-DeepSpeed's GPTModelPipe ties them: the tied weight its word embeddings
+        tied = {"tied_weight_attr": "word_embeddings.weight"}
+        first, last = (
+            TiedLayerSpec("embed", EmbedPipe, 0, **tied),
+            TiedLayerSpec("embed", EmbedPipe, 0, forward_fn=tied_head, **tied),
+        )
+    else:
+        first, last = LayerSpec(EmbedPipe, 0), LayerSpec(HeadPipe, 3)
+    layers = [first, LayerSpec(LayerPipe, 1, True), LayerSpec(LayerPipe, 2, False), last]
     return PipelineModule(layers=layers, topology=topology, loss_fn=loss_fn, partition_method="uniform")
 
 
@@ -622,7 +638,7 @@ def pipeline_megatron_worker(case: Case, casedir: Path) -> None:
     import deepspeed
     import deepspeed.comm as dist
     import torch
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -639,14 +655,18 @@ def pipeline_megatron_worker(case: Case, casedir: Path) -> None:
     data = batches()
     for _ in range(case.steps):
         engine.train_batch(data_iter=data)
-    live = {
-        name: safe_get_full_fp32_param(p).detach().cpu().float().clone().contiguous()
-        for name, p in engine.module.named_parameters()
-    }
+    live, optim = {}, {}
+    for name, p in engine.module.named_parameters():  # collective over the data-parallel group
+        live[name] = safe_get_full_fp32_param(p).detach().cpu().float().clone().contiguous()
+        for key in ("exp_avg", "exp_avg_sq") if case.tied else ():
+            optim[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().float().clone().contiguous()
     if dp_rank == 0:
         ref = casedir / "reference"
         ref.mkdir(parents=True, exist_ok=True)
         save_file(live, str(ref / f"live_stage{stage}_tp{tp_rank}.safetensors"), metadata={"format": "pt"})
+        if optim:
+            path = ref / f"live_optimizer_stage{stage}_tp{tp_rank}.safetensors"
+            save_file(optim, str(path), metadata={"format": "pt"})
     dist.barrier()
     rules = {"universal_checkpoint_info": pipeline_megatron_patterns(case.mtp)}
     save_and_describe(engine, casedir, "not captured", rules)
@@ -721,6 +741,19 @@ shutil.rmtree(out)
 """
     (casedir / "reference").mkdir(exist_ok=True)
     run([python, "-c", code, str(casedir)], cwd=REPO, log=log, env=env)
+
+
+def universal_failure(casedir: Path, python: str, env: dict[str, str]) -> str | None:
+    """The last line ``ds_to_universal`` prints where it fails on the case's checkpoint (None: it
+    converts it)."""
+    tag = (casedir / "checkpoint" / "latest").read_text().strip()
+    out = Path("/tmp") / f"universal_{casedir.name}"
+    cmd = [python, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(casedir / "checkpoint" / tag)]
+    done = subprocess.run([*cmd, "--output_folder", str(out)], env=env, capture_output=True, text=True)
+    shutil.rmtree(out, ignore_errors=True)
+    (casedir / "checkpoint" / "latest_universal").unlink(missing_ok=True)
+    lines = [line for line in (done.stderr or "").splitlines() if line.strip()]
+    return None if done.returncode == 0 else (lines or [""])[-1][:300]
 
 
 def save_and_describe(engine: Any, casedir: Path, live_optimizer: str, client_state: dict | None = None) -> None:
@@ -859,7 +892,10 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
     ckpt = casedir / "checkpoint"
     for name in ("zero_to_fp32.py", "zero_to_torch.py"):
         (ckpt / name).unlink(missing_ok=True)
-    if (case.tp or case.mtp) and case.stage:  # ZeRO-0: ds_to_universal finds no optimizer files
+    ds_to_universal_error = None
+    if case.tied:  # ds_to_universal fails on it: its error is recorded, the live slices are the reference
+        ds_to_universal_error = universal_failure(casedir, python, env)
+    elif (case.tp or case.mtp) and case.stage:  # ZeRO-0: ds_to_universal finds no optimizer files
         universal_reference(casedir, python, log, env)
     else:
         merge_live(casedir, case, python, log, env)
@@ -895,6 +931,16 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
                 "mpu": "Megatron-style" if case.pp == 1 else "pipeline (PipeModelDataParallelTopology)",
                 "frozen": [],
                 "buffers": [],
+                **(
+                    {
+                        "tied": {
+                            "embed": "tied_modules.embed.* (layers 0 and 3: the embedding, and the head by its "
+                            "word embeddings; a copy in each stage, only the word embeddings' kept in step)"
+                        }
+                    }
+                    if case.tied
+                    else {}
+                ),
             }
             if case.mtp
             else {"ep": case.ep, "experts": case.experts, "frozen": [], "buffers": ["scale"]}
@@ -927,6 +973,7 @@ def generate(case: Case, out: Path, python: str, logdir: Path) -> float:
         "reference_command": "python -m deepspeed.utils.zero_to_fp32 checkpoint OUT",
         # as in make_sample_ckpts.py: where DeepSpeed's own tool fails, the live values are the reference
         "reference_error": None if zero_to_fp32.returncode == 0 else last_line[:300],
+        **({"ds_to_universal_error": ds_to_universal_error} if case.tied else {}),
         "model": (
             {"llama": "vocab 64, hidden 32, intermediate 48, 2 layers, 4 heads, 2 kv heads", "micro_batch": MICRO_BATCH}
             if case.tp

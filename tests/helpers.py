@@ -113,7 +113,10 @@ MOE_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("ep") and s not in ZERO0_SAM
 TENSOR_PARALLEL_SAMPLES = [s for s in ALL_SAMPLES if s.meta.get("tp") and "mpu" not in s.meta]  # AutoTP
 # an mpu's tensor ranks, with ds_to_universal's merge beside them (the ZeRO-0 one has none: ZERO0_SAMPLES)
 MEGATRON_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] == 1 and s not in ZERO0_SAMPLES]
-PIPELINE_TENSOR_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] > 1]  # pipeline x tensor
+# pipeline x tensor, with ds_to_universal's merge beside them; and one that ties a module across stages
+# (ds_to_universal fails on it: the live engine's slices and moments are its reference)
+PIPELINE_TENSOR_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] > 1 and not s.meta.get("tied")]
+TIED_PIPELINE_TENSOR_SAMPLES = [s for s in ALL_SAMPLES if "mpu" in s.meta and s.meta["pp"] > 1 and s.meta.get("tied")]
 
 
 def sample(name: str) -> Sample:
@@ -567,6 +570,56 @@ def megatron_slice(name: str, whole: torch.Tensor, tp: int, t: int) -> torch.Ten
         # (its name in the model, and in the pipeline model, where it is layer 1)
         return torch.cat([rows(part) for part in whole.split(whole.shape[0] // 2)])
     return rows(whole)
+
+
+def megatron_join(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor of a Megatron sample's param from its tensor ranks' slices, joined as the
+    sample's model cut it (:func:`megatron_slice` taken the other way; the vocabulary padded)."""
+    tp = len(slices)
+    if "norm." in name or name.endswith(("dense.bias", "dense_4h_to_h.bias")):
+        assert all(torch.equal(s, slices[0]) for s in slices), name
+        return slices[0]
+    if name.endswith(("dense.weight", "dense_4h_to_h.weight")):
+        return torch.cat(slices, dim=1)
+    if "query_key_value" in name:
+        parts = [s.split([8 // tp, 4 // tp, 4 // tp]) for s in slices]
+        return torch.cat([torch.cat([p[i] for p in parts]) for i in range(3)])
+    if name.startswith(("layers.0.mlp.dense_h_to_4h", "1.mlp.dense_h_to_4h")):
+        halves = [s.split(s.shape[0] // 2) for s in slices]
+        return torch.cat([torch.cat([h[i] for h in halves]) for i in range(2)])
+    return torch.cat(slices)
+
+
+def assert_pipeline_slices_are_live(state: Any, case: Sample, tp: int) -> None:
+    """Each stage's tensor ranks in a pipeline x tensor state (at the sample's own stages, `tp`
+    tensor ranks) hold their slices (:func:`megatron_slice`) of what that stage's live engine held,
+    its own copies of a tied module included: masters and Adam moments, the vocabulary at its
+    saved padded rows (at one tensor rank: unpadded)."""
+    from zckpt.io.materialize import read_tensor
+
+    saved = case.meta["tp"]
+    reference = case.folder / "reference"
+    with FileReader() as reader:
+        for number, stage in enumerate(state.stages):
+            live = [load_file(reference / f"live_stage{number}_tp{t}.safetensors") for t in range(saved)]
+            moments = [load_file(reference / f"live_optimizer_stage{number}_tp{t}.safetensors") for t in range(saved)]
+            own = {p.name: p for p in stage.own_params}
+            shards = stage.tensor_shards or [
+                replace(state, params=tuple(own.get(n, state.param(n)) for n in stage.params))
+            ]
+            assert len(shards) == tp
+            for t, shard in enumerate(shards):
+                assert sorted(p.name for p in shard.params) == sorted(live[0]), (number, t)
+                for param in shard.params:
+                    pairs = [(param.master, live, param.name)]
+                    pairs += [(param.states[k], moments, f"{param.name}.{k}") for k in ("exp_avg", "exp_avg_sq")]
+                    for source, held, key in pairs:
+                        whole = megatron_join(param.name, [h[key] for h in held])
+                        if "word_embeddings" in param.name and tp == 1:
+                            whole = whole[: int(case.meta["model"]["megatron_gpt"].split()[1])]  # unpadded
+                        truth = megatron_slice(param.name, whole, tp, t)
+                        value = read_tensor(reader, source).reshape(param.shape)
+                        assert same_bits(value, truth), (number, t, key)
 
 
 def assert_megatron_slices(state: Any, case: Sample, tp: int) -> None:

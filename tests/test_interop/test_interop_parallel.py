@@ -727,11 +727,12 @@ sys.path.insert(0, sys.argv[1])
 from make_parallel_ckpts import Case, build_pipeline_megatron, ds_config, pipeline_megatron_patterns
 
 checkpoint, out, pp, tp, dp = Path(sys.argv[2]), Path(sys.argv[3]), *map(int, sys.argv[4:7])
+flags = sys.argv[7:]  # "universal", "tied" (the model ties its embedding to the head), "bf16"
 deepspeed.init_distributed(dist_backend="gloo")
-case = Case("load", 1, "fp32", pp=pp, dp=dp, mtp=tp)
+case = Case("load", 1, "bf16" if "bf16" in flags else "fp32", pp=pp, dp=dp, mtp=tp, tied="tied" in flags)
 model = build_pipeline_megatron(case)
 config = ds_config(case)
-if sys.argv[7:] == ["universal"]:
+if "universal" in flags:
     config["checkpoint"] = {"load_universal": True}
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 path, client = engine.load_checkpoint(str(checkpoint))
@@ -779,14 +780,14 @@ def test_deepspeed_resumes_a_resharded_pipeline_tensor_checkpoint(tmp_path: Path
 
 
 # (the output's layer partition, as the loading PipelineModule's "uniform" method cuts 4 layers)
-PIPE_TENSOR_CUTS = [(0, 4), (0, 2, 3, 4)]
+PIPE_TENSOR_CUTS = [(0, 2, 3, 4)]  # (one stage: the tensor-degree test below cuts it so too)
 
 
 @pytest.mark.parametrize("parts", PIPE_TENSOR_CUTS, ids=[f"pp{len(p) - 1}-tp2" for p in PIPE_TENSOR_CUTS])
 def test_deepspeed_resumes_a_pipeline_tensor_checkpoint_at_another_stage_count(
     tmp_path: Path, parts: tuple[int, ...]
 ) -> None:
-    """zckpt's reshard of the 2-stage x 2-tensor-rank checkpoint into 1 and 3 stages at its 2 tensor
+    """zckpt's reshard of the 2-stage x 2-tensor-rank checkpoint into 3 stages at its 2 tensor
     ranks (``--layer-partition``), loaded by DeepSpeed's PipelineEngine built at that stage count
     with a plain load_checkpoint, saved again: masters and moments as saved, at the new stages."""
     from helpers import PIPELINE_TENSOR_SAMPLES
@@ -825,6 +826,23 @@ def test_deepspeed_resumes_a_pipeline_tensor_checkpoint_at_another_tensor_degree
     _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, stages * tp, out, loaded, stages, tp, 1)
     _assert_holds_the_merged_state(case, loaded / "resaved", 1)
     assert open_checkpoint(loaded / "resaved").topology == Topology(pp=stages, tp=tp, dp=1)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 1], ids=["own-layout", "tp4", "tp1"])
+def test_deepspeed_resumes_a_tied_pipeline_tensor_checkpoint(tmp_path: Path, tp: int) -> None:
+    """The run that ties its embedding to the head across stages (bf16; its head's stage holds a
+    LayerNorm copy DeepSpeed never trains there), resharded by zckpt at its own layout and at 4 and
+    1 tensor ranks, loaded by DeepSpeed's PipelineEngine built so with a plain load_checkpoint,
+    saved again: each stage's tensor ranks hold the model's cut of what that stage's live engine
+    held, masters and moments, its own LayerNorm copy included (ds_to_universal fails on the run)."""
+    from helpers import TIED_PIPELINE_TENSOR_SAMPLES, assert_pipeline_slices_are_live
+
+    case = TIED_PIPELINE_TENSOR_SAMPLES[0]
+    out = tmp_path / "resharded"
+    reshard(case.checkpoint, out, world_size=1, tensor_parallel=tp)
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, 2 * tp, out, loaded, 2, tp, 1, "tied", "bf16")
+    assert_pipeline_slices_are_live(open_training_state(loaded / "resaved"), case, tp)
 
 
 def _assert_holds_the_merged_state(case: Sample, resaved_dir: Path, dp: int) -> None:

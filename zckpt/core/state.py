@@ -68,6 +68,11 @@ class PipelineStage:
     buffers: tuple[str, ...]
     layer_files: tuple[str, ...]
     tensor_shards: tuple["TrainingState", ...] = field(default=(), compare=False)
+    # each layer file's (global layer number, its (own name, the model's name) pairs in the file's order)
+    layer_names: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] = ()
+    # the stage's own copies of params it keeps out of step with the model's (a tied module's param
+    # the stage never trains): a writer at the same stages writes them back as they were
+    own_params: tuple[ParamState, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)

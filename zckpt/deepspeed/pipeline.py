@@ -29,6 +29,8 @@ from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
 from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import ParamState, PipelineStage, TrainingState
 from ..core.topology import Topology
+from ..io.materialize import all_zero
+from ..io.reading import FileReader
 from . import names as N
 from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
@@ -66,6 +68,7 @@ class LayerFile:
     path: str
     tensors: dict[str, TensorRef]  # global name -> tensor, in the file's order
     stage: int
+    local_names: tuple[str, ...] = ()  # the file's own names of `tensors`, in order
 
 
 def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | None = None) -> None:
@@ -125,7 +128,21 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
     assert first.index is not None
     dp = first.index.topology.dp
     order = _module_order(declarations, layers)
-    entries, replicas = _merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order)
+    try:
+        unused = _copies_out_of_step([sub.state for sub in surveys if sub.state is not None])
+    except ZckptError as exc:  # a moment unreadable, or failing its file's CRC-32
+        result.problems.append(exc)
+        return
+    entries, replicas = _merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order, unused)
+    if unused:
+        names = sorted(unused, key=lambda n: order.get(n, len(order)))
+        stages_of = sorted({s for held in unused.values() for s in held})
+        result.notes.append(
+            f"{len(names)} param(s) of a tied module ({', '.join(names[:3])}{', ...' * (len(names) > 3)}) never received "
+            f"a gradient in stage(s) {', '.join(map(str, stages_of))} (every optimizer moment zero): DeepSpeed keeps "
+            "only the tied weights in step between stages, so those copies drifted and are not compared; the copy of "
+            "the first stage that trained them is the model's"
+        )
     megatron = first.state is not None and bool(first.state.tensor_merge_rules)
     tensors = f" x {tp} tensor ranks ({merge_rules_label(megatron, tp_rules is not None)})" if tp > 1 else ""
     result.notes.append(
@@ -137,7 +154,13 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
             else ""
         )
     )
-    replicas += [r for sub in surveys if sub.index is not None for r in sub.index.replicas]  # tensor ranks' copies
+    replicas += [  # the tensor ranks' copies, less those of a stage's copy out of step
+        r
+        for stage, sub in enumerate(surveys)
+        if sub.index is not None
+        for r in sub.index.replicas
+        if stage not in unused.get(r.name, ())
+    ]
     index0 = first.index
     assert index0 is not None
     result.index = merged_index(
@@ -153,7 +176,7 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
     try:
         stage_states = [sub.state for sub in surveys if sub.state is not None]
         result.state = _merged_state(
-            result.index, stage_states, order, declarations, [t for t in by_tensor if t is not None]
+            result.index, stage_states, order, declarations, [t for t in by_tensor if t is not None], unused
         )
     except LayoutError as exc:
         result.problems.append(exc)
@@ -331,7 +354,7 @@ def _layer_files(
         # a layer listed by a stage is in that stage; a tied or all-frozen one in the stage whose
         # layers start at or before it (stages hold consecutive layers)
         stage = owner.get(index, max((s for s, start in starts.items() if start <= index), default=0))
-        layers.append(LayerFile(index, path, {names[k]: v for k, v in local.items()}, stage))
+        layers.append(LayerFile(index, path, {names[k]: v for k, v in local.items()}, stage, tuple(local)))
     if result.problems:
         return None
     held = {name for layer in layers for name in layer.tensors}
@@ -418,13 +441,46 @@ def _stage_placements(indexes: list[CheckpointIndex]) -> dict[str, str]:
     }
 
 
-def _merged_entries(stage_entries: list[tuple[Entry, ...]], order: dict[str, int]) -> tuple[list[Entry], list[Entry]]:
-    """The stages' entries, each name once (the first stage's), in module order; the later
-    stages' copies of a name (tied params) as replicas."""
+_ZERO_CHECK_CHUNK = 1 << 22  # elements of a moment read at a time when looking for a nonzero one
+
+
+def _copies_out_of_step(states: list[TrainingState]) -> dict[str, set[int]]:
+    """For each param several stages keep (a tied module's), the stages whose copy DeepSpeed did
+    not keep in step. It all-reduces only a tied module's tied weights (``tied_weight_attr``)
+    between the stages; another param of the module that a stage does not use (Megatron's
+    position embeddings in the head's stage) never receives a gradient there: its optimizer
+    moments stay zero while weight decay moves the copy. Such a copy, where another stage's has
+    trained, is not the model's and is not compared (the first stage's that trained is)."""
+    holders: dict[str, list[tuple[int, ParamState]]] = {}
+    for stage, state in enumerate(states):
+        for param in state.params:
+            holders.setdefault(param.name, []).append((stage, param))
+    unused: dict[str, set[int]] = {}
+    with FileReader() as reader:
+        for name, copies in holders.items():
+            if len(copies) < 2:
+                continue
+            idle = {
+                stage
+                for stage, param in copies
+                if param.states and all(all_zero(reader, s, _ZERO_CHECK_CHUNK) for s in param.states.values())
+            }
+            if idle and len(idle) < len(copies):
+                unused[name] = idle
+    return unused
+
+
+def _merged_entries(
+    stage_entries: list[tuple[Entry, ...]], order: dict[str, int], unused: dict[str, set[int]]
+) -> tuple[list[Entry], list[Entry]]:
+    """The stages' entries, each name once (the first stage's that holds it in step), in module
+    order; the later stages' copies of a name (tied params) as replicas, less those `unused`."""
     kept: dict[str, Entry] = {}
     replicas: list[Entry] = []
-    for entries in stage_entries:
+    for stage, entries in enumerate(stage_entries):
         for entry in entries:
+            if stage in unused.get(entry.name, ()):
+                continue
             if entry.name in kept:
                 replicas.append(entry)
             else:
@@ -438,8 +494,10 @@ def _merged_state(
     order: dict[str, int],
     declarations: list[StageDeclaration],
     layers: list[list[LayerFile]],
+    unused: dict[str, set[int]],
 ) -> TrainingState:
-    """One training state of the stages': their params (tied ones once), their param groups
+    """One training state of the stages': their params (tied ones once: the copy of the first
+    stage that keeps it in step), their param groups
     joined group by group in the one-stage model's order (its optimizer's), the counters and the
     rest from stage 0 (checked alike), and what each stage held."""
     first = states[0]
@@ -449,9 +507,10 @@ def _merged_state(
             index.tag_dir, f"the stages' optimizers have different numbers of param groups {sorted(counts)}"
         )
     params: dict[str, ParamState] = {}
-    for state in states:
+    for stage, state in enumerate(states):
         for param in state.params:
-            params.setdefault(param.name, param)
+            if stage not in unused.get(param.name, ()):
+                params.setdefault(param.name, param)
     groups = []
     for g, group in enumerate(first.groups):
         members = sorted(
@@ -467,8 +526,14 @@ def _merged_state(
                 layer.path for tensor_layers in layers for layer in tensor_layers if layer.stage == declaration.stage
             ),
             tensor_shards=state.tensor_shards,
+            layer_names=tuple(
+                (layer.index, tuple(zip(layer.local_names, layer.tensors)))
+                for layer in layers[0]
+                if layer.stage == declaration.stage
+            ),
+            own_params=tuple(p for p in state.params if number in unused.get(p.name, ())),
         )
-        for state, declaration in zip(states, declarations)
+        for number, (state, declaration) in enumerate(zip(states, declarations))
     )
     module_names = sorted({n for s in states for n in s.module_names}, key=lambda n: order.get(n, len(order)))
     return replace(

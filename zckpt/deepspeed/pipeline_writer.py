@@ -135,20 +135,17 @@ def plan_pipeline_checkpoint(
     out_stages = pipeline_stages(state, stages, layer_partition)
     tp = len(state.stages[0].tensor_shards)
     layer_files = [PlannedFile(os.path.basename(f), copied_file(f), None) for f in _layer_files(state)]
-    ranks: list[TrainingState] = []
     if tensor_parallel is not None and tensor_parallel != tp:
-        tied = sorted({name for name in state.module_names if N.layer_of(name) is None})
-        if tied:
-            raise UsageError(
-                None,
-                f"--tensor-parallel {tensor_parallel}: the model ties {tied[0]} between stages; zckpt cuts the layers "
-                "of a pipeline x tensor run without tied modules only",
-            )
-        ranks = [replace(rank, stages=()) for rank in tensor_ranks_state(state, tensor_parallel).tensor_shards]
-        layer_files = _cut_layer_files(state, ranks)
+        # each stage cut from the model's tensors, its own copies of params out of step included
+        by_stage = [_cut_tensor_ranks(state, stage, tensor_parallel) for stage in out_stages]
+        same = out_stages is state.stages  # else no stage has copies of its own: any stage's cut is the model's
+        layer_files = _cut_layer_files(state, by_stage if same else [by_stage[0]] * len(state.stages))
+        out_stages = tuple(
+            replace(stage, tensor_shards=tuple(stage_state(rank, stage) for rank in ranks))
+            for stage, ranks in zip(out_stages, by_stage)
+        )
     elif out_stages is not state.stages and tp:
         ranks = [tensor_rank_state(state, t) for t in range(tp)]
-    if ranks:
         out_stages = tuple(
             replace(stage, tensor_shards=tuple(stage_state(rank, stage) for rank in ranks)) for stage in out_stages
         )
@@ -175,7 +172,7 @@ def stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
     """One stage's share of the state: its params, its groups' members, its buffers, as the
     state of a data-parallel run (the stage's own data-parallel ranks)."""
     own = set(stage.params) | set(stage.buffers)
-    by_name = {p.name: p for p in state.params}
+    by_name = {p.name: p for p in state.params} | {p.name: p for p in stage.own_params}
     index = replace(
         state.index,
         entries=tuple(e for e in state.index.entries if e.name in own),
@@ -237,27 +234,34 @@ def _layer_files(state: TrainingState) -> list[str]:
     return sorted({f for stage in state.stages for f in stage.layer_files})
 
 
-def _cut_layer_files(state: TrainingState, ranks: list[TrainingState]) -> list[PlannedFile]:
-    """Every layer's file at each of the new tensor ranks: the layer's module tensors under their
-    local names, in the order the module holds them, each the rank's slice (a weight its master
-    rounded to the dtype the module held it in, as the data-parallel writer writes a module)."""
+def _cut_tensor_ranks(state: TrainingState, stage: PipelineStage, tp: int) -> list[TrainingState]:
+    """Each of `tp` tensor ranks' state of the model, cut by its merge rules at `tp` ranks, with
+    `stage`'s own copies of params it keeps out of step in place of the model's."""
+    own = {p.name: p for p in stage.own_params}
+    base = replace(state, params=tuple(own.get(p.name, p) for p in state.params)) if own else state
+    return [replace(rank, stages=()) for rank in tensor_ranks_state(base, tp).tensor_shards]
+
+
+def _cut_layer_files(state: TrainingState, ranks_by_stage: list[list[TrainingState]]) -> list[PlannedFile]:
+    """Every layer file at each of the new tensor ranks (the cut of the stage that saved it):
+    the names the run's file has, in its order (a tied module's own names in the file of the
+    layer that holds it), each the rank's slice (a weight its master rounded to the dtype the
+    module held it in, as the data-parallel writer writes a module)."""
     dtype = state.index.dtype
-    by_layer: dict[int, list[str]] = {}
-    for name in state.module_names:
-        layer = N.layer_of(name)
-        if layer is not None:
-            by_layer.setdefault(layer, []).append(name)
     files = []
-    for layer in sorted({i for i in map(layer_file_index, _layer_files(state)) if i is not None}):
-        for t, rank in enumerate(ranks):
-            entries = {e.name: e for e in rank.index.entries}
-            module = OrderedDict()
-            for name in by_layer.get(layer, []):
-                if name not in entries:
-                    raise LayoutError(state.index.tag_dir, f"{name}: a module tensor of layer {layer} with no value")
-                saved = BY_SHORT.get(state.module_dtype_names.get(name, ""), dtype)
-                module[name.split(".", 1)[1]] = tensor_of(entries[name].source, saved)
-            files.append(PlannedFile(N.layer_states_name(layer, t), module, None))
+    for stage, ranks in zip(state.stages, ranks_by_stage):
+        for layer, names in stage.layer_names:
+            for t, rank in enumerate(ranks):
+                entries = {e.name: e for e in rank.index.entries}
+                module = OrderedDict()
+                for own, name in names:
+                    if name not in entries:
+                        raise LayoutError(
+                            state.index.tag_dir, f"{name}: a tensor of layer {layer}'s file with no value"
+                        )
+                    saved = BY_SHORT.get(state.module_dtype_names.get(name, ""), dtype)
+                    module[own] = tensor_of(entries[name].source, saved)
+                files.append(PlannedFile(N.layer_states_name(layer, t), module, None))
     return files
 
 

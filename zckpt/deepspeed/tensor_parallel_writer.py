@@ -156,12 +156,16 @@ def saved_vocabulary_rows(state: TrainingState, info: dict[str, Any] | None) -> 
     if not has_merge_patterns(info) or N.AFFINE_MAP in info or not info.get(N.VOCABULARY_PARAMETER_PATTERNS):
         return None
     saved: dict[str, int] = {}
-    shards = state.tensor_shards or tuple(shard for stage in state.stages for shard in stage.tensor_shards)
-    for shard in shards:
-        for entry in shard.index.entries:
-            rule = merge_rule(info, entry.name, entry.kind == "param")
-            if rule.vocabulary and entry.source.shape:
-                rows = entry.source.shape[0]  # the rank's rows: joined on dim 0, or a copy
-                joined = rule.kind not in ("replicated", "averaged", "copies")
-                saved[entry.name] = saved.get(entry.name, 0) + rows if joined else rows
+    # each pipeline stage's tensor ranks (a tied vocabulary in two stages: each stage's copy whole)
+    groups = [state.tensor_shards] if state.tensor_shards else [stage.tensor_shards for stage in state.stages]
+    for shards in groups:
+        rows_of: dict[str, int] = {}
+        for shard in shards:
+            for entry in shard.index.entries:
+                rule = merge_rule(info, entry.name, entry.kind == "param")
+                if rule.vocabulary and entry.source.shape:
+                    rows = entry.source.shape[0]  # the rank's rows: joined on dim 0, or a copy
+                    joined = rule.kind not in ("replicated", "averaged", "copies")
+                    rows_of[entry.name] = rows_of.get(entry.name, 0) + rows if joined else rows
+        saved.update(rows_of)
     return min(saved.items(), key=lambda item: item[1]) if saved else None

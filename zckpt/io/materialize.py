@@ -98,6 +98,26 @@ def unequal_elements(reader: FileReader, reference: TensorSource, other: TensorS
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def all_zero(reader: FileReader, source: TensorSource, chunk: int) -> bool:
+    """Whether every element of `source` is zero as a value (-0.0 too), read `chunk` elements at a
+    time: memory stays bounded, and the first nonzero chunk ends the read."""
+    dtype = source.dtype
+    bits = _BITS.get(dtype.itemsize) if not dtype.name.startswith("complex") else None
+    # a float's bits less its sign bit (-0.0 is zero); any other dtype's bits whole
+    mask = ((1 << (8 * dtype.itemsize - 1)) - 1) if bits is not None and dtype.is_floating else None
+    for start in range(0, source.numel, chunk):
+        raw = np.empty(min(chunk, source.numel - start), dtype=dtype.numpy_raw)
+        read_range(reader, source, start, raw)
+        if bits is None:
+            nonzero = bool(raw.view(np.uint8).any())
+        else:
+            view = raw.view(bits)
+            nonzero = bool((view & bits(mask)).any() if mask is not None else view.any())
+        if nonzero:
+            return False
+    return True
+
+
 def _unequal(left: np.ndarray, right: np.ndarray) -> int:
     """How many elements of two raw arrays of one element size differ in their stored bits (as
     unsigned integers of that size: 40x faster than comparing bytes and grouping them)."""
