@@ -828,6 +828,51 @@ def test_deepspeed_resumes_a_pipeline_tensor_checkpoint_at_another_tensor_degree
     assert open_checkpoint(loaded / "resaved").topology == Topology(pp=stages, tp=tp, dp=1)
 
 
+@pytest.mark.parametrize("pp, tp", [(1, 2), (2, 1)], ids=["pp1-tp2", "pp2-tp1"])
+def test_deepspeed_resumes_the_universal_checkpoint_of_a_tied_pipeline_tensor_run(
+    tmp_path: Path, pp: int, tp: int
+) -> None:
+    """``to-universal`` of the tied run (where ds_to_universal fails), loaded with ``load_universal``
+    by DeepSpeed's PipelineEngine as one stage of 2 tensor ranks and as 2 stages of 1: saved again,
+    every tensor rank's slices of the stage that holds each layer (the tied module: the first
+    stage's, which trained it) are what the saving run's live engine held, masters and moments."""
+    from safetensors.torch import load_file
+
+    from helpers import TIED_PIPELINE_TENSOR_SAMPLES, megatron_join, megatron_slice, same_bits
+
+    case = TIED_PIPELINE_TENSOR_SAMPLES[0]
+    out = tmp_path / "universal"
+    to_universal(case.checkpoint, out)
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, pp * tp, out, loaded, pp, tp, 1, "universal", "tied", "bf16")
+    resaved = open_training_state(loaded / "resaved")
+    reference = case.folder / "reference"
+    live = {
+        (s, kind): [load_file(reference / f"{kind}_stage{s}_tp{t}.safetensors") for t in range(2)]
+        for s in range(2)
+        for kind in ("live", "live_optimizer")
+    }
+    with FileReader() as reader:
+        for number, stage in enumerate(resaved.stages):
+            for t, shard in enumerate(stage.tensor_shards or [resaved]):
+                for param in shard.params:
+                    if number != 0 and param.name.startswith("tied_modules."):
+                        continue  # a later stage's copy: loaded from the one universal copy, the first stage's
+                    held = 1 if param.name.startswith("2.") else 0
+                    pairs = [(param.master, "live", param.name)]
+                    pairs += [
+                        (param.states[k], "live_optimizer", f"{param.name}.{k}") for k in ("exp_avg", "exp_avg_sq")
+                    ]
+                    for source, kind, key in pairs:
+                        whole = megatron_join(param.name, [h[key] for h in live[(held, kind)]])
+                        value = read_tensor(reader, source).reshape(param.shape)
+                        rows = value.shape[0]  # the vocabulary's: those below 23, DeepSpeed pads with zeros
+                        if "word_embeddings" in key:
+                            rows = max(0, min(rows, 23 - t * rows))
+                        truth = megatron_slice(param.name, whole, tp, t)
+                        assert same_bits(value[:rows], truth[:rows]), (number, t, key)
+
+
 @pytest.mark.parametrize("tp", [2, 4, 1], ids=["own-layout", "tp4", "tp1"])
 def test_deepspeed_resumes_a_tied_pipeline_tensor_checkpoint(tmp_path: Path, tp: int) -> None:
     """The run that ties its embedding to the head across stages (bf16; its head's stage holds a
