@@ -6,6 +6,8 @@ The format layer (``zckpt.deepspeed``) builds these from DeepSpeed's files; ever
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -43,17 +45,31 @@ class TensorSource:
         return self.numel * self.dtype.itemsize
 
 
+class SegmentSlicer:
+    """:func:`slice_segments` for many slices of one source: each found by bisection over the
+    segments' first elements, so cutting a tensor of many segments into many runs (a row-parallel
+    weight's rows) costs a search per run, not a walk from the start."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.starts = list(itertools.accumulate((s.numel for s in source.segments), initial=0))
+
+    def slice(self, start: int, length: int) -> list[Segment]:
+        segments, itemsize = self.source.segments, self.source.dtype.itemsize
+        out, end = [], start + length
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while i < len(segments) and self.starts[i] < end:
+            base, segment = self.starts[i], segments[i]
+            lo, hi = max(start, base), min(end, base + segment.numel)
+            if lo < hi:
+                out.append(Segment(segment.path, segment.offset + (lo - base) * itemsize, hi - lo))
+            i += 1
+        return out
+
+
 def slice_segments(source: TensorSource, start: int, length: int) -> list[Segment]:
     """The segments of elements [start, start + length) of a source (fewer when it is shorter)."""
-    out, base, end = [], 0, start + length
-    for segment in source.segments:
-        lo, hi = max(start, base), min(end, base + segment.numel)
-        if lo < hi:
-            out.append(Segment(segment.path, segment.offset + (lo - base) * source.dtype.itemsize, hi - lo))
-        base += segment.numel
-        if base >= end:
-            break
-    return out
+    return SegmentSlicer(source).slice(start, length)
 
 
 @dataclass(frozen=True, slots=True)

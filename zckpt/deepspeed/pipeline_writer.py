@@ -137,7 +137,8 @@ def plan_pipeline_checkpoint(
     layer_files = [PlannedFile(os.path.basename(f), copied_file(f), None) for f in _layer_files(state)]
     if tensor_parallel is not None and tensor_parallel != tp:
         # each stage cut from the model's tensors, its own copies of params out of step included
-        by_stage = [_cut_tensor_ranks(state, stage, tensor_parallel) for stage in out_stages]
+        model = _cut_tensor_ranks(state, None, tensor_parallel)
+        by_stage = [_cut_tensor_ranks(state, s, tensor_parallel) if s.own_params else model for s in out_stages]
         same = out_stages is state.stages  # else no stage has copies of its own: any stage's cut is the model's
         layer_files = _cut_layer_files(state, by_stage if same else [by_stage[0]] * len(state.stages))
         out_stages = tuple(
@@ -234,10 +235,10 @@ def _layer_files(state: TrainingState) -> list[str]:
     return sorted({f for stage in state.stages for f in stage.layer_files})
 
 
-def _cut_tensor_ranks(state: TrainingState, stage: PipelineStage, tp: int) -> list[TrainingState]:
+def _cut_tensor_ranks(state: TrainingState, stage: PipelineStage | None, tp: int) -> list[TrainingState]:
     """Each of `tp` tensor ranks' state of the model, cut by its merge rules at `tp` ranks, with
     `stage`'s own copies of params it keeps out of step in place of the model's."""
-    own = {p.name: p for p in stage.own_params}
+    own = {p.name: p for p in stage.own_params} if stage is not None else {}
     base = replace(state, params=tuple(own.get(p.name, p) for p in state.params)) if own else state
     return [replace(rank, stages=()) for rank in tensor_ranks_state(base, tp).tensor_shards]
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.errors import LayoutError
-from ..core.index import CheckpointIndex, Entry, Segment, TensorSource, merged_index, slice_segments
+from ..core.index import CheckpointIndex, Entry, Segment, SegmentSlicer, TensorSource, merged_index
 from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
 from ..io.materialize import unequal_elements
@@ -293,6 +293,7 @@ class _Merge:
                 runs.extend((logical, t, shard, length) for logical, shard, length in _rows(piece, name))
         runs.sort()
         position, segments = 0, []
+        slicers = [SegmentSlicer(shard) for shard in shards]
         dtype = shards[0].dtype
         for logical, t, shard, length in runs:
             if logical != position:
@@ -301,7 +302,7 @@ class _Merge:
                 )
             if shards[t].dtype != dtype:
                 raise LayoutError(None, f"{name}: tensor ranks hold it in different dtypes")
-            segments.extend(_slice(shards[t], shard, length))
+            segments.extend(_slice(slicers[t], shard, length))
             position += length
         if position != numel:
             raise LayoutError(None, f"{name}: its affine_map pieces cover {position} of {numel} elements")
@@ -320,12 +321,13 @@ def cut(name: str, source: TensorSource, spec: dict[str, Any], t: int) -> Tensor
         (shard, start, length) for piece in held.get("pieces", []) for start, shard, length in _rows(piece, name)
     )
     position, segments = 0, []
+    slicer = SegmentSlicer(source)
     for shard, start, length in runs:
         if shard != position:
             raise LayoutError(
                 None, f"{name}: tensor rank {t}'s pieces leave elements {position}-{shard} uncovered or overlap"
             )
-        segments.extend(slice_segments(source, start, length))
+        segments.extend(slicer.slice(start, length))
         position += length
     if position != math.prod(shape):
         raise LayoutError(None, f"{name}: tensor rank {t}'s pieces cover {position} of its {math.prod(shape)} elements")
@@ -367,10 +369,11 @@ def _rows(piece: dict[str, Any], name: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def _slice(source: TensorSource, start: int, length: int) -> list[Segment]:
-    out = slice_segments(source, start, length)
+def _slice(slicer: SegmentSlicer, start: int, length: int) -> list[Segment]:
+    out = slicer.slice(start, length)
     if sum(s.numel for s in out) != length:
-        raise LayoutError(source.segments[0].path if source.segments else None, "a shard is shorter than its pieces")
+        segments = slicer.source.segments
+        raise LayoutError(segments[0].path if segments else None, "a shard is shorter than its pieces")
     return out
 
 
