@@ -216,3 +216,21 @@ def test_four_tensor_ranks_and_back_give_deepspeeds_files(tmp_path: Path) -> Non
     reshard(CASE.checkpoint, tmp_path / "tp4", world_size=1, tensor_parallel=4)
     reshard(tmp_path / "tp4", tmp_path / "back", world_size=1, tensor_parallel=2)
     assert same_checkpoint_files(CASE.checkpoint, tmp_path / "back") == []
+
+
+def test_one_tensor_rank_with_the_vocabulary_padded_keeps_the_saved_rows(tmp_path: Path) -> None:
+    """`--tensor-parallel 1 --padded-vocab-size 24`: the stages' vocabulary params keep the 24 rows the
+    tensor ranks saved (the padding row as trained), in the ZeRO files and the layer files alike."""
+    out = tmp_path / "tp1"
+    reshard(CASE.checkpoint, out, world_size=1, tensor_parallel=1, padded_vocab_size=24)
+    state = open_training_state(out)
+    live = _live_by_tensor_rank()
+    with FileReader() as reader:
+        for name in ("0.word_embeddings.weight", "3.lm_head.weight"):
+            param = state.param(name)
+            assert param.shape == (24, 16)
+            whole = torch.cat([live[0][name], live[1][name]])
+            assert same_bits(read_tensor(reader, param.master).reshape(param.shape), whole), name
+    layer = torch.load(out / "global_step3" / "layer_00-model_00-model_states.pt", weights_only=True)
+    assert layer["word_embeddings.weight"].shape == (24, 16)
+    assert verify(str(out)).ok
