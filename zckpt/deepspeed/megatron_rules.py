@@ -120,6 +120,14 @@ class MergeRule:
     vocabulary: bool = False
     sub_params: tuple[str, dict[str, Any]] | None = None  # the matched pattern and its rule
 
+    @property
+    def dim(self) -> int:
+        """The dimension the tensor ranks' slices join on: a sub-param rule's ``partition_dim``, 1
+        for a row-parallel param, else 0."""
+        if self.sub_params is not None:
+            return int(self.sub_params[1].get("partition_dim", 0))
+        return 1 if self.kind == "dim1" else 0
+
 
 def merge_rule(info: dict[str, Any], name: str, trainable: bool = True) -> MergeRule:
     """The rule `info` gives `name`."""
@@ -195,10 +203,7 @@ def shard_shapes(info: dict[str, Any], name: str, shape: Shape, trainable: bool,
     rule = merge_rule(info, name, trainable)
     if rule.kind in ("replicated", "averaged", "copies"):
         return [shape] * tp
-    dim = 1 if rule.kind == "dim1" else 0
-    if rule.kind == "sub_params":
-        assert rule.sub_params is not None
-        dim = int(rule.sub_params[1].get("partition_dim", 0))
+    dim = rule.dim
     if len(shape) <= dim:
         raise LayoutError(None, f"{name}: a {len(shape)}-d tensor cannot be split on dim {dim}")
     unit = 2 * tp if rule.kind == "halves" else tp
@@ -231,9 +236,8 @@ def _blocks(info: dict[str, Any], rule: MergeRule, name: str, shapes: list[Shape
     if rule.kind == "halves":
         return _two_halves(name, shapes)
     if rule.kind == "sub_params":
-        assert rule.sub_params is not None
-        return _sub_params(info, name, shapes, *rule.sub_params)
-    return _concatenated(name, shapes, 1 if rule.kind == "dim1" else 0)
+        return _sub_params(info, name, shapes, rule)
+    return _concatenated(name, shapes, rule.dim)
 
 
 def _concatenated(name: str, shapes: list[Shape], dim: int) -> tuple[list[_Block], Shape]:
@@ -272,14 +276,13 @@ def _sub_param_rule(info: dict[str, Any], name: str) -> tuple[str, dict[str, Any
     return None
 
 
-def _sub_params(
-    info: dict[str, Any], name: str, shapes: list[Shape], pattern: str, rule: dict[str, Any]
-) -> tuple[list[_Block], Shape]:
+def _sub_params(info: dict[str, Any], name: str, shapes: list[Shape], rule: MergeRule) -> tuple[list[_Block], Shape]:
     """Sub-params (a fused q/k/v) on the partition dimension: each rank holds its width of every
     sub-param in turn; the merge concatenates each sub-param over the ranks, then the sub-params."""
-    tp = len(shapes)
-    dim = int(rule.get("partition_dim", 0))
-    declared = list(rule.get("shape") or ())
+    assert rule.sub_params is not None
+    pattern, found = rule.sub_params
+    tp, dim = len(shapes), rule.dim
+    declared = list(found.get("shape") or ())
     if dim >= len(declared) or any(len(s) != len(declared) for s in shapes):
         raise LayoutError(None, f"{name}: its sub-param shape {tuple(declared)} does not fit its slices {shapes}")
     spec = declared[dim]

@@ -128,12 +128,13 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
     assert first.index is not None
     dp = first.index.topology.dp
     order = _module_order(declarations, layers)
+    stage_states = [sub.state for sub in surveys if sub.state is not None]
     try:
-        unused = _copies_out_of_step([sub.state for sub in surveys if sub.state is not None])
+        unused = _copies_out_of_step(stage_states)
     except ZckptError as exc:  # a moment unreadable, or failing its file's CRC-32
         result.problems.append(exc)
         return
-    entries, replicas = _merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order, unused)
+    entries, replicas = merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order, unused)
     if unused:
         names = sorted(unused, key=lambda n: order.get(n, len(order)))
         stages_of = sorted({s for held in unused.values() for s in held})
@@ -174,7 +175,6 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
         [pair for sub in surveys if sub.index is not None for pair in sub.index.rounded_copies],
     )
     try:
-        stage_states = [sub.state for sub in surveys if sub.state is not None]
         result.state = _merged_state(
             result.index, stage_states, order, declarations, [t for t in by_tensor if t is not None], unused
         )
@@ -470,7 +470,7 @@ def _copies_out_of_step(states: list[TrainingState]) -> dict[str, set[int]]:
     return unused
 
 
-def _merged_entries(
+def merged_entries(
     stage_entries: list[tuple[Entry, ...]], order: dict[str, int], unused: dict[str, set[int]]
 ) -> tuple[list[Entry], list[Entry]]:
     """The stages' entries, each name once (the first stage's that holds it in step), in module
@@ -496,28 +496,8 @@ def _merged_state(
     layers: list[list[LayerFile]],
     unused: dict[str, set[int]],
 ) -> TrainingState:
-    """One training state of the stages': their params (tied ones once: the copy of the first
-    stage that keeps it in step), their param groups
-    joined group by group in the one-stage model's order (its optimizer's), the counters and the
-    rest from stage 0 (checked alike), and what each stage held."""
-    first = states[0]
-    counts = {len(s.groups) for s in states}
-    if len(counts) > 1:
-        raise LayoutError(
-            index.tag_dir, f"the stages' optimizers have different numbers of param groups {sorted(counts)}"
-        )
-    params: dict[str, ParamState] = {}
-    for stage, state in enumerate(states):
-        for param in state.params:
-            if stage not in unused.get(param.name, ()):
-                params.setdefault(param.name, param)
-    groups = []
-    for g, group in enumerate(first.groups):
-        members = sorted(
-            dict.fromkeys(name for state in states for name in state.groups[g].params),
-            key=lambda n: order.get(n, len(order)),
-        )
-        groups.append(replace(group, params=tuple(members)))
+    """One training state of the stages' (:func:`joined_states`) and what each stage held."""
+    first = joined_states(states, order, unused, index.tag_dir)
     stages = tuple(
         PipelineStage(
             params=tuple(p.name for p in state.params),
@@ -535,15 +515,39 @@ def _merged_state(
         )
         for number, (state, declaration) in enumerate(zip(states, declarations))
     )
+    return replace(first, index=index, stages=stages, tensor_shards=())  # each stage's shards: its PipelineStage
+
+
+def joined_states(
+    states: list[TrainingState], order: dict[str, int], unused: dict[str, set[int]], tag_dir: str
+) -> TrainingState:
+    """The stages' training states (or one tensor rank's of each stage) as one: their params, a
+    tied one once (the copy of the first stage that keeps it in step: `unused` names the stages
+    that do not), their param groups joined group by group in `order` (the one-stage model's,
+    its optimizer's), their module names and dtypes, the counters and the rest from the first
+    stage (checked alike)."""
+    first = states[0]
+    counts = {len(s.groups) for s in states}
+    if len(counts) > 1:
+        raise LayoutError(tag_dir, f"the stages' optimizers have different numbers of param groups {sorted(counts)}")
+    params: dict[str, ParamState] = {}
+    for stage, state in enumerate(states):
+        for param in state.params:
+            if stage not in unused.get(param.name, ()):
+                params.setdefault(param.name, param)
+    groups = []
+    for g, group in enumerate(first.groups):
+        members = sorted(
+            dict.fromkeys(name for state in states for name in state.groups[g].params),
+            key=lambda n: order.get(n, len(order)),
+        )
+        groups.append(replace(group, params=tuple(members)))
     module_names = sorted({n for s in states for n in s.module_names}, key=lambda n: order.get(n, len(order)))
     return replace(
         first,
-        index=index,
         params=tuple(params[name] for group in groups for name in group.params),
         groups=tuple(groups),
         module_names=tuple(module_names),
         module_dtype_names={k: v for s in states for k, v in s.module_dtype_names.items()},
         state_padding=tuple(p for s in states for p in s.state_padding),
-        stages=stages,
-        tensor_shards=(),  # each stage's, in its PipelineStage
     )

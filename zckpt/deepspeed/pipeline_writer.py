@@ -24,6 +24,7 @@ from ..core.errors import LayoutError, UsageError
 from ..core.state import PipelineStage, TrainingState
 from ..core.topology import Topology
 from . import names as N
+from .pipeline import joined_states, merged_entries
 from .tensor_parallel_writer import tensor_ranks_state
 from .writer import (
     CheckpointPlan,
@@ -196,38 +197,20 @@ def stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
 
 
 def tensor_rank_state(state: TrainingState, tensor: int) -> TrainingState:
-    """Tensor rank `tensor`'s shards of every stage of a pipeline x tensor run, as one state (its
-    stages' params, groups and module tensors in stage order), which :func:`stage_state` cuts
-    into the stages of another layout. A module tied across stages is each stage's copy: the
-    first stage's is taken (the others hold the same bits: verify compares them)."""
+    """Tensor rank `tensor`'s shards of every stage of a pipeline x tensor run, joined as the
+    reader joins the stages (:func:`~.pipeline.joined_states`; a tied module's copy the first
+    stage's that keeps it in step), which :func:`stage_state` cuts into the stages of another
+    layout."""
     shards = [stage.tensor_shards[tensor] for stage in state.stages]
-    first = shards[0]
-    if any(len(shard.groups) != len(first.groups) for shard in shards):
-        raise UsageError(None, "the stages' optimizers hold different numbers of param groups: cannot join them")
-    params: dict[str, Any] = {}
-    entries: dict[str, Any] = {}
-    dtypes: dict[str, str] = {}
-    for shard in shards:
-        for param in shard.params:
-            params.setdefault(param.name, param)
-        for entry in shard.index.entries:
-            entries.setdefault(entry.name, entry)
-        for name, dtype in shard.module_dtype_names.items():
-            dtypes.setdefault(name, dtype)
-    groups = tuple(
-        replace(group, params=tuple(dict.fromkeys(n for shard in shards for n in shard.groups[i].params)))
-        for i, group in enumerate(first.groups)
-    )
+    order = {name: i for i, name in enumerate(state.module_names)}
+    unused: dict[str, set[int]] = {}
+    for number, stage in enumerate(state.stages):
+        for param in stage.own_params:
+            unused.setdefault(param.name, set()).add(number)
+    joined = joined_states(shards, order, unused, state.index.tag_dir)
+    entries, _ = merged_entries([shard.index.entries for shard in shards], order, unused)
     return replace(
-        first,
-        index=replace(first.index, entries=tuple(entries.values())),
-        params=tuple(params.values()),
-        groups=groups,
-        module_names=tuple(dict.fromkeys(n for shard in shards for n in shard.module_names)),
-        module_dtype_names=dtypes,
-        state_padding=(),
-        rank_buffers=(),
-        stages=(),
+        joined, index=replace(joined.index, entries=tuple(entries)), state_padding=(), rank_buffers=(), stages=()
     )
 
 
