@@ -89,6 +89,10 @@ class _Package(types.ModuleType):
         types.ModuleType.__setattr__(self, name, value)
         return value
 
+    def __dir__(self) -> list[str]:
+        # the lazy API too, not yet imported: dir(zckpt) and a notebook's tab completion list it
+        return sorted(set(self.__dict__) | set(_API))
+
     def __setattr__(self, name: str, value: Any) -> None:
         # importing a submodule binds it as an attribute of the package: one named like an API
         # function (`zckpt.consolidate` was, before the layers) must not replace the function
@@ -99,7 +103,7 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is written (pyproject reads it)
 
 __all__ = [
     "CheckpointNotFoundError",
