@@ -29,9 +29,9 @@ def modules() -> list[Path]:
 
 
 # --- the layers ----------------------------------------------------------------------------------
-# Each part of the package (a subpackage, or one of the two top modules) and the parts it may
+# Each part of the package (a subpackage, or a top module: __init__, __main__, compat) and the parts it may
 # import besides itself, lowest layer first: core -> io -> torchfile -> {hf, deepspeed} -> ops ->
-# trainer -> cli. The container (torchfile) sits below the two formats that use it; hf and
+# {trainer, compat} -> cli. The container (torchfile) sits below the two formats that use it; hf and
 # deepspeed never import each other (operations compose them); io moves bytes and knows no format.
 # Function-level imports (lazy ones, TYPE_CHECKING ones) count as much as the module's own.
 BELOW_OPS = {"core", "io", "torchfile", "hf", "deepspeed"}
@@ -43,6 +43,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "deepspeed": {"core", "io", "torchfile"},
     "ops": BELOW_OPS,
     "trainer": BELOW_OPS | {"ops"},  # its round trip drives the operations; no operation knows the trainer
+    # zckpt.compat: DeepSpeed's zero_to_fp32 functions by name, a facade over the operations
+    "compat": BELOW_OPS | {"ops"},
     "cli": BELOW_OPS | {"ops", "trainer", "zckpt"},  # zckpt: the package's __version__
     "zckpt": {"core", "io", "deepspeed", "ops"},  # __init__: the errors, the start-up signal handler, the lazy API
     "__main__": {"io", "cli"},

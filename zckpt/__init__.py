@@ -7,6 +7,8 @@ Python API::
     for name, tensor in zckpt.iter_tensors("runs/ckpt", dtype="bf16"):
         ...                                                      # one tensor in memory at a time
     zckpt.load_into_module(model, "runs/ckpt")                   # strict key check
+    with zckpt.open("runs/ckpt") as ckpt:                        # keyed, like safetensors' safe_open
+        ckpt.get_tensor("lm_head.weight")                        # one tensor read at a time
     zckpt.consolidate("runs/ckpt", "out/")                       # model.safetensors
     zckpt.inspect_path("runs/ckpt")                              # the `zckpt inspect --json` report
     zckpt.reshard("runs/ckpt", "runs/ckpt-8", world_size=8)      # DeepSpeed checkpoint for 8 ranks
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from .ops.dcp import to_dcp
     from .ops.diff import DiffReport, diff
     from .ops.inspect import inspect_path
+    from .ops.lazy import LazyCheckpoint, open  # noqa: F401 (not in __all__: see there)
     from .ops.reshard import plan_reshard, reshard
     from .ops.universal import plan_to_universal, to_universal
     from .ops.weights_folder import plan_consolidation
@@ -73,6 +76,8 @@ _API = {
     "DiffReport": ".ops.diff",
     "diff": ".ops.diff",
     "inspect_path": ".ops.inspect",
+    "open": ".ops.lazy",
+    "LazyCheckpoint": ".ops.lazy",
     "plan_reshard": ".ops.reshard",
     "reshard": ".ops.reshard",
     "plan_to_universal": ".ops.universal",
@@ -105,11 +110,13 @@ sys.modules[__name__].__class__ = _Package
 
 __version__ = "0.2.0"  # the one place the version is written (pyproject reads it)
 
+# `open` (zckpt.open) is left out: `from zckpt import *` must not replace the builtin open
 __all__ = [
     "CheckpointNotFoundError",
     "CorruptFileError",
     "DiffReport",
     "LayoutError",
+    "LazyCheckpoint",
     "OutputError",
     "UnsafePathError",
     "UnsafePickleError",
