@@ -124,9 +124,16 @@ class LazyCheckpoint:
         ``fp32``, ``bf16``, ``fp16``, a torch dtype, or None for the dtype it is stored in);
         integer buffers keep theirs. Every record its bytes come from passes its CRC-32 check
         before it is returned (once per record), unless opened with ``verify=False``."""
-        entry = self.entry(name)
+        return self._read(name, self._output_dtype(name, dtype))
+
+    def _output_dtype(self, name: str, dtype: Any) -> DType:
+        """The dtype `name` comes out in, `dtype` asked for (or the one open() was given)."""
+        stored = self.entry(name).source.dtype
         target = self._dtype if dtype is _OPEN_DTYPE else _target(dtype)
-        out = target if target is not None and entry.source.dtype.is_floating else entry.source.dtype
+        return target if target is not None and stored.is_floating else stored
+
+    def _read(self, name: str, out: DType) -> "torch.Tensor":
+        entry = self.entry(name)
         with self._lock:
             if self._closed:
                 raise ValueError(f"{self.index.tag_dir} is closed: open it again to read {name}")
@@ -139,10 +146,7 @@ class LazyCheckpoint:
 
     def get_lazy(self, name: str, *, dtype: Any = _OPEN_DTYPE) -> "LazyTensor":
         """A :class:`LazyTensor` for `name`: its shape and dtype now, its values on ``.contiguous()``."""
-        entry = self.entry(name)
-        target = self._dtype if dtype is _OPEN_DTYPE else _target(dtype)
-        out = target if target is not None and entry.source.dtype.is_floating else entry.source.dtype
-        return LazyTensor(self, name, out)
+        return LazyTensor(self, name, self._output_dtype(name, dtype))
 
     def close(self) -> None:
         with self._lock:
@@ -184,7 +188,7 @@ class LazyTensor:
         return self._dtype.torch()
 
     def contiguous(self) -> "torch.Tensor":
-        return self._checkpoint.get_tensor(self.name, dtype=self._dtype)
+        return self._checkpoint._read(self.name, self._dtype)
 
     def __repr__(self) -> str:
         return f"LazyTensor({self.name!r}, shape={list(self.shape)}, dtype={self._dtype.name})"
