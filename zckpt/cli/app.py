@@ -3,16 +3,12 @@ report is rendered here, in the command's module, never in the library). One mod
 registers it on the app (:mod:`.shared`); :mod:`.errors` maps errors to exit codes,
 :mod:`.signals` turns termination signals into the cleanup that errors get.
 
-Exit codes: 0 success; 1 bad input or a failed write (one line on stderr naming the file and
-the problem; ``ZCKPT_DEBUG=1`` or ``--debug`` shows the traceback); 2 bad usage (unknown
-option, bad value, options that contradict each other or the input); 3 ``inspect`` found the
-checkpoint incomplete or inconsistent, or ``diff`` found A and B different (the command worked
-and the answer is no, which a script can tell from 1, could not compare); 128 + the signal's number when stopped by a signal (130
-SIGINT/Ctrl-C, 143 SIGTERM from kill, timeout or Slurm, 129 SIGHUP), after removing its
-temporary files and staging folders.
-
-``consolidate`` also takes zero_to_fp32.py's spellings (``--max_shard_size``,
-``--exclude_frozen_parameters``, ``--safe_serialization``, ``-t``, ``-d``/``--debug``).
+The exit codes are one table, :mod:`.exit_codes`, which ``zckpt --help`` renders. The options
+several commands take are defined once (:mod:`.shared`), one spelling per idea; old spellings
+stay as hidden aliases (``to-universal --target-stage``, zero_to_fp32.py's ``--max_shard_size``,
+``--exclude_frozen_parameters``, ``--safe_serialization``), and tests/test_cli/test_option_names.py
+holds every command's options to one table of names. A command's last output goes through
+:func:`.output.finish`, after which no signal changes the outcome.
 """
 
 from __future__ import annotations
@@ -20,11 +16,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import typer
-
 from ..io.interrupts import exit_without_teardown
 from ..io.jobs import leave_job
 from .errors import EXIT_USAGE, RECEIVED
+from .output import finish, ignore_signals
 from .shared import app
 from .signals import catch_signals
 
@@ -54,11 +49,12 @@ def main() -> None:
         exc.show()
         code = EXIT_USAGE
     except ClickUsageError as exc:  # an unknown option or command, a bad option value, a missing argument
-        typer.echo(_usage_line(exc), err=True)
+        finish((_usage_line(exc), True))
         code = EXIT_USAGE
     except ClickException as exc:
-        typer.echo(f"zckpt: error: {exc.format_message()}", err=True)
+        finish((f"zckpt: error: {exc.format_message()}", True))
         code = exc.exit_code
+    ignore_signals()  # finished (help, version, completion too): a signal now changes nothing
     code = code if isinstance(code, int) else 0
     leave_job(code)  # a torchrun process: out at once (see leave_job)
     if RECEIVED:

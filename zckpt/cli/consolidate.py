@@ -10,16 +10,24 @@ import typer
 
 from .errors import EXIT_USAGE, fail, guarded
 from .shared import (
+    CHECKPOINT_HELP,
     Command,
+    DebugOption,
+    JsonOption,
     NoVerifyOption,
     QuietOption,
     SwapFolderOption,
     TagOption,
+    Timer,
     TpRulesOption,
     WaitOption,
     app,
+    checkpoint_and_tag,
+    emit,
     swap_notes,
     with_progress,
+    write_report,
+    written,
 )
 
 
@@ -56,7 +64,9 @@ def consolidate(
     checkpoint: Annotated[
         Path,
         typer.Argument(
-            metavar="CHECKPOINT", help="DeepSpeed checkpoint folder (holding 'latest'), or one tag folder inside it."
+            metavar="CHECKPOINT",
+            help=CHECKPOINT_HELP
+            + " With --merge-into or a PEFT run, the checkpoint-N folder of the adapter's training; with -f lightning, the .ckpt folder.",
         ),
     ],
     output_dir: Annotated[
@@ -104,7 +114,9 @@ def consolidate(
     safe_serialization: Annotated[
         bool,
         typer.Option(
-            "--safe_serialization", help="Accepted for zero_to_fp32.py's users: safetensors is already the default."
+            "--safe_serialization",
+            hidden=True,
+            help="Accepted for zero_to_fp32.py's users: safetensors is already the default.",
         ),
     ] = False,
     peft: Annotated[
@@ -128,10 +140,9 @@ def consolidate(
         typer.Option("--overwrite", help="Replace weights files already in OUTPUT_DIR (stale shards are removed)."),
     ] = False,
     quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
     no_verify: NoVerifyOption = False,
-    debug: Annotated[
-        bool, typer.Option("--debug", "-d", help="Show the Python traceback of an error (as ZCKPT_DEBUG=1 does).")
-    ] = False,
     swap_folder: SwapFolderOption = None,
     tp_rules: TpRulesOption = None,
     wait: WaitOption = False,
@@ -159,8 +170,10 @@ def consolidate(
     if safe_serialization and format is not Format.safetensors:
         fail(f"--safe_serialization asks for safetensors, but --format {format.value} was given", EXIT_USAGE)
     target = guarded(lambda: output_dtype(dtype), debug) if dtype is not None else None
+    checkpoint, tag = checkpoint_and_tag(checkpoint, tag, debug)
+    timer = Timer()
     result = with_progress(
-        quiet,
+        quiet or as_json,
         "consolidating",
         lambda progress: run_consolidate(
             checkpoint,
@@ -182,14 +195,34 @@ def consolidate(
         ),
         debug,
     )
-    if not quiet:
-        index = result.index
-        what = {"adapter": "PEFT adapter: ", "merged": f"adapter merged into {merge_into}: "}.get(result.peft or "", "")
-        typer.echo(
-            f"wrote {what}{result.tensors} tensors ({format_size(result.bytes_written)}, {result.dtype.short}) from "
-            f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {file_list(result.files)}"
-        )
-        for note in index.notes:
-            if note.startswith(RUN_FOLDER_NOTES) or note == LEGACY_NOTE:
-                typer.echo(f"note: {note}", err=True)
-    swap_notes(swap_folder, result.index.notes, quiet)
+    index = result.index
+    notes = [n for n in index.notes if n.startswith(RUN_FOLDER_NOTES) or n == LEGACY_NOTE]
+    notes += [n for n in swap_notes(swap_folder, index.notes) if n not in notes]
+    what = {"adapter": "PEFT adapter: ", "merged": f"adapter merged into {merge_into}: "}.get(result.peft or "", "")
+    text = (
+        f"wrote {what}{result.tensors} tensors ({format_size(result.bytes_written)}, {result.dtype.short}) from "
+        f"{index.tag} (ZeRO-{index.zero_stage}, world size {index.world_size}) to {output_dir}: {file_list(result.files)}"
+    )
+    obj = write_report(
+        "consolidate",
+        inputs={
+            "checkpoint": str(checkpoint),
+            "tag": index.tag,
+            "zero_stage": index.zero_stage,
+            "world_size": index.world_size,
+            "swap_folder": None if swap_folder is None else str(swap_folder),
+            "merge_into": None if merge_into is None else str(merge_into),
+        },
+        outputs={
+            "output_dir": str(output_dir),
+            "format": format.value,
+            "dtype": result.dtype.short,
+            "peft": result.peft,
+        },
+        files=written(output_dir, result.files),
+        tensors=result.tensors,
+        seconds=timer.seconds,
+        notes=notes,
+        tensor_bytes=result.bytes_written,
+    )
+    emit(as_json, quiet, obj, text, notes, notes_first=False)

@@ -5,14 +5,23 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .errors import EXIT_DIFFERENT
-from .shared import Command, NoVerifyOption, app, with_progress
+from .shared import (
+    Command,
+    DebugOption,
+    JsonOption,
+    NoVerifyOption,
+    QuietOption,
+    app,
+    emit,
+    schema,
+    with_progress,
+)
 
 if TYPE_CHECKING:
     from ..ops.diff import DiffReport, TensorDiff
@@ -29,7 +38,7 @@ if TYPE_CHECKING:
         "  zckpt diff a/model.safetensors b/pytorch_model.bin --json | jq .differing\n\n"
         "Equal means: the same names and shapes, and every element within "
         "atol + rtol * |B| (NaN equals NaN at the same position); dtype differences are "
-        "listed but do not count. Exit 0 equal, 3 different, 1 unreadable input, 2 bad option."
+        "listed but do not count."
     ),
 )
 def diff(
@@ -37,7 +46,7 @@ def diff(
         Path,
         typer.Argument(
             metavar="A",
-            help="A DeepSpeed checkpoint (folder, tag folder, checkpoint-N), a universal folder, or weights: a .safetensors or torch .bin/.pt file, an .index.json, or their folder.",
+            help="What CHECKPOINT is in the other commands (a checkpoint folder, its 'latest' file, a tag, universal, checkpoint-N or Lightning folder), or weights: a .safetensors or torch .bin/.pt file, an .index.json, or their folder.",
         ),
     ],
     b: Annotated[
@@ -59,7 +68,9 @@ def diff(
             help="Also compare optimizer states (exp_avg, ..., steps, hyperparameters, counters); a side without them (weights) makes the states differ.",
         ),
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON.")] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
     no_verify: NoVerifyOption = False,
 ) -> None:
     """Compare two checkpoints or weights outputs tensor by tensor, streaming (bounded memory).
@@ -71,14 +82,14 @@ def diff(
     from ..ops.diff import diff as run_diff
 
     report = with_progress(
-        False,
+        quiet or as_json,
         "comparing",
         lambda progress: run_diff(a, b, atol=atol, rtol=rtol, states=states, progress=progress, verify=not no_verify),
+        debug,
     )
-    for side in (report.a, report.b):
-        for note in side.notes:
-            typer.echo(f"note: {note}", err=True)
-    typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
+    notes = [note for side in (report.a, report.b) for note in side.notes]  # --json: in its a and b
+    obj = {"schema": schema("diff"), **report.to_dict()}
+    emit(as_json, quiet, obj, None if as_json or quiet else render(report), notes)
     if not report.equal:
         raise typer.Exit(EXIT_DIFFERENT)
 

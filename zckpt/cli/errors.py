@@ -1,6 +1,6 @@
-"""Exit codes, and the one table from the library's errors to them: a command that fails says
+"""The one table from the library's errors to exit codes: a command that fails says
 one line on stderr (``zckpt: error: ...``, naming the file) and exits with the code its error's
-type has in :data:`ERROR_EXITS`.
+type has in :data:`ERROR_EXITS` (what the codes mean: :mod:`.exit_codes`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from typing import Any, Callable
 import typer
 
 from ..core.errors import Interrupted, UsageError, ZckptError
+from .exit_codes import ANSWER_NO, BAD_INPUT, INTERRUPTED, USAGE
+from .output import finish
 
-EXIT_BAD_INPUT = 1
-EXIT_USAGE = 2
-EXIT_INCOMPLETE = 3
-EXIT_DIFFERENT = 3  # diff: A and B differ; like inspect's 3, the command worked and the answer is no
-EXIT_INTERRUPTED = 130  # 128 + SIGINT; any caught signal exits 128 + its number (SIGTERM: 143)
+# the codes by the names the commands use (their meanings: the table in .exit_codes)
+EXIT_BAD_INPUT = BAD_INPUT
+EXIT_USAGE = USAGE
+EXIT_INCOMPLETE = ANSWER_NO
+EXIT_DIFFERENT = ANSWER_NO  # diff: A and B differ; like inspect's 3, the command worked and the answer is no
+EXIT_INTERRUPTED = INTERRUPTED  # 128 + SIGINT; any caught signal exits 128 + its number (SIGTERM: 143)
 
 # What a library call's error makes the command say, and its exit code: the first type in this
 # order that the error is (a UsageError is a ZckptError too; an Interrupted a KeyboardInterrupt).
@@ -47,7 +50,8 @@ def exit_for(exc: BaseException) -> tuple[str, int]:
 
 
 def fail(message: str, code: int) -> None:
-    typer.echo(f"zckpt: error: {message}", err=True)
+    """The one line on stderr, and exit `code`: the command has finished (see finish)."""
+    finish((f"zckpt: error: {message}", True))
     raise typer.Exit(code)
 
 

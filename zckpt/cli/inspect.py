@@ -13,7 +13,7 @@ import typer
 
 from ..core.sizes import format_size
 from .errors import EXIT_INCOMPLETE, guarded
-from .shared import Command, TagOption, TpRulesOption, app
+from .shared import Command, DebugOption, JsonOption, QuietOption, TagOption, TpRulesOption, app, emit, schema
 
 
 @app.command(
@@ -32,11 +32,13 @@ def inspect(
         Path,
         typer.Argument(
             metavar="PATH",
-            help="A DeepSpeed checkpoint folder or tag folder, a consolidated folder, a .safetensors file, an .index.json, or a torch .bin/.pt file.",
+            help="What CHECKPOINT is in the other commands (a checkpoint folder, its 'latest' file, a tag, universal, checkpoint-N or Lightning folder), a consolidated folder, a .safetensors file, an .index.json, a torch .bin/.pt file, or a ZeRO-Infinity swap folder.",
         ),
     ],
     tag: TagOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
     verify: Annotated[
         bool,
         typer.Option(
@@ -57,8 +59,8 @@ def inspect(
     """Tell what a checkpoint, weights file or live ZeRO-Infinity swap folder holds and whether it is complete (exit 3 if not)."""
     from ..ops.inspect import inspect_path
 
-    report = guarded(lambda: inspect_path(path, tag, verify, checkpoint=checkpoint, tp_rules=tp_rules))
-    typer.echo(json.dumps(report, indent=2) if as_json else render(report))
+    report = guarded(lambda: inspect_path(path, tag, verify, checkpoint=checkpoint, tp_rules=tp_rules), debug)
+    emit(as_json, quiet, {"schema": schema("inspect"), **report}, None if as_json or quiet else render(report))
     if not report["complete"]:
         raise typer.Exit(EXIT_INCOMPLETE)
 

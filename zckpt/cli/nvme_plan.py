@@ -14,7 +14,7 @@ import typer
 from ..core.sizes import format_size
 from ..deepspeed import swap_rules as R
 from .errors import EXIT_INCOMPLETE, guarded
-from .shared import Command, app
+from .shared import CONFIG_METAVAR, Command, DebugOption, JsonOption, QuietOption, app, emit, schema
 
 if TYPE_CHECKING:
     from ..ops.nvme_plan import NvmePlan
@@ -28,10 +28,9 @@ if TYPE_CHECKING:
         "\b\nExamples:\n"
         "  zckpt nvme-plan Qwen3-0.6B/config.json             # settings, JSON to paste\n"
         "  zckpt nvme-plan runs/ckpt --config ds_config.json  # which settings fail\n"
-        "  zckpt nvme-plan model/ --world-size 8 --memory-budget 32GB\n"
+        "  zckpt nvme-plan model/ -w 8 --memory-budget 32GB\n"
         "  zckpt nvme-plan model/ --json | jq .config_snippet\n\n"
-        "Pinned memory and --memory-budget are per rank. Exit 0 when the plan fits the budget and "
-        "the given config would not fail, 3 otherwise, 1 unreadable input, 2 bad option."
+        "Pinned memory and --memory-budget are per rank."
     ),
 )
 def nvme_plan(
@@ -45,7 +44,11 @@ def nvme_plan(
     world_size: Annotated[
         Optional[int],
         typer.Option(
-            "--world-size", metavar="N", min=1, help="Ranks the run partitions over (default: a checkpoint's, else 1)."
+            "--world-size",
+            "-w",
+            metavar="N",
+            min=1,
+            help="Ranks the run partitions over (default: a checkpoint's, else 1).",
         ),
     ] = None,
     dtype: Annotated[
@@ -60,7 +63,7 @@ def nvme_plan(
         Optional[Path],
         typer.Option(
             "--config",
-            metavar="JSON",
+            metavar=CONFIG_METAVAR,
             help="The run's DeepSpeed config: its aio, sub_group_size, pipelining and nvme_path are used, and each swap setting that would fail is named.",
         ),
     ] = None,
@@ -77,7 +80,9 @@ def nvme_plan(
             help="Count every param of MODEL as frozen, as the base of a PEFT (LoRA) run is: no optimizer state, all kept on NVMe.",
         ),
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON.")] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
 ) -> None:
     """Plan ZeRO-3 NVMe offload: offload_param buffer_size, buffer_count and max_in_cpu and
     offload_optimizer buffer_count with which DeepSpeed's swap-buffer assertions cannot fire,
@@ -87,9 +92,15 @@ def nvme_plan(
     report = guarded(
         lambda: plan_nvme(
             model, world_size=world_size, dtype=dtype, config=config, memory_budget=memory_budget, frozen=frozen
-        )
+        ),
+        debug,
     )
-    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
+    emit(
+        as_json,
+        quiet,
+        {"schema": schema("nvme-plan"), **report.as_dict()},
+        None if as_json or quiet else render(report),
+    )
     if not report.ok:
         raise typer.Exit(EXIT_INCOMPLETE)
 

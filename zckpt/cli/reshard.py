@@ -9,19 +9,29 @@ import typer
 
 from .errors import EXIT_USAGE, fail
 from .shared import (
+    CHECKPOINT_HELP,
+    CONFIG_METAVAR,
     Command,
+    DebugOption,
+    JsonOption,
     NoVerifyOption,
     QuietOption,
-    Stage,
+    StageOption,
     SwapFolderOption,
     TagOption,
+    Timer,
     TpRulesOption,
     WaitOption,
     WorkersOption,
+    WorldSizeOption,
     app,
+    checkpoint_and_tag,
+    emit,
     primary_process,
     swap_notes,
     with_progress,
+    write_report,
+    written,
 )
 
 
@@ -44,7 +54,7 @@ def reshard(
         Path,
         typer.Argument(
             metavar="CHECKPOINT",
-            help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a Hugging Face checkpoint-N folder.",
+            help=CHECKPOINT_HELP,
         ),
     ],
     output_dir: Annotated[
@@ -54,19 +64,14 @@ def reshard(
             help="Checkpoint folder to write (created if missing): latest, the tag folder, and the files beside it.",
         ),
     ],
-    world_size: Annotated[
-        int, typer.Option("--world-size", "-w", metavar="M", help="Data-parallel ranks of the run that will load it.")
-    ],
-    stage: Annotated[
-        Optional[Stage],
-        typer.Option("--stage", metavar="STAGE", help="ZeRO stage of that run: 1, 2 or 3 (default: the checkpoint's)."),
-    ] = None,
+    world_size: WorldSizeOption,
+    stage: StageOption = None,
     tag: TagOption = None,
     config: Annotated[
         Optional[Path],
         typer.Option(
             "--config",
-            metavar="FILE",
+            metavar=CONFIG_METAVAR,
             help="The target run's DeepSpeed config JSON: its layout settings (round_robin_gradients, sub_group_size, parameter_alignment, ...) override the checkpoint's.",
         ),
     ] = None,
@@ -76,6 +81,8 @@ def reshard(
         typer.Option("--overwrite", help="Replace the tag folder and carried files if OUTPUT_DIR has them already."),
     ] = False,
     quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
     tp_rules: TpRulesOption = None,
@@ -139,9 +146,11 @@ def reshard(
             layer_parts = tuple(int(part) for part in layer_partition.split(","))
         except ValueError:
             fail(f"--layer-partition {layer_partition}: comma-separated layer numbers are expected", EXIT_USAGE)
+    checkpoint, tag = checkpoint_and_tag(checkpoint, tag, debug)
     primary = primary_process()
+    timer = Timer()
     result = with_progress(
-        quiet or not primary,
+        quiet or as_json or not primary,
         "resharding",
         lambda progress: run_reshard(
             checkpoint,
@@ -163,27 +172,56 @@ def reshard(
             tensor_parallel=tensor_parallel,
             padded_vocab_size=padded_vocab_size,
         ),
+        debug,
     )
-    if primary:
-        swap_notes(swap_folder, result.source.index.notes, quiet)
-    if not quiet and primary:
-        source = result.source.index
-        dp = result.target.world_size
-        out_stages = 1
-        if result.source.stages:
-            out_stages = len(layer_parts) - 1 if layer_parts else pipeline_stages or len(result.source.stages)
-        tp = source.topology.tp if tensor_parallel is None else tensor_parallel
-        world, shape = f"{dp * out_stages * tp}", ""
-        if out_stages > 1 or tp > 1:
-            parts = [f"{out_stages} pipeline stage{'s' * (out_stages != 1)}"] if out_stages > 1 else []
-            parts += [f"{tp} tensor ranks"] if tp > 1 else []
-            shape = f" ({' x '.join(parts)} x {dp} data-parallel rank{'s' * (dp != 1)})"
-        if expert_parallel is not None:
-            shape = f" (expert-parallel {expert_parallel}, was {source.topology.ep})"
-        typer.echo(
-            f"wrote {result.tag} for world size {world}{shape} (ZeRO-{result.target.stage}) from world size "
-            f"{source.world_size} (ZeRO-{source.zero_stage}): {len(result.files)} files, {format_size(result.bytes_written)}"
-            + (f", {len(result.carried)} files carried" if result.carried else "")
-            + (f", {len(result.dropped)} left out ({', '.join(result.dropped)})" if result.dropped else "")
-            + f" -> {output_dir}"
-        )
+    if not primary:  # the first process of a torchrun job reports
+        return
+    source = result.source.index
+    dp = result.target.world_size
+    out_stages = 1
+    if result.source.stages:
+        out_stages = len(layer_parts) - 1 if layer_parts else pipeline_stages or len(result.source.stages)
+    tp = source.topology.tp if tensor_parallel is None else tensor_parallel
+    world, shape = f"{dp * out_stages * tp}", ""
+    if out_stages > 1 or tp > 1:
+        parts = [f"{out_stages} pipeline stage{'s' * (out_stages != 1)}"] if out_stages > 1 else []
+        parts += [f"{tp} tensor ranks"] if tp > 1 else []
+        shape = f" ({' x '.join(parts)} x {dp} data-parallel rank{'s' * (dp != 1)})"
+    if expert_parallel is not None:
+        shape = f" (expert-parallel {expert_parallel}, was {source.topology.ep})"
+    text = (
+        f"wrote {result.tag} for world size {world}{shape} (ZeRO-{result.target.stage}) from world size "
+        f"{source.world_size} (ZeRO-{source.zero_stage}): {len(result.files)} files, {format_size(result.bytes_written)}"
+        + (f", {len(result.carried)} files carried" if result.carried else "")
+        + (f", {len(result.dropped)} left out ({', '.join(result.dropped)})" if result.dropped else "")
+        + f" -> {output_dir}"
+    )
+    notes = swap_notes(swap_folder, result.source.index.notes)
+    names = [f"{result.tag}/{name}" for name in result.files] + ["latest", *result.carried]
+    obj = write_report(
+        "reshard",
+        inputs={
+            "checkpoint": str(checkpoint),
+            "tag": source.tag,
+            "zero_stage": source.zero_stage,
+            "world_size": source.world_size,
+            "swap_folder": None if swap_folder is None else str(swap_folder),
+        },
+        outputs={
+            "output_dir": str(output_dir),
+            "tag": result.tag,
+            "zero_stage": result.target.stage,
+            "world_size": int(world),
+            "data_parallel": dp,
+            "pipeline_stages": out_stages,
+            "tensor_parallel": tp,
+            "carried": list(result.carried),
+            "left_out": list(result.dropped),
+        },
+        files=written(output_dir, names),
+        tensors=None,  # the files hold flat partitions, not one tensor per param
+        seconds=timer.seconds,
+        notes=notes,
+        params=len(result.source.params),
+    )
+    emit(as_json, quiet, obj, text, notes)

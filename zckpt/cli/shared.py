@@ -4,21 +4,31 @@ progress bars, and which process of a torchrun job reports.
 
 from __future__ import annotations
 
+import copy
 import enum
+import json
 import os
 import sys
+import time
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Optional, Sequence
 
 import typer
 from typer.core import TyperCommand
 
 from .errors import guarded
+from .exit_codes import command_line, table_text
+from .output import finish
+
+# Old spellings that keep working but are not shown: scripts have them (to-universal's
+# --target-stage, now --stage as on reshard; zero_to_fp32.py's underscored flags)
+HIDDEN_SPELLINGS = frozenset({"--target-stage", "--max_shard_size", "--exclude_frozen_parameters"})
 
 
 class Command(TyperCommand):
     """Plain click help: ``CHECKPOINT OUTPUT_DIR`` in the usage line and the argument list,
-    no type placeholders (``<path>``, ``<bool>``) where no value is taken."""
+    no type placeholders (``<path>``, ``<bool>``) where no value is taken, hidden aliases left
+    out, and the command's line of the exit-code table (:mod:`.exit_codes`) at the end."""
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -31,22 +41,37 @@ class Command(TyperCommand):
     def format_options(self, ctx: Any, formatter: Any) -> None:
         params = self.get_params(ctx)
         arguments = [(p.metavar or p.name.upper(), p.help or "") for p in params if p.param_type_name == "argument"]
-        options = [r for p in params if p.param_type_name == "option" and (r := p.get_help_record(ctx))]
+        options = [r for p in params if p.param_type_name == "option" and (r := _shown(p).get_help_record(ctx))]
         for title, rows in (("Arguments", arguments), ("Options", options)):
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
+
+    def format_epilog(self, ctx: Any, formatter: Any) -> None:
+        super().format_epilog(ctx, formatter)
+        formatter.write_paragraph()
+        with formatter.indentation():
+            formatter.write_text(command_line(self.name))
+
+
+def _shown(param: Any) -> Any:
+    """`param` as its help shows it: without its hidden spellings."""
+    if not HIDDEN_SPELLINGS & set(param.opts + param.secondary_opts):
+        return param
+    shown = copy.copy(param)
+    shown.opts = [o for o in param.opts if o not in HIDDEN_SPELLINGS]
+    shown.secondary_opts = [o for o in param.secondary_opts if o not in HIDDEN_SPELLINGS]
+    return shown
 
 
 app = typer.Typer(
     name="zckpt",
     help=(
         "Read, consolidate, reshard and inspect DeepSpeed ZeRO checkpoints, without DeepSpeed and without running pickled code.\n\n"
-        "Exit codes: 0 success; 1 bad input or failed write (one line naming the file; ZCKPT_DEBUG=1 for the traceback); "
-        "2 bad usage; 3 inspect found the input incomplete, or diff found a difference; 130/143 interrupted by SIGINT/SIGTERM (temporary files removed)."
+        "Every command takes -q/--quiet, --json (one JSON object on stdout) and -d/--debug.\n\n" + table_text()
     ),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode=None,  # plain click help: wrapped at 80 columns, the same on a terminal and in a pipe
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 80},
@@ -76,25 +101,56 @@ class Stage(str, enum.Enum):
     three = "3"
 
 
+# --- the options several commands take, one spelling and one short help each -------------------
+# (tests/test_cli/test_option_names.py holds every command to these names)
+
 TagOption = Annotated[
     Optional[str],
     typer.Option(
-        "--tag",
-        "-t",
-        metavar="TAG",
-        help="Tag folder to read, e.g. global_step1000. Default: the one named in 'latest'.",
+        "--tag", "-t", metavar="TAG", help="Tag folder to read, e.g. global_step1000 (default: 'latest' names it)."
     ),
 ]
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar and no summary line.")]
+QuietOption = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", help="Print nothing but errors: no progress bar, summary, report or notes."),
+]
+JsonOption = Annotated[
+    bool,
+    typer.Option(
+        "--json", help='Print one JSON object on stdout and nothing else (its "schema" key: zckpt.COMMAND/1).'
+    ),
+]
+DebugOption = Annotated[
+    bool, typer.Option("--debug", "-d", help="On an error, show the Python traceback (as ZCKPT_DEBUG=1 does).")
+]
 WorkersOption = Annotated[
-    Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files written at once (default: two per CPU).")
+    Optional[int],
+    typer.Option(
+        "--workers",
+        metavar="N",
+        min=1,
+        help="Files read or written at once (default: two per CPU; threads mostly wait on the disk).",
+    ),
+]
+WorldSizeOption = Annotated[
+    int,
+    typer.Option("--world-size", "-w", metavar="N", min=1, help="Data-parallel ranks of the run that will load it."),
+]
+StageOption = Annotated[
+    Optional[Stage],
+    typer.Option(
+        "--stage",
+        "--target-stage",
+        metavar="STAGE",
+        help="ZeRO stage of the run that will load it: 1, 2 or 3 (default: the checkpoint's).",
+    ),
 ]
 SwapFolderOption = Annotated[
     Optional[Path],
     typer.Option(
         "--swap-folder",
         metavar="NVME_PATH",
-        help="A live ZeRO-Infinity swap folder of the same run (the nvme_path, or its zero_stage_3/): CHECKPOINT, any checkpoint of the run, gives the layout; the swap folder the newest fp32 masters and optimizer states of every swapped sub-group.",
+        help="A live ZeRO-Infinity swap folder of the same run: its newer fp32 masters and optimizer states are used.",
     ),
 ]
 TpRulesOption = Annotated[
@@ -102,23 +158,37 @@ TpRulesOption = Annotated[
     typer.Option(
         "--tp-rules",
         metavar="FILE",
-        help="For a tensor-parallel checkpoint that records no merge rules: a JSON file of Megatron's merge patterns (the keys of universal_checkpoint_info: tp_replicated_parameter_patterns, parameter_with_row_parallelism_patterns, vocabulary_parameter_patterns with original_vocab_size, ...), by which its tensor ranks' slices are joined.",
+        help="JSON of Megatron's merge patterns, for a tensor-parallel checkpoint that records none.",
     ),
 ]
 WaitOption = Annotated[
-    bool,
-    typer.Option(
-        "--wait",
-        help="If another zckpt run is writing OUTPUT_DIR, wait until it ends instead of refusing, then write (the usual checks apply).",
-    ),
+    bool, typer.Option("--wait", help="Wait for another zckpt run writing OUTPUT_DIR to end, instead of refusing.")
 ]
-NoVerifyOption = Annotated[
-    bool,
-    typer.Option(
-        "--no-verify",
-        help="Skip the CRC-32 check of the checkpoint records whose bytes are used (on by default; it costs one read of those bytes from the page cache).",
-    ),
-]
+NoVerifyOption = Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-32 check of the bytes read.")]
+
+CONFIG_METAVAR = "FILE"  # --config: a DeepSpeed config JSON, in every command that takes one
+CHECKPOINT_HELP = (
+    "A DeepSpeed checkpoint folder (holding 'latest'), its 'latest' file, one tag folder, a universal folder, "
+    "a Hugging Face Trainer checkpoint-N folder or its output folder (the newest checkpoint-N), or a Lightning "
+    "checkpoint folder (the newest .ckpt)."
+)
+
+
+def default_workers() -> int:
+    """--workers' default: two per CPU (the writers' own default; verify's too)."""
+    return 2 * (os.cpu_count() or 1)
+
+
+def checkpoint_and_tag(path: Path, tag: Optional[str], debug: bool = False) -> tuple[Path, Optional[str]]:
+    """CHECKPOINT as every command takes it: a checkpoint folder's 'latest' (or 'latest_universal')
+    file stands for its folder, at the tag it names (or --tag), as inspect has always read it."""
+    from ..deepspeed.names import LATEST_FILE, LATEST_UNIVERSAL_FILE
+
+    if path.name in (LATEST_FILE, LATEST_UNIVERSAL_FILE) and path.is_file():
+        from ..deepspeed.locate import tag_named_in
+
+        return path.parent, tag if tag is not None else guarded(lambda: tag_named_in(str(path)), debug)
+    return path, tag
 
 
 def with_progress(
@@ -154,8 +224,73 @@ def progress_bar(quiet: bool, description: str) -> tuple[Callable[[int, int], No
     return update, bar.close
 
 
-def swap_notes(swap_folder: Path | None, notes: tuple[str, ...], quiet: bool) -> None:
-    """With --swap-folder: say where the data came from (some may be the checkpoint's, older)."""
-    if swap_folder is not None and not quiet:
-        for note in notes:
-            typer.echo(f"note: {note}", err=True)
+def swap_notes(swap_folder: Path | None, notes: tuple[str, ...]) -> list[str]:
+    """With --swap-folder: where the data came from (some may be the checkpoint's, older)."""
+    return list(notes) if swap_folder is not None else []
+
+
+class Timer:
+    """Seconds since it was made: a command's --json "seconds"."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return round(time.monotonic() - self.started, 3)
+
+
+def written(root: Path, names: Any) -> list[dict[str, Any]]:
+    """The files written, as --json lists them: each path relative to OUTPUT_DIR and its size on disk."""
+    return [{"path": str(name), "bytes": (root / name).stat().st_size} for name in names if (root / name).is_file()]
+
+
+def schema(command: str) -> str:
+    return f"zckpt.{command}/1"
+
+
+def write_report(
+    command: str,
+    *,
+    inputs: dict[str, Any],
+    outputs: dict[str, Any],
+    files: list[dict[str, Any]],
+    tensors: Optional[int],
+    seconds: float,
+    notes: list[str],
+    **more: Any,
+) -> dict[str, Any]:
+    """A writing command's --json object: what it read, what it wrote (every file with its bytes),
+    how many tensors, how long, and the notes it would have printed."""
+    return {
+        "schema": schema(command),
+        "command": command,
+        "inputs": inputs,
+        "outputs": outputs,
+        "files": files,
+        "bytes": sum(f["bytes"] for f in files),
+        "tensors": tensors,
+        "seconds": seconds,
+        "notes": notes,
+        **more,
+    }
+
+
+def emit(
+    as_json: bool,
+    quiet: bool,
+    obj: dict[str, Any],
+    text: Optional[str],
+    notes: Sequence[str] = (),
+    notes_first: bool = True,
+) -> None:
+    """A command's last output: --json's object alone on stdout; else, unless quiet, the text on
+    stdout and the notes on stderr (before it, or after it)."""
+    if as_json:
+        finish((json.dumps(obj, indent=2), False))
+    elif quiet:
+        finish()
+    else:
+        said = [(f"note: {note}", True) for note in notes]
+        shown = [(text, False)] if text is not None else []
+        finish(*(said + shown if notes_first else shown + said))

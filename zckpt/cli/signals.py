@@ -10,6 +10,7 @@ from typing import Any
 from ..core.errors import Interrupted
 from ..io.interrupts import CAUGHT_SIGNALS, exit_now, handler_ran, raise_in_zckpt_code, watch_for_stuck_handlers
 from .errors import RECEIVED, guarded
+from .output import arm
 
 
 def raise_interrupted(signum: int, frame: Any) -> None:
@@ -42,3 +43,4 @@ def catch_signals() -> None:
         if signal.getsignal(caught) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(caught, raise_interrupted)
     watch_for_stuck_handlers()
+    arm()  # a command's last output (.output.finish): signals after it are ignored

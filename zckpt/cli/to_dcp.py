@@ -8,17 +8,25 @@ from typing import Annotated, Optional
 import typer
 
 from .shared import (
+    CHECKPOINT_HELP,
     Command,
+    DebugOption,
+    JsonOption,
     NoVerifyOption,
     QuietOption,
     SwapFolderOption,
     TagOption,
+    Timer,
     TpRulesOption,
     WaitOption,
     app,
+    checkpoint_and_tag,
+    emit,
     primary_process,
     swap_notes,
     with_progress,
+    write_report,
+    written,
 )
 
 
@@ -37,7 +45,7 @@ def to_dcp(
         Path,
         typer.Argument(
             metavar="CHECKPOINT",
-            help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.",
+            help=CHECKPOINT_HELP,
         ),
     ],
     output_dir: Annotated[
@@ -60,6 +68,8 @@ def to_dcp(
         bool, typer.Option("--overwrite", help="Replace OUTPUT_DIR if it exists and is not empty.")
     ] = False,
     quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
     tp_rules: TpRulesOption = None,
@@ -75,9 +85,11 @@ def to_dcp(
     from ..core.sizes import format_size
     from ..ops.dcp import to_dcp as run_to_dcp
 
+    checkpoint, tag = checkpoint_and_tag(checkpoint, tag, debug)
     primary = primary_process()
+    timer = Timer()
     result = with_progress(
-        quiet or not primary,
+        quiet or as_json or not primary,
         "converting",
         lambda progress: run_to_dcp(
             checkpoint,
@@ -91,13 +103,31 @@ def to_dcp(
             tp_rules=tp_rules,
             wait=wait,
         ),
+        debug,
     )
-    if primary:
-        swap_notes(swap_folder, result.source.index.notes, quiet)
-    if not quiet and primary:
-        source = result.source.index
-        typer.echo(
-            f"wrote DCP of {source.tag} (ZeRO-{source.zero_stage}, world size {source.world_size}): "
-            f"{len(result.source.params)} trainable params ({result.dtype.short}) with their optimizer states, "
-            f"{result.tensors} tensors, {format_size(result.bytes_written)} -> {output_dir}"
-        )
+    if not primary:  # the first process of a torchrun job reports
+        return
+    source = result.source.index
+    text = (
+        f"wrote DCP of {source.tag} (ZeRO-{source.zero_stage}, world size {source.world_size}): "
+        f"{len(result.source.params)} trainable params ({result.dtype.short}) with their optimizer states, "
+        f"{result.tensors} tensors, {format_size(result.bytes_written)} -> {output_dir}"
+    )
+    notes = swap_notes(swap_folder, source.notes)
+    obj = write_report(
+        "to-dcp",
+        inputs={
+            "checkpoint": str(checkpoint),
+            "tag": source.tag,
+            "zero_stage": source.zero_stage,
+            "world_size": source.world_size,
+            "swap_folder": None if swap_folder is None else str(swap_folder),
+        },
+        outputs={"output_dir": str(output_dir), "dtype": result.dtype.short},
+        files=written(output_dir, result.files),
+        tensors=result.tensors,
+        seconds=timer.seconds,
+        notes=notes,
+        params=len(result.source.params),
+    )
+    emit(as_json, quiet, obj, text, notes)

@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from .shared import (
+    CHECKPOINT_HELP,
     Command,
+    DebugOption,
+    JsonOption,
     NoVerifyOption,
     QuietOption,
-    Stage,
+    StageOption,
     SwapFolderOption,
     TagOption,
+    Timer,
     TpRulesOption,
     WaitOption,
     WorkersOption,
     app,
+    checkpoint_and_tag,
+    emit,
     primary_process,
     swap_notes,
     with_progress,
+    write_report,
+    written,
 )
 
 
@@ -32,7 +40,7 @@ from .shared import (
         "\b\nExamples:\n"
         "  # writes global_step500_universal/ and latest_universal in runs/ckpt:\n"
         "  zckpt to-universal runs/ckpt runs/ckpt\n"
-        "  zckpt to-universal runs/ckpt uc/ --target-stage 3   # for a ZeRO-3 run\n"
+        "  zckpt to-universal runs/ckpt uc/ --stage 3   # for a ZeRO-3 run\n"
         "  # on a cluster the ranks split the params:\n"
         "  torchrun --nproc-per-node 8 ... -m zckpt to-universal big/ uc/"
     ),
@@ -42,7 +50,7 @@ def to_universal(
         Path,
         typer.Argument(
             metavar="CHECKPOINT",
-            help="DeepSpeed checkpoint folder (holding 'latest'), one tag folder, or a universal folder.",
+            help=CHECKPOINT_HELP,
         ),
     ],
     output_dir: Annotated[
@@ -53,19 +61,14 @@ def to_universal(
         ),
     ],
     tag: TagOption = None,
-    target_stage: Annotated[
-        Optional[Stage],
-        typer.Option(
-            "--target-stage",
-            metavar="STAGE",
-            help="ZeRO stage of the run that will load it: 1, 2 or 3 (default: the checkpoint's). DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files.",
-        ),
-    ] = None,
+    stage: StageOption = None,
     workers: WorkersOption = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace the universal folder if OUTPUT_DIR has it already.")
     ] = False,
     quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
     no_verify: NoVerifyOption = False,
     swap_folder: SwapFolderOption = None,
     tp_rules: TpRulesOption = None,
@@ -75,20 +78,23 @@ def to_universal(
 
     A run with "checkpoint": {"load_universal": true} resumes it with engine.load_checkpoint(OUTPUT_DIR)
     at any world size: fp32 masters, every optimizer state, steps, loss scaler and lr scheduler.
-    Works on any ZeRO 1/2/3 checkpoint (no universal_checkpoint_info needed), and across stages.
+    Works on any ZeRO 1/2/3 checkpoint (no universal_checkpoint_info needed), and across stages
+    (--stage: DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files).
     """
     from ..core.sizes import format_size
     from ..ops.universal import to_universal as run_to_universal
 
+    checkpoint, tag = checkpoint_and_tag(checkpoint, tag, debug)
     primary = primary_process()
+    timer = Timer()
     result = with_progress(
-        quiet or not primary,
+        quiet or as_json or not primary,
         "converting",
         lambda progress: run_to_universal(
             checkpoint,
             output_dir,
             tag=tag,
-            target_stage=int(target_stage.value) if target_stage else None,
+            target_stage=int(stage.value) if stage else None,
             overwrite=overwrite,
             workers=workers,
             progress=progress,
@@ -97,13 +103,33 @@ def to_universal(
             tp_rules=tp_rules,
             wait=wait,
         ),
+        debug,
     )
-    if primary:
-        swap_notes(swap_folder, result.source.index.notes, quiet)
-    if not quiet and primary:
-        source = result.source.index
-        typer.echo(
-            f"wrote {result.tag} for ZeRO-{result.target_stage} runs of any world size from {source.tag} (ZeRO-{source.zero_stage}, "
-            f"world size {source.world_size}): {len(result.source.params)} params, {len(result.files)} files, "
-            f"{format_size(result.bytes_written)} -> {output_dir}"
-        )
+    if not primary:  # the first process of a torchrun job reports
+        return
+    source = result.source.index
+    text = (
+        f"wrote {result.tag} for ZeRO-{result.target_stage} runs of any world size from {source.tag} (ZeRO-{source.zero_stage}, "
+        f"world size {source.world_size}): {len(result.source.params)} params, {len(result.files)} files, "
+        f"{format_size(result.bytes_written)} -> {output_dir}"
+    )
+    notes = swap_notes(swap_folder, source.notes)
+    names = [f"{result.tag}/{name}" for name in result.files] + ["latest_universal"]
+    obj = write_report(
+        "to-universal",
+        inputs={
+            "checkpoint": str(checkpoint),
+            "tag": source.tag,
+            "zero_stage": source.zero_stage,
+            "world_size": source.world_size,
+            "swap_folder": None if swap_folder is None else str(swap_folder),
+        },
+        outputs={"output_dir": str(output_dir), "tag": result.tag, "zero_stage": result.target_stage},
+        files=written(output_dir, names),
+        # each file under zero/ is one tensor (a param's fp32 master or one optimizer state)
+        tensors=sum(1 for name in result.files if name.startswith("zero/") and name.count("/") == 2),
+        seconds=timer.seconds,
+        notes=notes,
+        params=len(result.source.params),
+    )
+    emit(as_json, quiet, obj, text, notes)

@@ -12,7 +12,18 @@ import typer
 
 from ..io.interrupts import exit_without_teardown, waiting_on_other_processes
 from .errors import guarded
-from .shared import Command, QuietOption, app, primary_process
+from .shared import (
+    Command,
+    DebugOption,
+    JsonOption,
+    QuietOption,
+    Timer,
+    app,
+    emit,
+    primary_process,
+    write_report,
+    written,
+)
 
 
 @app.command(
@@ -232,6 +243,8 @@ def train(
         ),
     ] = None,
     quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
 ) -> None:
     """Train a GPT-style model with ZeRO-3 on torch.distributed (CPU and gloo, or CUDA and nccl).
 
@@ -269,19 +282,20 @@ def train(
         data=text(data),
         device=device.lower() if device else None,
     )
-    plan = guarded(lambda: plan_training({name: value for name, value in options.items() if value is not None}))
+    plan = guarded(lambda: plan_training({name: value for name, value in options.items() if value is not None}), debug)
     config = plan.config
-    if not quiet and primary_process():
+    report = primary_process() and not as_json  # lines as it goes: the first process, not under --json
+    if not quiet and report:
         for note in plan.notes:
             typer.echo(f"note: {note}", err=True)
     bar = None
-    if not quiet and primary_process() and sys.stderr.isatty():
+    if not quiet and report and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=config.steps, unit="step", desc="train", leave=False, file=sys.stderr)
 
     def on_step(log: Any) -> None:
-        if quiet:
+        if quiet or not report:
             return
         line = f"step {log.step}  loss {log.loss:.4f}  lr {log.lr:.3e}  tokens/s {log.tokens_per_s:,.0f}"
         line += "  (skipped: fp16 overflow)" if log.skipped else ""
@@ -296,27 +310,48 @@ def train(
     # ranks wait on each other in collectives where no signal handler runs (a rank gone waits
     # out gloo's 30-minute timeout): the signal watchdog ends such a wait
     waits = waiting_on_other_processes() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else contextlib.nullcontext()
+    timer = Timer()
     try:
         with waits:
-            result = guarded(lambda: run_train(config, on_step))
+            result = guarded(lambda: run_train(config, on_step), debug)
     finally:
         if bar is not None:
             bar.close()
-    if not quiet and primary_process() and result.checkpoints and out is not None:
-        typer.echo(
-            f"wrote {out}/{result.checkpoints[-1]} ({result.global_steps} steps, {result.skipped_steps} skipped)"
+    if primary_process():
+        lines = []
+        if result.checkpoints and out is not None:
+            lines.append(
+                f"wrote {out}/{result.checkpoints[-1]} ({result.global_steps} steps, {result.skipped_steps} skipped)"
+            )
+        if result.swapped_sub_groups is not None:
+            swapped, total = result.swapped_sub_groups
+            lines.append(
+                f"NVMe offload: {swapped} of {total} optimizer sub-groups per rank in {nvme_path}/zero_stage_3/optimizer/ "
+                "(DeepSpeed swaps those of at least 1 MiB of fp32 per rank)"
+            )
+        if result.swapped_params is not None:
+            swapped, total, folder = result.swapped_params
+            lines.append(
+                f"NVMe offload: {swapped} of {total} params per rank in {folder}/ (those of at least 1 MiB per rank)"
+            )
+        names: list[str] = []
+        if out is not None:  # the library names the tag folders it saved: their files, and what sits beside them
+            for tag in result.checkpoints:
+                names += sorted(str(p.relative_to(out)) for p in (out / tag).rglob("*") if p.is_file())
+            names += [n for n in ("latest", "model_config.json") if (out / n).is_file()]
+        obj = write_report(
+            "train",
+            inputs={"resume": None if resume is None else str(resume), "data": None if data is None else str(data)},
+            outputs={"out": None if out is None else str(out), "checkpoints": list(result.checkpoints)},
+            files=written(out, names) if out is not None else [],
+            tensors=None,  # the checkpoints' files hold flat partitions
+            seconds=timer.seconds,
+            notes=list(plan.notes),
+            global_steps=result.global_steps,
+            skipped_steps=result.skipped_steps,
+            losses=list(result.losses),
         )
-    if not quiet and primary_process() and result.swapped_sub_groups is not None:
-        swapped, total = result.swapped_sub_groups
-        typer.echo(
-            f"NVMe offload: {swapped} of {total} optimizer sub-groups per rank in {nvme_path}/zero_stage_3/optimizer/ "
-            "(DeepSpeed swaps those of at least 1 MiB of fp32 per rank)"
-        )
-    if not quiet and primary_process() and result.swapped_params is not None:
-        swapped, total, folder = result.swapped_params
-        typer.echo(
-            f"NVMe offload: {swapped} of {total} params per rank in {folder}/ (those of at least 1 MiB per rank)"
-        )
+        emit(as_json, quiet, obj, "\n".join(lines) if lines else None)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torch 2.13's gloo threads can abort a rank's interpreter exit ("terminate called without
         # an active exception"), which torchrun reports as a failed job; everything is written

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -13,7 +12,20 @@ import typer
 
 from ..core.sizes import format_size
 from .errors import EXIT_INCOMPLETE, guarded
-from .shared import Command, SwapFolderOption, TagOption, TpRulesOption, app
+from .shared import (
+    Command,
+    DebugOption,
+    JsonOption,
+    QuietOption,
+    SwapFolderOption,
+    TagOption,
+    TpRulesOption,
+    WorkersOption,
+    app,
+    default_workers,
+    emit,
+    schema,
+)
 
 if TYPE_CHECKING:
     from ..ops.verify import VerifyReport
@@ -35,15 +47,15 @@ def verify(
         Path,
         typer.Argument(
             metavar="PATH",
-            help="A DeepSpeed checkpoint folder or tag folder, a universal folder, or consolidated weights (folder, .safetensors, .index.json, torch .bin).",
+            help="What CHECKPOINT is in the other commands (a checkpoint folder, its 'latest' file, a tag, universal, checkpoint-N or Lightning folder), consolidated weights (folder, .safetensors, .index.json, torch .bin), or a ZeRO-Infinity swap folder.",
         ),
     ],
     tag: TagOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
     scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor and report NaN and Inf values.")] = False,
-    workers: Annotated[
-        Optional[int], typer.Option("--workers", metavar="N", min=1, help="Files read at once (default: 2).")
-    ] = None,
+    workers: WorkersOption = None,
     checkpoint: Annotated[
         Optional[Path],
         typer.Option(
@@ -69,13 +81,14 @@ def verify(
             path,
             tag=tag,
             scan=scan,
-            workers=workers or 2,
+            workers=workers or default_workers(),
             checkpoint=checkpoint,
             swap_folder=swap_folder,
             tp_rules=tp_rules,
-        )
+        ),
+        debug,
     )
-    typer.echo(json.dumps(report.as_dict(), indent=2) if as_json else render(report))
+    emit(as_json, quiet, {"schema": schema("verify"), **report.as_dict()}, None if as_json or quiet else render(report))
     if not report.ok:
         raise typer.Exit(EXIT_INCOMPLETE)
 
