@@ -36,6 +36,39 @@ from typing import Sequence
 
 from .partition import zero2_align, zero3_partition, zero3_sub_groups
 
+MAX_RANKS = 2**31 - 1
+"""The most ranks (processes) any target run may have: torch.distributed keeps a job's rank and
+world size as C ``int`` (c10d's ``ProcessGroup``, NCCL's ``nranks``), so no job is larger. A run of
+a model with fewer elements than this is held to fewer ranks (:func:`rank_limit`)."""
+
+
+def rank_limit(elements: int) -> int:
+    """The most ranks a target run of a model with `elements` elements may have: that many, and
+    never more than :data:`MAX_RANKS`.
+
+    Why the elements (of the params, trainable and frozen): every element of the model lives (as a
+    ZeRO-3 param partition, a master and its optimizer states) in exactly one data-parallel rank's
+    partition of its model-parallel group, so a run of more ranks than the model has elements has
+    at least one rank whose every file holds padding only, and its checkpoint more rank files than
+    the model has numbers. DeepSpeed would start such a run (ranks
+    of padding are a legal ZeRO layout), but it gives those GPUs nothing to do and no one trains so:
+    such a request is a typo (``-w 1000000000``), refused before any planning rather than planned
+    for hours. Up to the limit every layout is planned: a run with more ranks than a large param
+    has elements (ranks holding padding of it) is an ordinary ZeRO-3 layout.
+
+    >>> rank_limit(2610), rank_limit(7 * 10**9) == MAX_RANKS
+    (2610, True)
+    """
+    return max(1, min(elements, MAX_RANKS))
+
+
+def rank_limit_reason(elements: int) -> str:
+    """:func:`rank_limit` in words, for a refusal: the limit, and which of the two it is."""
+    limit = rank_limit(elements)
+    if limit == MAX_RANKS:
+        return f"at most {limit:,} ranks (torch.distributed keeps ranks as C ints)"
+    return f"at most {limit:,} ranks, the elements the model has (beyond that some rank would hold padding only)"
+
 
 @dataclass(frozen=True)
 class LayoutParam:
@@ -246,10 +279,11 @@ def zero3_layout_of_sub_groups(
             params.append(LayoutParam(member.name, member.numel, group))
             indices.append(index)
             share = zero3_partition(member.numel, world_size)[0]
-            for rank in range(world_size):
-                length = max(0, min(share, member.numel - rank * share))
-                if length:
-                    pieces.append(Piece(index, rank, flat, offset, rank * share, length))
+            # only the first ceil(numel / share) ranks hold any of it (the rest padding): the cost
+            # is the pieces', not the world size's
+            for rank in range(-(-member.numel // share) if share else 0):
+                length = min(share, member.numel - rank * share)
+                pieces.append(Piece(index, rank, flat, offset, rank * share, length))
             offset += share
         flat_groups.append(
             FlatGroup(

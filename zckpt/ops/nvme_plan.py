@@ -22,6 +22,7 @@ from ..core.errors import UsageError
 from ..core.sizes import format_size, parse_size
 from ..deepspeed import names as N
 from ..deepspeed import swap_rules as R
+from ..deepspeed.layout import rank_limit, rank_limit_reason
 from ..deepspeed.partition import zero3_sub_groups
 from ..deepspeed.run_config import DTYPE_KEYS, STAGE_KEY, RunConfig, load_config, read_run_config
 from .nvme_shapes import ParamShape, load_params
@@ -267,6 +268,9 @@ def plan_nvme(
         raise UsageError(None, f"world size must be at least 1, not {world_size}")
     if not params:
         raise UsageError(model or None, "no parameters to plan for")
+    elements = sum(p.numel for p in params)
+    if world_size > rank_limit(elements):
+        raise UsageError(None, f"--world-size {world_size}: zckpt plans {rank_limit_reason(elements)}")
     element_size = dtypes.output_dtype(dtype).itemsize
     swap = read_run_config(config or {}, config_path, swaps=True)  # the plan is for a run that swaps
     assert swap.aio is not None

@@ -8,6 +8,7 @@ the job's processes split the files between them on a shared filesystem.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from ..core.errors import OutputError, UsageError
 from ..core.state import TrainingState
 from ..core.untrusted import path_component, regular_file_inside
 from ..deepspeed import names as N
+from ..deepspeed.layout import rank_limit, rank_limit_reason
 from ..deepspeed.megatron_rules import load_rules
 from ..deepspeed.moe_writer import expert_group_indices, plan_moe_checkpoint
 from ..deepspeed.pipeline_writer import plan_pipeline_checkpoint
@@ -79,7 +81,7 @@ def plan_reshard(
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every output file; writes nothing."""
     layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel, padded_vocab_size)
-    state = _open_source(checkpoint, tag, swap_folder, tp_rules, layout)
+    state = _open_source(checkpoint, tag, swap_folder, tp_rules, layout, world_size)
     return _plan(state, _target(state, world_size, stage, config), layout)
 
 
@@ -89,14 +91,17 @@ def _open_source(
     swap_folder: str | os.PathLike[str] | None,
     tp_rules: str | os.PathLike[str] | None,
     layout: Layout,
+    world_size: int,
 ) -> TrainingState:
     """The input's training state; where a Megatron vocabulary keeps its padding rows (asked, or
     at another tensor-parallel degree: the saved rows, or those asked), read again by rules that
-    keep that many rows."""
+    keep that many rows. A target of more ranks than the model allows is refused once the index
+    is read, before anything is planned (:func:`refuse_too_many_ranks`)."""
     rows, tp = layout.padded_vocab_size, layout.tensor_parallel
     if tp is not None and tp < 1:
         raise UsageError(None, f"--tensor-parallel {tp}: at least 1")
     state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
+    refuse_too_many_ranks(state, world_size, layout)
     sharded = state.index.topology.tp > 1
     other_degree = sharded and tp not in (None, 1, state.index.topology.tp)
     if rows is None and not other_degree:
@@ -122,6 +127,37 @@ def _open_source(
     elif tp > 1 and rows % tp:
         raise UsageError(None, f"--padded-vocab-size {rows}: does not split evenly over {tp} tensor ranks")
     return open_training_state(checkpoint, tag, swap_folder, vocabulary_rules(state, info, rows))
+
+
+def refuse_too_many_ranks(state: TrainingState, world_size: int, layout: Layout) -> None:
+    """Refuse (UsageError, one line naming the limit and the value) a target run of more ranks
+    (data-parallel world size x pipeline stages x tensor ranks) than :func:`~zckpt.deepspeed.layout.rank_limit`
+    allows the model; costs nothing per rank. Values below 1 or not integers are left to the checks
+    that name them."""
+    topology = state.index.topology
+    stages = 1
+    if state.stages:
+        stages = (
+            layout.pipeline_stages
+            if layout.pipeline_stages is not None
+            else len(layout.layer_partition) - 1
+            if layout.layer_partition is not None
+            else topology.pp
+        )
+    tensor = layout.tensor_parallel if layout.tensor_parallel is not None else topology.tp
+    factors = {"--world-size": world_size, "pipeline stages": stages, "tensor ranks": tensor}
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in factors.values()):
+        return
+    ranks = math.prod(factors.values())
+    elements = sum(math.prod(p.shape) for p in state.params) + sum(
+        e.source.numel for e in state.index.entries if e.kind == "frozen"
+    )  # the params a run partitions (a ZeRO-3 run its frozen ones too)
+    if ranks <= rank_limit(elements):
+        return
+    asked = f"--world-size {world_size}" + "".join(
+        f" x {v} {k}" for k, v in factors.items() if k != "--world-size" and v > 1
+    )
+    raise UsageError(None, f"{asked}: a target run of {ranks:,} ranks; zckpt plans {rank_limit_reason(elements)}")
 
 
 def _plan(state: TrainingState, target: Target, layout: Layout) -> CheckpointPlan:
@@ -248,7 +284,7 @@ def reshard(
     """
     output_dir = os.fspath(output_dir)
     layout = Layout(pipeline_stages, expert_parallel, layer_partition, tensor_parallel, padded_vocab_size)
-    source = _open_source(checkpoint, tag, swap_folder, tp_rules, layout)
+    source = _open_source(checkpoint, tag, swap_folder, tp_rules, layout, world_size)
     plan = _plan(source, _target(source, world_size, stage, config), layout)
     index = source.index
     refuse_output_inside_input(output_dir, (index.checkpoint_dir, index.tag_dir))
