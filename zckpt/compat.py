@@ -19,8 +19,12 @@ against DeepSpeed's own functions on the bundled samples). Where zckpt differs:
   optimizer, bf16 ZeRO-1 with DeepSpeed's BF16_Optimizer, ZeRO-0, universal folders, pipeline
   and tensor-parallel runs (what :func:`zckpt.open_checkpoint` reads).
 - `checkpoint_dir` may also be a tag folder, or a folder with one tag folder and no ``latest``
-  file (DeepSpeed requires ``latest`` when `tag` is None); errors are zckpt's, subclasses of the
-  exceptions DeepSpeed raises (FileNotFoundError, ValueError), each naming the file at fault.
+  file (DeepSpeed requires ``latest`` when `tag` is None). Errors are zckpt's, each naming the
+  file at fault: a FileNotFoundError where no checkpoint is found (DeepSpeed raises ValueError
+  for a missing ``latest``), a ValueError for a damaged one or a bad argument.
+- The torch files hold one storage per tensor (a tied alias shares its source's); DeepSpeed's
+  ZeRO-2 files hold each param as a view of its group's flat fp32 storage. ``torch.load`` gives
+  the same keys and values from both.
 - ``lazy_mode=True`` gives :class:`~zckpt.ops.lazy.LazyTensor` objects for every key (DeepSpeed
   gives its pseudo tensors for ZeRO-3 trainable params and plain tensors for the rest): each has
   ``shape``, ``dtype`` and ``contiguous()``, which reads that one tensor then.

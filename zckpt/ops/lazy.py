@@ -42,7 +42,8 @@ class LazyCheckpoint:
     """A checkpoint's consolidated state dict, keyed, read one tensor at a time.
 
     Made by :func:`open`. Keys are in the order DeepSpeed's zero_to_fp32 emits them (buffers,
-    frozen params, trainable params, tied aliases). A mapping in all but name: ``name in ckpt``,
+    frozen params, trainable params, tied aliases; a ZeRO-1 run's frozen params, which it drops,
+    after the buffers). :attr:`index` is the whole description zckpt read. A mapping in all but name: ``name in ckpt``,
     ``len(ckpt)``, ``for name in ckpt``, ``ckpt[name]`` (:meth:`get_tensor`). Safe to share
     between threads (reads take turns). :meth:`close` (or leaving the ``with`` block) closes the
     files; a closed checkpoint reads nothing more.
