@@ -65,8 +65,7 @@ def consolidate(
         Path,
         typer.Argument(
             metavar="CHECKPOINT",
-            help=CHECKPOINT_HELP
-            + " With --merge-into or a PEFT run, the checkpoint-N folder of the adapter's training; with -f lightning, the .ckpt folder.",
+            help=CHECKPOINT_HELP + " A PEFT run's checkpoint gives its adapter (see --peft).",
         ),
     ],
     output_dir: Annotated[
