@@ -96,6 +96,8 @@ class Case:
     # NVMe cases: DeepSpeed's swap threshold (swap_tensor.utils.MIN_AIO_BYTES, 1 MiB) and the aio
     # block size lowered to this many bytes, so a small model has swapped params; 0: DeepSpeed's
     min_aio_bytes: int = 0
+    # the per-element optimizer states read live from the engine (SGD keeps momentum_buffer)
+    optim_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
     @property
     def steps(self) -> int:
@@ -118,6 +120,45 @@ CASES: list[Case] = [
         "output lacks them (live.safetensors has them)",
     ),
     Case("z1_bf16_ws3_groups", "ds19", 1, "bf16", 3, groups=True),
+    # coupled weight decay (the decay added to the gradient): ZeRO-3's flat fp32 partitions leave
+    # their padding uninitialised, so the momentum and moments there come out nonzero
+    Case(
+        "z3_fp32_ws2_sgd_coupled_wd",
+        "ds19",
+        3,
+        "fp32",
+        2,
+        tied=True,
+        config_extra=(
+            (
+                "optimizer",
+                {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}},
+            ),
+            ("zero_allow_untested_optimizer", True),
+        ),
+        optim_keys=("momentum_buffer",),
+        notes="torch.optim.SGD (Nesterov momentum, weight_decay 0.01 added to the gradient): the only state is "
+        "momentum_buffer, nonzero in ZeRO-3's padding (uninitialised fp32 padding times the decay)",
+    ),
+    Case(
+        "z3_bf16_ws3_adam_coupled_wd",
+        "ds19",
+        3,
+        "bf16",
+        3,
+        frozen=True,
+        config_extra=(
+            (
+                "optimizer",
+                {
+                    "type": "Adam",
+                    "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True, "adam_w_mode": False},
+                },
+            ),
+        ),
+        notes="torch.optim.Adam with weight_decay 0.01 (L2, added to the gradient; adam_w_mode false): "
+        "exp_avg and exp_avg_sq nonzero in ZeRO-3's padding",
+    ),
     Case(
         "z0_fp32_ws2_tied",
         "ds19",
@@ -552,11 +593,11 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
         state = engine.optimizer.optimizer.state if masters else engine.optimizer.state
         for pid, p in params.items():
             if p.requires_grad:
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in case.optim_keys:
                     for n in names_of[pid]:
                         optim[f"{n}.{key}"] = state[masters.get(pid, p)][key].detach().cpu().clone().contiguous()
         return live, optim, "the torch optimizer's state of each param (ZeRO-0)"
-    for key in ("exp_avg", "exp_avg_sq"):
+    for key in case.optim_keys:
         readable, reason = optimizer_state_readable(model, case.stage, key)
         if not readable:
             optim = None
@@ -1089,6 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
         fields["save_steps"] = tuple(fields["save_steps"])
         fields["zero_extra"] = tuple(tuple(item) for item in fields["zero_extra"])
         fields["config_extra"] = tuple(tuple(item) for item in fields["config_extra"])
+        fields["optim_keys"] = tuple(fields["optim_keys"])
         worker(Case(**fields), args.outdir)
         return 0
     if args.describe:

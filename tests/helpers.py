@@ -80,6 +80,21 @@ class Sample:
             return self.reference()
         return {n: t.float() if t.is_floating_point() else t for n, t in self.live().items()}
 
+    @property
+    def optimizer(self) -> str:
+        """The optimizer type the run's ds_config names (AdamW, Adam, SGD, ...)."""
+        return (self.meta.get("ds_config", {}).get("optimizer") or {}).get("type", "AdamW")
+
+    @property
+    def state_names(self) -> list[str]:
+        """The per-element states torch's optimizer keeps: SGD its momentum, Adam its two moments."""
+        return ["momentum_buffer"] if self.optimizer.lower() == "sgd" else ["exp_avg", "exp_avg_sq"]
+
+    @property
+    def counts_steps(self) -> bool:
+        """Whether the optimizer keeps a per-param step (torch's SGD keeps none)."""
+        return self.optimizer.lower() != "sgd"
+
     def live(self) -> dict[str, torch.Tensor]:
         """fp32 masters, frozen params and buffers read from the live engine before saving."""
         from safetensors.torch import load_file
@@ -229,6 +244,18 @@ RESHARDABLE = [
 ]
 
 
+# the ZeRO-3 tensors whose padding DeepSpeed leaves uninitialised (partition_param's torch.empty):
+# the fp32 partitions and frozen fragments, and so also the optimizer states a coupled weight
+# decay computes from them (SGD's momentum, Adam's moments with L2 decay)
+ZERO3_PADDED = frozenset(
+    {
+        "/optimizer_state_dict/fp32_flat_groups",
+        "/optimizer_state_dict/optimizer_state_dict/state",
+        "/frozen_param_fragments",
+    }
+)
+
+
 def _padding_free(ref: TensorRef, other: TensorRef, reader: FileReader) -> tuple[np.ndarray, np.ndarray]:
     return read_ref(reader, ref).reshape(-1), read_ref(reader, other).reshape(-1)
 
@@ -324,6 +351,18 @@ def record_start(path: Path, info: zipfile.ZipInfo) -> int:
         handle.seek(info.header_offset + 26)
         name_len, extra_len = int.from_bytes(handle.read(2), "little"), int.from_bytes(handle.read(2), "little")
     return info.header_offset + 30 + name_len + extra_len
+
+
+def as_saved_to_a_stream(path: Path) -> None:
+    """The file as torch.save writes it to a stream rather than a path: its records under the
+    folder "archive" (PyTorchStreamWriter's name then), bytes and CRCs otherwise the same."""
+    with zipfile.ZipFile(path) as archive:
+        items = [(i, archive.read(i.filename)) for i in archive.infolist()]
+    with zipfile.ZipFile(f"{path}.new", "w") as archive:
+        for info, data in items:
+            record = zipfile.ZipInfo("archive/" + info.filename.split("/", 1)[1], date_time=info.date_time)
+            archive.writestr(record, data)  # stored, as torch stores every record
+    os.replace(f"{path}.new", path)
 
 
 def flip(path: Path, offset: int) -> None:

@@ -20,9 +20,6 @@ What nothing can tell is counted apart, not hidden (each asserted as far as it g
   carry no checksum;
 - a changed shape or a deleted entry of a `module` tensor that no other record describes (a
   buffer's shape, a ZeRO-1 frozen param): a different checkpoint, not a damaged one;
-- ZeRO-3 model-states files swapped or copied (nothing in them names the rank; a copy is still
-  caught by verify), and ZeRO-3 optimizer files swapped between ranks that hold no padding
-  (README: "cannot be told apart").
 
 Mutation kinds (seeded, deterministic): truncation; bit flips in tensor data, in raw swap files,
 in data.pkl (CRC left stale, as real damage leaves it) and in the zip structure (local headers,
@@ -332,35 +329,20 @@ def _same_kind(tag, rng):
     return rng.sample(rng.choice(choices), 2)
 
 
-ZERO3_MODEL = "nothing in ZeRO-3 model states tells which rank wrote them (per-rank frozen fragments and buffers)"
-
-
-def padded_ranks(tag, s):
-    """The ZeRO-3 ranks whose partitions hold padding (each param is padded to a multiple of
-    the world size, at the end: the ranks past its last element)."""
-    world = s.meta["world_size"]
-    shapes = torchfile.load(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")["param_shapes"]
-    numels = [math.prod(shape) for group in shapes for shape in group.values()]
-    return {r for n in numels for r in range(world) if (r + 1) * -(-n // world) > n}
-
-
 def m_swap_ranks(tag, s, rng):
+    """Every sample's rank files were saved by torch.save under their own names, which the
+    archives record: a swap is told whatever the files hold (no padding, ZeRO-3 model states)."""
     a, b = _same_kind(tag, rng)
     da, db = a.read_bytes(), b.read_bytes()
     a.write_bytes(db)
     b.write_bytes(da)
-    why = None
-    if a.name.endswith("_model_states.pt"):
-        why = ZERO3_MODEL
-    elif s.meta["zero_stage"] == 3 and not {int(p.name.split("zero_pp_rank_")[1].split("_")[0]) for p in (a, b)} & padded_ranks(tag, s):
-        why = "ZeRO-3 optimizer files of ranks without padding: nothing tells them apart (README)"
-    return a, f"{a.name} <-> {b.name}", why
+    return a, f"{a.name} <-> {b.name}"
 
 
 def m_duplicate_rank(tag, s, rng):
     a, b = _same_kind(tag, rng)
     b.write_bytes(a.read_bytes())
-    return b, f"{a.name} copied over {b.name}", ZERO3_MODEL if a.name.endswith("_model_states.pt") else None
+    return b, f"{a.name} copied over {b.name}"
 
 
 def m_foreign_rank(tag, s, rng):

@@ -183,7 +183,13 @@ def test_zero3_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
     swapped = {i for i, g in enumerate(case.meta.get("fp32_sub_groups") or []) if g.get("swapped_to_nvme")}
     ids = case.meta.get("ds_ids")  # the ids DeepSpeed gave the live params
     masters: dict[tuple[int, int], torch.Tensor] = {}
-    states: dict[str, dict[tuple[int, int], torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    first_state = _optim(case, 0)["optimizer_state_dict"]["state"][
+        0
+    ]  # the optimizer's own: Adam's moments, SGD's momentum
+    states: dict[str, dict[tuple[int, int], torch.Tensor]] = {
+        key: {} for key, value in first_state.items() if key != "step" and torch.is_tensor(value) and value.ndim == 1
+    }
+    assert states, first_state.keys()
     for rank in range(world):
         inner = _optim(case, rank)
         for i, (flat, group) in enumerate(zip(inner["fp32_flat_groups"], layout.flat_groups)):

@@ -205,17 +205,17 @@ def test_a_bug_of_zckpt_is_not_reported_as_damage(monkeypatch: pytest.MonkeyPatc
     """An AttributeError on one of zckpt's own objects propagates (the CLI says "internal
     error"); one on a value from a pickle is still the damaged-files line."""
 
-    def bug(result, state):  # noqa: ANN001
+    def bug(result, *args):  # noqa: ANN001
         return result.no_such_field
 
-    monkeypatch.setattr(dp_reader, "check_padding", bug)
+    monkeypatch.setattr(dp_reader, "check_same_run", bug)
     with pytest.raises(AttributeError, match="no_such_field"):
         survey(sample(ZERO3).checkpoint)
 
-    def content(result, state):  # noqa: ANN001
+    def content(result, *args):  # noqa: ANN001
         return [].get("state")
 
-    monkeypatch.setattr(dp_reader, "check_padding", content)
+    monkeypatch.setattr(dp_reader, "check_same_run", content)
     found = survey(sample(ZERO3).checkpoint)
     assert len(found.problems) == 1 and isinstance(found.problems[0], CorruptFileError)
     assert "files not as DeepSpeed writes them (AttributeError: 'list' object has no attribute 'get')" in str(

@@ -110,6 +110,9 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     ("z0_bf16_ws2_tied", 3, 1),  # a 16-bit ZeRO-0 run: FP16_UnfusedOptimizer's fp32 masters beside its state
     ("z0_bf16_ws2_tied", 1, 3),
     ("z0_fp16_ws2", 3, 2),  # and its dynamic loss scaler's values, into DeepSpeed's DynamicLossScaler
+    # coupled weight decay: nonzero optimizer state in ZeRO-3's padding, a valid checkpoint
+    ("z3_fp32_ws2_sgd_coupled_wd", 3, 3),  # SGD: momentum_buffer only, no step
+    ("z3_bf16_ws3_adam_coupled_wd", 2, 1),
 ]
 
 

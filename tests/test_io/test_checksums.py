@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from helpers import data_records, flip, record_start, same_bits, sample
+from helpers import as_saved_to_a_stream, data_records, flip, record_start, same_bits, sample
 from zckpt import ZckptError, consolidate
 from zckpt.cli.app import app
 from zckpt.core.errors import CorruptFileError
@@ -239,8 +239,9 @@ def test_api_loads_check_too(tmp_path: Path) -> None:
     ],
 )
 def test_swapped_zero12_optimizer_files_are_refused(tmp_path: Path, name: str) -> None:
-    """Two ranks' optimizer files swapped (same sizes, so nothing else tells): the files'
-    param_slice_mappings, written by DeepSpeed, say which rank each belongs to."""
+    """Two ranks' optimizer files swapped (same sizes), saved to a stream (so their archives
+    do not name them): the files' param_slice_mappings, written by DeepSpeed, say which rank
+    each belongs to."""
     case = sample(name)
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(case.checkpoint, checkpoint)
@@ -252,6 +253,8 @@ def test_swapped_zero12_optimizer_files_are_refused(tmp_path: Path, name: str) -
     held = first.read_bytes()
     first.write_bytes(second.read_bytes())
     second.write_bytes(held)
+    as_saved_to_a_stream(first)
+    as_saved_to_a_stream(second)
     with pytest.raises(ZckptError) as caught:
         consolidate(checkpoint, tmp_path / "out")
     assert "param_slice_mappings" in str(caught.value) and "rank files swapped or copied" in str(caught.value), (
@@ -318,7 +321,8 @@ def test_a_zero3_checkpoint_told_apart_only_by_small_frozen_slices(tmp_path: Pat
     """DeepSpeed's sample resharded to 16 ranks: every frozen slice is under 64 bytes, and the
     rest of the model-states files of rank 0 and of the ranks reshard added (the buffers, rank
     0's) is alike. It is read (equal to DeepSpeed's zero_to_fp32 output), verify passes it, and
-    a rank file copied over another of them is still refused."""
+    a rank file copied over another of them is still refused, the files saved to a stream (so
+    no archive name tells) and under their own names."""
     case = sample("z3_fp16_ws4_subgroups_frozen")
     reshard(case.checkpoint, tmp_path / "rs", world_size=16)
     tag = tmp_path / "rs" / case.meta["tag"]
@@ -337,6 +341,9 @@ def test_a_zero3_checkpoint_told_apart_only_by_small_frozen_slices(tmp_path: Pat
     assert set(written) == set(reference) and all(same_bits(written[k], t) for k, t in reference.items())
     assert verify(tmp_path / "rs").ok
 
+    named = {path: path.read_bytes() for path in names}
+    for path in names:
+        as_saved_to_a_stream(path)
     for source, victim in ((0, 4), (15, 14)):
         honest = names[victim].read_bytes()
         shutil.copyfile(names[source], names[victim])
@@ -348,6 +355,11 @@ def test_a_zero3_checkpoint_told_apart_only_by_small_frozen_slices(tmp_path: Pat
         assert not (tmp_path / "copied").exists()
         assert not verify(tmp_path / "rs").ok
         names[victim].write_bytes(honest)
+    for path, data in named.items():
+        path.write_bytes(data)
+    shutil.copyfile(names[0], names[4])
+    with pytest.raises(ZckptError, match="was saved as zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        consolidate(tmp_path / "rs", tmp_path / "copied")
 
 
 def test_a_zip_version_zipfile_refuses_is_a_finding_not_a_crash(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from helpers import (
     RESHARDABLE,
+    ZERO3_PADDED,
     Sample,
     compare_trees,
     one_line,
@@ -38,9 +39,7 @@ def test_identity_reshard_rebuilds_what_deepspeed_wrote(case: Sample, tmp_path: 
     original, ours = tag_files(case.checkpoint), tag_files(out)
     assert list(original) == list(ours)
     # ZeRO-3 padding is uninitialised memory in DeepSpeed's files; zckpt writes zeros there
-    padded = (
-        {"/optimizer_state_dict/fp32_flat_groups", "/frozen_param_fragments"} if case.meta["zero_stage"] == 3 else set()
-    )
+    padded = set(ZERO3_PADDED) if case.meta["zero_stage"] == 3 else set()
     # with round_robin_gradients DeepSpeed's param_slice_mappings describe the param group's
     # order, not where the bytes are (sample README); the writer writes them as DeepSpeed does
     with FileReader() as reader:
@@ -103,7 +102,7 @@ def test_round_trip_n_m_n_and_consolidation(case: Sample, tmp_path: Path) -> Non
     reshard(tmp_path / "m", tmp_path / "n", world_size=ws, stage=stage)
     original, ours = tag_files(case.checkpoint), tag_files(tmp_path / "n")
     assert list(original) == list(ours)
-    padded = {"/optimizer_state_dict/fp32_flat_groups", "/frozen_param_fragments"} if stage == 3 else set()
+    padded = set(ZERO3_PADDED) if stage == 3 else set()
     # ZeRO-3 saves each rank's own buffers; a ZeRO-1/2 checkpoint (one model file) or fewer ranks
     # cannot hold them, so there DeepSpeed's own layout keeps rank 0's (see README)
     rank0_buffers_only = stage == 3

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from helpers import SAMPLE_LIST, data_records, flip, record_start, sample
+from helpers import SAMPLE_LIST, as_saved_to_a_stream, data_records, flip, record_start, sample
 from zckpt import consolidate
 from zckpt.cli.app import app
 from zckpt.ops.reshard import reshard
@@ -82,13 +82,17 @@ def test_truncated_and_missing_rank_files_fail(tmp_path: Path) -> None:
     _fails(checkpoint, "rank_2")
 
 
-def test_swapped_zero3_rank_files_fail_where_padding_tells(tmp_path: Path) -> None:
-    checkpoint, tag = _copy(tmp_path, "z3_fp32_ws2_tied_frozen")
-    first, second = sorted(tag.glob("*rank_0_*optim_states.pt"))[0], sorted(tag.glob("*rank_1_*optim_states.pt"))[0]
+@pytest.mark.parametrize("kind", ["optim", "model"])
+def test_swapped_zero3_rank_files_fail_by_the_names_they_were_saved_under(tmp_path: Path, kind: str) -> None:
+    """Ranks 0 and 1 of 3 hold no padding, and ZeRO-3 model states no partition: only the name
+    torch.save recorded inside each file tells them apart."""
+    checkpoint, tag = _copy(tmp_path, "z3_bf16_ws3_subgroups_groups")
+    first, second = sorted(tag.glob(f"*rank_0_*{kind}_states.pt"))[0], sorted(tag.glob(f"*rank_1_*{kind}_states.pt"))[0]
     held = first.read_bytes()
     first.write_bytes(second.read_bytes())
     second.write_bytes(held)
-    _fails(checkpoint, "padding are not zero", "swapped or copied")
+    problems = _fails(checkpoint, f"was saved as {first.name}", "swapped, copied or renamed")
+    assert any(str(first) in p and f"saved as {second.name}" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("name", ["z3_bf16_ws3_subgroups_groups", "z2_fp16_ws4_tied"])
@@ -105,7 +109,21 @@ def test_swapped_zero12_rank_files_fail(tmp_path: Path) -> None:
     held = first.read_bytes()
     first.write_bytes(second.read_bytes())
     second.write_bytes(held)
+    _fails(checkpoint, f"was saved as {second.name}", "swapped")
+    for path in (first, second):  # no names to tell by: the slice mappings still name the rank
+        as_saved_to_a_stream(path)
     _fails(checkpoint, "param_slice_mappings", "swapped")
+
+
+def test_zero3_files_saved_to_a_stream_are_read_and_said_to_be_untellable(tmp_path: Path) -> None:
+    """DeepSpeed's FastPersist writer saves through a stream: the archives are named "archive",
+    and nothing in a ZeRO-3 file tells its rank. The checkpoint reads as it is, and verify says so."""
+    checkpoint, tag = _copy(tmp_path, "z3_fp32_ws2_tied_frozen")
+    for path in sorted(tag.glob("*.pt")):
+        as_saved_to_a_stream(path)
+    report = verify(checkpoint)
+    assert report.ok, report.problems
+    assert any("saved to a stream" in note and "nothing in them tells which rank" in note for note in report.notes)
 
 
 def test_model_states_of_another_save_fail(tmp_path: Path) -> None:

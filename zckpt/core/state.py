@@ -47,18 +47,6 @@ class ParamGroupState:
 
 
 @dataclass(frozen=True)
-class PaddingRun:
-    """Elements of rank `rank`'s partition of optimizer state `state` (flat group `flat`) that no
-    param owns. DeepSpeed keeps optimizer moments there at zero: the one trace of which rank a
-    ZeRO-3 partition belongs to (zckpt verify reads them)."""
-
-    rank: int
-    flat: int
-    state: str
-    source: TensorSource
-
-
-@dataclass(frozen=True)
 class PipelineStage:
     """What one pipeline stage of the run held: its trainable params in its optimizer's order,
     its buffers, and the layer files it saved (carried to a pipeline output as they are); with
@@ -97,7 +85,6 @@ class TrainingState:
     rank_buffers: tuple[dict[str, TensorSource], ...] = ()
     optimizer_kind: str = "zero"  # "zero" or "bf16_optimizer" (DeepSpeed's BF16_Optimizer file layout)
     round_robin: bool = False  # the input's flat groups were in round-robin order
-    state_padding: tuple[PaddingRun, ...] = ()  # optimizer-state padding, by rank (see PaddingRun)
     stages: tuple[PipelineStage, ...] = ()  # a pipeline-parallel run's stages (empty: data-parallel)
     # a tensor-parallel run: each tensor rank's own state (its shards), which a writer lays out again
     tensor_shards: tuple["TrainingState", ...] = field(default=(), compare=False)

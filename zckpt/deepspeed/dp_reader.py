@@ -18,7 +18,7 @@ from . import swap_folder as swap
 from .live_swap import check_swap_folder, report_swap_folder
 from .model_states import declare, describe, describe_readable, module_entries, rounded_copies, tied_entries
 from .partitions import Partitions
-from .rank_checks import check_file_kinds, check_padding, check_same_run, check_steps, check_world
+from .rank_checks import check_file_kinds, check_same_run, check_steps, check_world
 from .rank_files import LoadedRanks, RankFiles, load
 from .schema import MODEL_SCHEMA, schema_problems
 from .survey import Survey
@@ -116,9 +116,6 @@ def read_ranks(
     except ZckptError as exc:
         result.problems.append(exc)
         result.index = None
-        return
-    if not check_padding(result, result.state):
-        result.index = result.state = None
         return
     if swap_folder is not None:
         report_swap_folder(result, swap_folder, partitions)

@@ -529,5 +529,4 @@ def _merged_state(
         params=tuple(by_name[name] for group in groups for name in group.params),
         groups=tuple(groups),
         module_names=tuple(module_names),
-        state_padding=(*dense.state_padding, *(p for s in states for p in s.state_padding)),
     )

@@ -161,7 +161,6 @@ def _view(
         params=params,
         groups=tuple(replace(g, params=tuple(rename(n) for n in g.params if mine(n))) for g in groups),
         module_names=tuple(rename(n) for n in state.module_names if kept(n)),
-        state_padding=(),
     )
 
 

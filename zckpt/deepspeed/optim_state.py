@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..core.errors import LayoutError
 from ..core.index import CheckpointIndex, Segment, TensorRef, TensorSource
-from ..core.state import PaddingRun, ParamGroupState, ParamState, ScalarState, TrainingState
+from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..io.reading import source_of
 from . import names as N
 from .layout import FlatGroup, ZeroLayout, round_robin_order, zero12_layout
@@ -132,7 +132,6 @@ def build_training_state(
             )
         params.append(ParamState(param.name, shapes[param.name], param.group, masters[param.name], states))
 
-    padding = tuple(_padding_runs(layout, tensors))
     groups = _param_groups(layout, per_rank[0], states0, element_keys)
     order = optimizer_order(layout, params, round_robin)
     return TrainingState(
@@ -141,27 +140,8 @@ def build_training_state(
         groups=groups,
         rank_buffers=tuple(module_buffers(models[rank]) for rank in range(world)) if zero3 else (),
         round_robin=not zero3 and round_robin,
-        state_padding=padding,
         **saved_run_state(model0, inner[0]),
     )
-
-
-def _padding_runs(layout: ZeroLayout, tensors: dict[tuple[int, int, str], TensorRef]) -> list[PaddingRun]:
-    """The elements of each rank's optimizer-state partitions that no param owns: ZeRO-3 pads
-    every param to a multiple of the world size, ZeRO-1/2 the group's tail. DeepSpeed keeps the
-    moments there at zero, so data there means the file holds another rank's partition."""
-    runs = []
-    by_rank = layout.by_rank()
-    for (rank, flat, key), ref in sorted(tensors.items()):
-        position = 0
-        for piece in [*by_rank.get((rank, flat), []), None]:
-            start = piece.flat_offset if piece is not None else layout.flat_groups[flat].partition
-            if start > position:
-                segment = Segment(ref.path, ref.offset + position * ref.dtype.itemsize, start - position)
-                runs.append(PaddingRun(rank, flat, key, TensorSource(ref.dtype, (start - position,), (segment,))))
-            if piece is not None:
-                position = max(position, piece.flat_offset + piece.length)
-    return runs
 
 
 def saved_run_state(model0: dict, optimizer: dict) -> dict:

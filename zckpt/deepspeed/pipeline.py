@@ -549,5 +549,4 @@ def joined_states(
         groups=tuple(groups),
         module_names=tuple(module_names),
         module_dtype_names={k: v for s in states for k, v in s.module_dtype_names.items()},
-        state_padding=tuple(p for s in states for p in s.state_padding),
     )

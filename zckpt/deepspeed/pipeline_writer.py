@@ -191,7 +191,6 @@ def stage_state(state: TrainingState, stage: PipelineStage) -> TrainingState:
         params=tuple(by_name[name] for name in stage.params),
         groups=groups,
         module_names=tuple(n for n in state.module_names if n in own),
-        state_padding=(),
         stages=(),
     )
 
@@ -209,9 +208,7 @@ def tensor_rank_state(state: TrainingState, tensor: int) -> TrainingState:
             unused.setdefault(param.name, set()).add(number)
     joined = joined_states(shards, order, unused, state.index.tag_dir)
     entries, _ = merged_entries([shard.index.entries for shard in shards], order, unused)
-    return replace(
-        joined, index=replace(joined.index, entries=tuple(entries)), state_padding=(), rank_buffers=(), stages=()
-    )
+    return replace(joined, index=replace(joined.index, entries=tuple(entries)), rank_buffers=(), stages=())
 
 
 def _layer_files(state: TrainingState) -> list[str]:

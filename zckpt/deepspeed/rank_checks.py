@@ -1,7 +1,8 @@
 """The checks that the rank files of a ZeRO checkpoint belong together: of the right kind, one
 world size, one run and save, one step; and that each file holds its own rank's partition (the
-slice mappings, the zeros in the padding, no file a copy of another). Each lists its problems
-in the :class:`~.survey.Survey` and says whether reading can go on.
+slice mappings, no file a copy of another; the name each file was saved under is checked where
+it is loaded, :func:`.rank_files.check_saved_name`). Each lists its problems in the
+:class:`~.survey.Survey` and says whether reading can go on.
 """
 
 from __future__ import annotations
@@ -9,12 +10,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
-
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
 from ..core.index import TensorRef
-from ..core.state import TrainingState
-from ..io.checksums import RecordChecker, repeated_ranks
+from ..io.checksums import repeated_ranks
 from ..io.materialize import read_scalar
 from ..io.reading import FileReader, source_of
 from . import names as N
@@ -209,40 +207,6 @@ def check_steps(result: Survey, reader: FileReader, inner: dict, optim_files: di
                     optim_files[rank][1],
                     f"optimizer is at step {step}, rank 0's at step {rank0_step}: files of different runs or saves are mixed",
                 )
-
-
-def check_padding(result: Survey, state: TrainingState) -> bool:
-    """Optimizer moments in each rank's padding must be zero, as DeepSpeed leaves them: data
-    there means the file holds another rank's partition (ZeRO-3 rank files swapped or copied
-    over each other have the same sizes, so nothing else tells). A few small reads, outside
-    the CRC checks (those would read the whole record); swap files keep no zeros there."""
-    dirty: dict[tuple[int, str], int] = {}
-    with FileReader(verify=False) as reader:
-        for run in state.state_padding:
-            path = run.source.segments[0].path
-            if run.state == "step" or not path.endswith(".pt"):
-                continue
-            count = int(np.count_nonzero(reader.read_source(run.source)))
-            if count:
-                dirty[(run.rank, path)] = dirty.get((run.rank, path), 0) + count
-    if dirty:
-        try:  # damaged bytes, rather than another rank's data? The CRC tells.
-            checker = RecordChecker()
-            for run in state.state_padding:
-                segment = run.source.segments[0]
-                if (run.rank, segment.path) in dirty:
-                    checker.touch(segment.path, segment.offset, run.source.nbytes)
-            checker.finish()
-        except CorruptFileError as exc:
-            result.problems.append(exc)
-            return False
-    for (rank, path), count in sorted(dirty.items()):
-        result.add(
-            LayoutError,
-            path,
-            f"{count} optimizer-state elements in rank {rank}'s padding are not zero: the file holds another rank's partition (rank files swapped or copied)",
-        )
-    return not dirty
 
 
 def check_rank_identity(result: Survey, layout: ZeroLayout, inner: dict, optim_files: dict, round_robin: bool) -> bool:

@@ -322,13 +322,44 @@ def load(result: Survey, path: str, loaded: dict[str, Any] | None = None) -> Any
     if loaded is not None and path in loaded:
         return loaded[path]
     try:
-        content = torchfile.load(path)
+        content, archive = torchfile.load_archive(path)
     except ZckptError as exc:
         result.problems.append(exc)
         content = None
+    else:
+        check_saved_name(result, path, archive)
     if loaded is not None:
         loaded[path] = content
     return content
+
+
+def check_saved_name(result: Survey, path: str, archive: str) -> None:
+    """List a problem when the rank file at `path` was saved under another rank file's name.
+
+    Why this tells rank identity: DeepSpeed saves every rank file with ``torch.save(state,
+    path)`` (``TorchCheckpointEngine.save``, deepspeed/runtime/checkpoint_engine/
+    torch_checkpoint_engine.py), and torch names the archive's folder after that path (the
+    base name up to its last dot: ``PyTorchStreamWriter``'s ``archive_name_``,
+    caffe2/serialize/inline_container.cc). Files swapped, or one copied over another, keep the
+    name of the rank that wrote them. A file saved to a stream is named "archive", which tells
+    nothing: it is listed in ``unnamed_archives``. (Optimizer state in the padding tells
+    nothing either: ZeRO-3's flat fp32 partitions leave it uninitialised, ``torch.empty`` in
+    ``partition_param``, deepspeed/runtime/zero/partition_parameters.py, and coupled weight
+    decay turns that into nonzero moments.)"""
+    here = parse_rank_file(path)
+    saved = parse_rank_file(os.path.join(os.path.dirname(path), archive + ".pt"))
+    if here is None:
+        return
+    if saved is None:
+        result.unnamed_archives.append(path)
+    elif dataclasses.replace(saved, path=path) == here:
+        result.named_archives += 1
+    else:
+        result.add(
+            LayoutError,
+            path,
+            f"was saved as {archive}.pt (the name torch.save recorded inside it): rank files swapped, copied or renamed",
+        )
 
 
 @dataclass(frozen=True)

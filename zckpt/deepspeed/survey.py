@@ -37,6 +37,10 @@ class Survey:
     # ZeRO-3 rank files that repeat another rank's where nothing tells whether one was copied:
     # verify says so; commands read them as they are (not index notes)
     untold_copies: list[str] = field(default_factory=list)
+    # rank files whose archive name (torch.save's record of the path it saved to) names no rank
+    # file, as when saved to a stream: nothing in them tells which rank wrote them
+    unnamed_archives: list[str] = field(default_factory=list)
+    named_archives: int = 0  # rank files whose archive name is their own file name
     # What the model-states file declares, known even when the index cannot be built.
     declared: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, kind)
     declared_dtypes: dict[str, DType] = field(default_factory=dict)  # as stored in the module state dict
@@ -73,6 +77,9 @@ class Survey:
         )
         notes = (n for part in parts for n in part.notes)
         self.notes.extend(dict.fromkeys(n for n in notes if keep_note is None or keep_note(n)))
+        self.untold_copies.extend(dict.fromkeys(n for part in parts for n in part.untold_copies))
+        self.unnamed_archives.extend(dict.fromkeys(p for part in parts for p in part.unnamed_archives))
+        self.named_archives += sum(part.named_archives for part in parts)
         self.files = sorted({*(f for part in parts for f in part.files), *extra_files})
         return not self.problems and all(part.index is not None and part.state is not None for part in parts)
 

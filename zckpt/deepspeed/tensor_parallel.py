@@ -403,6 +403,4 @@ def _merged_state(index: CheckpointIndex, states: list[TrainingState], merge: _M
         keys = list(param.states)
         assembled = {k: merge.assemble(param.name, spec, [p.states[k] for p in by_rank]) for k in keys}
         params.append(ParamState(param.name, master.shape, param.group, master, assembled))
-    return replace(
-        first, index=index, params=tuple(params), state_padding=(), rank_buffers=(), tensor_shards=tuple(states)
-    )
+    return replace(first, index=index, params=tuple(params), rank_buffers=(), tensor_shards=tuple(states))

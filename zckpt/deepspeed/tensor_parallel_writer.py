@@ -116,9 +116,7 @@ def tensor_ranks_state(state: TrainingState, tp: int) -> TrainingState:
             master = sliced(param.name, param.master, t)
             states = {key: sliced(param.name, value, t) for key, value in param.states.items()}
             params.append(replace(param, shape=master.shape, master=master, states=states))
-        shards.append(
-            replace(whole, index=index, params=tuple(params), engine_extras=extras, rank_buffers=(), state_padding=())
-        )
+        shards.append(replace(whole, index=index, params=tuple(params), engine_extras=extras, rank_buffers=()))
     index = replace(whole.index, topology=Topology(tp=tp, dp=whole.index.topology.dp))
     return replace(whole, index=index, engine_extras=extras, tensor_shards=tuple(shards))
 

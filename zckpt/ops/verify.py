@@ -239,19 +239,17 @@ def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
 
 
 def _check_identity(found: Survey, findings: _Findings) -> None:
-    """What told rank files apart (the survey refuses ZeRO-1/2 files whose param_slice_mappings
-    name another rank, files with data in their optimizer-state padding, and ZeRO-3 files that
-    repeat another rank's partitions), and where nothing can (the survey's untold copies)."""
-    state = found.state
-    assert state is not None
-    runs = [r for r in state.state_padding if r.state != "step" and r.source.segments[0].path.endswith(".pt")]
-    ranks = len({r.rank for r in runs})
-    told = f"optimizer-state padding is zero on {ranks} rank{'s' * (ranks != 1)} ({sum(r.source.numel for r in runs)} elements)"
+    """What told rank files apart (the survey refuses a file saved under another rank file's
+    name, ZeRO-1/2 files whose param_slice_mappings name another rank, and ZeRO-3 files that
+    repeat another rank's partitions), and where nothing can (files saved to a stream, the
+    survey's untold copies)."""
+    told = f"{found.named_archives} rank file{'s' * (found.named_archives != 1)} saved under their own names"
     if found.zero_stage in (1, 2):
         told += "; param_slice_mappings name each file's own rank"
-    if not runs and found.zero_stage == 3 and (found.world_size or 1) > 1:
+    if found.unnamed_archives and found.zero_stage == 3 and (found.world_size or 1) > 1:
         findings.notes.append(
-            "no optimizer-state padding here (every param divides by the world size): nothing in a ZeRO-3 file tells which rank wrote it"
+            f"{len(found.unnamed_archives)} ZeRO-3 rank files were saved to a stream (their archive is named "
+            f"'archive', e.g. {found.unnamed_archives[0]}): nothing in them tells which rank wrote them"
         )
     findings.notes.extend(found.untold_copies)
     findings.add("rank identity", [], told + "; no optimizer file is a copy of another rank's")

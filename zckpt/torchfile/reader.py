@@ -129,6 +129,14 @@ def load(path: str | os.PathLike[str]) -> Any:
     safe torch archive: missing, truncated, garbled, compressed, or referencing a global that is
     not allowlisted.
     """
+    return load_archive(path)[0]
+
+
+def load_archive(path: str | os.PathLike[str]) -> tuple[Any, str]:
+    """:func:`load`'s content and the archive's name: the folder its records sit in, which
+    torch.save takes from the name of the file it saved to (``basename`` in PyTorch's
+    ``caffe2/serialize/inline_container.cc``: the base name up to its last dot), or "archive"
+    when it saved to a stream. A rank file renamed after the save still carries its old name."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(path, "file not found")
@@ -168,7 +176,7 @@ def load(path: str | os.PathLike[str]) -> Any:
         raise CorruptFileError(path, f"cannot read: {exc.strerror or exc}") from None
     except Exception as exc:  # zipfile trips over garbled headers in many ways (bad names, versions)
         raise CorruptFileError(path, f"damaged zip structure ({type(exc).__name__}: {exc})") from None
-    return unpickle(data, path, storages)
+    return unpickle(data, path, storages), prefix[:-1]
 
 
 # torch.save's format before 1.6 (still written with _use_new_zipfile_serialization=False): a bare
