@@ -187,3 +187,11 @@ def test_shell_completion_is_on(tmp_path: Path) -> None:
     assert "--install-completion" in top and "--show-completion" in top
     result = run_cli("--show-completion", "bash", cwd=tmp_path)
     assert result.returncode == 0 and "zckpt" in result.stdout and "complete" in result.stdout, result.stderr
+
+
+def test_train_resumes_from_the_latest_file(tmp_path: Path) -> None:
+    assert runner.invoke(app, ["train", "--steps", "1", "--out", str(tmp_path / "run"), "-q"]).exit_code == 0
+    result = runner.invoke(app, ["train", "--steps", "2", "--resume", str(tmp_path / "run" / "latest"), "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["global_steps"] == 2 and report["inputs"]["resume"] == str(tmp_path / "run" / "global_step1")

@@ -46,7 +46,7 @@ def diff(
         Path,
         typer.Argument(
             metavar="A",
-            help="What CHECKPOINT is in the other commands (a checkpoint folder, its 'latest' file, a tag, universal, checkpoint-N or Lightning folder), or weights: a .safetensors or torch .bin/.pt file, an .index.json, or their folder.",
+            help="Any CHECKPOINT the writers take (see consolidate -h), or weights (a folder, .safetensors, .index.json, torch .bin/.pt).",
         ),
     ],
     b: Annotated[

@@ -32,7 +32,7 @@ def inspect(
         Path,
         typer.Argument(
             metavar="PATH",
-            help="What CHECKPOINT is in the other commands (a checkpoint folder, its 'latest' file, a tag, universal, checkpoint-N or Lightning folder), a consolidated folder, a .safetensors file, an .index.json, a torch .bin/.pt file, or a ZeRO-Infinity swap folder.",
+            help="Any CHECKPOINT the writers take (see consolidate -h), weights (a folder, .safetensors, .index.json, torch .bin/.pt), or a ZeRO-Infinity swap folder.",
         ),
     ],
     tag: TagOption = None,

@@ -1,5 +1,7 @@
-"""What the commands share: the typer app and its plain help, the options several commands take,
-progress bars, and which process of a torchrun job reports.
+"""What the commands share: the typer app and its plain help, the options several commands take
+(defined once, one spelling per idea: tests/test_cli/test_option_names.py holds every command to
+them), what CHECKPOINT accepts, progress bars, which process of a torchrun job reports, and a
+command's last output: the text and notes, or with --json one object (:func:`emit`).
 """
 
 from __future__ import annotations
@@ -168,9 +170,8 @@ NoVerifyOption = Annotated[bool, typer.Option("--no-verify", help="Skip the CRC-
 
 CONFIG_METAVAR = "FILE"  # --config: a DeepSpeed config JSON, in every command that takes one
 CHECKPOINT_HELP = (
-    "A DeepSpeed checkpoint folder (holding 'latest'), its 'latest' file, one tag folder, a universal folder, "
-    "a Hugging Face Trainer checkpoint-N folder or its output folder (the newest checkpoint-N), or a Lightning "
-    "checkpoint folder (the newest .ckpt)."
+    "A DeepSpeed checkpoint folder or its 'latest' file; a tag, universal or checkpoint-N folder; "
+    "a Trainer output_dir or Lightning checkpoint folder (the newest inside)."
 )
 
 

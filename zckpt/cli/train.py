@@ -19,6 +19,7 @@ from .shared import (
     QuietOption,
     Timer,
     app,
+    checkpoint_and_tag,
     emit,
     primary_process,
     write_report,
@@ -255,6 +256,10 @@ def train(
 
     def text(path: Optional[Path]) -> Optional[str]:
         return None if path is None else str(path)
+
+    if resume is not None:  # a checkpoint's 'latest' file, as every command takes it: the tag it names
+        folder, named = checkpoint_and_tag(resume, None, debug)
+        resume = folder / named if named is not None else folder
 
     options = dict(
         out=text(out),
