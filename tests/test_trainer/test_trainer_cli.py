@@ -100,7 +100,7 @@ def _run_group(
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "howto" / "train.md"  # the training how-to
 TINY = [
     "--layers",
     "1",
@@ -116,8 +116,8 @@ TINY = [
 
 
 def _readme_chain() -> list[str]:
-    """The torchrun lines of the README's Training example, as written."""
-    section = README.read_text().split("## Training: `zckpt train`", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    """The torchrun lines of the training how-to's first example, as written."""
+    section = README.read_text().split("```bash", 1)[1].split("```", 1)[0]
     return [line.split("#", 1)[0].strip() for line in section.splitlines() if line.startswith("torchrun ")]
 
 

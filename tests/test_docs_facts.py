@@ -1,10 +1,14 @@
-"""README facts that can go stale, checked against the code and the repository (issue 17):
-the exit-code table run row by row through the real CLI, the Command line section against the
-CLI's own commands and options, every help text's width, the sample folder's count and size, and
-the package map against the tree (issue 18)."""
+"""Facts in the docs that can go stale, checked against the code and the repository: the exit-code
+table (docs/reference/exit-codes.md) run row by row through the real CLI, the command-line
+reference (docs/reference/cli.md) against a fresh generation from the live CLI, every help text's
+width, the sample folder's count and size (docs/explanation/samples.md), the package map against
+the tree (docs/explanation/how-it-works.md), and the documented `inspect --json` keys
+(docs/reference/json.md) against a real report."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shlex
@@ -19,21 +23,19 @@ import typer.main
 from helpers import ROOT, SAMPLES
 from zckpt.cli.app import app
 
-README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 COMMANDS = typer.main.get_command(app).commands
 
 
-def section(title: str) -> str:
-    start = README.index(f"\n## {title}")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else None]
+def page(path: str) -> str:
+    return (DOCS / path).read_text()
 
 
 # --- the exit-code table -------------------------------------------------------------------------
 
 
 def exit_code_rows() -> list[tuple[int, str]]:
-    rows = re.findall(r"^\| (\d) \|[^|]*\| `(zckpt [^`]+)` \|$", section("Command line"), flags=re.M)
+    rows = re.findall(r"^\| (\d) \|[^|]*\| `(zckpt [^`]+)` \|$", page("reference/exit-codes.md"), flags=re.M)
     return [(int(code), command) for code, command in rows]
 
 
@@ -50,7 +52,7 @@ def test_the_table_covers_every_code_and_command() -> None:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder the README's table describes."""
+    """The folder the exit-code table describes."""
     root = tmp_path_factory.mktemp("readme")
     runs = root / "runs"
     shutil.copytree(SAMPLES / "z2_fp32_ws1" / "checkpoint", runs / "ckpt")
@@ -70,7 +72,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("code, command", ROWS, ids=[c for _, c in ROWS])
-def test_exit_code_as_the_readme_says(workdir: Path, tmp_path: Path, code: int, command: str) -> None:
+def test_exit_code_as_the_docs_say(workdir: Path, tmp_path: Path, code: int, command: str) -> None:
     """Each row of the table, run as written (in a fresh copy of the folder it describes)."""
     here = tmp_path / "cwd"
     shutil.copytree(workdir, here, symlinks=True)
@@ -90,41 +92,27 @@ def test_exit_code_as_the_readme_says(workdir: Path, tmp_path: Path, code: int, 
         assert (here / "done" / "model.safetensors").read_bytes() == b"weights of an earlier run"
 
 
-# --- the Command line section --------------------------------------------------------------------
+# --- the command-line reference --------------------------------------------------------------------
 
 
-def synopsis() -> dict[str, str]:
-    """The usage block of the Command line section: command -> its lines."""
-    block = section("Command line").split("```text\n", 1)[1].split("```", 1)[0]
-    usage: dict[str, str] = {}
-    current = None
-    for line in block.splitlines():
-        if line.startswith("zckpt "):
-            current = line.split()[1]
-            usage[current] = line
-        elif current is not None:
-            usage[current] += " " + line.strip()
-    return usage
-
-
-def test_every_command_is_in_the_synopsis_and_exists() -> None:
-    listed = {name for name in synopsis() if not name.startswith("-")}
-    assert listed == set(COMMANDS), f"README lists {sorted(listed)}, the CLI has {sorted(COMMANDS)}"
-
-
-@pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_every_option_is_in_the_synopsis(name: str) -> None:
-    line = synopsis()[name]
-    written = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", line))
-    for param in COMMANDS[name].params:
-        if param.param_type_name != "option" or param.name == "help":
-            continue
-        spellings = [o for o in param.opts + param.secondary_opts if o.startswith("--")]
-        assert set(spellings) & written, f"{name}: README's synopsis lacks {spellings[0]}"
-    every = {o for p in COMMANDS[name].params for o in p.opts + p.secondary_opts}
-    assert written <= every | {"-h", "--help"}, (
-        f"{name}: README's synopsis lists {sorted(written - every)}, which the CLI lacks"
+def test_cli_reference_is_generated_from_the_live_cli() -> None:
+    """docs/reference/cli.md is what scripts/gen_cli_reference.py writes now: a renamed or new
+    option changes the page, and this test says to regenerate it."""
+    spec = importlib.util.spec_from_file_location("gen_cli_reference", ROOT / "scripts" / "gen_cli_reference.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert page("reference/cli.md") == generator.render(), (
+        "docs/reference/cli.md is stale: run python scripts/gen_cli_reference.py"
     )
+
+
+def test_every_command_and_visible_option_is_in_the_reference() -> None:
+    text = page("reference/cli.md")
+    for name, command in COMMANDS.items():
+        assert f"## zckpt {name}\n" in text, name
+        for param in command.params:
+            if param.param_type_name == "option" and not getattr(param, "hidden", False):
+                assert f"`{param.opts[0]}`" in text, f"{name}: {param.opts[0]}"
 
 
 @pytest.mark.slow
@@ -147,24 +135,24 @@ def test_help_fits_80_columns(name: str, tmp_path: Path) -> None:
 # --- the samples -----------------------------------------------------------------------------------
 
 
-def test_sample_count_and_size_as_the_readme_says() -> None:
-    found = re.search(r"`sample_ckpts/` \((\d+) MB\) holds (\d+) small checkpoints", README)
-    assert found, "the README's sentence on sample_ckpts/ changed: update this test with it"
+def test_sample_count_and_size_as_the_docs_say() -> None:
+    found = re.search(r"`sample_ckpts/` \((\d+) MB\) holds (\d+) small checkpoints", page("explanation/samples.md"))
+    assert found, "the samples page's sentence on sample_ckpts/ changed: update this test with it"
     megabytes, count = int(found[1]), int(found[2])
     checkpoints = [p.parent for p in SAMPLES.rglob("latest")]
     size = sum(p.stat().st_size for p in SAMPLES.rglob("*") if p.is_file())
-    assert count == len(checkpoints), f"README says {count} checkpoints, sample_ckpts/ holds {len(checkpoints)}"
-    assert megabytes == round(size / 1e6), f"README says {megabytes} MB, sample_ckpts/ holds {size / 1e6:.1f} MB"
+    assert count == len(checkpoints), f"the docs say {count} checkpoints, sample_ckpts/ holds {len(checkpoints)}"
+    assert megabytes == round(size / 1e6), f"the docs say {megabytes} MB, sample_ckpts/ holds {size / 1e6:.1f} MB"
 
 
 # --- the package map -----------------------------------------------------------------------------
 
 
 def package_map() -> tuple[list[str], list[str]]:
-    """The files and folders the tree map at the top of "How it works, and why" names, as paths
+    """The files and folders the tree map at the top of docs/explanation/how-it-works.md names, as paths
     from the repository root: one entry per line, indented two spaces a folder level; a line
     names a folder (``core/``) or modules (``errors.py, dtypes.py``), then says what they do."""
-    block = section("How it works, and why").split("```")[1]
+    block = page("explanation/how-it-works.md").split("```")[1]
     files: list[str] = []
     folders: list[str] = []
     parents: list[str] = []  # the folder of each indentation level so far
@@ -200,3 +188,23 @@ def test_the_package_map_is_the_tree() -> None:
     )
     missing, absent = sorted(set(modules) - set(files)), sorted(set(files) - set(modules))
     assert not missing and not absent, f"the map lacks {missing} and names {absent}, which do not exist"
+
+
+# --- the documented --json keys --------------------------------------------------------------------
+
+
+def test_inspect_json_keys_are_documented() -> None:
+    """Every key a real `inspect --json` report has is in docs/reference/json.md's table, and the
+    table names no key the report lacks."""
+    table = page("reference/json.md").split("<!-- keys: inspect -->", 1)[1].split("\n\n", 1)[0]
+    documented = {key for row in table.splitlines()[2:] for key in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", "inspect", str(SAMPLES / "z2_fp32_ws1" / "checkpoint"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    emitted = set(json.loads(done.stdout))
+    assert emitted <= documented, f"inspect --json emits {sorted(emitted - documented)}, undocumented"
+    assert documented <= emitted, f"the docs list {sorted(documented - emitted)}, which inspect --json lacks"
