@@ -110,6 +110,8 @@ def parse_case(gen: Any, text: str) -> Any:
     fields["save_steps"] = tuple(fields.get("save_steps", (3,)))
     fields["zero_extra"] = tuple(tuple(item) for item in fields.get("zero_extra", ()))
     fields["config_extra"] = tuple(tuple(item) for item in fields.get("config_extra", ()))
+    if "optim_keys" in fields:
+        fields["optim_keys"] = tuple(fields["optim_keys"])
     return gen.Case(**fields)
 
 
@@ -502,7 +504,10 @@ def worker(args: argparse.Namespace) -> None:
     try:
         model = gen.build_model(case)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=gen.param_groups(model, case), config=cfg)
-        load_path, client_state = engine.load_checkpoint(str(args.checkpoint), tag=args.tag)
+        # a run saved without its frozen params loads as the Hugging Face Trainer loads one (its
+        # module state lacks them, and the model keeps its own)
+        strict = not source_case.exclude_frozen
+        load_path, client_state = engine.load_checkpoint(str(args.checkpoint), tag=args.tag, load_module_strict=strict)
         if load_path is None:
             raise RuntimeError(f"engine.load_checkpoint({args.checkpoint!r}) returned (None, None): nothing loaded")
         stage = int(engine.zero_optimization_stage())

@@ -98,6 +98,8 @@ class Case:
     min_aio_bytes: int = 0
     # the per-element optimizer states read live from the engine (SGD keeps momentum_buffer)
     optim_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    # save_checkpoint(exclude_frozen_parameters=True), as the Hugging Face Trainer saves PEFT runs
+    exclude_frozen: bool = False
 
     @property
     def steps(self) -> int:
@@ -781,7 +783,7 @@ def worker(case: Case, casedir: Path) -> None:
                     save_file(live, str(ref / "live.safetensors"), metadata={"format": "pt"})
                     if optim is not None:
                         save_file(optim, str(ref / "live_optimizer.safetensors"), metadata={"format": "pt"})
-            engine.save_checkpoint(str(ckpt_dir))
+            engine.save_checkpoint(str(ckpt_dir), exclude_frozen_parameters=case.exclude_frozen)
             dist.barrier()
             tags.append((ckpt_dir / "latest").read_text().strip())
             if rank == 0 and os.environ.get("ZCKPT_NVME_PATH"):

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import Sample, load_output, same_bits
 from zckpt import consolidate, inspect_path
@@ -156,6 +157,26 @@ def test_deepspeed_loads_resharded_fresh_checkpoint(
     reshard(case.checkpoint, tmp_path / "out", world_size=world_size, stage=stage)
     live, optim, state = run_probe(spec, tmp_path / "out", world_size, tmp_path / "probe", stage=stage)
     _check_loaded(case, live, optim, state, world_size, stage)
+
+
+EXCLUDED = GEN.Case(
+    "fresh_z2_bf16_ws2_frozen_excluded", "ds19", 2, "bf16", 2, frozen=True, exclude_frozen=True, **SIZES
+)
+
+
+def test_deepspeed_loads_a_reshard_of_a_run_saved_without_its_frozen_params(tmp_path: Path) -> None:
+    """save_checkpoint(exclude_frozen_parameters=True) records no frozen params (None), so that a
+    load keeps the model's own (the Trainer saves PEFT runs so). zckpt once wrote an empty record
+    instead, and DeepSpeed's load looked every frozen param up in it: KeyError."""
+    GEN.generate(EXCLUDED, tmp_path, {"ds19": sys.executable}, tmp_path)
+    case = Sample(
+        EXCLUDED.name, tmp_path / EXCLUDED.name, json.loads((tmp_path / EXCLUDED.name / "meta.json").read_text())
+    )
+    model = torch.load(case.checkpoint / case.meta["tag"] / "mp_rank_00_model_states.pt", weights_only=False)
+    assert model["frozen_param_shapes"] is None and not set(case.meta["frozen"]) & set(model["module"])
+    reshard(case.checkpoint, tmp_path / "out", world_size=3, stage=3)
+    live, optim, state = run_probe(EXCLUDED, tmp_path / "out", 3, tmp_path / "probe", stage=3)
+    _check_loaded(case, live, optim, state, 3, 3)  # the frozen params: the model's own, as trained (never changed)
 
 
 def test_resharded_run_continues_like_the_original(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from helpers import (
     RESHARDABLE,
+    SAMPLES,
     ZERO3_PADDED,
     Sample,
     compare_trees,
@@ -308,3 +309,28 @@ def test_target_config_overrides_layout_settings(tmp_path: Path) -> None:
     with FileReader() as reader:
         for param in state.params:
             assert same_bits(read_tensor(reader, param.master), live[param.name]), param.name
+
+
+@pytest.mark.parametrize(
+    "checkpoint,stage",
+    [
+        ("peft_lora/gpt2_z2_fp32_ws2/checkpoint-3", 3),  # the Trainer saves PEFT runs with exclude_frozen_parameters
+        ("peft_lora/llama_z3_bf16_ws2/checkpoint-3", 2),
+        ("z3_fp32_ws2_tied_frozen/checkpoint", 2),  # frozen params in the files: recorded
+        ("z3_bf16_ws3_subgroups_groups/checkpoint", 3),  # none, in a run that records them: an empty record
+    ],
+)
+def test_frozen_params_are_recorded_as_the_input_records_them(checkpoint: str, stage: int, tmp_path: Path) -> None:
+    """DeepSpeed records no frozen params (None) when a run saved with exclude_frozen_parameters, and
+    its load then keeps the model's own; an empty record would make it look each one up (KeyError).
+    The input's own model states say which (DeepSpeed wrote them)."""
+    source = SAMPLES / checkpoint
+    tag = (source / "latest").read_text().strip()
+    saved = torchfile.load(sorted((source / tag).glob("*model_states.pt"))[0])
+    reshard(source, tmp_path / "out", world_size=3, stage=stage)
+    for path in sorted((tmp_path / "out" / tag).glob("*model_states.pt")):
+        written = torchfile.load(path)
+        for key in ("frozen_param_shapes", "frozen_param_fragments"):
+            assert (written[key] is None) == (saved[key] is None), (path.name, key)
+        if saved["frozen_param_shapes"] is not None:
+            assert list(written["frozen_param_shapes"]) == list(saved["frozen_param_shapes"])

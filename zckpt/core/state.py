@@ -84,6 +84,9 @@ class TrainingState:
     # ZeRO-3 saves every rank's own module buffers (BatchNorm statistics differ per rank): rank r's
     rank_buffers: tuple[dict[str, TensorSource], ...] = ()
     optimizer_kind: str = "zero"  # "zero" or "bf16_optimizer" (DeepSpeed's BF16_Optimizer file layout)
+    # whether the model states record the frozen params (a frozen_param_shapes dict): not in ZeRO-0/1
+    # runs, nor in runs saved with exclude_frozen_parameters, whose loads keep the model's own
+    frozen_recorded: bool = True
     round_robin: bool = False  # the input's flat groups were in round-robin order
     stages: tuple[PipelineStage, ...] = ()  # a pipeline-parallel run's stages (empty: data-parallel)
     # a tensor-parallel run: each tensor rank's own state (its shards), which a writer lays out again

@@ -161,6 +161,7 @@ def saved_run_state(model0: dict, optimizer: dict) -> dict:
         engine_extras={k: model0[k] for k in CARRIED_ENGINE_KEYS if k in model0},
         optimizer_extras={k: optimizer[k] for k in OPTIMIZER_EXTRA_KEYS if k in optimizer},
         optimizer_kind="zero" if N.ZERO_STAGE in optimizer else "bf16_optimizer",
+        frozen_recorded=isinstance(model0.get(N.FROZEN_PARAM_SHAPES), dict),
     )
 
 

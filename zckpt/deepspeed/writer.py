@@ -592,9 +592,18 @@ class ModelPlanner:
         self.module = module
         return module
 
+    @property
+    def _frozen_recorded(self) -> bool:
+        """Whether the files record frozen params, as DeepSpeed's do at ZeRO-2/3 (``save_frozen_param``
+        in engine._save_checkpoint). Not where the input recorded none and the files hold none
+        (saved with exclude_frozen_parameters): an empty record would make DeepSpeed's load look up
+        every frozen param of the model in it (load_module_state_dict: KeyError); None keeps the
+        model's own, as the run's own files do."""
+        return self.target.stage != 1 and (bool(self.frozen) or self.state.frozen_recorded)
+
     def _frozen_fragments(self, rank: int | None) -> Any:
         stage = self.target.stage
-        if stage == 1:
+        if not self._frozen_recorded:
             return None
         fragments = OrderedDict()
         for name in self.frozen:
@@ -636,9 +645,9 @@ class ModelPlanner:
         values: dict[str, Any] = {
             N.MODULE: self._module(rank),
             N.PARAM_SHAPES: self._param_shapes(),
-            N.FROZEN_PARAM_SHAPES: None
-            if self.target.stage == 1
-            else OrderedDict((n, torch_size(self.entries[n].source.shape)) for n in self.frozen),
+            N.FROZEN_PARAM_SHAPES: OrderedDict((n, torch_size(self.entries[n].source.shape)) for n in self.frozen)
+            if self._frozen_recorded
+            else None,
             N.FROZEN_PARAM_FRAGMENTS: self._frozen_fragments(rank),
             N.LR_SCHEDULER: carry(state.lr_scheduler),
             N.SKIPPED_STEPS: state.skipped_steps,
