@@ -11,6 +11,14 @@ Where the rules come from (paths under ``deepspeed/``; pydantic 2.14 does the co
   Integers and booleans are coerced in pydantic's lax mode: ``"5"``, ``5.0`` and ``true`` are
   the integer 5, 5 and 1; ``"yes"``, ``"off"``, ``0`` and ``1.0`` are booleans; ``1e30`` (a float
   beyond 64 bits), ``5.5``, ``2`` as a boolean are refused.
+* The scalar fields of ``zero_optimization`` and its offload sections that zckpt does not use
+  (:data:`ZERO_INT_FIELDS`, :data:`ZERO_BOOL_FIELDS`; ``stage3_param_persistence_threshold``,
+  ``reduce_bucket_size``, ``pin_memory``, ``ratio``, ...) are checked as DeepSpeedZeroConfig checks
+  them (their bounds, one spelling of a field, the validators that depend on the stage), so that a
+  config zckpt accepts for a run is one DeepSpeed starts; a checkpoint's saved config is held to
+  them only where zckpt uses a value (its own release checked the rest). Unknown keys, which the
+  model also refuses (``extra="forbid"``), and the ``zenflow`` and ``leaf_module`` sub-models are
+  not checked.
 * ``aio``, ``data_types`` and ``gradient_clipping`` are read with plain ``dict.get``: nothing is
   checked when the config is parsed, and ``"auto"`` stays the string ``"auto"``. Their values
   fail later, where DeepSpeed uses them; zckpt refuses them up front, saying where.
@@ -91,6 +99,49 @@ DTYPE_KEYS = (
     f"{N.CONFIG_BF16[0]}.{CONFIG_ENABLED}",
     f"{N.CONFIG_FP16}.{CONFIG_ENABLED}",
 )  # the Trainer fills these, not "bfloat16"
+
+# DeepSpeedZeroConfig's other scalar fields (runtime/zero/config.py, at that line), which zckpt does
+# not use but a config it accepts for a run must pass: (name, its alias or None, line). Integers
+# with their least value (ge=0; reduce_bucket_size gt=0; None: unbounded), booleans (Optional[bool]
+# ones take null too). A field is spelled by its name or its alias (populate_by_name), never both.
+ZERO_INT_FIELDS = (
+    ("reduce_bucket_size", None, 1, 113),
+    ("allgather_bucket_size", None, 0, 132),
+    ("prefetch_bucket_size", "stage3_prefetch_bucket_size", 0, 222),
+    ("param_persistence_threshold", "stage3_param_persistence_threshold", 0, 228),
+    ("model_persistence_threshold", "stage3_model_persistence_threshold", 0, 235),
+    ("max_live_parameters", "stage3_max_live_parameters", 0, 245),
+    ("max_reuse_distance", "stage3_max_reuse_distance", 0, 251),
+    ("module_granularity_threshold", "stage3_module_granularity_threshold", None, 265),
+    ("zero_hpz_partition_size", None, 0, 324),
+)
+ZERO_BOOL_FIELDS = (
+    ("contiguous_gradients", None, 102),
+    ("reduce_scatter", None, 108),
+    ("use_multi_rank_bucket_allreduce", None, 119),
+    ("allgather_partitions", None, 126),
+    ("compute_grad_norm", None, 143),
+    ("load_from_fp32_weights", None, 150),
+    ("elastic_checkpoint", None, 158),
+    ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", 257),
+    ("use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params", 273),
+    ("allgather_sequential", "stage3_allgather_sequential", 279),
+    ("stage3_gather_fp16_weights_on_model_save", None, 287),  # deprecated for gather_16bit_weights_on_model_save
+    ("ignore_unused_parameters", None, 294),
+    ("legacy_stage1", None, 303),
+    ("zero_quantized_weights", None, 328),
+    ("zero_quantized_nontrainable_weights", None, 333),
+    ("zero_quantized_gradients", None, 340),
+    ("memory_efficient_linear", None, 346),
+    ("pipeline_loading_checkpoint", None, 353),
+    ("override_module_apply", None, 355),
+    ("log_trace_cache_warnings", None, 360),
+    ("enable_sanity_checks", None, 365),
+    ("save_muon_momentum_buffer_in_memory", None, 370),
+)
+ZERO_OPTIONAL_BOOL_FIELDS = (("overlap_comm", 138), ("cpu_offload_use_pin_memory", 199))
+COMPUTE_GRAD_NORM = "compute_grad_norm"
+RATIO = "ratio"
 
 _TRAINER = "the Hugging Face Trainer"
 _ACCELERATE = "Accelerate (the Trainer's DeepSpeedPlugin)"
@@ -250,6 +301,23 @@ def _lax_int(value: Any) -> tuple[int | None, str]:
     return None, "not an integer"
 
 
+_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def _lax_float(value: Any) -> float | None:
+    """The float pydantic makes of `value` (a number, a boolean, a decimal string; "5." and "1_0"
+    refused), or None where it refuses it. NaN and the infinities come back as they are."""
+    if isinstance(value, (bool, int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond a float's range
+            return None
+    if isinstance(value, str):
+        text = value.strip(_WHITESPACE)
+        return float(text) if _FLOAT_TEXT.fullmatch(text) else None
+    return None
+
+
 def _lax_bool(value: Any) -> bool | None:
     """The boolean pydantic makes of `value`, or None where it refuses it."""
     if isinstance(value, bool):
@@ -274,6 +342,7 @@ class _Reader:
     def __init__(self, where: str | None, error: type[ZckptError], label: str, saved: bool) -> None:
         self.where, self.error, self.label, self.saved = where, error, label, saved
         self.filled: dict[str, str] = {}
+        self.ratio = 1.0  # offload_optimizer.ratio
 
     def fail(self, key: str, value: Any, why: str) -> NoReturn:
         raise self.error(self.where, f"{self.label}{key} = {_show(value)}: {why}")
@@ -302,8 +371,20 @@ class _Reader:
             self.fail(f"{path}{key}", section[key], f"DeepSpeed requires at least {minimum} ({source})")
         return number
 
-    def bool_field(self, section: dict, path: str, key: str, source: str) -> bool:
+    def float_field(
+        self, section: dict, path: str, key: str, default: float, low: float, high: float, source: str
+    ) -> float:
         if key not in section:
+            return default
+        number = _lax_float(section[key])
+        if number is None:
+            self.fail(f"{path}{key}", section[key], f"not a number; DeepSpeed refuses it ({source})")
+        if not low <= number <= high:  # NaN too
+            self.fail(f"{path}{key}", section[key], f"DeepSpeed requires a number from {low:g} to {high:g} ({source})")
+        return number
+
+    def bool_field(self, section: dict, path: str, key: str, source: str, optional: bool = False) -> bool:
+        if key not in section or optional and section[key] is None:
             return False
         flag = _lax_bool(section[key])
         if flag is None:
@@ -343,6 +424,7 @@ class _Reader:
         alignment = self.bool_field(zero, zero_path, N.CONFIG_PARAMETER_ALIGNMENT, "runtime/zero/config.py:317")
         offload_param = self.offload(zero, N.CONFIG_OFFLOAD_PARAM, CONFIG_CPU_OFFLOAD_PARAM)
         offload_optimizer = self.offload(zero, N.CONFIG_OFFLOAD_OPTIMIZER, N.CONFIG_LEGACY_CPU_OFFLOAD)
+        self.other_zero_fields(zero, stage if stage_set else None)
         dtype = self.dtype(config)
         grad_accum = self.grad_accum_dtype(config)
         clip = self.gradient_clipping(config)
@@ -362,6 +444,63 @@ class _Reader:
             aio,
             dict(self.filled),
         )
+
+    def other_zero_fields(self, zero: dict, stage: int | None) -> None:
+        """The fields of ``zero_optimization`` zckpt does not use, checked as DeepSpeedZeroConfig
+        checks them (:data:`ZERO_INT_FIELDS`, :data:`ZERO_BOOL_FIELDS`); a checkpoint's saved config
+        passed its own release's checks and is left alone. With the stage set, the model's
+        validators that depend on it (runtime/zero/config.py:389-400)."""
+        path, source = f"{N.CONFIG_ZERO}.", "runtime/zero/config.py"
+        if not self.saved:
+            for name, alias, minimum, line in ZERO_INT_FIELDS:
+                for key in self.spellings(zero, name, alias, line):
+                    self.int_field(zero, path, key, 0, minimum, f"{source}:{line}")
+            for name, alias, line in ZERO_BOOL_FIELDS:
+                for key in self.spellings(zero, name, alias, line):
+                    self.bool_field(zero, path, key, f"{source}:{line}")
+            for name, line in ZERO_OPTIONAL_BOOL_FIELDS:
+                self.bool_field(zero, path, name, f"{source}:{line}", optional=True)
+            new = [
+                k
+                for k in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")
+                if k in zero
+            ]
+            if "stage3_gather_fp16_weights_on_model_save" in zero and new:
+                self.fail(
+                    f"{path}stage3_gather_fp16_weights_on_model_save",
+                    zero["stage3_gather_fp16_weights_on_model_save"],
+                    f"DeepSpeed refuses the deprecated spelling beside {new[0]} (runtime/config_utils.py:89-91)",
+                )
+        if stage is None:
+            return
+        if (
+            COMPUTE_GRAD_NORM in zero
+            and not self.bool_field(zero, path, COMPUTE_GRAD_NORM, f"{source}:143")
+            and stage not in (1, 2)
+        ):
+            self.fail(
+                f"{path}{COMPUTE_GRAD_NORM}",
+                zero[COMPUTE_GRAD_NORM],
+                f"DeepSpeed accepts false at ZeRO stage 1 or 2 only, this run is at stage {stage} ({source}:389-393)",
+            )
+        if self.ratio < 1 and stage != 3:
+            self.fail(
+                f"{path}{N.CONFIG_OFFLOAD_OPTIMIZER}.{RATIO}",
+                self.ratio,
+                f"DeepSpeed offloads part of the optimizer state at ZeRO stage 3 only, this run is at stage {stage} "
+                f"({source}:395-400)",
+            )
+
+    def spellings(self, zero: dict, name: str, alias: str | None, line: int) -> list[str]:
+        """The spelling of a field the section uses (its name or its alias; both: refused)."""
+        given = [k for k in (name, alias) if k is not None and k in zero]
+        if len(given) > 1:
+            self.fail(
+                f"{N.CONFIG_ZERO}.{name}",
+                zero[name],
+                f"DeepSpeed refuses it beside its alias {alias} (one field; runtime/zero/config.py:{line})",
+            )
+        return given
 
     def offload(self, zero: dict, key: str, deprecated: str) -> ParamOffload | OptimizerOffload | None:
         """An offload section; the deprecated boolean spelling stands for ``{"device": "cpu"}``
@@ -409,6 +548,13 @@ class _Reader:
             )
         nvme_path = str(PurePath(nvme_path)) if nvme_path is not None else None  # pydantic's Path: "" is "."
         source = "runtime/zero/offload_config.py"
+        if not self.saved:  # the fields zckpt does not use (a saved config passed its release's checks)
+            self.bool_field(section, path, "pin_memory", f"{source}:{45 if key == N.CONFIG_OFFLOAD_PARAM else 75}")
+            if key == N.CONFIG_OFFLOAD_OPTIMIZER:
+                self.bool_field(section, path, "super_offload", f"{source}:102")
+                self.float_field(section, path, "cpuadam_cores_perc", 0.8, 0.0, 1.0, f"{source}:105")
+        if key == N.CONFIG_OFFLOAD_OPTIMIZER:  # the share offloaded; below 1 at ZeRO-3 only (other_zero_fields)
+            self.ratio = self.float_field(section, path, RATIO, 1.0, 0.0, 1.0, f"{source}:99")
         if key == N.CONFIG_OFFLOAD_PARAM:
             return ParamOffload(
                 device,
