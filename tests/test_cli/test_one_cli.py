@@ -189,6 +189,15 @@ def test_shell_completion_is_on(tmp_path: Path) -> None:
     assert result.returncode == 0 and "zckpt" in result.stdout and "complete" in result.stdout, result.stderr
 
 
+def test_completion_offers_the_shown_spellings_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What bash's completion function asks: the options of to-universal starting --t."""
+    monkeypatch.setenv("_ZCKPT_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "zckpt to-universal --t")
+    monkeypatch.setenv("COMP_CWORD", "2")
+    result = runner.invoke(app, [], prog_name="zckpt")
+    assert result.stdout.split() == ["--tag", "--tp-rules"], result.stdout  # not the hidden --target-stage
+
+
 def test_train_resumes_from_the_latest_file(tmp_path: Path) -> None:
     assert runner.invoke(app, ["train", "--steps", "1", "--out", str(tmp_path / "run"), "-q"]).exit_code == 0
     result = runner.invoke(app, ["train", "--steps", "2", "--resume", str(tmp_path / "run" / "latest"), "--json"])

@@ -30,7 +30,7 @@ HIDDEN_SPELLINGS = frozenset({"--target-stage", "--max_shard_size", "--exclude_f
 class Command(TyperCommand):
     """Plain click help: ``CHECKPOINT OUTPUT_DIR`` in the usage line and the argument list,
     no type placeholders (``<path>``, ``<bool>``) where no value is taken, hidden aliases left
-    out, and the command's line of the exit-code table (:mod:`.exit_codes`) at the end."""
+    out (of the help and of shell completion), and the command's line of the exit-code table (:mod:`.exit_codes`) at the end."""
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -48,6 +48,9 @@ class Command(TyperCommand):
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
+
+    def shell_complete(self, ctx: Any, incomplete: str) -> list[Any]:
+        return [item for item in super().shell_complete(ctx, incomplete) if item.value not in HIDDEN_SPELLINGS]
 
     def format_epilog(self, ctx: Any, formatter: Any) -> None:
         super().format_epilog(ctx, formatter)
