@@ -43,13 +43,15 @@ def _help_md(text: str | None) -> str:
 
 
 def _option_line(param) -> str:
-    spellings = ", ".join(f"`{o}`" for o in [*param.opts, *param.secondary_opts])
     metavar = ""
     if not getattr(param, "is_flag", False) and not getattr(param, "count", False):
         metavar = f" {param.metavar}" if param.metavar else f" {param.type.name.upper()}"
+    # the long spelling first, with its value: `--tag TAG`, `-t`
+    names = sorted([*param.opts, *param.secondary_opts], key=lambda o: not o.startswith("--"))
+    spellings = ", ".join(f"`{o}{metavar}`" if i == 0 else f"`{o}`" for i, o in enumerate(names))
     required = " (required)" if param.required else ""
     help_text = " ".join(_clean(getattr(param, "help", "")).split())
-    return f"- {spellings}{metavar}{required}: {help_text}".rstrip(": ")
+    return f"- {spellings}{required}: {help_text}".rstrip(": ")
 
 
 def _argument_line(param) -> str:
