@@ -72,6 +72,7 @@ class Case:
     mtp: int = 0  # tensor-parallel degree of a Megatron-style case (an mpu, merge patterns)
     plain: bool = False  # a pipeline case without tied or frozen layers (a Block and an untied head instead)
     tied: bool = False  # a pipeline x tensor case whose head is the embedding (TiedLayerSpec across stages)
+    coupled_wd: bool = False  # torch Adam with L2 weight decay (added to the gradient) instead of AdamW
 
     @property
     def kind(self) -> str:
@@ -101,6 +102,9 @@ CASES = [
     Case("megatron_z0_fp32_tp2", 0, "fp32", pp=1, dp=1, mtp=2, grad_accum=1),
     Case("pp2_z0_fp32_dp2_untied", 0, "fp32", pp=2, dp=2, plain=True),
     Case("pp2_megatron_z1_bf16_tp2_tied", 1, "bf16", pp=2, dp=1, mtp=2, tied=True),
+    # the same run with coupled weight decay: the head's stage's copy of the tied LayerNorm, which no
+    # gradient reaches, gets nonzero moments there (the decay is its gradient)
+    Case("pp2_megatron_z1_bf16_tp2_tied_adam_coupled_wd", 1, "bf16", pp=2, dp=1, mtp=2, tied=True, coupled_wd=True),
 ]
 
 
@@ -114,6 +118,9 @@ def ds_config(case: Case) -> dict[str, Any]:
         "steps_per_print": 1000,
         "wall_clock_breakdown": False,
     }
+    if case.coupled_wd:  # torch.optim.Adam: the decay added to the gradient (adam_w_mode false)
+        config["optimizer"]["type"] = "Adam"
+        config["optimizer"]["params"]["adam_w_mode"] = False
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if case.tp:

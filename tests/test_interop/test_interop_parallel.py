@@ -729,7 +729,10 @@ from make_parallel_ckpts import Case, build_pipeline_megatron, ds_config, pipeli
 checkpoint, out, pp, tp, dp = Path(sys.argv[2]), Path(sys.argv[3]), *map(int, sys.argv[4:7])
 flags = sys.argv[7:]  # "universal", "tied" (the model ties its embedding to the head), "bf16"
 deepspeed.init_distributed(dist_backend="gloo")
-case = Case("load", 1, "bf16" if "bf16" in flags else "fp32", pp=pp, dp=dp, mtp=tp, tied="tied" in flags)
+case = Case(
+    "load", 1, "bf16" if "bf16" in flags else "fp32", pp=pp, dp=dp, mtp=tp, tied="tied" in flags,
+    coupled_wd="coupled_wd" in flags,
+)
 model = build_pipeline_megatron(case)
 config = ds_config(case)
 if "universal" in flags:
@@ -874,21 +877,25 @@ def test_deepspeed_resumes_the_universal_checkpoint_of_a_tied_pipeline_tensor_ru
                         assert same_bits(value[:rows], truth[:rows]), (number, t, key)
 
 
+@pytest.mark.parametrize("name", ["pp2_megatron_z1_bf16_tp2_tied", "pp2_megatron_z1_bf16_tp2_tied_adam_coupled_wd"])
 @pytest.mark.parametrize("tp", [1], ids=["tp1"])
-def test_deepspeed_resumes_a_tied_pipeline_tensor_checkpoint(tmp_path: Path, tp: int) -> None:
+def test_deepspeed_resumes_a_tied_pipeline_tensor_checkpoint(tmp_path: Path, tp: int, name: str) -> None:
     """The run that ties its embedding to the head across stages (bf16; its head's stage holds a
     LayerNorm copy DeepSpeed never trains there), resharded by zckpt at 1 tensor rank (its own
     layout gives DeepSpeed's files back and 4 ranks the live values: the default tier), loaded by
     DeepSpeed's PipelineEngine built so with a plain load_checkpoint,
     saved again: each stage's tensor ranks hold the model's cut of what that stage's live engine
-    held, masters and moments, its own LayerNorm copy included (ds_to_universal fails on the run)."""
+    held, masters and moments, its own LayerNorm copy included (ds_to_universal fails on the run).
+    With coupled weight decay (torch Adam, L2) that copy's moments are nonzero: the previous rule
+    (all moments zero) wrote stage 0's copy into stage 1."""
     from helpers import TIED_PIPELINE_TENSOR_SAMPLES, assert_pipeline_slices_are_live
 
-    case = TIED_PIPELINE_TENSOR_SAMPLES[0]
+    case = next(s for s in TIED_PIPELINE_TENSOR_SAMPLES if s.name == name)
     out = tmp_path / "resharded"
     reshard(case.checkpoint, out, world_size=1, tensor_parallel=tp)
     loaded = tmp_path / "loaded"
-    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, 2 * tp, out, loaded, 2, tp, 1, "tied", "bf16")
+    flags = ("tied", "bf16", *(("coupled_wd",) if name.endswith("_coupled_wd") else ()))
+    _run_deepspeed(PIPE_MEGATRON_LOADER, loaded, 2 * tp, out, loaded, 2, tp, 1, *flags)
     assert_pipeline_slices_are_live(open_training_state(loaded / "resaved"), case, tp)
 
 

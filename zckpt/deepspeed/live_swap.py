@@ -14,7 +14,9 @@ from .survey import Survey
 
 
 def check_swap_folder(result: Survey, folder: swap.SwapFolder, zero3: bool) -> bool:
-    """A swap folder belongs to a ZeRO-3 NVMe-offloaded run of the checkpoint's world size."""
+    """A swap folder belongs to a ZeRO-3 NVMe-offloaded run of the checkpoint's world size.
+    Guarantee: DeepSpeed keeps swap files only for ``offload_optimizer.device: nvme``, one
+    ``rank<R>`` folder per data-parallel rank (deepspeed/runtime/engine.py:4937-4946)."""
     assert result.location is not None
     if not zero3 or result.offload != "nvme":
         result.add(

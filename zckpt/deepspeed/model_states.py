@@ -143,7 +143,13 @@ def module_entries(
 ) -> list[Entry] | None:
     """The buffers and frozen params, from the model-states files (None: a problem listed).
     `note_frozen`: say where the frozen params of a run that records none came from, and that
-    zero_to_fp32.py drops them (a ZeRO-0 run's, where that tool fails altogether, need no note)."""
+    zero_to_fp32.py drops them (a ZeRO-0 run's, where that tool fails altogether, need no note).
+
+    Guarantee: ``buffer_names`` lists the module's persistent buffers (``_get_buffer_names``,
+    deepspeed/runtime/engine.py:5406-5420), and at ZeRO-2/3 ``frozen_param_shapes`` every param
+    the optimizer does not own (engine.py:5383, :5433-5445; runtime/utils.py:815-825). A param
+    that is neither (trainable, but left out of the optimizer's ``model_parameters``) is named
+    as such and not read: at ZeRO-3 its values are in no file."""
     first = 0 if zero3 else None
     model0, model0_path = models[first], model_paths[first]
     module = model0[N.MODULE]
@@ -179,7 +185,8 @@ def module_entries(
             result.add(
                 LayoutError,
                 model0_path,
-                f"param {unknown[0]} is in the module but neither trainable, recorded as frozen, a buffer nor a tied alias",
+                f"param {unknown[0]} is in the module but neither trainable, recorded as frozen, a buffer nor a tied alias "
+                "(a trainable param the optimizer does not own, left out of model_parameters?): zckpt does not read it",
             )
             return None
     fragments = {rank: list((m.get(N.FROZEN_PARAM_FRAGMENTS) or {}).values()) for rank, m in models.items()}
@@ -201,7 +208,8 @@ def module_entries(
                 result.add(
                     LayoutError,
                     model0_path,
-                    f"param {name} is in the module but neither trainable nor recorded as frozen",
+                    f"param {name} is in the module but neither trainable nor recorded as frozen (a trainable param "
+                    "the optimizer does not own, left out of model_parameters?): zckpt does not read it",
                 )
                 return None
             entries.append(Entry(name, "frozen", whole(result, ref)))

@@ -88,7 +88,7 @@ def expert_groups(result: Survey, files: RankFiles) -> ExpertGroups | None:
         result.add(
             LayoutError,
             optim0[1],
-            f"expert param groups {list(moe)} partitioned over {sorted(sizes)} of {world} ranks: not one expert-parallel degree",
+            f"expert param groups {list(moe)} partitioned over {sorted(sizes)} of {world} ranks: not one expert-parallel degree (a run whose MoE layers have several ep_size values), which zckpt does not read",
         )
         return None
     per_rank: dict[str, int] = {}
@@ -106,15 +106,23 @@ def expert_groups(result: Survey, files: RankFiles) -> ExpertGroups | None:
 
 def read_moe(result: Survey, files: RankFiles) -> None:
     """Read a mixture-of-experts tag folder into `result`: the dense groups over every rank, each
-    expert rank's expert groups over its own ranks, merged into one index and training state."""
+    expert rank's expert groups over its own ranks, merged into one index and training state.
+
+    Guarantee: native MoE is refused by DeepSpeed at ZeRO-3 (only AutoEP runs there,
+    deepspeed/runtime/engine.py:2214-2218), each expert's params are saved in its own
+    ``layer_L_expert_E`` file by ``_save_moe_checkpoint`` (engine.py:5040-5140), each MoE param
+    group partitioned over its expert data-parallel group (``partition_count``,
+    zero/stage_1_and_2.py:294, set per group after), and every rank steps together (its dense
+    groups' step equal to expert rank 0's)."""
     location = result.location
     assert location is not None
     if files.zero3:
         result.add(
             LayoutError,
             files.tag_dir,
-            f"expert files ({files.expert_paths[0].rsplit('/', 1)[-1]} ...) beside ZeRO-3 files: DeepSpeed runs native "
-            "mixture-of-experts at ZeRO-0/1/2 only, so these are files of two runs",
+            f"expert files ({files.expert_paths[0].rsplit('/', 1)[-1]} ...) beside ZeRO-3 files: a ZeRO-3 "
+            "mixture-of-experts run (DeepSpeed's AutoEP; native mixture-of-experts runs at ZeRO-0/1/2 only), which "
+            "zckpt does not read",
         )
         return
     if not files.optim:  # ZeRO-0: each expert rank's torch optimizer state in its expp_rank file

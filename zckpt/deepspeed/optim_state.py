@@ -80,7 +80,13 @@ def build_training_state(
     round_robin: bool,
 ) -> TrainingState:
     """Assemble the TrainingState (`round_robin`: the saved config's round_robin_gradients);
-    raises LayoutError when a state tensor does not fit the layout."""
+    raises LayoutError when a state tensor does not fit the layout.
+
+    Guarantee: DeepSpeed gives the torch optimizer one flat fp32 partition per param group
+    (ZeRO-1/2: ``single_partition_of_fp32_groups``, zero/stage_1_and_2.py:577, the optimizer's
+    params at :584; ZeRO-3: one per sub-group, zero/stage3.py:1081-1120), so an elementwise
+    optimizer's states have the partition's size; not guaranteed for a state that is not
+    elementwise (DeepSpeed's Muon keeps a momentum per whole param), which is refused by name."""
     zero3 = layout.stage == 3
     model0 = models[0 if zero3 else None]
     world = layout.world_size
@@ -109,7 +115,7 @@ def build_training_state(
                 else:
                     raise LayoutError(
                         optim_paths[rank],
-                        f"optimizer state {key} of group {flat} holds {value.numel} elements, the partition has {group.partition}: truncated or mixed files",
+                        f"optimizer state {key} of group {flat} holds {value.numel} elements, the partition {group.partition}: an optimizer state that is not one value per element of the partition (as DeepSpeed's Muon keeps one momentum_buffer per whole param), which zckpt does not read",
                     )
                 tensors[(rank, flat, key)] = ref
                 if key not in element_keys:

@@ -87,6 +87,9 @@ class Partitions:
 
     # --- ZeRO-1/2 -----------------------------------------------------------------------------
     def _zero12_params(self, param_shapes: list[dict], ranks: LoadedRanks, world: int) -> list[Entry] | None:
+        """Each param's pieces in the ZeRO-1/2 flat partitions. Guarantee: each rank saves its fp32
+        partition less the tail padding (zero/stage_1_and_2.py:3388), whose size follows from
+        param_shapes, the alignment and the world size (:440-446, :540-550)."""
         inner, optim_files = ranks.inner, ranks.optim_files
         paddings = inner[0].get(N.PARAM_ALIGNMENT_PADDINGS)
         groups = {rank: list(inner[rank][N.SINGLE_PARTITION_OF_FP32_GROUPS]) for rank in range(world)}
@@ -125,7 +128,7 @@ class Partitions:
                     self._problem(
                         LayoutError,
                         optim_files[rank][1],
-                        f"param group {g}: holds {size} fp32 elements, expected {group.saved[rank]} (the params need {needed} in all, sizes {sizes}): truncated or mixed files",
+                        f"param group {g}: holds {size} fp32 elements, the partitioning of its param_shapes over {world} ranks gives it {group.saved[rank]} (the params need {needed} in all, sizes {sizes}): a ZeRO-1/2 partitioning zckpt does not read (a feature that pads or orders the flat group otherwise)",
                     )
                     return None
         return self._param_entries(layout, groups)
@@ -134,6 +137,9 @@ class Partitions:
     def _zero3_params(
         self, param_shapes: list[dict], ranks: LoadedRanks, world: int, ds_ids: dict[str, int]
     ) -> list[Entry] | None:
+        """Each param's pieces in the ZeRO-3 sub-groups. Guarantee: each sub-group's fp32 partition
+        is its params' partitions end to end (``_create_fp32_partitions``, zero/stage3.py:1081-1120),
+        each its aligned size over the world size (``_partition_param``, partition_parameters.py:1816-1817)."""
         inner, optim_files = ranks.inner, ranks.optim_files
         sub_groups = [
             [LayoutParam(name, numel_of(shape), 0) for name, shape in shapes.items()] for shapes in param_shapes
@@ -177,7 +183,7 @@ class Partitions:
                     self._problem(
                         LayoutError,
                         optim_files[rank][1],
-                        f"holds {held} fp32 elements, the params need {needed} per rank (sub-group {index}: {ref.numel} for {group.partition}): truncated or mixed files",
+                        f"holds {held} fp32 elements, the partitioning of its param_shapes gives {needed} per rank (sub-group {index}: {ref.numel} for {group.partition}): a ZeRO-3 partitioning zckpt does not read (a feature that pads or groups the flat partitions otherwise)",
                     )
                     return None
             flat[rank] = refs

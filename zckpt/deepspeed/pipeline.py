@@ -15,7 +15,8 @@ What such a run saves (DeepSpeed 0.19.8, see ``sample_ckpts/FORMAT_OBSERVED.md``
 stage with the data-parallel reader (:func:`~.dp_reader.read_ranks`), then merges the stages
 under the names the model's ``state_dict()`` has when built as one stage: ``tied_modules.*``
 first, then the layers in order. A tied param that several stages hold is written once; the
-other stages' copies are kept as ``replicas`` for verify, which checks them equal.
+other stages' copies that DeepSpeed keeps in step (:func:`_copies_out_of_step`) are kept as
+``replicas`` for verify, which checks them equal.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError, ZckptError
 from ..core.index import CheckpointIndex, Entry, TensorRef, merged_index
 from ..core.state import ParamState, PipelineStage, TrainingState
 from ..core.topology import Topology
 from ..io.materialize import all_zero
-from ..io.reading import FileReader
+from ..io.reading import FileReader, read_range
 from . import names as N
 from .dp_reader import read_ranks
 from .rank_files import RankFiles, load
@@ -130,20 +133,29 @@ def read_pipeline(result: Survey, files: RankFiles, tp_rules: dict[str, Any] | N
     order = _module_order(declarations, layers)
     stage_states = [sub.state for sub in surveys if sub.state is not None]
     try:
-        unused = _copies_out_of_step(stage_states)
+        idle, own = _copies_out_of_step(stage_states)
     except ZckptError as exc:  # a moment unreadable, or failing its file's CRC-32
         result.problems.append(exc)
         return
+    unused = {name: idle.get(name, set()) | own.get(name, set()) for name in {*idle, *own}}
     entries, replicas = merged_entries([sub.index.entries for sub in surveys if sub.index is not None], order, unused)
-    if unused:
-        names = sorted(unused, key=lambda n: order.get(n, len(order)))
-        stages_of = sorted({s for held in unused.values() for s in held})
-        result.notes.append(
-            f"{len(names)} param(s) of a tied module ({', '.join(names[:3])}{', ...' * (len(names) > 3)}) never received "
-            f"a gradient in stage(s) {', '.join(map(str, stages_of))} (every optimizer moment zero): DeepSpeed keeps "
-            "only the tied weights in step between stages, so those copies drifted and are not compared; the copy of "
-            "the first stage that trained them is the model's"
-        )
+    for held, why in (
+        (idle, "never received a gradient in stage(s) {stages} (every optimizer moment zero)"),
+        (
+            own,
+            "were trained on their own in stage(s) {stages} (optimizer moments not the kept copy's, as coupled "
+            "weight decay gives a copy no gradient reaches)",
+        ),
+    ):
+        if held:
+            names = sorted(held, key=lambda n: order.get(n, len(order)))
+            stages_of = ", ".join(map(str, sorted({s for stages in held.values() for s in stages})))
+            result.notes.append(
+                f"{len(names)} param(s) of a tied module ({', '.join(names[:3])}{', ...' * (len(names) > 3)}) "
+                + why.format(stages=stages_of)
+                + ": DeepSpeed keeps only a tied module's tied_weight_attr params in step between stages, so those "
+                "copies are not compared; the copy of the first stage that trained them is the model's"
+            )
     megatron = first.state is not None and bool(first.state.tensor_merge_rules)
     tensors = f" x {tp} tensor ranks ({merge_rules_label(megatron, tp_rules is not None)})" if tp > 1 else ""
     result.notes.append(
@@ -398,7 +410,10 @@ def _tied_key(local: dict[str, TensorRef], tied: list[str], path: str, result: S
 
 
 def _check_counters(result: Survey, declarations: list[StageDeclaration], surveys: list[Survey]) -> None:
-    """Every stage saved at the same step (one save of one run)."""
+    """Every stage saved at the same step (one save of one run). Guarantee: every rank's engine
+    counts ``global_steps`` alike (deepspeed/runtime/engine.py:3558); the stages' equal
+    data-parallel sizes (checked above) come from the pipe x data (x model) grid,
+    ``PipeModelDataParallelTopology`` (runtime/pipe/topology.py), a cartesian product."""
     steps = [sub.state.global_steps if sub.state else None for sub in surveys]
     for d, step in zip(declarations, steps):
         if step != steps[0]:
@@ -444,18 +459,32 @@ def _stage_placements(indexes: list[CheckpointIndex]) -> dict[str, str]:
 _ZERO_CHECK_CHUNK = 1 << 22  # elements of a moment read at a time when looking for a nonzero one
 
 
-def _copies_out_of_step(states: list[TrainingState]) -> dict[str, set[int]]:
+def _copies_out_of_step(states: list[TrainingState]) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
     """For each param several stages keep (a tied module's), the stages whose copy DeepSpeed did
-    not keep in step. It all-reduces only a tied module's tied weights (``tied_weight_attr``)
-    between the stages; another param of the module that a stage does not use (Megatron's
-    position embeddings in the head's stage) never receives a gradient there: its optimizer
-    moments stay zero while weight decay moves the copy. Such a copy, where another stage's has
-    trained, is not the model's and is not compared (the first stage's that trained is)."""
+    not keep in step with the copy the model takes (the first stage's whose moments are not all
+    zero): (idle, own), the copies with every moment zero and those trained on their own.
+
+    What DeepSpeed guarantees: it builds a tied module in every stage that holds one of its
+    layers and keeps in step only its ``tied_weight_attr`` params, broadcast from the first
+    such stage at start (``PipelineModule._synchronize_tied_weights``,
+    deepspeed/runtime/pipe/module.py:472-479) and given one all-reduced gradient
+    (``allreduce_tied_weight_gradients``, module.py:457-462, from ``PipelineEngine.
+    _exec_reduce_tied_grads``): their copies get the same masters and the same optimizer
+    moments. Any other param of the module (Megatron's position embeddings, a LayerNorm in the
+    head's stage) is each stage's own; no file records which params are tied. So a copy whose
+    moments equal the kept copy's is one DeepSpeed kept in step (compared: a difference is
+    damage), and one whose moments differ was trained on its own (not compared). Zero moments
+    mark a copy no gradient reached (a zero gradient, ``set_none_gradients_to_zero``,
+    zero/stage_1_and_2.py:2352-2356; observed in the tied samples) only
+    with decoupled weight decay: coupled decay (torch Adam or SGD with ``weight_decay``) makes
+    the decay that copy's gradient, hence the moment comparison. One state is compared, read in
+    chunks up to its first difference (a copy kept in step is read whole)."""
     holders: dict[str, list[tuple[int, ParamState]]] = {}
     for stage, state in enumerate(states):
         for param in state.params:
             holders.setdefault(param.name, []).append((stage, param))
-    unused: dict[str, set[int]] = {}
+    idle_copies: dict[str, set[int]] = {}
+    own_copies: dict[str, set[int]] = {}
     with FileReader() as reader:
         for name, copies in holders.items():
             if len(copies) < 2:
@@ -465,9 +494,38 @@ def _copies_out_of_step(states: list[TrainingState]) -> dict[str, set[int]]:
                 for stage, param in copies
                 if param.states and all(all_zero(reader, s, _ZERO_CHECK_CHUNK) for s in param.states.values())
             }
-            if idle and len(idle) < len(copies):
-                unused[name] = idle
-    return unused
+            if len(idle) == len(copies):
+                continue  # no stage trained it: compared
+            kept = next(param for stage, param in copies if stage not in idle)
+            own = {
+                stage
+                for stage, param in copies
+                if stage not in idle and param is not kept and not _same_moment(reader, kept, param)
+            }
+            if idle:
+                idle_copies[name] = idle
+            if own:
+                own_copies[name] = own
+    return idle_copies, own_copies
+
+
+def _same_moment(reader: FileReader, kept: ParamState, other: ParamState) -> bool:
+    """Whether `other`'s first optimizer state holds the same bits as `kept`'s (the copies got the
+    same gradients), read `_ZERO_CHECK_CHUNK` elements at a time up to the first difference."""
+    key = next((k for k in kept.states if k in other.states), None)
+    if key is None:
+        return not kept.states and not other.states
+    left, right = kept.states[key], other.states[key]
+    if left.numel != right.numel or left.dtype != right.dtype:
+        return False
+    for start in range(0, left.numel, _ZERO_CHECK_CHUNK):
+        count = min(_ZERO_CHECK_CHUNK, left.numel - start)
+        a, b = np.empty(count, dtype=left.dtype.numpy_raw), np.empty(count, dtype=right.dtype.numpy_raw)
+        read_range(reader, left, start, a)
+        read_range(reader, right, start, b)
+        if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):  # bits: NaN payloads, -0.0
+            return False
+    return True
 
 
 def merged_entries(

@@ -29,7 +29,14 @@ def check_file_kinds(
     result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict, tag_dir: str, mp_rank: int = 0
 ) -> bool:
     """Every model file a model-states pickle, every optimizer file a ZeRO optimizer's, each
-    key as DeepSpeed writes it, and rank 0's optimizer file there."""
+    key as DeepSpeed writes it, and rank 0's optimizer file there.
+
+    Guarantee: every model-states file is ``_common_checkpoint_state``'s dict, with ``module``
+    and ``param_shapes`` (deepspeed/runtime/engine.py:5017-5038), every optimizer file
+    ``_save_zero_checkpoint``'s (engine.py:5549-5564) around the optimizer's ``state_dict``,
+    which holds ``single_partition_of_fp32_groups`` (ZeRO-1/2, zero/stage_1_and_2.py:3388) or
+    ``fp32_flat_groups`` (ZeRO-3, zero/stage3.py:3444); each rank of the optimizer's
+    data-parallel group writes its own (engine.py:1921, 4934-4935), rank 0 too."""
     ok = True
     for rank, state in models.items():
         if not isinstance(state, dict) or N.PARAM_SHAPES not in state or N.MODULE not in state:
@@ -66,7 +73,13 @@ def check_file_kinds(
 
 
 def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
-    """One world size (partition_count) in every file, and a file for every rank of it."""
+    """One world size (partition_count) in every file, and a file for every rank of it.
+
+    Guarantee: ``partition_count`` is the size of the optimizer's data-parallel group, one per
+    param group at ZeRO-1/2 (zero/stage_1_and_2.py:294, saved at :3394; MoE expert groups
+    their own, set later), one number at ZeRO-3 (zero/stage3.py:369, saved at :3437); the
+    model states' ``dp_world_size`` is that group's size too (``seq_dp_world_size``,
+    engine.py:5034), ``mp_world_size`` the model-parallel degree (engine.py:5035)."""
     world = result.world_size
     inner, optim_files, models, model_paths = ranks.inner, ranks.optim_files, ranks.models, ranks.model_paths
     path0 = optim_files[0][1]
@@ -159,16 +172,19 @@ def check_world(result: Survey, ranks: LoadedRanks, tag_dir: str) -> bool:
 
 
 def check_same_run(result: Survey, models: dict, optims: dict, model_paths: dict, optim_files: dict) -> None:
-    """Every file of one save carries the same ds_config, version and step counter."""
+    """Every model-states file of one save carries the same step counter and param shapes; a
+    ds_config or DeepSpeed version that differs between files is noted, not a problem.
+
+    Guarantee: every rank counts ``global_steps`` alike (``DeepSpeedEngine._take_model_step``,
+    engine.py:3558, on every rank at each step) and saves it (engine.py:5032); ``param_shapes``
+    are the one model's (``_get_zero_param_shapes``, engine.py:5448-5477). Not guaranteed:
+    ``ds_config`` is the config each rank passed to ``deepspeed.initialize`` (``self.config``,
+    engine.py:544; saved at :5037 and :5551), which a launcher may write per rank (a
+    node-local path), and ``ds_version`` each rank's own install; zckpt reads rank 0's."""
     first_model = next(iter(models))
     reference = models[first_model]
     reference_path = model_paths[first_model]
-    for key, what in (
-        (N.DS_CONFIG, "DeepSpeed config"),
-        (N.DS_VERSION, "DeepSpeed version"),
-        (N.GLOBAL_STEPS, "global step"),
-        (N.PARAM_SHAPES, "param shapes"),
-    ):
+    for key, what in ((N.GLOBAL_STEPS, "global step"), (N.PARAM_SHAPES, "param shapes")):
         for rank, state in models.items():
             if key in state and key in reference and state[key] != reference[key]:
                 result.add(
@@ -176,18 +192,26 @@ def check_same_run(result: Survey, models: dict, optims: dict, model_paths: dict
                     model_paths[rank],
                     f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed",
                 )
-    for rank, state in sorted(optims.items()):
-        for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version")):
-            if key in state and key in reference and state[key] != reference[key]:
-                result.add(
-                    LayoutError,
-                    optim_files[rank][1],
-                    f"{what} differs from {os.path.basename(reference_path)}'s: files of different runs are mixed",
-                )
+    files = [(model_paths[rank], state) for rank, state in models.items()]
+    files += [(optim_files[rank][1], state) for rank, state in sorted(optims.items())]
+    for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version")):
+        odd = [path for path, state in files if key in state and key in reference and state[key] != reference[key]]
+        if odd:
+            result.notes.append(
+                f"the {what} saved in {len(odd)} rank file(s) ({os.path.basename(odd[0])}"
+                f"{', ...' * (len(odd) > 1)}) differs from {os.path.basename(reference_path)}'s: DeepSpeed saves each "
+                f"rank's own; zckpt reads {os.path.basename(reference_path)}'s"
+            )
 
 
 def check_steps(result: Survey, reader: FileReader, inner: dict, optim_files: dict) -> None:
-    """Adam step counters must agree across ranks (cheap: a few scalars)."""
+    """The optimizer's step counters must agree across ranks (cheap: a few scalars).
+
+    Guarantee: every rank steps its flat partitions together or skips together: an overflow
+    is all-reduced over the data-parallel group before the step (zero/stage_1_and_2.py:3237-3242,
+    ``step`` at :3013-3060 skipping every group), and each group's partition is given its
+    gradient before ``_optimizer_step`` (:3139-3145), so torch's per-param ``step`` advances on
+    every rank alike. Optimizers that keep no ``step`` (SGD, Muon) are not judged."""
     steps: dict[int, Any] = {}
     for rank, state in sorted(inner.items()):
         try:
@@ -213,7 +237,12 @@ def check_rank_identity(result: Survey, layout: ZeroLayout, inner: dict, optim_f
     """Each ZeRO-1/2 optimizer file's param_slice_mappings must name the params (and
     offsets) of the rank its file name says: swapped or copied rank files are caught here,
     where equal partition sizes hide them. The mappings follow the param group's order even
-    under round-robin gradients (sample_ckpts/FORMAT_OBSERVED.md)."""
+    under round-robin gradients (sample_ckpts/FORMAT_OBSERVED.md).
+
+    Guarantee: DeepSpeed saves each rank's own mappings (``state_dict``,
+    zero/stage_1_and_2.py:3397), built from the fragment of each param that rank's fp32
+    partition holds (``_create_param_mapping``, :806-816, set at :747;
+    ``get_hp_fragment_address``, utils/tensor_fragment.py:49)."""
     described = slice_mapping_layout(layout, round_robin)
     by_rank = described.by_rank()
 
@@ -251,7 +280,11 @@ def check_not_copies(result: Survey, paths: dict[int, str], partitions: dict[int
     """No ZeRO-3 rank file may repeat another rank's partitions (`what`) byte for byte: one
     file was copied over another (told by the sizes and CRC-32s in the zip directories).
     Only the partitions are judged, small ones too: buffers and counters are alike on every
-    honest rank. Where nothing tells (checksums.RepeatedRank), the survey says so."""
+    honest rank. Where nothing tells (checksums.RepeatedRank), the survey says so.
+
+    Guarantee: each rank holds its own slice of every param, elements ``[rank * size, (rank
+    + 1) * size)`` (``_partition_param``, zero/partition_parameters.py:1778-1830), so two
+    ranks' partitions hold the same bytes only where the values repeat (told apart above)."""
     files = {
         rank: (
             path,

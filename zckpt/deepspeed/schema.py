@@ -69,7 +69,10 @@ OPTIM_SCHEMA: Schema = {
 
 
 def schema_problems(state: dict, schema: Schema) -> list[str]:
-    """The keys of `state` whose values are not of the type DeepSpeed writes."""
+    """The keys of `state` whose values are not of the type DeepSpeed writes. Guarantee: DeepSpeed
+    writes them so (``_common_checkpoint_state``, deepspeed/runtime/engine.py:5017-5038; ZeRO
+    ``state_dict``, zero/stage_1_and_2.py:3358-3397, zero/stage3.py:3431-3447; ``ds_config``
+    always a dict, a path being loaded first, deepspeed/__init__.py:534-535)."""
     return [
         f"'{key}' is {type(state[key]).__name__}, expected {expected}: not as DeepSpeed writes it (damaged or edited)"
         for key, (expected, test) in schema.items()

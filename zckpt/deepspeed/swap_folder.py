@@ -177,7 +177,9 @@ def size_problem(size: int, numel: int, rule: SwapRule) -> str | None:
 
 
 def check_world(folder: SwapFolder, world_size: int) -> LayoutError | None:
-    """The folder must hold one optimizer rank folder per rank of the checkpoint."""
+    """The folder must hold one optimizer rank folder per rank of the checkpoint. Guarantee: with
+    the optimizer offloaded to NVMe, every data-parallel rank swaps into its own ``rank<R>``
+    folder and a save copies it (deepspeed/runtime/engine.py:4937-4946)."""
     if not folder.optimizer_ranks:
         return LayoutError(
             folder.root,

@@ -16,7 +16,14 @@ _ROUNDING_CHUNK = 1 << 20  # the same for masters rounded (the rounding's tempor
 
 
 def replica_problems(index: CheckpointIndex, reader: FileReader | None = None) -> list[str]:
-    """One line per replica that differs from the entry of its name (shape, dtype or bits)."""
+    """One line per replica that differs from the entry of its name (shape, dtype or bits).
+
+    Guarantee: a pipeline stage's copy of a tied module's ``tied_weight_attr`` param is
+    broadcast from the first stage and given one all-reduced gradient
+    (deepspeed/runtime/pipe/module.py:457-479), so equal where its moments are (the reader
+    leaves out the copies DeepSpeed does not keep in step: ``pipeline._copies_out_of_step``); a
+    param every tensor rank holds whole gets the same gradient on each from the same inputs
+    (the model's, Megatron's or AutoTP's, not a DeepSpeed check)."""
     kept = {e.name: e for e in index.entries}
     problems = []
     own = reader is None
@@ -42,7 +49,16 @@ def rounded_copy_problems(index: CheckpointIndex, reader: FileReader | None = No
     """One line per file whose 16-bit copies are not all their masters rounded to the copy's
     dtype (round to nearest even, as the optimizer's copy back does after each step). A
     model-states, layer or expert file of another step than the optimizer files (or a damaged
-    one) shows here."""
+    one) shows here.
+
+    Guarantee: the 16-bit weights start as the masters' source (the fp32 partition is the
+    16-bit one widened, zero/stage_1_and_2.py:560-561) and after every step that is not
+    skipped the fp32 partition is copied back into them (``step``, zero/stage_1_and_2.py:3145,
+    :3095-3096 with CPU offload; an overflow skips both, :3049-3060); ZeRO-0's BF16_Optimizer
+    (bf16_optimizer.py:431, 593-597), FP16_Optimizer (fp16/fused_optimizer.py:364) and
+    FP16_UnfusedOptimizer (fp16/unfused_optimizer.py:239) do the same. Not under ZenFlow
+    (zenflow/zenflow_stage_1_and_2.py: its selective optimizer updates the 16-bit weights of
+    important columns between the masters' updates): verify does not run this check there."""
     by_file: dict[str, list[tuple[Entry, Entry, str]]] = {}
     counted: dict[str, int] = {}
     own = reader is None

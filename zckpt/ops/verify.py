@@ -165,7 +165,15 @@ def _verify_checkpoint(
                 "(tied across pipeline stages, replicated across tensor ranks) equal the one written",
             )
         copies = state.index.rounded_copies
-        if copies:
+        if copies and _zenflow(state.ds_config):
+            findings.add(
+                "module weights",
+                [],
+                "",
+                skipped="not run: a ZenFlow run (zero_optimization.zenflow) updates the 16-bit weights of its "
+                "important columns between the masters' updates, so they are not the masters rounded",
+            )
+        elif copies:
             kinds = sorted({copy.source.dtype.name for copy, _ in copies})
             findings.add(
                 "module weights",
@@ -193,6 +201,12 @@ def _verify_checkpoint(
         bytes=sum(_size(f) for f in files),
         scanned=scan,
     )
+
+
+def _zenflow(ds_config: object) -> bool:
+    """Whether the saved ds_config turns ZenFlow on (``zero_optimization.zenflow``)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    return isinstance(zero, dict) and zero.get("zenflow") is not None
 
 
 def _tag_files(found: Survey) -> list[str]:
