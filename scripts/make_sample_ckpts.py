@@ -204,6 +204,30 @@ CASES: list[Case] = [
     Case("z2_fp32_ws1", "ds19", 2, "fp32", 1),
     Case("z2_bf16_ws3_frozen_groups", "ds19", 2, "bf16", 3, frozen=True, groups=True),
     Case("z2_fp16_ws4_tied", "ds19", 2, "fp16", 4, tied=True),
+    # checkpoint.checkpoint_serialization=false: TorchCheckpointEngine.save calls torch.save(...,
+    # _use_new_zipfile_serialization=False), so every rank file is torch's legacy (non-zip) stream
+    Case(
+        "z2_bf16_ws2_legacy_serialization",
+        "ds19",
+        2,
+        "bf16",
+        2,
+        frozen=True,
+        config_extra=(("checkpoint", {"checkpoint_serialization": False}),),
+        notes="checkpoint.checkpoint_serialization=false: every rank file is a legacy (non-zip) torch.save "
+        "stream (five pickles, then each storage as an 8-byte element count and its bytes): no CRC, no name",
+    ),
+    Case(
+        "z3_fp32_ws2_legacy_serialization",
+        "ds19",
+        3,
+        "fp32",
+        2,
+        tied=True,
+        config_extra=(("checkpoint", {"checkpoint_serialization": False}),),
+        notes="checkpoint.checkpoint_serialization=false at ZeRO-3: every rank file a legacy (non-zip) "
+        "torch.save stream",
+    ),
     Case(
         "z2_bf16_ws3_paramalign",
         "ds19",
@@ -923,6 +947,32 @@ def offloaded_tensors(tag_dir: Path) -> dict[str, dict[str, int]] | None:
     return {d.name: {f.name: f.stat().st_size for f in sorted(d.iterdir())} for d in sorted(root.iterdir())}
 
 
+def legacy_serialization(case: Case) -> bool:
+    """Whether the case saves with checkpoint.checkpoint_serialization false (legacy torch files)."""
+    checkpoint = dict(case.config_extra).get("checkpoint")
+    return isinstance(checkpoint, dict) and checkpoint.get("checkpoint_serialization") is False
+
+
+_RESAVE_AS_ZIP = """
+import sys, torch
+for path in sys.argv[1:]:
+    torch.save(torch.load(path, map_location="cpu", weights_only=False), path)
+"""
+
+
+def zero_to_fp32_on_zip_copy(case: Case, casedir: Path, python: str, log: Path, env: dict[str, str]) -> list[str]:
+    """DeepSpeed's zero_to_fp32 run on a copy of the case's checkpoint re-saved as zip files,
+    its output in reference/zero_to_fp32; returns the arguments given to python."""
+    with tempfile.TemporaryDirectory(prefix="zckpt_zip_copy_") as tmp:
+        copy = Path(tmp) / case.checkpoint
+        shutil.copytree(casedir / case.checkpoint, copy)
+        files = sorted(str(p) for p in copy.rglob("*.pt"))
+        run([python, "-c", _RESAVE_AS_ZIP, *files], cwd=casedir, log=log, env=env)
+        args = ["-m", "deepspeed.utils.zero_to_fp32", str(copy), "reference/zero_to_fp32"]
+        run([python, *args], cwd=casedir, log=log, env=env)
+    return ["-m", "deepspeed.utils.zero_to_fp32", "<zip copy of " + case.checkpoint + ">", "reference/zero_to_fp32"]
+
+
 def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> float:
     """Generate one case from scratch; returns the seconds it took."""
     t0 = time.time()
@@ -961,11 +1011,18 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
 
     ref_args = ["-m", "deepspeed.utils.zero_to_fp32", case.checkpoint, "reference/zero_to_fp32"]
     reference_error = None
+    reference_via_zip = None
     try:
         run([pythons["ds19"], *ref_args], cwd=casedir, log=log, env=env)
     except RuntimeError as exc:  # DeepSpeed's tool fails on some layouts; say how, keep the case
         reference_error = [line for line in str(exc).splitlines() if line.strip()][-1].strip()
         shutil.rmtree(casedir / "reference" / "zero_to_fp32", ignore_errors=True)
+    if reference_error and legacy_serialization(case):
+        # zero_to_fp32 loads the optimizer files with torch.load(mmap=True), which refuses legacy
+        # (non-zip) files: run it on a copy whose files torch.load + torch.save re-wrote as zips
+        reference_via_zip = reference_error
+        reference_error = None
+        ref_args = zero_to_fp32_on_zip_copy(case, casedir, pythons["ds19"], log, env)
 
     info = json.loads((casedir / "_worker_info.json").read_text())
     (casedir / "_worker_info.json").unlink()
@@ -1020,6 +1077,16 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
         "notes": "; ".join(notes),
         "reference_command": "python " + " ".join(ref_args),
         "reference_error": reference_error,
+        **(
+            {
+                "reference_from_zip_copy": "zero_to_fp32 on the checkpoint itself failed ("
+                + reference_via_zip
+                + "): the reference is its output on a copy whose rank files torch.load + torch.save re-wrote "
+                "in the zip format (the same values)"
+            }
+            if reference_via_zip
+            else {}
+        ),
         "reference_cwd": "the case directory (sample_ckpts/%s)" % case.name,
         "reference_deepspeed_version": ref_ver,
         "model": {

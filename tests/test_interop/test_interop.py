@@ -114,6 +114,9 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     # coupled weight decay: nonzero optimizer state in ZeRO-3's padding, a valid checkpoint
     ("z3_fp32_ws2_sgd_coupled_wd", 3, 3),  # SGD: momentum_buffer only, no step
     ("z3_bf16_ws3_adam_coupled_wd", 2, 1),
+    # checkpoint_serialization false: legacy (non-zip) rank files in, zip files out
+    ("z2_bf16_ws2_legacy_serialization", 3, 3),
+    ("z3_fp32_ws2_legacy_serialization", 3, 1),
 ]
 
 

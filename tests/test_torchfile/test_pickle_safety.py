@@ -41,6 +41,7 @@ from zckpt.core.dtypes import BY_NAME, FP32
 from zckpt.core.errors import CorruptFileError, UnsafePickleError
 from zckpt.io.reading import FileReader, read_ref
 from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile.legacy import LEGACY_MAGIC
 
 try:  # click < 8.2 mixes stderr into output unless told not to; 8.2 always keeps it apart
     runner = CliRunner(mix_stderr=False)
@@ -388,6 +389,21 @@ def replace_pickle(archive: Path, data: bytes, target: Path) -> Path:
     return target
 
 
+def as_legacy(data: bytes, target: Path) -> Path:
+    """The pickle `data` as the main pickle of a legacy (non-zip) torch.save file, as DeepSpeed
+    writes with checkpoint_serialization false: the zip format's storage records get the legacy
+    sixth item (view_metadata None), and EXTRA_STORAGE is stored where the pickle uses it."""
+    data = data.replace(u("cpu") + b"K\x02t", u("cpu") + b"K\x02Nt")
+    keys = [EXTRA_STORAGE] if u(EXTRA_STORAGE) in data else []
+    head = b"".join(pickle.dumps(x, protocol=2) for x in (LEGACY_MAGIC, 1001, LEGACY_SYS_INFO))
+    storages = b"".join(struct.pack("<q2f", 2, 1, 2) for _ in keys)
+    target.write_bytes(head + data + pickle.dumps(keys, protocol=2) + storages)
+    return target
+
+
+LEGACY_SYS_INFO = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}
+
+
 @pytest.fixture
 def extension_registered():
     copyreg.add_extension("os", "system", EXT_CODE)
@@ -451,6 +467,23 @@ def test_reader_refuses_without_running(attack: Attack, tmp_path: Path, request:
     assert message.startswith(f"{evil}: ") and attack.culprit in message and "\n" not in message, message
     assert not marker.exists()
     assert FP32.itemsize == 4 and BY_NAME["float32"] is FP32  # nothing shared was changed
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.name)
+def test_reader_refuses_legacy_files_without_running(
+    attack: Attack, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The same corpus as the main pickle of a legacy (non-zip) file: read by the same unpickler,
+    refused alike (the storage sizes are taken from that pickle first, by the same rules)."""
+    _setup(attack, request)
+    marker = tmp_path / "marker"
+    evil = as_legacy(attack.build(str(marker)), tmp_path / "evil.pt")
+    with pytest.raises(attack.error) as caught:
+        torchfile.load(evil)
+    message = str(caught.value)
+    assert message.startswith(f"{evil}: ") and attack.culprit in message and "\n" not in message, message
+    assert not marker.exists()
+    assert FP32.itemsize == 4 and BY_NAME["float32"] is FP32
 
 
 def test_plain_unpickle_with_a_cached_extension_is_refused(extension_registered: None, tmp_path: Path) -> None:
@@ -530,6 +563,19 @@ def test_the_installed_command_line_refuses_in_one_line(attack: Attack, tmp_path
     )
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert VICTIM in result.stderr and attack.culprit in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_legacy_rank_file_with_a_payload_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint saved with checkpoint_serialization false, one rank file's pickle a payload."""
+    attack = next(a for a in ATTACKS if a.name == "reduce os.system")
+    case = sample("z2_bf16_ws2_legacy_serialization")
+    checkpoint = shutil.copytree(case.checkpoint, tmp_path / "ckpt")
+    victim = checkpoint / case.meta["tag"] / "mp_rank_00_model_states.pt"
+    as_legacy(attack.build(str(tmp_path / "marker")), victim)
+    result = runner.invoke(app, ["consolidate", str(checkpoint), str(tmp_path / "out")])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert victim.name in result.stderr and "os.system" in result.stderr, result.stderr
     assert not (tmp_path / "marker").exists() and not (tmp_path / "out").exists()
 
 

@@ -33,6 +33,7 @@ from ..io.materialize import CHUNK_BYTES
 from ..io.output import find_leftovers
 from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
+from ..torchfile.legacy import is_legacy_torch_file
 from .classify import Kind, classify
 from .replicas import replica_problems, rounded_copy_problems
 from .tensor_sources import open_tensors
@@ -230,8 +231,10 @@ def _size(path: str) -> int:
 def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
     """Every record of every torch archive; files without a checksum are counted and named."""
 
-    archives = [f for f in files if f.endswith((".pt", ".pth", ".bin"))]
-    unchecked = [f for f in files if f not in archives]
+    torch_files = [f for f in files if f.endswith((".pt", ".pth", ".bin"))]
+    legacy = [f for f in torch_files if is_legacy_torch_file(f)]  # no CRC in that format
+    archives = [f for f in torch_files if f not in legacy]
+    unchecked = [f for f in files if f not in torch_files]
     with WorkerPool(max(1, workers), "zckpt-verify") as pool:
         results = list(pool.map(check_archive, archives))
     problems = [problem for _, _, problem in results if problem]
@@ -243,8 +246,16 @@ def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
             problems,
             f"{records} records in {len(archives)} files match their CRC-32 ({format_size(checked)})",
         )
+    elif legacy:
+        findings.add("checksums", [], "", skipped="legacy torch.save files only: nothing carries a checksum")
     else:
         findings.add("checksums", [], "", skipped="no torch archives: nothing carries a checksum")
+    if legacy:
+        findings.notes.append(
+            f"{len(legacy)} legacy torch.save files ({format_size(sum(map(_size, legacy)))}) carry no checksum "
+            "(the non-zip format, as DeepSpeed writes with checkpoint_serialization false): their pickles and "
+            "storage sizes were checked, their bytes cannot be"
+        )
     swaps = [f for f in unchecked if f.endswith(".swp")]
     if swaps:
         findings.notes.append(
@@ -257,16 +268,28 @@ def _check_identity(found: Survey, findings: _Findings) -> None:
     name, ZeRO-1/2 files whose param_slice_mappings name another rank, and ZeRO-3 files that
     repeat another rank's partitions), and where nothing can (files saved to a stream, the
     survey's untold copies)."""
+    legacy = [p for p in found.unnamed_archives if is_legacy_torch_file(p)]  # the format records no name
+    streamed = [p for p in found.unnamed_archives if p not in legacy]
     told = f"{found.named_archives} rank file{'s' * (found.named_archives != 1)} saved under their own names"
+    if legacy:
+        told += f", {len(legacy)} legacy torch.save file{'s' * (len(legacy) != 1)} (the format records no name)"
     if found.zero_stage in (1, 2):
         told += "; param_slice_mappings name each file's own rank"
-    if found.unnamed_archives and found.zero_stage == 3 and (found.world_size or 1) > 1:
+    if streamed and found.zero_stage == 3 and (found.world_size or 1) > 1:
         findings.notes.append(
-            f"{len(found.unnamed_archives)} ZeRO-3 rank files were saved to a stream (their archive is named "
-            f"'archive', e.g. {found.unnamed_archives[0]}): nothing in them tells which rank wrote them"
+            f"{len(streamed)} ZeRO-3 rank files were saved to a stream (their archive is named "
+            f"'archive', e.g. {streamed[0]}): nothing in them tells which rank wrote them"
+        )
+    if legacy and found.zero_stage == 3 and (found.world_size or 1) > 1:
+        findings.notes.append(
+            f"{len(legacy)} ZeRO-3 rank files are legacy torch.save files (e.g. {legacy[0]}), which record "
+            "neither the name they were saved under nor checksums: nothing in them tells which rank wrote them, "
+            "or whether one was copied over another"
         )
     findings.notes.extend(found.untold_copies)
-    findings.add("rank identity", [], told + "; no optimizer file is a copy of another rank's")
+    if not (legacy and found.zero_stage == 3):  # the copy check compares zip records' CRC-32s
+        told += "; no optimizer file is a copy of another rank's"
+    findings.add("rank identity", [], told)
 
 
 def _check_optimizer_state(found: Survey, findings: _Findings) -> None:

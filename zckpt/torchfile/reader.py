@@ -1,4 +1,5 @@
-"""Safe, lazy reader of files written by ``torch.save`` (the zip format).
+"""Safe, lazy reader of files written by ``torch.save`` (the zip format; the legacy one through
+:mod:`zckpt.torchfile.legacy`).
 
 Why not ``torch.load``: DeepSpeed pickles its own classes, so stock loading needs DeepSpeed
 installed and ``weights_only=False``, which runs whatever a pickle says. Here the pickle is read
@@ -21,6 +22,7 @@ from typing import Any
 from ..core.errors import CheckpointNotFoundError, CorruptFileError
 from ..core.index import TensorRef
 from ..io.interrupts import uninterrupted
+from .legacy import is_legacy_torch_file, load_legacy
 from .records import (  # re-exported: what a pickle is read as
     PickledEnumMember,
     PickledGlobal,
@@ -34,7 +36,6 @@ from .records import (  # re-exported: what a pickle is read as
 from .unpickler import unpickle
 
 __all__ = [
-    "LEGACY_PROBLEM",
     "PickledEnumMember",
     "PickledGlobal",
     "PickledObject",
@@ -123,7 +124,8 @@ def _check_end_records(handle: Any, file_size: int, count: int, path: str) -> No
 
 
 def load(path: str | os.PathLike[str]) -> Any:
-    """Unpickle a torch.save zip archive into plain Python objects and :class:`TensorRef` s.
+    """Unpickle a torch.save zip archive (or legacy file) into plain Python objects and
+    :class:`TensorRef` s.
 
     Raises a :class:`~zckpt.core.errors.ZckptError` naming `path` for anything that is not a sound,
     safe torch archive: missing, truncated, garbled, compressed, or referencing a global that is
@@ -136,10 +138,13 @@ def load_archive(path: str | os.PathLike[str]) -> tuple[Any, str]:
     """:func:`load`'s content and the archive's name: the folder its records sit in, which
     torch.save takes from the name of the file it saved to (``basename`` in PyTorch's
     ``caffe2/serialize/inline_container.cc``: the base name up to its last dot), or "archive"
-    when it saved to a stream. A rank file renamed after the save still carries its old name."""
+    when it saved to a stream. A rank file renamed after the save still carries its old name.
+    A legacy (non-zip) file records no name: "archive" too, which claims nothing."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(path, "file not found")
+    if is_legacy_torch_file(path):
+        return load_legacy(path), "archive"
     file_size = os.path.getsize(path)
     try:
         with open(path, "rb") as handle, uninterrupted(zipfile.ZipFile, handle) as archive:
@@ -167,8 +172,6 @@ def load_archive(path: str | os.PathLike[str]) -> tuple[Any, str]:
                 storages[info.filename[len(data_prefix) :]] = (offset, info.file_size)
             data = archive.read(pickles[0])
     except zipfile.BadZipFile as exc:
-        if is_legacy_torch_file(path):  # not damaged: an older format, which deserves its own words
-            raise CorruptFileError(path, LEGACY_PROBLEM) from None
         raise CorruptFileError(path, f"truncated or not a torch checkpoint ({exc})") from None
     except CorruptFileError:
         raise
@@ -177,21 +180,3 @@ def load_archive(path: str | os.PathLike[str]) -> tuple[Any, str]:
     except Exception as exc:  # zipfile trips over garbled headers in many ways (bad names, versions)
         raise CorruptFileError(path, f"damaged zip structure ({type(exc).__name__}: {exc})") from None
     return unpickle(data, path, storages), prefix[:-1]
-
-
-# torch.save's format before 1.6 (still written with _use_new_zipfile_serialization=False): a bare
-# pickle stream that opens with this magic number, as LONG1 (pickle protocol >= 2) or as text.
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_MARKS = (b"\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little"), b"L%dL\n" % _LEGACY_MAGIC)
-LEGACY_PROBLEM = "a legacy (pre-1.6) torch.save file: not supported, re-save it with torch.save"
-
-
-def is_legacy_torch_file(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a pre-zip torch.save file, so that it is named as one rather than called
-    truncated. Only the first bytes are read: the magic number comes first in the stream."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(32)
-    except OSError:
-        return False
-    return any(mark in head for mark in _LEGACY_MARKS)

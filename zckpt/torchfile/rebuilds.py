@@ -36,7 +36,7 @@ from .records import (
     refuse_build,
 )
 
-__all__ = ["ENUM_CLASSES", "allowed", "named_rebuild", "resolve_placeholders", "storage_record"]
+__all__ = ["ENUM_CLASSES", "allowed", "named_rebuild", "resolve_placeholders", "storage_id", "storage_record"]
 
 
 def _refuse_stand_in(value: Any, role: str) -> None:
@@ -234,23 +234,44 @@ class _Storage:
         raise CorruptFileError(None, "corrupted pickle: BUILD applied to a storage")
 
 
-def storage_record(pid: Any, path: str, storages: dict[str, tuple[int, int]]) -> _Storage:
-    """What a persistent id becomes: torch's ("storage", class, key, location, numel) record,
-    checked against the archive at `path` (`storages`: key -> byte offset and length there)."""
-    storage_type = pid[1] if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" else None
+def storage_id(pid: Any, path: str, legacy: bool = False) -> tuple[Any, DType | None, int]:
+    """(key, dtype, numel) of torch's persistent id ("storage", class, key, location, numel),
+    checked; `legacy`: the non-zip format's id, which adds view_metadata (None since torch
+    0.4: ``_legacy_save`` in torch/serialization.py never writes a view)."""
+    size = 6 if legacy else 5
+    storage_type = pid[1] if type(pid) is tuple and len(pid) == size and pid[0] == "storage" else None
     if not (isinstance(storage_type, _AllowedGlobal) and storage_type.role == "storage"):
         for part in pid if isinstance(pid, tuple) else ():
             _refuse_stand_in(part, "in a storage record")
+        if legacy and isinstance(pid, str) and pid.startswith("('storage',"):
+            raise CorruptFileError(
+                path,
+                "a legacy (non-zip) torch.save file pickled with protocol 0, whose storage records are text: "
+                "zckpt does not read that (nor does torch.load)",
+            )
         raise CorruptFileError(path, f"corrupted pickle: unknown persistent id {pid!r:.80}")
-    _, _, key, location, numel = pid
+    key, location, numel = pid[2:5]
     if type(numel) is not int or numel < 0 or not isinstance(location, str):
         for part in pid:
             _refuse_stand_in(part, "in a storage record")
         raise CorruptFileError(path, f"corrupted pickle: bad storage record {pid!r:.80}")
+    if legacy and pid[5] is not None:
+        _refuse_stand_in(pid[5], "in a storage record")
+        raise CorruptFileError(
+            path,
+            f"a legacy (non-zip) torch.save file with a storage view ({pid[5]!r:.60}), as torch before 0.4 wrote: "
+            "zckpt does not read that",
+        )
+    return key, storage_type.dtype, numel
+
+
+def storage_record(pid: Any, path: str, storages: dict[str, tuple[int, int]], legacy: bool = False) -> _Storage:
+    """What a persistent id becomes: torch's storage record (:func:`storage_id`), checked
+    against the file at `path` (`storages`: key -> byte offset and length there)."""
+    key, dtype, numel = storage_id(pid, path, legacy)
     if not isinstance(key, str) or key not in storages:
         raise CorruptFileError(path, f"storage record data/{key} is missing from the archive")
     offset, nbytes = storages[key]
-    dtype = storage_type.dtype
     if nbytes != numel * (dtype.itemsize if dtype else 1):
         expected = f"{numel} x {dtype}" if dtype else f"{numel} bytes"
         raise CorruptFileError(path, f"storage data/{key} holds {nbytes} bytes, the pickle expects {expected}")

@@ -34,20 +34,21 @@ from collections import OrderedDict
 from typing import Any
 
 from ..core.errors import CorruptFileError, UnsafePickleError, ZckptError
-from .rebuilds import allowed, named_rebuild, resolve_placeholders, storage_record
+from .rebuilds import _Storage, allowed, named_rebuild, resolve_placeholders, storage_id, storage_record
 from .records import stand_in
 
-__all__ = ["unpickle"]
+__all__ = ["storage_sizes", "unpickle"]
 
 
 _MAX_GLOBALS = 10_000  # distinct unknown globals in one file; real files name a handful
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: str, storages: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, data: bytes, path: str, storages: dict[str, tuple[int, int]], legacy: bool = False) -> None:
         super().__init__(io.BytesIO(data))
         self._path = path
         self._storages = storages
+        self._legacy = legacy
         self._unknown: set[tuple[str, str]] = set()
         self.numpy_seen = False  # numpy placeholders may need swapping once the tree is read
         self.ordered_dicts: list[OrderedDict] = []  # to check the attributes BUILD gave them
@@ -80,17 +81,47 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return stand_in(module, name)
 
     def persistent_load(self, pid: Any) -> Any:  # a storage record, checked against the archive
-        return storage_record(pid, self._path, self._storages)
+        return storage_record(pid, self._path, self._storages, self._legacy)
 
 
-def unpickle(data: bytes, path: str, storages: dict[str, tuple[int, int]] | None = None) -> Any:
+class _SizeProbe(_RestrictedUnpickler):
+    """The unpickler taking note of each storage's size (a legacy file's data lies after its
+    pickle, laid out by those sizes): every storage is placed at offset 0, the tree dropped."""
+
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(data, path, {}, legacy=True)
+        self.sizes: dict[str, tuple[int, int]] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        key, dtype, numel = storage_id(pid, self._path, legacy=True)
+        size = (numel, dtype.itemsize if dtype else 1)
+        if not isinstance(key, str) or self.sizes.setdefault(key, size) != size:
+            raise CorruptFileError(self._path, f"corrupted pickle: storage {key!r:.40} recorded with two sizes")
+        return _Storage(self._path, 0, numel * size[1], dtype)
+
+
+def unpickle(
+    data: bytes, path: str, storages: dict[str, tuple[int, int]] | None = None, *, legacy: bool = False
+) -> Any:
     """Read `data` (the data.pkl of an archive at `path`) as data; see the module docstring.
 
-    `storages` maps each storage key to (byte offset in `path`, byte length).
+    `storages` maps each storage key to (byte offset in `path`, byte length); `legacy`: `data`
+    is the main pickle of a legacy (non-zip) torch.save file, whose storage records say more.
     """
+    return _load(_RestrictedUnpickler(data, path, storages or {}, legacy), data, path)
+
+
+def storage_sizes(data: bytes, path: str) -> dict[str, tuple[int, int]]:
+    """(elements, element size) of each storage the main pickle of a legacy torch.save file at
+    `path` records, by key: read as :func:`unpickle` reads it (nothing called), the tree dropped."""
+    probe = _SizeProbe(data, path)
+    _load(probe, data, path)
+    return probe.sizes
+
+
+def _load(unpickler: _RestrictedUnpickler, data: bytes, path: str) -> Any:
     _refuse_extensions(data, path)
     try:
-        unpickler = _RestrictedUnpickler(data, path, storages or {})
         tree = unpickler.load()
         _check_ordered_dicts(unpickler.ordered_dicts)
         return resolve_placeholders(tree) if unpickler.numpy_seen else tree
