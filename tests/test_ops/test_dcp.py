@@ -83,7 +83,8 @@ def test_optimizer_holds_the_live_moments_steps_and_groups(case: Sample, tmp_pat
     trainable = {n.rsplit(".", 1)[0] for n in live_optim} - aliases(case)
     assert set(optim["state"]) == trainable
     for name in trainable:
-        assert set(optim["state"][name]) == {"step", *case.state_names} if case.counts_steps else set(case.state_names)
+        expected = {*case.state_names, *case.scalar_names, *(["step"] if case.counts_steps else [])}
+        assert set(optim["state"][name]) == expected, name
         for key in case.state_names:
             assert same_bits(optim["state"][name][key], live_optim[f"{name}.{key}"]), (name, key)
     _, saved = saved_files(case)

@@ -26,9 +26,11 @@ from helpers import (
     sample,
     tag_files,
 )
+from zckpt.core.errors import UsageError
 from zckpt.deepspeed.reader import open_training_state
 from zckpt.io.reading import FileReader
 from zckpt.ops.consolidate import consolidate
+from zckpt.ops.inspect import inspect_path
 from zckpt.ops.reshard import reshard
 from zckpt.ops.universal import to_universal
 from zckpt.torchfile import reader as torchfile
@@ -63,9 +65,11 @@ def _saved_param_groups_and_steps(case: Sample) -> tuple[list[dict], list]:
 @pytest.mark.parametrize("target_stage", [None, 1, 3], ids=["own-stage", "to-z1", "to-z3"])
 @pytest.mark.parametrize("case", WITH_LIVE_OPTIMIZER, ids=lambda s: s.name)
 def test_universal_files_hold_the_live_engine_state(case: Sample, target_stage: int | None, tmp_path: Path) -> None:
-    """Every trainable param's fp32 master and Adam moments, in the flavour of the target stage,
-    equal the engine's values before the save; optimizer_state.pt carries the saved groups."""
-    result = to_universal(case.checkpoint, tmp_path / "out", target_stage=target_stage)
+    """Every trainable param's fp32 master and optimizer states, in the flavour of the target stage,
+    equal the engine's values before the save; optimizer_state.pt carries the saved groups. (Where
+    DeepSpeed's loader of that stage would not restore a state, the folder is written on request:
+    allow_state_loss, as test_state_loss_is_said_before_writing checks.)"""
+    result = to_universal(case.checkpoint, tmp_path / "out", target_stage=target_stage, allow_state_loss=True)
     stage = target_stage or case.meta["zero_stage"]
     folder = _universal_dir(tmp_path / "out")
     assert folder.name == (case.checkpoint / "latest").read_text().strip() + "_universal"
@@ -112,7 +116,7 @@ def test_round_trip_through_universal_gives_deepspeeds_files_back(case: Sample, 
     """ZeRO -> universal (the other stage's flavour) -> ZeRO at the same world size and stage:
     every file, key and tensor DeepSpeed wrote, optimizer tensors bit for bit."""
     ws, stage = case.meta["world_size"], case.meta["zero_stage"]
-    to_universal(case.checkpoint, tmp_path / "u", target_stage=3 if stage < 3 else 2)
+    to_universal(case.checkpoint, tmp_path / "u", target_stage=3 if stage < 3 else 2, allow_state_loss=True)
     reshard(tmp_path / "u", tmp_path / "back", world_size=ws, stage=stage)
     original, ours = tag_files(case.checkpoint), tag_files(tmp_path / "back")
     assert list(original) == list(ours)
@@ -138,7 +142,7 @@ def test_round_trip_through_universal_gives_deepspeeds_files_back(case: Sample, 
 @pytest.mark.parametrize("case", RESHARDABLE, ids=lambda s: s.name)
 def test_universal_then_reshard_then_consolidate_equals_the_original(case: Sample, tmp_path: Path) -> None:
     ws = case.meta["world_size"]
-    to_universal(case.checkpoint, tmp_path / "u")
+    to_universal(case.checkpoint, tmp_path / "u", allow_state_loss=True)
     reshard(tmp_path / "u", tmp_path / "m", world_size=ws % 4 + 1)
     consolidate(case.checkpoint, tmp_path / "c0")
     consolidate(tmp_path / "m", tmp_path / "c1")
@@ -300,3 +304,37 @@ def test_damaged_zero_input_leaves_nothing(copy_checkpoint, tmp_path: Path) -> N
     result = run_cli("to-universal", checkpoint, tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 1 and str(victim) in one_line(result)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "name,target_stage,lost",
+    [
+        ("z3_fp32_ws2_amsgrad", 3, "max_exp_avg_sq would not be restored"),
+        ("z1_bf16_ws2_nadam", 1, "mu_product would not be restored"),
+        ("z1_bf16_ws2_nadam", 3, "mu_product would not be restored"),
+        ("z3_fp32_ws2_sgd_coupled_wd", 3, "its load fails, this optimizer keeping no exp_avg, exp_avg_sq, step"),
+    ],
+)
+def test_state_loss_is_said_before_writing(name: str, target_stage: int, lost: str, tmp_path: Path) -> None:
+    """DeepSpeed's universal loaders restore a fixed set of states (ZeRO-3: fp32, exp_avg,
+    exp_avg_sq and a step; ZeRO-1/2: per-element states and the step): a folder that would lose
+    another is refused, nothing written, the route that keeps it named; allow_state_loss writes
+    it, the result saying what is lost, and inspect says the same beforehand."""
+    case = sample(name)
+    with pytest.raises(UsageError) as caught:
+        to_universal(case.checkpoint, tmp_path / "u", target_stage=target_stage)
+    assert lost in str(caught.value) and "zckpt reshard" in str(caught.value), caught.value
+    assert not (tmp_path / "u").exists()
+    result = to_universal(case.checkpoint, tmp_path / "u", target_stage=target_stage, allow_state_loss=True)
+    assert result.loss is not None and lost in result.loss.describe()
+    key = "zero3" if target_stage == 3 else "zero1_2"
+    assert lost in inspect_path(str(case.checkpoint))["training_state"]["universal_loss"][key]["why"]
+
+
+@pytest.mark.parametrize("name", ["z3_fp32_ws2_amsgrad", "z3_fp32_ws2_sgd_coupled_wd"])
+def test_what_a_zero12_loader_restores_is_written_without_a_word(name: str, tmp_path: Path) -> None:
+    """The ZeRO-1/2 loader reads every per-element state file: AMSGrad's third moment and SGD's
+    momentum cross into a ZeRO-1/2 run's universal folder whole."""
+    result = to_universal(sample(name).checkpoint, tmp_path / "u", target_stage=1)
+    assert result.loss is None
+    assert inspect_path(str(sample(name).checkpoint))["training_state"]["universal_loss"]["zero1_2"] is None

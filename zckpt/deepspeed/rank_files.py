@@ -358,7 +358,8 @@ def check_saved_name(result: Survey, path: str, archive: str) -> None:
         result.add(
             LayoutError,
             path,
-            f"was saved as {archive}.pt (the name torch.save recorded inside it): rank files swapped, copied or renamed",
+            f"was saved as {archive}.pt (the name torch.save recorded inside it): rank files swapped, copied or renamed, "
+            "or files of different runs mixed",
         )
 
 

@@ -18,7 +18,7 @@ Pure: no tensor byte is read.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.errors import UsageError
@@ -41,6 +41,61 @@ from .writer import (
     target_layout,
     tensor_of,
 )
+
+# What DeepSpeed 0.19.8's universal loaders restore of an optimizer's state:
+# - ZeRO-3 (runtime/zero/stage3.py, _load_universal_checkpoint): the files fp32, exp_avg and
+#   exp_avg_sq of each param (a fixed list: any other state is not read; a missing one fails the
+#   load) and the step of optimizer_state.pt's first sub-group (KeyError without one);
+# - ZeRO-1/2 (checkpoint/universal_checkpoint.py, load_hp_checkpoint_state): every <state>.pt in a
+#   param's folder and its step.pt; a scalar state other than the step has no file it reads.
+ZERO3_UNIVERSAL_STATES = (N.UNIVERSAL_EXP_AVG, N.UNIVERSAL_EXP_AVG_SQ)
+
+
+@dataclass(frozen=True)
+class UniversalLoss:
+    """What DeepSpeed's universal loader of a ZeRO-`stage` run cannot restore of a training state:
+    per-element states it does not read (`states`), scalar states it has no file for
+    (`scalars`), and what it needs and the run's optimizer does not keep (`missing`: the load
+    then fails)."""
+
+    stage: int
+    states: tuple[str, ...] = ()
+    scalars: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.states or self.scalars or self.missing)
+
+    def describe(self) -> str:
+        """One sentence: what is lost, and why."""
+        if self.stage == 3:
+            reads = "DeepSpeed's ZeRO-3 universal loader reads fp32, exp_avg, exp_avg_sq and a step only"
+        else:
+            reads = (
+                f"DeepSpeed's ZeRO-{self.stage} universal loader reads each param's per-element states and step only"
+            )
+        parts = []
+        if self.states or self.scalars:
+            parts.append(f"{', '.join((*self.states, *self.scalars))} would not be restored")
+        if self.missing:
+            parts.append(f"its load fails, this optimizer keeping no {', '.join(self.missing)}")
+        return f"{reads}: {'; '.join(parts)}"
+
+
+def universal_loss(state: TrainingState, target_stage: int) -> UniversalLoss:
+    """What a universal folder for a ZeRO-`target_stage` run would not carry back into
+    DeepSpeed (see ZERO3_UNIVERSAL_STATES). Pure."""
+    names = state.state_names
+    scalars = list(dict.fromkeys(k for g in state.groups for k in g.scalars if k != N.UNIVERSAL_STEP))
+    if target_stage != 3:
+        return UniversalLoss(target_stage, scalars=tuple(scalars))
+    has_step = all(N.UNIVERSAL_STEP in g.scalars for g in state.groups)
+    return UniversalLoss(
+        3,
+        states=tuple(n for n in names if n not in ZERO3_UNIVERSAL_STATES),
+        scalars=tuple(scalars),
+        missing=tuple(n for n in ZERO3_UNIVERSAL_STATES if n not in names) + (() if has_step else (N.UNIVERSAL_STEP,)),
+    )
 
 
 def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> CheckpointPlan:

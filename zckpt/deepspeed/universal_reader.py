@@ -430,8 +430,15 @@ class UniversalReader:
                                 if isinstance(value, TensorRef)
                                 else ScalarState(value=value)
                             )
-            else:
+            else:  # the step in each param's step.pt; other scalars where zckpt keeps them (see writer)
                 scalars.update(self._group_step(names))
+                entry = torch_state.get(g)
+                for key, value in entry.items() if isinstance(entry, dict) else ():
+                    scalars[key] = (
+                        ScalarState(tensor=source_of(value))
+                        if isinstance(value, TensorRef)
+                        else ScalarState(value=value)
+                    )
             result.append(
                 ParamGroupState({k: v for k, v in hyper.items() if k != "params"}, scalars, tuple(names), keys)
             )

@@ -22,6 +22,7 @@ from ..deepspeed import names as N
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.locate import list_tags, tag_named_in
 from ..deepspeed.reader import survey
+from ..deepspeed.universal import UniversalLoss, universal_loss
 from ..hf import names as hf
 from ..hf.safetensors import TIED_METADATA_KEY, read_header
 from ..io.checksums import check_archive
@@ -319,8 +320,16 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
             else:
                 steps.append(scalar.value)
     scaler = state.loss_scaler
+    losses = {stage: universal_loss(state, stage) for stage in (1, 3)}
     return {
         "optimizer_states": state.state_names,
+        # per-group values that are not per element (step, NAdam's mu_product, ...)
+        "optimizer_scalars": list(dict.fromkeys(k for g in state.groups for k in g.scalars)),
+        # what DeepSpeed's universal loader of a ZeRO-1/2 and of a ZeRO-3 run would not restore
+        "universal_loss": {
+            "zero1_2": _loss(losses[1]),
+            "zero3": _loss(losses[3]),
+        },
         "param_groups": [
             {
                 "params": len(g.params),
@@ -344,6 +353,18 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
         },
         "lr_scheduler": state.lr_scheduler is not None,
         "client_state": sorted(map(str, state.client_state)),
+    }
+
+
+def _loss(loss: UniversalLoss) -> dict[str, Any] | None:
+    """A universal loader's loss as JSON: None when it restores everything."""
+    if not loss:
+        return None
+    return {
+        "states": list(loss.states),
+        "scalars": list(loss.scalars),
+        "missing": list(loss.missing),
+        "why": loss.describe(),
     }
 
 

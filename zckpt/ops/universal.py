@@ -18,7 +18,7 @@ from ..core.errors import UsageError
 from ..core.state import TrainingState
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import write_checkpoint
-from ..deepspeed.universal import plan_universal
+from ..deepspeed.universal import UniversalLoss, plan_universal, universal_loss
 from ..deepspeed.writer import CheckpointPlan
 from ..io.jobs import job_share
 from ..io.output import is_inside, refuse_output_inside_input
@@ -32,6 +32,8 @@ class UniversalResult:
     target_stage: int
     files: tuple[str, ...]
     bytes_written: int
+    # what DeepSpeed's universal loader of that stage will not restore (written with allow_state_loss)
+    loss: UniversalLoss | None = None
 
 
 def plan_to_universal(
@@ -66,16 +68,30 @@ def to_universal(
     swap_folder: str | os.PathLike[str] | None = None,
     wait: bool = False,
     tp_rules: str | os.PathLike[str] | None = None,
+    allow_state_loss: bool = False,
 ) -> UniversalResult:
     """Write the universal checkpoint of `checkpoint` (tag `tag`, default: the latest) into
     `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage).
     With `swap_folder`, the masters and optimizer states of swapped sub-groups come from that
     live ZeRO-Infinity folder (`checkpoint` gives the layout). `wait`: another zckpt run writing
     `output_dir` is waited for instead of refused. `tp_rules`: a ``--tp-rules`` file, for a
-    tensor-parallel run that records no merge rules (each param's files then carry its rule)."""
+    tensor-parallel run that records no merge rules (each param's files then carry its rule).
+
+    Where DeepSpeed's universal loader of the target stage would not restore part of the
+    optimizer's state (:func:`~zckpt.deepspeed.universal.universal_loss`: AMSGrad's
+    max_exp_avg_sq at ZeRO-3, NAdam's mu_product, an SGD run's momentum at ZeRO-3), nothing is
+    written and a UsageError says what and why, unless `allow_state_loss` (the result's `loss`
+    then says it): ``reshard`` writes a checkpoint of the new layout that keeps every state."""
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
     plan = plan_universal(source, target_stage=_stage(target_stage))
+    loss = universal_loss(source, plan.target.stage)
+    if loss and not allow_state_loss:
+        raise UsageError(
+            os.fspath(checkpoint),
+            f"{loss.describe()}; `zckpt reshard` to the new world size keeps every state"
+            + ("" if loss.missing else ", or pass --allow-state-loss to write the universal folder anyway"),
+        )
     index = source.index
     # beside the tag folders, as DeepSpeed's ds_to_universal is used, but nowhere else inside the input
     refuse_output_inside_input(
@@ -96,4 +112,6 @@ def to_universal(
         verify=verify,
         wait=wait,
     )
-    return UniversalResult(output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written)
+    return UniversalResult(
+        output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written, loss or None
+    )
