@@ -208,3 +208,83 @@ def test_inspect_json_keys_are_documented() -> None:
     emitted = set(json.loads(done.stdout))
     assert emitted <= documented, f"inspect --json emits {sorted(emitted - documented)}, undocumented"
     assert documented <= emitted, f"the docs list {sorted(documented - emitted)}, which inspect --json lacks"
+
+
+# --- the compatibility matrix ----------------------------------------------------------------------
+
+MATRIX_COMMANDS = {
+    "C": "consolidate",
+    "I": "inspect",
+    "V": "verify",
+    "R": "reshard",
+    "U": "to-universal",
+    "D": "to-dcp",
+}
+
+
+def matrix_rows() -> list[tuple[str, str, str, str]]:
+    """(layout, sample folder, command, cell) for every non-empty cell of the layouts table."""
+    table = page("compatibility.md").split("## Layouts and commands", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = []
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        layout, samples = cells[0], re.findall(r"`([^`]+)`", cells[1])
+        for letter, cell in zip(head[2:], cells[2:]):
+            if cell:
+                for pattern in samples:
+                    found = sorted(p for p in SAMPLES.glob(pattern) if p.is_dir())
+                    assert found, f"{layout}: no sample matches {pattern}"
+                    rows.append((layout, found[0].name, MATRIX_COMMANDS[letter], cell))
+    return rows
+
+
+def checkpoint_of(sample: Path) -> tuple[Path, list[str]]:
+    """The sample's checkpoint folder (the first holding `latest`), and the options it needs."""
+    if (sample / "live_swap").is_dir():
+        return sample / "checkpoint", ["--swap-folder", str(sample / "live_swap")]
+    latest = sorted(p.parent for p in sample.rglob("latest"))
+    return latest[0], []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, name, command, cell", matrix_rows(), ids=lambda v: str(v)[:40])
+def test_compatibility_matrix_cell_runs(tmp_path: Path, layout: str, name: str, command: str, cell: str) -> None:
+    """Each filled cell of docs/compatibility.md, run on the first sample its row names: exit 0."""
+    ckpt, extra = checkpoint_of(SAMPLES / name)
+    if command == "inspect" and extra:  # a swap folder, described against a checkpoint of its run
+        argv = [command, extra[1], "--checkpoint", str(ckpt)]
+    elif command == "verify" and extra:
+        argv = [command, str(ckpt), *extra]
+    elif command in ("inspect", "verify"):
+        argv = [command, str(ckpt)]
+    else:
+        argv = [command, str(ckpt), str(tmp_path / "out"), *extra]
+    if command == "reshard":
+        argv += ["-w", "4" if name.startswith("moe_") else "2"]
+        if re.search(r"(^|_)z0_", name):  # ZeRO-0 runs are written as ZeRO files ("to ZeRO-1/2/3")
+            argv += ["--stage", "1"]
+    if command == "to-universal" and ("megatron" in name or "autotp" in name) and "z3" in name:
+        argv += ["--target-stage", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "zckpt", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"{layout} / {command} on {name}: exit {done.returncode}\n{done.stderr[-2000:]}"
+
+
+# --- the troubleshooting page ----------------------------------------------------------------------
+
+
+def test_troubleshooting_quotes_zckpts_own_messages() -> None:
+    """Each zckpt message the troubleshooting page quotes is in the package's source, so a
+    reworded message makes the page's entry fail here rather than go unfound by a search."""
+    text = page("troubleshooting.md").split("## zckpt's messages", 1)[1]
+    quoted = re.findall(r'^### "(.+)"', text, flags=re.M)
+    assert len(quoted) >= 6
+    source = " ".join(p.read_text() for p in (ROOT / "zckpt").rglob("*.py"))
+    for message in quoted:
+        for fragment in re.split(r"\.\.\.|\(\.\.\.\)|\d+|--\w+", message):
+            fragment = fragment.strip(" ;()'")
+            if len(fragment) >= 8:
+                assert fragment in source, f"troubleshooting quotes {message!r}: {fragment!r} is in no zckpt message"
