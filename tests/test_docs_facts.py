@@ -106,6 +106,16 @@ def test_cli_reference_is_generated_from_the_live_cli() -> None:
     )
 
 
+def test_json_schemas_page_is_generated_from_the_live_cli() -> None:
+    """docs/reference/json-schemas.md is what scripts/gen_json_reference.py writes now."""
+    spec = importlib.util.spec_from_file_location("gen_json_reference", ROOT / "scripts" / "gen_json_reference.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert page("reference/json-schemas.md") == generator.render(), (
+        "docs/reference/json-schemas.md is stale: run python scripts/gen_json_reference.py"
+    )
+
+
 def test_every_command_and_visible_option_is_in_the_reference() -> None:
     text = page("reference/cli.md")
     for name, command in COMMANDS.items():
