@@ -1109,10 +1109,23 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
 # --describe: what a checkpoint file's pickle references and holds
 # --------------------------------------------------------------------------------------
 def pickle_globals(path: Path) -> list[str]:
-    """GLOBAL / STACK_GLOBAL ``module.name`` pairs referenced by a torch zip file's data.pkl."""
-    with zipfile.ZipFile(path) as zf:
-        name = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-        data = zf.read(name)
+    """GLOBAL / STACK_GLOBAL ``module.name`` pairs referenced by a torch zip file's data.pkl (a
+    legacy, non-zip file's main pickle: the fourth of its pickles)."""
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            name = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            data = zf.read(name)
+    else:
+        with open(path, "rb") as fh:
+            for _ in range(3):  # magic number, protocol version, sys_info
+                for _ in pickletools.genops(fh):
+                    pass
+            start = fh.tell()
+            for _ in pickletools.genops(fh):
+                pass
+            end = fh.tell()
+            fh.seek(start)
+            data = fh.read(end - start)
     string_ops = {"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"}
     found: set[str] = set()
     pushed: list[Any] = []  # what each pushing op put on the stack (strings only, else None)
