@@ -104,6 +104,9 @@ def test_cli_reference_is_generated_from_the_live_cli() -> None:
     assert page("reference/cli.md") == generator.render(), (
         "docs/reference/cli.md is stale: run python scripts/gen_cli_reference.py"
     )
+    assert page("reference/exit-codes.md") == generator.exit_page(page("reference/exit-codes.md")), (
+        "docs/reference/exit-codes.md's table is stale: run python scripts/gen_cli_reference.py"
+    )
 
 
 def test_json_schemas_page_is_generated_from_the_live_cli() -> None:
