@@ -6,7 +6,9 @@ The format layer (``zckpt.deepspeed``) builds these from DeepSpeed's files; ever
 
 from __future__ import annotations
 
+import array
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -19,9 +21,10 @@ from .topology import Topology
 EntryKind = Literal["param", "frozen", "buffer", "tied"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Segment:
-    """`numel` contiguous elements at byte `offset` of the file at `path`."""
+    """`numel` contiguous elements at byte `offset` of the file at `path`. Slotted: a param cut
+    across thousands of ranks has a segment per rank and state, kept for the whole run."""
 
     path: str
     offset: int
@@ -44,6 +47,12 @@ class TensorSource:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @functools.cached_property
+    def segment_starts(self) -> array.array:
+        """The first element of each segment, and the total: computed once per source, as a
+        writer cuts one source into a slice per output rank (8 bytes a segment, no int objects)."""
+        return array.array("q", itertools.accumulate((s.numel for s in self.segments), initial=0))
+
 
 class SegmentSlicer:
     """:func:`slice_segments` for many slices of one source: each found by bisection over the
@@ -52,7 +61,7 @@ class SegmentSlicer:
 
     def __init__(self, source: TensorSource) -> None:
         self.source = source
-        self.starts = list(itertools.accumulate((s.numel for s in source.segments), initial=0))
+        self.starts = source.segment_starts
 
     def slice(self, start: int, length: int) -> list[Segment]:
         segments, itemsize = self.source.segments, self.source.dtype.itemsize
@@ -68,7 +77,9 @@ class SegmentSlicer:
 
 
 def slice_segments(source: TensorSource, start: int, length: int) -> list[Segment]:
-    """The segments of elements [start, start + length) of a source (fewer when it is shorter)."""
+    """The segments of elements [start, start + length) of a source (fewer when it is shorter).
+    The source's segment starts are summed once (:attr:`TensorSource.segment_starts`): a writer
+    slices each source once per output rank, which would otherwise cost ranks x segments."""
     return SegmentSlicer(source).slice(start, length)
 
 

@@ -7,12 +7,14 @@ data-parallel checkpoint is one such set; a pipeline run is one per stage (:mod:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 from ..core.errors import ZckptError
 from ..core.index import CheckpointIndex
 from ..core.topology import Topology
 from ..io.reading import FileReader
+from ..torchfile.reader import TensorRef
 from . import names as N
 from . import swap_folder as swap
 from .live_swap import check_swap_folder, report_swap_folder
@@ -42,10 +44,11 @@ def read_ranks(
     assert location is not None
     tag_dir = location.tag_dir
     result.files = files.paths
-    models = {rank: load(result, p) for rank, p in files.model.items()}
+    shared = _SharedMetadata(files.first) if modules is None and view is None else None
+    models = {rank: _shared_model(shared, rank, load(result, p)) for rank, p in files.model.items()}
     if modules is not None:
         models = {rank: _with_module(m, modules.get(rank)) for rank, m in models.items()}
-    optims = {rank: load(result, p) for rank, (_, p) in files.optim.items()}
+    optims = {rank: _shared_optim(shared, load(result, p)) for rank, (_, p) in files.optim.items()}
     if view is not None:
         models = {rank: view("model", rank, m) for rank, m in models.items()}
         optims = {rank: view("optim", rank, o) for rank, o in optims.items()}
@@ -119,6 +122,71 @@ def read_ranks(
         return
     if swap_folder is not None:
         report_swap_folder(result, swap_folder, partitions)
+
+
+class _SharedMetadata:
+    """Metadata kept once, not per rank file: every ZeRO-3 rank saves the whole model's
+    ``param_shapes``, its ``ds_config`` and a placeholder tensor for every param in ``module``
+    (hundreds of KB a file at a few hundred params; GBs at thousands of ranks). As each file is
+    loaded, what equals rank 0's is replaced by rank 0's object, and a later rank's placeholders
+    (numel 0, not buffers) are dropped: only rank 0's module names the params, a later rank's
+    module is read for its buffers alone (``module_buffers``). A file is compacted only when it
+    and rank 0's are sound (:data:`MODEL_SCHEMA`), so every check later reads the same values
+    and says the same."""
+
+    _SHARED_KEYS = (N.PARAM_SHAPES, N.DS_CONFIG, N.DS_VERSION, N.BUFFER_NAMES, N.FROZEN_PARAM_SHAPES)
+
+    def __init__(self, first: int | None) -> None:
+        self.first = first
+        self.reference: dict | None = None  # rank 0's model states, when sound
+
+    def model(self, rank: int | None, state: Any) -> Any:
+        if not _sound_model(state):
+            return state
+        if rank == self.first:
+            self.reference = state
+            return state
+        if self.reference is None:
+            return state
+        self._share(state, self._SHARED_KEYS)
+        module, buffers = state[N.MODULE], set(state.get(N.BUFFER_NAMES) or ())
+        if type(module) in (dict, OrderedDict):
+            state[N.MODULE] = type(module)(
+                (name, ref)
+                for name, ref in module.items()
+                if name in buffers or not (isinstance(ref, TensorRef) and ref.numel == 0)
+            )
+        return state
+
+    def optim(self, state: Any) -> Any:
+        if isinstance(state, dict) and self.reference is not None:
+            self._share(state, (N.DS_CONFIG, N.DS_VERSION))
+        return state
+
+    def _share(self, state: dict, keys: tuple[str, ...]) -> None:
+        reference = self.reference
+        assert reference is not None
+        for key in keys:
+            if key in state and key in reference and state[key] is not reference[key]:
+                if type(state[key]) is type(reference[key]) and state[key] == reference[key]:
+                    state[key] = reference[key]
+
+
+def _sound_model(state: Any) -> bool:
+    return (
+        isinstance(state, dict)
+        and N.PARAM_SHAPES in state
+        and isinstance(state.get(N.MODULE), dict)
+        and not schema_problems(state, MODEL_SCHEMA)
+    )
+
+
+def _shared_model(shared: _SharedMetadata | None, rank: int | None, state: Any) -> Any:
+    return state if shared is None else shared.model(rank, state)
+
+
+def _shared_optim(shared: _SharedMetadata | None, state: Any) -> Any:
+    return state if shared is None else shared.optim(state)
 
 
 def _with_module(model: object, module: dict | None) -> object:

@@ -79,10 +79,11 @@ class LayoutParam:
     group: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """`length` elements of param `param` (from element `param_offset` of the flattened param)
-    stored at element `flat_offset` of rank `rank`'s flat tensor of flat group `flat`."""
+    stored at element `flat_offset` of rank `rank`'s flat tensor of flat group `flat`. Slotted:
+    ZeRO-3 cuts every param across every rank, a piece each."""
 
     param: int
     rank: int

@@ -201,6 +201,7 @@ _PLAIN = (
     slice,
 )
 _ALLOWED = frozenset(_PLAIN) | {GlobalName, DType, PickledInstance, PickledEnum, PickledReduce, OutTensor, _StorageRef}
+_TUPLE_CODES = {1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 _LOCATION = "cpu"  # torch's location tag; one (interned) object, so torch's pickle memoizes it
 
 
@@ -228,6 +229,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
         self.storages: dict[str, OutStorage] = {}
         self._keys: dict[int, str] = {}  # id(storage) -> its key; the same str object each time, as torch
         self._canonical: dict[tuple, object] = {}  # value key -> the object first memoized for it
+        self._globals: dict[tuple[str, str], int] = {}  # (module, name) as asked -> its memo index
 
     def persistent_id(self, obj: Any) -> Any:
         return obj.pid if type(obj) is _StorageRef else None
@@ -248,6 +250,11 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
         return canon, False
 
     def emit_global(self, module: str, name: str) -> None:
+        hit = self._globals.get((module, name))
+        if hit is not None:  # emitted before: the same memo reference _memo_get would write
+            self.write(self.get(hit))
+            return
+        spelled = module, name
         for text in (module, name):  # GLOBAL is newline-terminated ASCII: nothing else may slip in
             if not text or not text.isascii() or not text.isprintable() or " " in text:
                 raise ValueError(f"bad global name {module!r}.{name!r}")
@@ -265,6 +272,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
         else:
             self.write(pickle.GLOBAL + module.encode("ascii") + b"\n" + name.encode("ascii") + b"\n")
         self.memoize(canon)
+        self._globals[spelled] = self.memo[id(canon)][0]
 
     def save_global(self, obj: Any, name: str | None = None) -> None:  # real classes (OrderedDict, set)
         name = name or obj.__qualname__
@@ -356,8 +364,66 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
             rebuild, args = _REBUILD_TENSOR, (_StorageRef(pid), *geometry)
         if obj.attributes:
             self._reduce(_REBUILD_FROM_TYPE, (rebuild, _TENSOR, args, obj.attributes), obj)
+        elif rebuild is _REBUILD_TENSOR and self.proto < 4 and type(pid[4]) is int and type(offset) is int:
+            self._save_rebuild_v2(pid, offset, shape, stride, bool(obj.requires_grad), obj)
         else:
             self._reduce(rebuild, args, obj)
+
+    def _save_rebuild_v2(
+        self, pid: tuple, offset: int, shape: tuple, stride: tuple, requires_grad: bool, obj: OutTensor
+    ) -> None:
+        """``self._reduce(_REBUILD_TENSOR, (_StorageRef(pid), offset, shape, stride, requires_grad,
+        OrderedDict()), obj)`` written op by op, the same bytes without a ``save`` call per
+        element: a ZeRO-3 rank file holds a placeholder tensor for every param of the model, so
+        this runs ranks x params times in a reshard. The storage tuple's strings and globals go
+        through ``save`` (memo hits but the first time); the fresh tuples, the ints, the bool and
+        the empty OrderedDict (no object in the tree can be them) are written here and memoized
+        under keys no object id takes, in the order pickle would memoize them."""
+        write, save_long, memo_get = self.write, self.save_long, self.memo.get
+        self.emit_global(_REBUILD_TENSOR.module, _REBUILD_TENSOR.name)
+        write(pickle.MARK)
+        write(pickle.MARK)  # the persistent id: ("storage", storage class, key, location, numel)
+        for text in (pid[0], pid[1], pid[2], pid[3]):
+            if type(text) is GlobalName:
+                self.emit_global(text.module, text.name)  # what save() does for a GlobalName
+            elif (hit := memo_get(id(text))) is not None:  # what save() does for a memoized str
+                write(self.get(hit[0]))
+            else:
+                self.save(text)
+        save_long(pid[4])
+        write(pickle.TUPLE)
+        self._memoize_fresh()
+        write(pickle.BINPERSID)
+        save_long(offset)
+        self._save_fresh_ints(shape)
+        self._save_fresh_ints(stride)
+        write(pickle.NEWTRUE if requires_grad else pickle.NEWFALSE)
+        self.emit_global("collections", "OrderedDict")  # OrderedDict(): its reduce, (), nothing to set
+        write(pickle.EMPTY_TUPLE + pickle.REDUCE)
+        self._memoize_fresh()
+        write(pickle.TUPLE)  # the six arguments
+        self._memoize_fresh()
+        write(pickle.REDUCE)
+        self.memoize(obj)
+
+    def _save_fresh_ints(self, values: tuple) -> None:
+        """A tuple of ints built for this tensor (never in the memo), as save_tuple writes it."""
+        if not values:
+            self.write(pickle.EMPTY_TUPLE)
+            return
+        if len(values) > 3:
+            self.write(pickle.MARK)
+        for value in values:
+            self.save_long(value)
+        self.write(pickle.TUPLE if len(values) > 3 else _TUPLE_CODES[len(values)])
+        self._memoize_fresh()
+
+    def _memoize_fresh(self) -> None:
+        """memoize() for an object nothing else references: the next memo index is taken (and
+        written) under a negative key, which no id() is."""
+        index = len(self.memo)
+        self.write(self.put(index))
+        self.memo[-1 - index] = index, None
 
     dispatch[GlobalName] = save_global_name
     dispatch[DType] = save_dtype
