@@ -61,6 +61,21 @@ def test_a_model_file_of_another_step_is_still_refused(tmp_path: Path) -> None:
     assert any("zero_pp_rank_1_mp_rank_00_model_states.pt: global step differs" in p for p in report.problems)
 
 
+def test_a_rank_file_of_a_run_with_another_layout_is_refused(tmp_path: Path) -> None:
+    """What a config says of the layout every rank shares (DeepSpeed's collectives need it): a
+    ZeRO-2 run's rank 1 file, same model, world size, step and slice mappings, put in a ZeRO-1
+    round-robin run's folder under its name is refused (the fuzz's foreign-rank case)."""
+    tag = copy_checkpoint(tmp_path, sample("z1_fp32_ws2_roundrobin"))
+    other = sample("z2_fp32_ws2_twotags")
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copyfile(other.checkpoint / "global_step3" / name, tag / name)
+    report = verify(tag.parent)
+    assert any(
+        name in p and "zero_optimization.stage = 2" in p and "files of different runs are mixed" in p
+        for p in report.problems
+    ), report.problems
+
+
 def test_zenflow_module_weights_are_not_judged_as_masters_rounded(tmp_path: Path) -> None:
     """Without ZenFlow in the saved config, the changed weight is named (the check as it was);
     with it, the check is not run and says why."""

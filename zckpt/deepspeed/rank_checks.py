@@ -180,7 +180,10 @@ def check_same_run(result: Survey, models: dict, optims: dict, model_paths: dict
     are the one model's (``_get_zero_param_shapes``, engine.py:5448-5477). Not guaranteed:
     ``ds_config`` is the config each rank passed to ``deepspeed.initialize`` (``self.config``,
     engine.py:544; saved at :5037 and :5551), which a launcher may write per rank (a
-    node-local path), and ``ds_version`` each rank's own install; zckpt reads rank 0's."""
+    node-local path), and ``ds_version`` each rank's own install; zckpt reads rank 0's. What a
+    config says of the layout (:func:`layout_settings`: the stage, round-robin gradients, the
+    training dtype, the optimizer) every rank must share, or its collectives would not match:
+    a file whose config differs there is of another run."""
     first_model = next(iter(models))
     reference = models[first_model]
     reference_path = model_paths[first_model]
@@ -194,6 +197,18 @@ def check_same_run(result: Survey, models: dict, optims: dict, model_paths: dict
                 )
     files = [(model_paths[rank], state) for rank, state in models.items()]
     files += [(optim_files[rank][1], state) for rank, state in sorted(optims.items())]
+    settings = layout_settings(reference.get(N.DS_CONFIG))
+    for path, state in files:  # what every rank of one run shares, or its collectives would not match
+        theirs = layout_settings(state.get(N.DS_CONFIG)) if N.DS_CONFIG in state else settings
+        if theirs != settings:
+            key = next(k for k in settings if settings[k] != theirs.get(k))
+            result.add(
+                LayoutError,
+                path,
+                f"its DeepSpeed config says {key} = {theirs.get(key)!r}, {os.path.basename(reference_path)}'s "
+                f"{settings[key]!r}: files of different runs are mixed",
+            )
+            return
     for key, what in ((N.DS_CONFIG, "DeepSpeed config"), (N.DS_VERSION, "DeepSpeed version")):
         odd = [path for path, state in files if key in state and key in reference and state[key] != reference[key]]
         if odd:
@@ -202,6 +217,31 @@ def check_same_run(result: Survey, models: dict, optims: dict, model_paths: dict
                 f"{', ...' * (len(odd) > 1)}) differs from {os.path.basename(reference_path)}'s: DeepSpeed saves each "
                 f"rank's own; zckpt reads {os.path.basename(reference_path)}'s"
             )
+
+
+# ds_config keys every rank of a run shares: they decide how each rank partitions, reduces and
+# steps, and DeepSpeed's collectives (all-gathers and reduce-scatters of equal-sized partitions,
+# zero/stage_1_and_2.py and stage3.py) only work when every rank agrees on them
+_LAYOUT_SETTINGS = (
+    ("zero_optimization", "stage"),
+    ("zero_optimization", "round_robin_gradients"),
+    ("zero_optimization", "sub_group_size"),
+    ("zero_optimization", "stage3_sub_group_size"),
+    ("zero_optimization", "parameter_alignment"),
+    ("bf16", "enabled"),
+    ("fp16", "enabled"),
+    ("optimizer", "type"),
+)
+
+
+def layout_settings(config: object) -> dict[str, Any]:
+    """The settings of a ds_config that every rank of one run shares (dotted key -> value)."""
+    config = config if isinstance(config, dict) else {}
+    values = {}
+    for section, key in _LAYOUT_SETTINGS:
+        block = config.get(section)
+        values[f"{section}.{key}"] = block.get(key) if isinstance(block, dict) else None
+    return values
 
 
 def check_steps(result: Survey, reader: FileReader, inner: dict, optim_files: dict) -> None:
