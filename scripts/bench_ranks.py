@@ -23,11 +23,13 @@ Models (``--models``):
 Usage::
 
     python scripts/bench_ranks.py --ranks 64 256 1024 --stages 3 2 --models small --plot
-    python scripts/bench_ranks.py --ranks 256 --commands verify consolidate --zckpt-path /tmp/before --label before
+    python scripts/bench_ranks.py --ranks 256 --commands verify consolidate --tree before=/tmp/before --tree zckpt=.
 
-``--zckpt-path`` runs another tree's zckpt (a ``git archive`` export) with the same inputs, so
-a before/after pair is measured in one run; ``--json`` (default docs/ranks.json) collects every
-run, appended to what the file already holds; ``--plot`` draws docs/ranks_time.png and
+``--tree LABEL=PATH`` (repeatable) runs that tree's zckpt (``PYTHONPATH``; a ``git archive``
+export) on the same inputs: each command runs once per tree, back to back, so a before/after
+pair sees the same machine load (CPU seconds, user + system, are recorded beside the wall time:
+on a shared machine they move less). ``--json`` (default docs/ranks.json) collects every run,
+appended to what the file already holds; ``--plot`` draws docs/ranks_time.png and
 docs/ranks_rss.png (matplotlib: the ``bench`` extra) from that JSON.
 """
 
@@ -153,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=COMMANDS)
     ap.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench-ranks"), help="checkpoints and outputs")
     ap.add_argument("--ds-python", help="a Python with DeepSpeed, for zero_to_fp32")
-    ap.add_argument("--zckpt-path", type=Path, help="run this tree's zckpt (PYTHONPATH) instead of the repository's")
-    ap.add_argument("--label", default="zckpt", help="the name of this tree's runs in the JSON and plots")
+    ap.add_argument(
+        "--tree",
+        action="append",
+        metavar="LABEL=PATH",
+        help="a zckpt tree to run (PYTHONPATH), by label; repeatable (default: zckpt=the repository)",
+    )
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "ranks.json")
     ap.add_argument("--plot", action="store_true", help="draw docs/ranks_time.png and docs/ranks_rss.png")
     ap.add_argument("--plot-only", action="store_true", help="only draw the plots from --json")
@@ -164,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = json.loads(args.json.read_text()) if args.json.exists() else []
     if not args.plot_only:
         args.work.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONPATH=str((args.zckpt_path or ROOT).resolve()), ZCKPT_NO_PROGRESS="1")
+        trees = [t.split("=", 1) for t in args.tree or [f"zckpt={ROOT}"]]
+        envs = {label: dict(os.environ, PYTHONPATH=str(Path(path).resolve())) for label, path in trees}
         for model in args.models:
             for stage in args.stages:
                 for ranks in args.ranks:
@@ -175,28 +182,30 @@ def main(argv: list[str] | None = None) -> int:
                         cmd = command_line(command, ckpt, out, ranks, args.ds_python)
                         if cmd is None:
                             continue
-                        shutil.rmtree(out, ignore_errors=True)
-                        label = "deepspeed" if command == "zero_to_fp32" else args.label
-                        run = measure(cmd, env, args.work / "log.txt", args.sample_s)
-                        shutil.rmtree(out, ignore_errors=True)
-                        row = {
-                            "label": label,
-                            "model": model,
-                            "stage": stage,
-                            "ranks": ranks,
-                            "files": info["files"],
-                            "bytes": info["bytes"],
-                            "command": command,
-                            **run,
-                        }
-                        results.append(row)
-                        print(
-                            f"{label:>9} {model:>6} ZeRO-{stage} {ranks:>5} ranks {command:>13}: "
-                            f"{run['wall_s']:8.2f} s {run['tree_rss_mib']:8.1f} MiB rc {run['returncode']}",
-                            flush=True,
-                        )
-                        args.json.parent.mkdir(parents=True, exist_ok=True)
-                        args.json.write_text(json.dumps(results, indent=1) + "\n")
+                        runs = [("deepspeed", envs[trees[0][0]])] if command == "zero_to_fp32" else envs.items()
+                        for label, env in runs:
+                            shutil.rmtree(out, ignore_errors=True)
+                            run = measure(cmd, env, args.work / "log.txt", args.sample_s)
+                            shutil.rmtree(out, ignore_errors=True)
+                            row = {
+                                "label": label,
+                                "model": model,
+                                "stage": stage,
+                                "ranks": ranks,
+                                "files": info["files"],
+                                "bytes": info["bytes"],
+                                "command": command,
+                                **run,
+                            }
+                            results.append(row)
+                            print(
+                                f"{label:>9} {model:>6} ZeRO-{stage} {ranks:>5} ranks {command:>13}: "
+                                f"{run['wall_s']:8.2f} s ({run['cpu_s']:7.2f} s CPU) {run['tree_rss_mib']:8.1f} MiB "
+                                f"rc {run['returncode']}",
+                                flush=True,
+                            )
+                            args.json.parent.mkdir(parents=True, exist_ok=True)
+                            args.json.write_text(json.dumps(results, indent=1) + "\n")
     if args.plot or args.plot_only:
         plot(results, args.json.parent)
     return 0
