@@ -9,7 +9,8 @@ Markers, an HTML comment on the line(s) before a block, several joined by ``;``:
 - ``<!-- test: exit=3 -->``: the block's exit status (default 0).
 - ``<!-- test: interop -->``: needs DeepSpeed, torchrun, transformers or Lightning; generated with
   the ``deepspeed`` marker, so it runs in the interop tier only.
-- ``<!-- test: slow -->``: marked slow (out of the inner loop).
+- ``<!-- test: slow -->``: a slow example (every example is marked ``slow`` anyway: each is a real
+  process, so the inner loop, ``-m "not slow"``, keeps only the checks of the markers themselves).
 - ``<!-- test: ci -->``: an install step that ``.ci/run`` runs; checked to be there.
 - ``<!-- test: skip REASON -->``: cannot run anywhere; kept few (MAX_SKIPS).
 
@@ -115,11 +116,9 @@ BLOCKS = [b for blocks, _ in PAGES.values() for b in blocks]
 def params() -> list:
     out = []
     for b in BLOCKS:
-        marks = []
+        marks = [pytest.mark.slow]
         if "interop" in b.markers:
             marks.append(pytest.mark.deepspeed)
-        if "slow" in b.markers:
-            marks.append(pytest.mark.slow)
         out.append(pytest.param(b, id=b.id, marks=marks))
     return out
 

@@ -109,6 +109,7 @@ def test_cli_reference_is_generated_from_the_live_cli() -> None:
     )
 
 
+@pytest.mark.slow  # eight CLI processes
 def test_json_schemas_page_is_generated_from_the_live_cli() -> None:
     """docs/reference/json-schemas.md is what scripts/gen_json_reference.py writes now."""
     spec = importlib.util.spec_from_file_location("gen_json_reference", ROOT / "scripts" / "gen_json_reference.py")
