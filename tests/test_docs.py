@@ -1,4 +1,4 @@
-"""Every example in README.md and docs/**/*.md runs: each ```bash and ```python block is executed
+"""Every example in README.md, BENCHMARKS.md and docs/**/*.md runs: each ```bash and ```python block is executed
 against copies of the bundled samples, and where the page shows the output, the output is compared.
 
 Markers, an HTML comment on the line(s) before a block, several joined by ``;``:
@@ -55,7 +55,7 @@ class Block:
 
 
 def doc_pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def parse_markers(comment: str) -> dict[str, str]:
