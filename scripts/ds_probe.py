@@ -338,6 +338,7 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
 
     lay = zero12_layout(opt)
     flat_value: dict[tuple[int, str], Any] = {}  # (pid, key or "fp32") -> full tensor
+    muon_value = muon_momenta(opt, base, names_of, params, cross)
     for g, (plist, flat16, part) in enumerate(zip(lay["params"], lay["flat16"], lay["fp32"])):
         group = lay["groups"][g]
         full = {"fp32": allgather_flat(part, group)}
@@ -345,7 +346,11 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
         st = base.state.get(part, {})
         # sorted: after a universal load DeepSpeed inserts the keys in set order, which differs
         # between processes, and every rank must gather the same key in each collective
-        keys = sorted(k for k, v in st.items() if torch.is_tensor(v) and v.shape == part.shape)
+        keys = sorted(
+            k
+            for k, v in st.items()
+            if torch.is_tensor(v) and v.shape == part.shape and not (k == "momentum_buffer" and muon_group(base, g))
+        )
         # every rank must gather the same keys (a collective per key)
         assert same_on_all_ranks(len(keys), group), f"optimizer state keys differ between ranks: {keys}"
         for k in keys:
@@ -390,6 +395,8 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
             cross["fp32_master_disagreements"].append(names_of[pid][0])
             put(live, "live", pid, mine, "flat_partition_allgather (safe_get_full_fp32_param disagreed)")
 
+    for (pid, k), v in muon_value.items():
+        put(optim, "optimizer", pid, v, "Muon momentum_buffer at the param's offset among params_in_partition", "." + k)
     # optimizer states: DeepSpeed's accessor only where every rank has the fragment links
     for k in optim_keys:
         linked = True
@@ -403,6 +410,8 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
         cross.setdefault("optim_fragments_linked", {})[k] = linked
         for pid, p in params.items():
             if not p.requires_grad:
+                continue
+            if (pid, k) not in flat_value:  # a state of another group only (Muon's, Adam's)
                 continue
             mine = flat_value[(pid, k)]
             if linked:
@@ -421,6 +430,48 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
                 cross["optimizer_disagreements"].append(f"{names_of[pid][0]}.{k}")
             put(optim, "optimizer", pid, mine, "flat_partition_allgather", "." + k)
     return captured()
+
+
+def muon_group(base: Any, g: int) -> bool:
+    """Whether torch optimizer group `g` is the Muon half of DeepSpeed's MuonWithAuxAdam."""
+    return base.param_groups[g].get("use_muon") is True
+
+
+def muon_momenta(opt: Any, base: Any, names_of: dict, params: dict, cross: dict) -> dict[tuple[int, str], Any]:
+    """ZeRO-1/2 Muon (collective): each Muon param's full momentum, taken from its offset in the
+    momentum_buffer of the lowest rank whose partition touches it (the buffer holds the full
+    momentum of every param in params_in_partition, end to end); ranks holding differing copies
+    are listed in cross["muon_copy_disagreements"]."""
+    import deepspeed.comm as dist
+    import torch
+
+    mine: dict[str, Any] = {}
+    for g in range(len(base.param_groups)):
+        if not muon_group(base, g):
+            continue
+        buffer = base.state.get(opt.single_partition_of_fp32_groups[g], {}).get("momentum_buffer")
+        if buffer is None:
+            continue
+        offset = 0
+        for p in opt.params_in_partition[g]:
+            # a loaded buffer is fp32 (torch's load_state_dict casts it to the flat param's dtype);
+            # DeepSpeed's next step converts it to the gradient's dtype (_muon_momentum_buffer)
+            value = buffer.detach().cpu()[offset : offset + p.numel()].view(p.shape)
+            if not torch.equal(value.to(p.dtype).float(), value.float()):
+                cross.setdefault("muon_momentum_not_in_param_dtype", []).append(names_of[id(p)][0])
+            mine[names_of[id(p)][0]] = value.to(p.dtype).clone()
+            offset += p.numel()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    out: dict[tuple[int, str], Any] = {}
+    for pid in params:
+        copies = [held[names_of[pid][0]] for held in gathered if names_of[pid][0] in held]
+        if not copies:
+            continue
+        if any(not torch.equal(c, copies[0]) for c in copies[1:]):
+            cross.setdefault("muon_copy_disagreements", []).append(names_of[pid][0])
+        out[(pid, "momentum_buffer")] = copies[0]
+    return out
 
 
 def group_state(engine: Any, stage: int) -> list[dict]:

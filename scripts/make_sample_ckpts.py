@@ -161,6 +161,30 @@ CASES: list[Case] = [
         notes="torch.optim.Adam with weight_decay 0.01 (L2, added to the gradient; adam_w_mode false): "
         "exp_avg and exp_avg_sq nonzero in ZeRO-3's padding",
     ),
+    # DeepSpeed's Muon (MuonWithAuxAdam): every 2-D param whose name holds neither "embed" nor
+    # "lm_head" in a Muon group (state: momentum_buffer, one full momentum per param the rank's
+    # partition touches), the rest in an Adam group (exp_avg, exp_avg_sq, an integer step)
+    Case(
+        "z1_bf16_ws2_muon",
+        "ds19",
+        1,
+        "bf16",
+        2,
+        config_extra=(("optimizer", {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.95, "weight_decay": 0.01}}),),
+        optim_keys=("momentum_buffer", "exp_avg", "exp_avg_sq"),
+        notes="DeepSpeed's Muon (MuonWithAuxAdam; its Adam half is DeepSpeed's FusedAdam, built for the CPU accelerator): "
+        "the Muon group's momentum_buffer holds the full momentum of every param the partition touches",
+    ),
+    Case(
+        "z2_fp32_ws3_muon",
+        "ds19",
+        2,
+        "fp32",
+        3,
+        config_extra=(("optimizer", {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01}}),),
+        optim_keys=("momentum_buffer", "exp_avg", "exp_avg_sq"),
+        notes="DeepSpeed's Muon at ZeRO-2 over 3 ranks: params cut between two ranks have their full momentum on both",
+    ),
     Case(
         "z0_fp32_ws2_tied",
         "ds19",
@@ -623,6 +647,9 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
                     for n in names_of[pid]:
                         optim[f"{n}.{key}"] = state[masters.get(pid, p)][key].detach().cpu().clone().contiguous()
         return live, optim, "the torch optimizer's state of each param (ZeRO-0)"
+    if muon(case):
+        optim, note = capture_muon(engine, case, names_of, params)
+        return live, optim, note
     for key in case.optim_keys:
         readable, reason = optimizer_state_readable(model, case.stage, key)
         if not readable:
@@ -638,6 +665,88 @@ def capture_live(engine: Any, case: Case) -> tuple[dict[str, Any], dict[str, Any
             for n in names_of[pid]:
                 optim[f"{n}.{key}"] = v.clone().contiguous()
     return live, optim, note
+
+
+def muon(case: Case) -> bool:
+    """Whether the case trains with DeepSpeed's Muon (MuonWithAuxAdam)."""
+    optimizer = dict(case.config_extra).get("optimizer")
+    return isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() == "muon"
+
+
+def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params: dict[int, Any]) -> tuple[Any, str]:
+    """The live optimizer state of a ZeRO-1/2 Muon run, read from the torch optimizer's state of
+    each flat partition (collective).
+
+    safe_get_full_optimizer_state cannot read a Muon group: its fragments narrow the state at the
+    param's offset in the flat partition, and a Muon group's momentum_buffer is laid out per param
+    (the full momentum of every param in params_in_partition, in that order). So: a Muon param's
+    momentum is taken at its offset in that buffer on every rank that holds it (all must agree,
+    checked here); an Adam param's exp_avg / exp_avg_sq are its slices of the flat partitions,
+    summed over the ranks."""
+    import deepspeed.comm as dist
+    import torch
+
+    assert case.stage in (1, 2), "Muon capture reads ZeRO-1/2's flat partitions"
+    opt = engine.optimizer
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine: dict[str, Any] = {}
+    for i in range(len(opt.bit16_groups)):
+        flat = opt.single_partition_of_fp32_groups[i]
+        state = opt.optimizer.state[flat]
+        in_partition = opt.params_in_partition[i]
+        if "momentum_buffer" in state:
+            buffer = state["momentum_buffer"].detach().cpu()
+            offset = 0
+            for p in in_partition:
+                mine[f"{names_of[id(p)][0]}.momentum_buffer"] = (
+                    buffer[offset : offset + p.numel()].view(p.shape).clone()
+                )
+                offset += p.numel()
+            assert offset == buffer.numel(), (offset, buffer.numel())
+            continue
+        partition_size = flat.numel()
+        start = 0
+        # the flat group's order and each param's alignment padding (stage_1_and_2.py __init__)
+        for p, padding in zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_padding[i]):
+            lo, hi = max(start, rank * partition_size), min(start + p.numel(), (rank + 1) * partition_size)
+            if lo < hi:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    piece = state[key].detach().cpu()[lo - rank * partition_size : hi - rank * partition_size]
+                    mine.setdefault(f"{names_of[id(p)][0]}.{key}", []).append((lo - start, piece.clone()))
+            start += p.numel() + padding
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    optim: dict[str, Any] = {}
+    holders: dict[str, int] = {}
+    for pid, p in params.items():
+        if not p.requires_grad:
+            continue
+        first = names_of[pid][0]
+        for key in case.optim_keys:
+            pieces = [g[f"{first}.{key}"] for g in gathered if f"{first}.{key}" in g]
+            if not pieces:
+                continue
+            if key == "momentum_buffer":
+                for other in pieces[1:]:
+                    assert torch.equal(other, pieces[0]), (first, "ranks hold different momenta")
+                holders[first] = len(pieces)
+                value = pieces[0]  # in the dtype DeepSpeed keeps it (the gradient's: bf16 in a bf16 run)
+            else:
+                value = torch.zeros(p.numel(), dtype=torch.float32)
+                for rank_pieces in pieces:
+                    for at, piece in rank_pieces:
+                        value[at : at + piece.numel()] = piece.float()
+                value = value.view(p.shape)
+            for n in names_of[pid]:
+                optim[f"{n}.{key}"] = value.clone().contiguous()
+    shared = sorted(n for n, k in holders.items() if k > 1)
+    note = (
+        "read from the torch optimizer's state of each flat partition (safe_get_full_optimizer_state "
+        "narrows a Muon group's per-param momentum_buffer as if it were per element): momentum_buffer "
+        "at each param's offset among params_in_partition, Adam's moments as slices of the flat "
+        "partitions; params whose full momentum two ranks hold, equal on both: " + (", ".join(shared) or "none")
+    )
+    return optim, note
 
 
 def copy_live_swap_folder(engine: Any, case: Case, casedir: Path) -> dict[str, Any] | None:

@@ -86,14 +86,38 @@ class Sample:
         return (self.meta.get("ds_config", {}).get("optimizer") or {}).get("type", "AdamW")
 
     @property
+    def muon(self) -> bool:
+        """Trained with DeepSpeed's Muon (MuonWithAuxAdam): a Muon group and an Adam group."""
+        return self.optimizer.lower() == "muon"
+
+    @property
     def state_names(self) -> list[str]:
-        """The per-element states torch's optimizer keeps: SGD its momentum, Adam its two moments."""
-        return ["momentum_buffer"] if self.optimizer.lower() == "sgd" else ["exp_avg", "exp_avg_sq"]
+        """The per-element states torch's optimizer keeps: SGD its momentum, Adam its two moments
+        (AMSGrad a third); DeepSpeed's Muon the momentum of its Muon group's params and Adam's two
+        moments of the rest (:meth:`param_state_names` says which param has which)."""
+        if self.optimizer.lower() == "sgd":
+            return ["momentum_buffer"]
+        if self.muon:
+            return ["momentum_buffer", "exp_avg", "exp_avg_sq"]
+        amsgrad = (self.meta.get("ds_config", {}).get("optimizer") or {}).get("params", {}).get("amsgrad")
+        return ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else [])]
+
+    def param_state_names(self, name: str, live_optim: dict[str, torch.Tensor]) -> list[str]:
+        """The states param `name` has: under Muon, its group's (the live capture names them)."""
+        if not self.muon:
+            return self.state_names
+        return [k for k in self.state_names if f"{name}.{k}" in live_optim]
+
+    @property
+    def scalar_names(self) -> list[str]:
+        """The per-param scalar states beside the step (torch's NAdam: mu_product)."""
+        return ["mu_product"] if self.optimizer.lower() == "nadam" else []
 
     @property
     def counts_steps(self) -> bool:
-        """Whether the optimizer keeps a per-param step (torch's SGD keeps none)."""
-        return self.optimizer.lower() != "sgd"
+        """Whether the optimizer keeps a per-param step (torch's SGD keeps none; Muon's Adam group
+        keeps one, its Muon group none: tests that need a step of every group skip Muon)."""
+        return self.optimizer.lower() not in ("sgd", "muon")
 
     def live(self) -> dict[str, torch.Tensor]:
         """fp32 masters, frozen params and buffers read from the live engine before saving."""

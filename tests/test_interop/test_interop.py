@@ -117,6 +117,10 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     # checkpoint_serialization false: legacy (non-zip) rank files in, zip files out
     ("z2_bf16_ws2_legacy_serialization", 3, 3),
     ("z3_fp32_ws2_legacy_serialization", 3, 1),
+    # DeepSpeed's Muon: a Muon group's momentum_buffer holds the full momentum of each param a
+    # ZeRO-1/2 partition touches, re-laid for the new partitions
+    ("z1_bf16_ws2_muon", 3, 2),
+    ("z2_fp32_ws3_muon", 2, 1),
 ]
 
 

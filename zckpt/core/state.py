@@ -88,6 +88,10 @@ class TrainingState:
     # runs, nor in runs saved with exclude_frozen_parameters, whose loads keep the model's own
     frozen_recorded: bool = True
     round_robin: bool = False  # the input's flat groups were in round-robin order
+    # further copies of a param's state that other ranks keep whole (DeepSpeed's Muon keeps the full
+    # momentum of a param on every ZeRO-1/2 rank its partition touches): (param, state, source),
+    # each of which must equal ``param(name).states[state]``; outputs write it once
+    state_copies: tuple[tuple[str, str, TensorSource], ...] = field(default=(), compare=False)
     stages: tuple[PipelineStage, ...] = ()  # a pipeline-parallel run's stages (empty: data-parallel)
     # a tensor-parallel run: each tensor rank's own state (its shards), which a writer lays out again
     tensor_shards: tuple["TrainingState", ...] = field(default=(), compare=False)

@@ -16,6 +16,7 @@ from ..core.errors import LayoutError
 from ..core.index import CheckpointIndex, Segment, TensorRef, TensorSource
 from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..io.reading import source_of
+from . import muon
 from . import names as N
 from .layout import FlatGroup, ZeroLayout, round_robin_order, zero12_layout
 
@@ -96,13 +97,26 @@ def build_training_state(
     # per-element states of each (rank, flat group), located by size; the rest are scalars
     element_keys: list[str] = []
     tensors: dict[tuple[int, int, str], TensorRef] = {}
+    saved_groups = per_rank[0].get("param_groups") or []
+    by_rank = layout.by_rank() if not zero3 else {}
+    whole: set[tuple[int, str]] = set()  # (flat group, key) kept per whole param (DeepSpeed's Muon)
     for rank in range(world):
         state = per_rank[rank].get("state") or {}
         for flat, group in enumerate(layout.flat_groups):
+            hyper = saved_groups[group.param_group] if group.param_group < len(saved_groups) else None
             for key, value in (state.get(flat) or {}).items():
                 if not isinstance(value, TensorRef) or len(value.shape) != 1:
                     continue
-                if value.numel == group.partition:
+                if muon.whole_param_state(hyper, key, layout.stage):
+                    needed = muon.buffer_numel(layout, by_rank.get((rank, flat), []))
+                    if value.numel != needed:
+                        raise LayoutError(
+                            optim_paths[rank],
+                            f"Muon's {key} of group {flat} holds {value.numel} elements; DeepSpeed keeps the full momentum of each param the rank's partition touches, {needed} elements: truncated or mixed files",
+                        )
+                    ref = value
+                    whole.add((flat, key))
+                elif value.numel == group.partition:
                     ref = value
                 elif value.numel == 0 and group.partition and index.offload == "nvme":
                     path = swap_path(rank, flat, value, layout, group, optim_paths[rank], key)
@@ -124,9 +138,24 @@ def build_training_state(
     params: list[ParamState] = []
     shapes = {e.name: e.source.shape for e in index.entries if e.kind == "param"}
     masters = {e.name: e.source for e in index.entries if e.kind == "param"}
-    for param, pieces in zip(layout.params, layout.by_param()):
+    holders = muon.holders(layout) if whole else []
+    copies: list[tuple[str, str, TensorSource]] = []
+    for number, (param, pieces) in enumerate(zip(layout.params, layout.by_param())):
         states: dict[str, TensorSource] = {}
+        flat = pieces[0].flat if pieces else None
         for key in element_keys:
+            if (flat, key) in whole:
+                # the full momentum, from the lowest rank that holds it; the others' copies are
+                # kept for verify (DeepSpeed computes them alike: the module docstring of .muon)
+                held = [
+                    _whole_source(tensors[(rank, flat, key)], offset, shapes[param.name], param.numel)
+                    for rank, offset in holders[number]
+                    if (rank, flat, key) in tensors
+                ]
+                if held:
+                    states[key] = held[0]
+                    copies.extend((param.name, key, other) for other in held[1:])
+                continue
             refs = [tensors.get((p.rank, p.flat, key)) for p in pieces]
             if any(r is None for r in refs):
                 continue  # a group without this state (e.g. not stepped yet)
@@ -146,8 +175,14 @@ def build_training_state(
         groups=groups,
         rank_buffers=tuple(module_buffers(models[rank]) for rank in range(world)) if zero3 else (),
         round_robin=not zero3 and round_robin,
+        state_copies=tuple(copies),
         **saved_run_state(model0, inner[0]),
     )
+
+
+def _whole_source(ref: TensorRef, offset: int, shape: tuple[int, ...], numel: int) -> TensorSource:
+    """A param's full state at element `offset` of a flat per-param buffer (Muon's momentum)."""
+    return TensorSource(ref.dtype, shape, (Segment(ref.path, ref.offset + offset * ref.dtype.itemsize, numel),))
 
 
 def saved_run_state(model0: dict, optimizer: dict) -> dict:

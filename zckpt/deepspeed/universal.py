@@ -25,6 +25,7 @@ from ..core.errors import UsageError
 from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
 from ..torchfile.save import OutTensor
+from . import muon
 from . import names as N
 from .megatron_rules import has_merge_patterns, universal_keys
 from .moe_writer import expert_universal_params
@@ -62,9 +63,12 @@ class UniversalLoss:
     states: tuple[str, ...] = ()
     scalars: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
+    # states the ZeRO-1/2 loader lays out per element of the partition that the optimizer keeps
+    # per whole param (DeepSpeed's Muon momentum_buffer, :mod:`.muon`): restored wrongly
+    per_param: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.states or self.scalars or self.missing)
+        return bool(self.states or self.scalars or self.missing or self.per_param)
 
     def describe(self) -> str:
         """One sentence: what is lost, and why."""
@@ -79,6 +83,12 @@ class UniversalLoss:
             parts.append(f"{', '.join((*self.states, *self.scalars))} would not be restored")
         if self.missing:
             parts.append(f"its load fails, this optimizer keeping no {', '.join(self.missing)}")
+        if self.per_param:
+            parts.append(
+                f"it lays Muon's {', '.join(self.per_param)} out per element of the partition, while Muon keeps "
+                "the full momentum of each param the partition touches, so the step after the load misreads it "
+                "(or fails)"
+            )
         return f"{reads}: {'; '.join(parts)}"
 
 
@@ -88,13 +98,21 @@ def universal_loss(state: TrainingState, target_stage: int) -> UniversalLoss:
     names = state.state_names
     scalars = list(dict.fromkeys(k for g in state.groups for k in g.scalars if k != N.UNIVERSAL_STEP))
     if target_stage != 3:
-        return UniversalLoss(target_stage, scalars=tuple(scalars))
+        per_param = dict.fromkeys(
+            key
+            for p in state.params
+            for key in p.states
+            if muon.whole_param_state(state.groups[p.group].hyperparams, key, target_stage)
+        )
+        return UniversalLoss(target_stage, scalars=tuple(scalars), per_param=tuple(per_param))
+    # a step per sub-group, and each of ZeRO3_UNIVERSAL_STATES for every param (a Muon group has none)
     has_step = all(N.UNIVERSAL_STEP in g.scalars for g in state.groups)
     return UniversalLoss(
         3,
         states=tuple(n for n in names if n not in ZERO3_UNIVERSAL_STATES),
         scalars=tuple(scalars),
-        missing=tuple(n for n in ZERO3_UNIVERSAL_STATES if n not in names) + (() if has_step else (N.UNIVERSAL_STEP,)),
+        missing=tuple(n for n in ZERO3_UNIVERSAL_STATES if any(n not in p.states for p in state.params))
+        + (() if has_step else (N.UNIVERSAL_STEP,)),
     )
 
 

@@ -28,6 +28,7 @@ from ..core.state import ScalarState, TrainingState
 from ..core.topology import RankCoords, Topology
 from ..torchfile.reader import PickledEnumMember, PickledObject, TorchDevice, TorchSize, global_name
 from ..torchfile.save import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
+from . import muon
 from . import names as N
 from .engine_config import static_loss_scaler
 from .layout import (
@@ -388,6 +389,9 @@ class OptimPlanner:
                 elif key in element_states and flat in self.swapped:
                     # swapped out: an emptied tensor that keeps the swapper's ds_id (names its file)
                     entry[key] = OutTensor(FP32, (0,), (), attributes={"ds_id": f"{key}-{self._sub_group_id(flat)}"})
+                elif key in element_states and muon.whole_param_state(saved.hyperparams, key, self.layout.stage):
+                    if buffer := self._whole_param_buffer(key, pieces):
+                        entry[key] = buffer
                 elif key in element_states:
                     sources = self.state_sources[key]
                     entry[key] = _flat(
@@ -396,6 +400,17 @@ class OptimPlanner:
             if entry:
                 state[flat] = entry
         return {"state": state, "param_groups": self._param_groups()}
+
+    def _whole_param_buffer(self, key: str, pieces: list) -> OutTensor | None:
+        """A rank's Muon momentum_buffer (ZeRO-1/2): the full state of every param its partition
+        touches, end to end in flat order, in the state's dtype (:mod:`.muon`); None when the
+        partition touches no param (DeepSpeed then creates none)."""
+        touched = muon.touched(self.layout, pieces)
+        if not touched:
+            return None
+        sources = [self.state_sources[key][param] for param, _ in touched]
+        parts = tuple(Copy(s, source.dtype) for source in sources for s in source.segments)
+        return OutTensor(sources[0].dtype, (sum(s.numel for s in sources),), parts)
 
     def _sub_group_ids(self, flat: int) -> tuple[int, int]:
         """The ds_ids of a ZeRO-3 sub-group's first and last params: they name it (``0_7``)."""

@@ -8,6 +8,7 @@ Outputs write each name once; this is the check that the copy left out was the s
 from __future__ import annotations
 
 from ..core.index import CheckpointIndex, Entry
+from ..core.state import TrainingState
 from ..io.materialize import unequal_elements
 from ..io.reading import FileReader
 
@@ -103,3 +104,33 @@ def _difference(reader: FileReader, a: Entry, b: Entry) -> str | None:
         return f"is {b.source.dtype.name} {list(b.source.shape)}, not {a.source.dtype.name} {list(a.source.shape)} as"
     unequal = unequal_elements(reader, a.source, b.source, _CHUNK)
     return f"differs in {unequal} of {a.source.numel} elements from" if unequal else None
+
+
+def state_copy_problems(state: TrainingState, reader: FileReader | None = None) -> list[str]:
+    """One line per further copy of a param's optimizer state (``TrainingState.state_copies``)
+    that differs from the one read.
+
+    Guarantee: DeepSpeed's Muon at ZeRO-1/2 gives every rank whose partition touches a param the
+    same all-reduced gradient of the whole param (``muon_copy_ranks``,
+    runtime/zero/stage_1_and_2.py:1647-1694) and each updates its full momentum from it with the
+    same ``muon_update`` (:2749-2760), so the copies are equal (zckpt/deepspeed/muon.py)."""
+    problems = []
+    own = reader is None
+    reader = reader or FileReader()
+    try:
+        for name, key, source in state.state_copies:
+            kept = state.param(name).states.get(key)
+            if kept is None:
+                continue
+            differs = _difference(reader, Entry(name, "param", kept), Entry(name, "param", source))
+            if differs:
+                where = source.segments[0].path if source.segments else name
+                kept_where = kept.segments[0].path if kept.segments else name
+                problems.append(
+                    f"{where}: its copy of {name}'s {key} {differs} the copy in {kept_where}: every rank whose "
+                    "partition touches a param keeps the same full momentum (a file is from another save, or damaged)"
+                )
+    finally:
+        if own:
+            reader.close()
+    return problems

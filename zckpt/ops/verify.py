@@ -35,7 +35,7 @@ from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
 from ..torchfile.legacy import is_legacy_torch_file
 from .classify import Kind, classify
-from .replicas import replica_problems, rounded_copy_problems
+from .replicas import replica_problems, rounded_copy_problems, state_copy_problems
 from .tensor_sources import open_tensors
 
 
@@ -164,6 +164,14 @@ def _verify_checkpoint(
                 replica_problems(state.index),
                 f"{len(replicas)} cop{'ies' if len(replicas) != 1 else 'y'} of params that several ranks keep "
                 "(tied across pipeline stages, replicated across tensor ranks) equal the one written",
+            )
+        if state.state_copies:
+            held = state.state_copies
+            findings.add(
+                "state copies",
+                state_copy_problems(state),
+                f"{len(held)} further cop{'ies' if len(held) != 1 else 'y'} of optimizer states that several ranks "
+                "keep whole (DeepSpeed's Muon momentum of a param two partitions touch) equal the one read",
             )
         copies = state.index.rounded_copies
         if copies and _zenflow(state.ds_config):
