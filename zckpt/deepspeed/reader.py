@@ -19,6 +19,7 @@ from typing import Union
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
 from ..core.index import CheckpointIndex, TensorRef
 from ..core.state import TrainingState
+from ..io.checksums import forget_records
 from . import swap_folder as swap
 from .locate import is_universal_dir, list_tags, locate, named_in_latest
 from .megatron_rules import load_rules
@@ -82,6 +83,7 @@ def survey(
     swapped sub-group (see :mod:`zckpt.deepspeed.swap_folder`). `tp_rules` (a ``--tp-rules``
     JSON file, or its rules as a dict): how a tensor-parallel run's shards merge, where the
     checkpoint does not say (:mod:`.megatron_rules`)."""
+    forget_records()  # zip directories remembered by an earlier operation: read afresh
     folder = swap.scan(swap_folder) if swap_folder is not None else None
     rules = load_rules(tp_rules) if tp_rules is not None and not isinstance(tp_rules, dict) else tp_rules
     result = Survey(os.fspath(path))

@@ -100,10 +100,44 @@ class Record:
         return self.start + self.size
 
 
+# The records of archives the torch file reader parsed already (its zip directory read and every
+# header checked): path -> (the file's identity then, its records). A ZeRO-3 model-states file
+# holds a record per param (hundreds), so parsing a directory again costs as much as reading the
+# pickle: the survey's copy check, a job's CRC checks and verify's would each do it once more.
+_REMEMBERED: dict[str, tuple[tuple[int, ...], tuple[Record, ...]]] = {}
+_REMEMBER_AT_MOST = 1 << 17
+
+
+def _identity(stat: os.stat_result) -> tuple[int, ...]:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+def remember_records(path: str, stat: os.stat_result, records: list[tuple[str, int, int, int]]) -> None:
+    """What :func:`archive_records` would find in the zip archive at `path` (whose ``fstat``
+    is `stat`), from a reader that parsed its directory and checked every header: (name, data
+    offset, size, CRC-32) of each stored, nonempty record. Used while the file is unchanged."""
+    if len(_REMEMBERED) >= _REMEMBER_AT_MOST:
+        _REMEMBERED.clear()
+    found = tuple(sorted((Record(*r) for r in records), key=lambda r: r.start))
+    _REMEMBERED[path] = (_identity(stat), found)
+
+
+def forget_records() -> None:
+    """Drop what :func:`remember_records` kept (each operation starts afresh)."""
+    _REMEMBERED.clear()
+
+
 def archive_records(path: str) -> tuple[Record, ...]:
     """The stored records of a zip archive, by data offset; () for a file that is not a zip
     (raw swap files, safetensors: they carry no checksum). Structure problems are the
     parser's to report (torchfile.load): records that cannot be located are left out."""
+    known = _REMEMBERED.get(path)
+    if known is not None:
+        try:
+            if _identity(os.stat(path)) == known[0]:
+                return known[1]
+        except OSError:
+            pass
     try:
         with open(path, "rb") as handle:
             if handle.read(4) != _ZIP_MAGIC:

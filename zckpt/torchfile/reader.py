@@ -21,6 +21,7 @@ from typing import Any
 
 from ..core.errors import CheckpointNotFoundError, CorruptFileError
 from ..core.index import TensorRef
+from ..io.checksums import remember_records
 from ..io.interrupts import uninterrupted
 from .legacy import is_legacy_torch_file, load_legacy
 from .records import (  # re-exported: what a pickle is read as
@@ -64,10 +65,10 @@ def _record_data_offset(handle: Any, info: zipfile.ZipInfo, path: str) -> int:
     return info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
 
 
-def _check_record(handle: Any, info: zipfile.ZipInfo, path: str) -> None:
+def _check_record(handle: Any, info: zipfile.ZipInfo, path: str) -> int:
     """A record's directory entry against its own header: the header's signature and name, one
-    disk, a stored record's two sizes equal."""
-    _record_data_offset(handle, info, path)
+    disk, a stored record's two sizes equal. Returns the offset of its data."""
+    offset = _record_data_offset(handle, info, path)
     handle.seek(info.header_offset + 26)
     name = handle.read(int.from_bytes(handle.read(2), "little") + 2)[2:]
     expected = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
@@ -79,6 +80,7 @@ def _check_record(handle: Any, info: zipfile.ZipInfo, path: str) -> None:
         raise CorruptFileError(
             path, f"zip record {info.filename}: its directory entry and its header disagree (damaged)"
         )
+    return offset
 
 
 _END = struct.Struct("<4sHHHHIIH")  # end of central directory record
@@ -149,8 +151,8 @@ def load_archive(path: str | os.PathLike[str]) -> tuple[Any, str]:
     try:
         with open(path, "rb") as handle, uninterrupted(zipfile.ZipFile, handle) as archive:
             infos = archive.infolist()
-            for info in infos:  # every record, read here or not: torch's reader takes none of these damaged
-                _check_record(handle, info, path)
+            starts = [_check_record(handle, info, path) for info in infos]  # every record, read here or
+            # not: torch's reader takes none of these damaged
             _check_end_records(handle, file_size, len(infos), path)
             pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
             if len(pickles) != 1:
@@ -171,6 +173,14 @@ def load_archive(path: str | os.PathLike[str]) -> tuple[Any, str]:
                     raise CorruptFileError(path, f"truncated: record {info.filename} ends past the end of the file")
                 storages[info.filename[len(data_prefix) :]] = (offset, info.file_size)
             data = archive.read(pickles[0])
+            handle.seek(0)
+            if handle.read(4) == _LOCAL_MAGIC:  # what the CRC checks will look up (checksums.archive_records)
+                stored = [
+                    (info.filename, start, info.file_size, info.CRC)
+                    for info, start in zip(infos, starts)
+                    if info.compress_type == zipfile.ZIP_STORED and info.file_size
+                ]
+                remember_records(path, os.fstat(handle.fileno()), stored)
     except zipfile.BadZipFile as exc:
         raise CorruptFileError(path, f"truncated or not a torch checkpoint ({exc})") from None
     except CorruptFileError:
