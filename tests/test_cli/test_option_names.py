@@ -68,7 +68,7 @@ OWN: dict[str, dict[str, Optional[str]]] = {
         "--padded-vocab-size": None,
         "--expert-parallel": None,
     },
-    "to-universal": {},
+    "to-universal": {"--allow-state-loss": None},
     "to-dcp": {},
     "diff": {"--atol": None, "--rtol": None, "--states": None},
     "nvme-plan": {"--memory-budget": None, "--frozen": None},

@@ -392,7 +392,9 @@ def test_json_report_schema(tmp_path: Path) -> None:
     result = runner.invoke(app, ["diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--json"])
     assert result.exit_code == 3
     report = json.loads(result.stdout, parse_constant=lambda token: pytest.fail(f"non-JSON token {token}"))
+    assert report["schema"] == "zckpt.diff/1"
     assert set(report) == {
+        "schema",
         "equal",
         "a",
         "b",

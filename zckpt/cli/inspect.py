@@ -122,6 +122,12 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
                 f"  optimizer      {', '.join(training['optimizer_states']) or 'no state'} in {len(training['param_groups'])} param group(s), "
                 f"step {'/'.join(steps)}; global step {training['global_steps']}, {training['skipped_steps']} skipped"
             )
+            for key, stages in (("zero1_2", "ZeRO-1/2"), ("zero3", "ZeRO-3")):
+                loss = (training.get("universal_loss") or {}).get(key)
+                if loss:
+                    lost = ", ".join(loss["states"] + loss["scalars"]) or "nothing"
+                    fails = f"; its load fails (no {', '.join(loss['missing'])})" if loss["missing"] else ""
+                    lines.append(f"  universal      a {stages} run's universal load would lose {lost}{fails}")
             lines.append(
                 f"  saved          loss scaler: {'none' if scaler is None else scaler['class'].rsplit('.', 1)[-1] + ' ' + str(scaler.get('cur_scale'))}; "
                 f"lr scheduler: {'yes' if training['lr_scheduler'] else 'no'}; client state: {', '.join(training['client_state']) or 'none'}"

@@ -73,13 +73,23 @@ def to_universal(
     swap_folder: SwapFolderOption = None,
     tp_rules: TpRulesOption = None,
     wait: WaitOption = False,
+    allow_state_loss: Annotated[
+        bool,
+        typer.Option(
+            "--allow-state-loss",
+            help="Write it even where DeepSpeed's universal loader would not restore part of the optimizer's state "
+            "(said first; `zckpt reshard` keeps every state).",
+        ),
+    ] = False,
 ) -> None:
     """Write DeepSpeed's universal checkpoint: one file per param and optimizer state, for any world size.
 
     A run with "checkpoint": {"load_universal": true} resumes it with engine.load_checkpoint(OUTPUT_DIR)
     at any world size: fp32 masters, every optimizer state, steps, loss scaler and lr scheduler.
     Works on any ZeRO 1/2/3 checkpoint (no universal_checkpoint_info needed), and across stages
-    (--stage: DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files).
+    (--stage: DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files). Where DeepSpeed's loader
+    would not restore a state (AMSGrad's max_exp_avg_sq at ZeRO-3, NAdam's mu_product, SGD at ZeRO-3),
+    nothing is written and one line says what; --allow-state-loss writes it anyway.
     """
     from ..core.sizes import format_size
     from ..ops.universal import to_universal as run_to_universal
@@ -102,6 +112,7 @@ def to_universal(
             swap_folder=swap_folder,
             tp_rules=tp_rules,
             wait=wait,
+            allow_state_loss=allow_state_loss,
         ),
         debug,
     )
@@ -114,6 +125,8 @@ def to_universal(
         f"{format_size(result.bytes_written)} -> {output_dir}"
     )
     notes = swap_notes(swap_folder, source.notes)
+    if result.loss is not None:
+        notes = [*notes, f"written with --allow-state-loss: {result.loss.describe()}"]
     names = [f"{result.tag}/{name}" for name in result.files] + ["latest_universal"]
     obj = write_report(
         "to-universal",
