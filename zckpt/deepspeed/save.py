@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..core.errors import OutputError
 from ..io.checksums import RecordChecker
@@ -41,6 +41,15 @@ def archives(plan: CheckpointPlan) -> list[tuple[str, ArchivePlan | RawPlan]]:
         )
         for f in plan.files
     ]
+
+
+def archive_sizes(plan: CheckpointPlan) -> Iterator[int]:
+    """Each file's exact size, as :func:`archives` plans it, one file at a time: what a size
+    needs, without holding every file's pickle at once (thousands of rank files' worth)."""
+    for f in plan.files:
+        yield (
+            plan_raw(f.obj.tensor) if isinstance(f.obj, RawFile) else plan_archive(f.obj, archive_name_for(f.name))
+        ).total_size
 
 
 def share_of(sizes: list[int], part: int, parts: int) -> list[int]:

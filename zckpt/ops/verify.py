@@ -463,7 +463,7 @@ def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
 
 def _needs(found: Survey) -> list[Need]:
     """Disk each operation writes (planned exactly, nothing read) and its peak memory bound."""
-    from ..deepspeed.save import archives
+    from ..deepspeed.save import archive_sizes
     from ..deepspeed.universal import plan_universal
     from ..deepspeed.writer import plan_checkpoint, plan_target
     from .weights_folder import plan_consolidation
@@ -484,9 +484,9 @@ def _needs(found: Survey) -> list[Need]:
         try:
             stage = 1 if found.state.index.zero_stage == 0 else None  # ZeRO-0 is written as ZeRO-1
             target = plan_target(found.state, found.state.index.world_size, stage, None)
-            size = sum(a.total_size for _, a in archives(plan_checkpoint(found.state, target)))
+            size = sum(archive_sizes(plan_checkpoint(found.state, target)))
             needs.append(Need("reshard (about the same at any world size)", size, base + buffers))
-            size = sum(a.total_size for _, a in archives(plan_universal(found.state)))
+            size = sum(archive_sizes(plan_universal(found.state)))
             needs.append(Need("to-universal", size, base + buffers))
         except ZckptError:
             pass
