@@ -302,17 +302,20 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
 
     optim_keys: list[str] = []
     if stage == 3:
+        keys_of: dict[int, list[str]] = {}  # a param's sub-group's states (Muon's and Adam's differ)
         for i, flat in enumerate(opt.fp32_partitioned_groups_flat):
             st = base.state.get(flat, {})
             for k, v in sorted(st.items()):
-                if torch.is_tensor(v) and v.shape == flat.shape and k not in optim_keys:
-                    optim_keys.append(k)
+                if torch.is_tensor(v) and v.shape == flat.shape:
+                    keys_of.update({id(q): keys_of.get(id(q), []) + [k] for q in opt.fp16_groups[i]})
+                    if k not in optim_keys:
+                        optim_keys.append(k)
         for pid, p in params.items():
             if not p.requires_grad:
                 continue
             v = safe_get_full_fp32_param(p)
             put(live, "live", pid, v.float(), "safe_get_full_fp32_param")
-            for k in optim_keys:
+            for k in keys_of.get(pid, optim_keys):
                 v = safe_get_full_optimizer_state(p, k)
                 put(optim, "optimizer", pid, v.float(), "safe_get_full_optimizer_state", "." + k)
         return captured()
@@ -451,6 +454,12 @@ def muon_momenta(opt: Any, base: Any, names_of: dict, params: dict, cross: dict)
             continue
         buffer = base.state.get(opt.single_partition_of_fp32_groups[g], {}).get("momentum_buffer")
         if buffer is None:
+            continue
+        needed = sum(p.numel() for p in opt.params_in_partition[g])
+        if buffer.numel() != needed:  # not Muon's layout (after a universal load: per element)
+            cross.setdefault("muon_buffer_not_per_param", []).append(
+                {"rank": dist.get_rank(), "group": g, "numel": buffer.numel(), "muon_needs": needed}
+            )
             continue
         offset = 0
         for p in opt.params_in_partition[g]:

@@ -119,8 +119,7 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     ("z3_fp32_ws2_legacy_serialization", 3, 1),
     # DeepSpeed's Muon: a Muon group's momentum_buffer holds the full momentum of each param a
     # ZeRO-1/2 partition touches, re-laid for the new partitions
-    ("z1_bf16_ws2_muon", 3, 2),
-    ("z2_fp32_ws3_muon", 2, 1),
+    ("z1_bf16_ws2_muon", 3, 2),  # z2_fp32_ws3_muon at 2 ranks: test_muon_reshard_loads_and_trains_on
 ]
 
 
@@ -184,6 +183,37 @@ def test_deepspeed_loads_a_reshard_of_a_run_saved_without_its_frozen_params(tmp_
     reshard(case.checkpoint, tmp_path / "out", world_size=3, stage=3)
     live, optim, state = run_probe(EXCLUDED, tmp_path / "out", 3, tmp_path / "probe", stage=3)
     _check_loaded(case, live, optim, state, 3, 3)  # the frozen params: the model's own, as trained (never changed)
+
+
+def test_muon_reshard_loads_and_trains_on(tmp_path: Path) -> None:
+    """DeepSpeed's Muon: a 3-rank ZeRO-2 run (two params cut between ranks, each of whose full
+    momentum two ranks hold) resharded to 2 ranks at ZeRO-1. DeepSpeed loads every master, Adam
+    moment and Muon momentum as the live engine held them, each rank's momentum_buffer the full
+    momenta of the params its new partition touches; the step after the load runs (a buffer laid
+    out otherwise is narrowed past its end or misread there) and advances the counters."""
+    case = sample("z2_fp32_ws3_muon")
+    reshard(case.checkpoint, tmp_path / "out", world_size=2, stage=1)
+    live, optim, state = run_probe(case.name, tmp_path / "out", 2, tmp_path / "probe", stage=1, train_steps=1)
+    _check_loaded(case, live, optim, state, 2, 1)
+    assert not state.get("cross_checks", {}).get("muon_copy_disagreements")
+    train = state["train"]
+    assert train["global_steps_after"] == case.meta["steps"] + 1 and all(math.isfinite(x) for x in train["losses_mean"])
+
+
+def test_muon_reshard_to_zero3_loads_and_trains_on(tmp_path: Path) -> None:
+    """ZeRO-3 keeps Muon's momentum per element of each sub-group partition (stage3.py
+    _create_momentum_buffer, _muon_update_sub_group), as exp_avg is: the ZeRO-2 run's full
+    momenta, cut so, load in a 2-rank ZeRO-3 run (reduce_scatter off: DeepSpeed refuses Muon
+    with it) with every master and state as the live engine held them, and a step runs on."""
+    case = sample("z2_fp32_ws3_muon")
+    no_reduce_scatter = {"zero_optimization": {"reduce_scatter": False}}
+    reshard(case.checkpoint, tmp_path / "out", world_size=2, stage=3, config=no_reduce_scatter)
+    live, optim, state = run_probe(
+        case.name, tmp_path / "out", 2, tmp_path / "probe", stage=3, train_steps=1, config_override=no_reduce_scatter
+    )
+    _check_loaded(case, live, optim, state, 2, 3)
+    train = state["train"]
+    assert train["global_steps_after"] == case.meta["steps"] + 1 and all(math.isfinite(x) for x in train["losses_mean"])
 
 
 def test_resharded_run_continues_like_the_original(tmp_path: Path) -> None:

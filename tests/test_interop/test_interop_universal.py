@@ -221,6 +221,8 @@ DS_TO_UNIVERSAL_UNUSABLE = {
     "z1_fp32_ws2_roundrobin": "ds_to_universal's output is wrong: DeepSpeed's param_slice_mappings ignore round-robin order",
     "z3_fp32_ws2_sgd_coupled_wd": "ds_to_universal fails on SGD: KeyError: 'exp_avg'",
     "z1_bf16_ws2_nadam": "ds_to_universal fails on NAdam: narrow() cannot be applied to a 0-dim tensor (mu_product)",
+    "z1_bf16_ws2_muon": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg' (its Muon group keeps none)",
+    "z2_fp32_ws3_muon": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg' (its Muon group keeps none)",
 }
 # what ds_to_universal leaves out without a word (its merge knows exp_avg and exp_avg_sq only)
 DS_TO_UNIVERSAL_DROPS = {"z3_fp32_ws2_amsgrad": {"max_exp_avg_sq.pt"}}
@@ -493,6 +495,17 @@ def test_zero3_universal_load_loses_amsgrads_third_moment_and_zero1_keeps_it(tmp
     _, optim, _ = run_probe(case.name, tmp_path / "u1", 3, tmp_path / "p1", stage=1, load_universal=True)
     for name, expected in live_optim.items():
         assert same_bits(optim[name], expected), name
+
+
+def test_muon_momentum_does_not_survive_a_zero12_universal_load(tmp_path: Path) -> None:
+    """DeepSpeed's ZeRO-1/2 universal loader lays momentum_buffer.pt out per element of the
+    partition (map_to_flat_opt_states), while Muon keeps the full momentum of each param its
+    partition touches: the step after the load narrows past the buffer's end, as zckpt says
+    before writing (test_state_loss_is_said_before_writing). reshard keeps it (test_interop.py)."""
+    case = sample("z1_bf16_ws2_muon")
+    to_universal(case.checkpoint, tmp_path / "u", target_stage=1, allow_state_loss=True)
+    with pytest.raises(Exception, match="exceeds dimension size"):
+        run_probe(case.name, tmp_path / "u", 2, tmp_path / "pu", load_universal=True, train_steps=1)
 
 
 def test_nadam_loses_mu_product_through_a_universal_folder_and_keeps_it_through_reshard(tmp_path: Path) -> None:

@@ -317,6 +317,11 @@ def test_damaged_zero_input_leaves_nothing(copy_checkpoint, tmp_path: Path) -> N
         ("z1_bf16_ws2_nadam", 1, "mu_product would not be restored"),
         ("z1_bf16_ws2_nadam", 3, "mu_product would not be restored"),
         ("z3_fp32_ws2_sgd_coupled_wd", 3, "its load fails, this optimizer keeping no exp_avg, exp_avg_sq, step"),
+        # DeepSpeed's Muon: the ZeRO-1/2 loader lays its per-param momentum out per element; ZeRO-3's
+        # reads no momentum_buffer and needs exp_avg of every param (and a step of every group)
+        ("z1_bf16_ws2_muon", 1, "it lays Muon's momentum_buffer out per element of the partition"),
+        ("z2_fp32_ws3_muon", 3, "momentum_buffer would not be restored"),
+        ("z2_fp32_ws3_muon", 3, "its load fails, this optimizer keeping no exp_avg, exp_avg_sq, step"),
     ],
 )
 def test_state_loss_is_said_before_writing(name: str, target_stage: int, lost: str, tmp_path: Path) -> None:
