@@ -176,6 +176,18 @@ CASES: list[Case] = [
         "the Muon group's momentum_buffer holds the full momentum of every param the partition touches",
     ),
     Case(
+        "z3_bf16_ws2_muon",
+        "ds19",
+        3,
+        "bf16",
+        2,
+        zero_extra=(("reduce_scatter", False),),
+        config_extra=(("optimizer", {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.95, "weight_decay": 0.01}}),),
+        optim_keys=("momentum_buffer", "exp_avg", "exp_avg_sq"),
+        notes="DeepSpeed's Muon at ZeRO-3 (reduce_scatter off: stage3.py refuses Muon with it): momentum_buffer "
+        "per element of the Muon sub-groups' partitions, as exp_avg is",
+    ),
+    Case(
         "z2_fp32_ws3_muon",
         "ds19",
         2,
@@ -686,7 +698,8 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
     import deepspeed.comm as dist
     import torch
 
-    assert case.stage in (1, 2), "Muon capture reads ZeRO-1/2's flat partitions"
+    if case.stage == 3:
+        return capture_muon_zero3(engine, case, names_of, params)
     opt = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
     mine: dict[str, Any] = {}
@@ -747,6 +760,41 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
         "partitions; params whose full momentum two ranks hold, equal on both: " + (", ".join(shared) or "none")
     )
     return optim, note
+
+
+def capture_muon_zero3(
+    engine: Any, case: Case, names_of: dict[int, list[str]], params: dict[int, Any]
+) -> tuple[Any, str]:
+    """A ZeRO-3 Muon run's live optimizer state (collective): ZeRO-3 keeps Muon's momentum per
+    element of each sub-group partition (stage3.py _create_momentum_buffer), so
+    safe_get_full_optimizer_state reads it, but only for the keys of the param's own sub-group
+    (a Muon sub-group has momentum_buffer only, an Adam one exp_avg and exp_avg_sq)."""
+    import torch
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    opt = engine.optimizer
+    keys_of: dict[int, dict[str, Any]] = {}  # each param's states and the dtype DeepSpeed keeps each in
+    for i, flat in enumerate(opt.fp32_partitioned_groups_flat):
+        state = opt.optimizer.state.get(flat, {})
+        keys = {
+            k: state[k].dtype for k in case.optim_keys if torch.is_tensor(state.get(k)) and state[k].shape == flat.shape
+        }
+        keys_of.update({id(p): keys for p in opt.fp16_groups[i]})
+    optim: dict[str, Any] = {}
+    for pid, p in params.items():
+        if not p.requires_grad:
+            continue
+        for key, dtype in keys_of[pid].items():
+            value = safe_get_full_optimizer_state(p, key)  # gathered in fp32: exact for a bf16 momentum
+            assert value is not None, names_of[pid]
+            kept = value.detach().cpu().to(dtype)
+            assert torch.equal(kept.float(), value.detach().cpu().float()), names_of[pid]
+            for n in names_of[pid]:
+                optim[f"{n}.{key}"] = kept.clone().contiguous()
+    return optim, (
+        "safe_get_full_optimizer_state of each param's own sub-group states (ZeRO-3 keeps Muon's momentum per "
+        "element), each in the dtype DeepSpeed keeps it (momentum_buffer: communication_data_type)"
+    )
 
 
 def copy_live_swap_folder(engine: Any, case: Case, casedir: Path) -> dict[str, Any] | None:

@@ -160,7 +160,8 @@ def test_zero12_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
             param.name
         )
         for key, flats in states.items():
-            if live_optim is not None and any(g == param.group for _, g in flats):  # not a Muon group
+            # every flat group holding the param keeps this state (a Muon group keeps momentum_buffer only)
+            if live_optim is not None and all((p.rank, p.flat) in flats for p in layout.pieces_of(index)):
                 assert same_bits(_gather(layout, flats, index), live_optim[f"{param.name}.{key}"].reshape(-1)), (
                     param.name,
                     key,
@@ -191,13 +192,15 @@ def test_zero3_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
     swapped = {i for i, g in enumerate(case.meta.get("fp32_sub_groups") or []) if g.get("swapped_to_nvme")}
     ids = case.meta.get("ds_ids")  # the ids DeepSpeed gave the live params
     masters: dict[tuple[int, int], torch.Tensor] = {}
-    first_state = _optim(case, 0)["optimizer_state_dict"]["state"][
-        0
-    ]  # the optimizer's own: Adam's moments, SGD's momentum
+    # the optimizer's own per-element states: Adam's moments, SGD's momentum (Muon's sub-groups
+    # momentum_buffer, its Adam sub-groups exp_avg and exp_avg_sq)
     states: dict[str, dict[tuple[int, int], torch.Tensor]] = {
-        key: {} for key, value in first_state.items() if key != "step" and torch.is_tensor(value) and value.ndim == 1
+        key: {}
+        for sub_group in _optim(case, 0)["optimizer_state_dict"]["state"].values()
+        for key, value in sub_group.items()
+        if key != "step" and torch.is_tensor(value) and value.ndim == 1
     }
-    assert states, first_state.keys()
+    assert states
     for rank in range(world):
         inner = _optim(case, rank)
         for i, (flat, group) in enumerate(zip(inner["fp32_flat_groups"], layout.flat_groups)):
@@ -207,7 +210,8 @@ def test_zero3_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
                 assert flat.ds_id == f"{ids[first]}_{ids[last]}", (rank, i)
             masters[rank, i] = flat
             for key in states:
-                states[key][rank, i] = inner["optimizer_state_dict"]["state"][i][key]
+                if key in inner["optimizer_state_dict"]["state"][i]:
+                    states[key][rank, i] = inner["optimizer_state_dict"]["state"][i][key]
     live, live_optim = case.live(), _live_optimizer(case)
     for index, param in enumerate(layout.params):
         if any(p.flat in swapped for p in layout.pieces_of(index)):
@@ -216,7 +220,8 @@ def test_zero3_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
             param.name
         )
         for key, flats in states.items():
-            if live_optim is not None and any(g == param.group for _, g in flats):  # not a Muon group
+            # every flat group holding the param keeps this state (a Muon group keeps momentum_buffer only)
+            if live_optim is not None and all((p.rank, p.flat) in flats for p in layout.pieces_of(index)):
                 assert same_bits(_gather(layout, flats, index), live_optim[f"{param.name}.{key}"].reshape(-1)), (
                     param.name,
                     key,

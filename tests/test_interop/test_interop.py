@@ -120,6 +120,7 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     # DeepSpeed's Muon: a Muon group's momentum_buffer holds the full momentum of each param a
     # ZeRO-1/2 partition touches, re-laid for the new partitions
     ("z1_bf16_ws2_muon", 3, 2),  # z2_fp32_ws3_muon at 2 ranks: test_muon_reshard_loads_and_trains_on
+    ("z3_bf16_ws2_muon", 3, 2),  # ZeRO-3's per-element momentum laid out per whole param
 ]
 
 

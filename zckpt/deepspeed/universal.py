@@ -104,7 +104,7 @@ def universal_loss(state: TrainingState, target_stage: int) -> UniversalLoss:
             for key in p.states
             if muon.whole_param_state(state.groups[p.group].hyperparams, key, target_stage)
         )
-        return UniversalLoss(target_stage, scalars=tuple(scalars), per_param=tuple(per_param))
+        return UniversalLoss(target_stage, states=tuple(per_param), scalars=tuple(scalars), per_param=tuple(per_param))
     # a step per sub-group, and each of ZeRO3_UNIVERSAL_STATES for every param (a Muon group has none)
     has_step = all(N.UNIVERSAL_STEP in g.scalars for g in state.groups)
     return UniversalLoss(

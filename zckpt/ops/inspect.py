@@ -337,7 +337,9 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
                 **{
                     k: v
                     for k, v in g.hyperparams.items()
-                    if isinstance(v, (int, float, str, bool, type(None), tuple, list))
+                    # a group's own "step" hyperparameter (DeepSpeed's FusedAdam keeps one at 0) is
+                    # not the optimizer's step, which the flat group's state holds
+                    if k != "step" and isinstance(v, (int, float, str, bool, type(None), tuple, list))
                 },
             }
             for g, step in zip(state.groups, steps)
