@@ -142,6 +142,36 @@ CASES: list[Case] = [
         notes="torch.optim.SGD (Nesterov momentum, weight_decay 0.01 added to the gradient): the only state is "
         "momentum_buffer, nonzero in ZeRO-3's padding (uninitialised fp32 padding times the decay)",
     ),
+    # optimizer states beyond Adam's two: AMSGrad's max_exp_avg_sq (ZeRO-3's universal loader
+    # restores only fp32, exp_avg and exp_avg_sq) and NAdam's scalar mu_product (no universal file
+    # holds a scalar state but the step)
+    Case(
+        "z3_fp32_ws2_amsgrad",
+        "ds19",
+        3,
+        "fp32",
+        2,
+        config_extra=(
+            (
+                "optimizer",
+                {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True, "amsgrad": True}},
+            ),
+        ),
+        optim_keys=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+        notes="torch.optim.AdamW(amsgrad=True): a third per-element state, max_exp_avg_sq",
+    ),
+    Case(
+        "z1_bf16_ws2_nadam",
+        "ds19",
+        1,
+        "bf16",
+        2,
+        config_extra=(
+            ("optimizer", {"type": "NAdam", "params": {"lr": 1e-2, "weight_decay": 0.01}}),
+            ("zero_allow_untested_optimizer", True),
+        ),
+        notes="torch.optim.NAdam: exp_avg and exp_avg_sq, and a scalar mu_product per flat group beside the step",
+    ),
     Case(
         "z3_bf16_ws3_adam_coupled_wd",
         "ds19",

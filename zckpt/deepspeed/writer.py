@@ -549,6 +549,15 @@ class OptimPlanner:
         else:
             dropped = (N.BASE_OPTIMIZER_STATE, N.PARAM_SLICE_MAPPINGS, N.SINGLE_PARTITION_OF_FP32_GROUPS)
             out = {k: v for k, v in self._zero12(0).items() if k not in dropped}
+            # scalar states beside the step (NAdam's mu_product) have no file in this flavour and
+            # DeepSpeed's loader restores none (ops/universal says so first); kept here, in the
+            # ZeRO-3 flavour's place, so that zckpt reading the folder keeps them
+            others = {
+                flat: {k: v for k, v in scalars.items() if k != N.UNIVERSAL_STEP}
+                for flat, scalars in self._scalar_state().items()
+            }
+            if any(others.values()):
+                out[N.OPTIMIZER_STATE_DICT] = {"state": {flat: v for flat, v in others.items() if v}}
         out[N.PARAM_GROUPS] = param_groups
         return out
 
@@ -587,6 +596,10 @@ class ModelPlanner:
         module: dict[str, OutTensor] = OrderedDict()
         sources: dict[str, OutTensor] = {}
         params = set(self.trainable) | set(self.frozen)
+        # the 16-bit copies the input saved (ZeRO-1/2 module weights): carried as saved rather than
+        # recomputed. They are the masters rounded in DeepSpeed's optimizers (verify checks it),
+        # but not under ZenFlow, whose saved weights are the live engine's
+        saved = {copy.name: copy.source for copy, _ in index.rounded_copies}
         for name in self.state.module_names:
             origin = self.tied.get(name, name)
             if origin in sources:
@@ -599,6 +612,8 @@ class ModelPlanner:
             dtype = BY_SHORT.get(self.state.module_dtype_names.get(origin, ""), index.dtype)
             if origin in params and self.target.stage == 3:
                 tensor = OutTensor(dtype, (0,), ())  # ZeRO-3 saves empty placeholders for params
+            elif origin in saved and saved[origin].dtype == dtype and saved[origin].shape == entry.source.shape:
+                tensor = tensor_of(saved[origin])
             elif origin in params:
                 tensor = tensor_of(entry.source, dtype=dtype)  # 16-bit weights = the masters rounded
             else:  # a buffer
