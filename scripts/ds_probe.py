@@ -352,7 +352,9 @@ def capture(engine: Any, stage: int, names_of: dict[int, list[str]], params: dic
         keys = sorted(
             k
             for k, v in st.items()
-            if torch.is_tensor(v) and v.shape == part.shape and not (k == "momentum_buffer" and muon_group(base, g))
+            if torch.is_tensor(v)
+            and v.shape == part.shape
+            and not (k == "momentum_buffer" and muon_whole(opt, base, g))
         )
         # every rank must gather the same keys (a collective per key)
         assert same_on_all_ranks(len(keys), group), f"optimizer state keys differ between ranks: {keys}"
@@ -440,6 +442,12 @@ def muon_group(base: Any, g: int) -> bool:
     return base.param_groups[g].get("use_muon") is True
 
 
+def muon_whole(opt: Any, base: Any, g: int) -> bool:
+    """Whether group `g` keeps Muon's momentum per whole param: ZeRO-1/2's DeepSpeedZeroOptimizer
+    does; BF16_Optimizer keeps it per element of the partition (_prepare_muon_updates)."""
+    return muon_group(base, g) and hasattr(opt, "single_partition_of_fp32_groups")
+
+
 def muon_momenta(opt: Any, base: Any, names_of: dict, params: dict, cross: dict) -> dict[tuple[int, str], Any]:
     """ZeRO-1/2 Muon (collective): each Muon param's full momentum, taken from its offset in the
     momentum_buffer of the lowest rank whose partition touches it (the buffer holds the full
@@ -450,7 +458,7 @@ def muon_momenta(opt: Any, base: Any, names_of: dict, params: dict, cross: dict)
 
     mine: dict[str, Any] = {}
     for g in range(len(base.param_groups)):
-        if not muon_group(base, g):
+        if not muon_whole(opt, base, g):
             continue
         buffer = base.state.get(opt.single_partition_of_fp32_groups[g], {}).get("momentum_buffer")
         if buffer is None:

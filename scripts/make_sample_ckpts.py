@@ -206,6 +206,18 @@ CASES: list[Case] = [
         "the Muon group's momentum_buffer holds the full momentum of every param the partition touches",
     ),
     Case(
+        "z1_bf16_ws3_muon_bf16optimizer",
+        "ds19",
+        1,
+        "bf16",
+        3,
+        grad_accum_fp32=True,
+        config_extra=(("optimizer", {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.95, "weight_decay": 0.01}}),),
+        optim_keys=("momentum_buffer", "exp_avg", "exp_avg_sq"),
+        notes="DeepSpeed's Muon under BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation): its "
+        "momentum_buffer has the master partition's layout (bf16_optimizer.py _prepare_muon_updates), per element",
+    ),
+    Case(
         "z3_bf16_ws2_muon",
         "ds19",
         3,
@@ -728,8 +740,13 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
     import deepspeed.comm as dist
     import torch
 
+    opt = engine.optimizer
     if case.stage == 3:
-        return capture_muon_zero3(engine, case, names_of, params)
+        return capture_muon_per_element(
+            engine, case, names_of, params, opt.fp32_partitioned_groups_flat, opt.fp16_groups
+        )
+    if not hasattr(opt, "single_partition_of_fp32_groups"):  # BF16_Optimizer: per element too
+        return capture_muon_per_element(engine, case, names_of, params, opt.fp32_groups_flat_partition, opt.bf16_groups)
     opt = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
     mine: dict[str, Any] = {}
@@ -792,24 +809,25 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
     return optim, note
 
 
-def capture_muon_zero3(
-    engine: Any, case: Case, names_of: dict[int, list[str]], params: dict[int, Any]
+def capture_muon_per_element(
+    engine: Any, case: Case, names_of: dict[int, list[str]], params: dict[int, Any], flats: Any, groups: Any
 ) -> tuple[Any, str]:
-    """A ZeRO-3 Muon run's live optimizer state (collective): ZeRO-3 keeps Muon's momentum per
-    element of each sub-group partition (stage3.py _create_momentum_buffer), so
-    safe_get_full_optimizer_state reads it, but only for the keys of the param's own sub-group
-    (a Muon sub-group has momentum_buffer only, an Adam one exp_avg and exp_avg_sq)."""
+    """The live optimizer state of a Muon run that keeps its momentum per element of the flat
+    partition (collective): ZeRO-3 (stage3.py _create_momentum_buffer) and BF16_Optimizer
+    (bf16_optimizer.py _prepare_muon_updates). safe_get_full_optimizer_state reads it, but only for
+    the keys of the param's own flat group (`flats`, its params `groups`: a Muon group has
+    momentum_buffer only, an Adam one exp_avg and exp_avg_sq)."""
     import torch
     from deepspeed.utils import safe_get_full_optimizer_state
 
     opt = engine.optimizer
     keys_of: dict[int, dict[str, Any]] = {}  # each param's states and the dtype DeepSpeed keeps each in
-    for i, flat in enumerate(opt.fp32_partitioned_groups_flat):
+    for i, flat in enumerate(flats):
         state = opt.optimizer.state.get(flat, {})
         keys = {
             k: state[k].dtype for k in case.optim_keys if torch.is_tensor(state.get(k)) and state[k].shape == flat.shape
         }
-        keys_of.update({id(p): keys for p in opt.fp16_groups[i]})
+        keys_of.update({id(p): keys for p in groups[i]})
     optim: dict[str, Any] = {}
     for pid, p in params.items():
         if not p.requires_grad:
@@ -822,8 +840,8 @@ def capture_muon_zero3(
             for n in names_of[pid]:
                 optim[f"{n}.{key}"] = kept.clone().contiguous()
     return optim, (
-        "safe_get_full_optimizer_state of each param's own sub-group states (ZeRO-3 keeps Muon's momentum per "
-        "element), each in the dtype DeepSpeed keeps it (momentum_buffer: communication_data_type)"
+        "safe_get_full_optimizer_state of each param's own flat group's states (ZeRO-3 and BF16_Optimizer keep "
+        "Muon's momentum per element), each in the dtype DeepSpeed keeps it"
     )
 
 

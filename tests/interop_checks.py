@@ -102,7 +102,7 @@ def _saved(checkpoint: Path, tag: str | None = None) -> dict[str, Any]:
         "lr_scheduler": _plain(model["lr_scheduler"]),
         "loss_scaler": optim.get("loss_scaler"),
         "dynamic_loss_scale": optim.get("dynamic_loss_scale"),
-        "steps": {_plain(s["step"]) for s in base["state"].values()},
+        "steps": {_plain(s["step"]) for s in base["state"].values() if "step" in s},  # Muon's Muon group keeps none
         "hyperparameters": [_plain({k: v for k, v in g.items() if k != "params"}) for g in base["param_groups"]],
     }
 
@@ -165,9 +165,11 @@ def _check_resumed(
     )
     assert saved["global_steps"] == meta["steps"]
     assert len(saved["steps"]) == 1  # every group stepped as often (no group skipped a step)
-    assert all(s in saved["steps"] for g in state["param_groups"] for s in g["step"]), [
-        g["step"] for g in state["param_groups"]
-    ]
+    assert all(
+        s in saved["steps"] or (s is None and group.get("use_muon"))  # Muon's Muon group keeps no step
+        for g, group in zip(state["param_groups"], saved["hyperparameters"])
+        for s in g["step"]
+    ), [g["step"] for g in state["param_groups"]]
     assert len(state["param_groups"]) == len(saved["hyperparameters"])
     for i, group in enumerate(state["param_groups"]):
         expected_hyper = saved["hyperparameters"][0 if (universal and stage == 3) else i]

@@ -128,7 +128,7 @@ def test_zero12_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
     described = slice_mapping_layout(layout, round_robin)  # what the mappings say
     described_pieces = described.by_rank()
     masters: dict[tuple[int, int], torch.Tensor] = {}
-    states: dict[str, dict[tuple[int, int], torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    states: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # Adam's moments (Muon's momentum under BF16_Optimizer)
     live_optim = _live_optimizer(case)
     for rank in range(layout.world_size):
         inner = _optim(case, rank)
@@ -136,14 +136,16 @@ def test_zero12_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
             saved = inner["single_partition_of_fp32_groups"][g]
             assert saved.numel() == group.saved[rank], (rank, g)
             saved_state = inner["base_optimizer_state"]["state"][g]
-            if inner["base_optimizer_state"]["param_groups"][g].get("use_muon"):
+            muon_whole = inner["base_optimizer_state"]["param_groups"][g].get("use_muon") and not bf16_optimizer
+            if muon_whole:
                 # DeepSpeed's Muon: the full momentum of each param the partition touches, end to
                 # end in flat order (stage_1_and_2.py _muon_momentum_buffer / get_flat_partition)
                 touched = [p.param for p in layout.by_rank().get((rank, g), []) if p.length]
                 expected = [live_optim[f"{layout.params[i].name}.momentum_buffer"].reshape(-1) for i in touched]
                 assert same_bits(saved_state["momentum_buffer"], torch.cat(expected)), (rank, g)
-            for key in states if not inner["base_optimizer_state"]["param_groups"][g].get("use_muon") else ():
-                states[key][rank, g] = saved_state[key]
+            per_element = [k for k, v in saved_state.items() if torch.is_tensor(v) and v.dim() == 1 and k != "step"]
+            for key in per_element if not muon_whole else ():
+                states.setdefault(key, {})[rank, g] = saved_state[key]
                 assert states[key][rank, g].numel() == group.partition, (rank, g, key)
             # stage_1_and_2.py 541-550: the rank's padding, which ZeRO's saved fp32 partition lacks
             assert inner["group_paddings"][g] == group.partition - padded.flat_groups[g].saved[rank], (rank, g)

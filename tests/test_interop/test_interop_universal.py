@@ -508,6 +508,20 @@ def test_muon_momentum_does_not_survive_a_zero12_universal_load(tmp_path: Path) 
         run_probe(case.name, tmp_path / "u", 2, tmp_path / "pu", load_universal=True, train_steps=1)
 
 
+def test_muon_under_bf16_optimizer_crosses_a_universal_folder(tmp_path: Path) -> None:
+    """BF16_Optimizer keeps Muon's momentum per element of the partition, as its universal loader
+    lays momentum_buffer.pt out: to-universal writes the folder without a word, and DeepSpeed at
+    another world size holds every master and state as the live engine did, and trains on."""
+    name = "z1_bf16_ws3_muon_bf16optimizer"
+    case = sample(name)
+    result = to_universal(case.checkpoint, tmp_path / "u")
+    assert result.loss is None
+    live, optim, state = run_probe(name, tmp_path / "u", 2, tmp_path / "probe", load_universal=True, train_steps=1)
+    _check_resumed(case, GEN.CASES_BY_NAME[name], live, optim, state, world_size=2, stage=1, universal=True)
+    assert state["train"]["global_steps_after"] == case.meta["steps"] + 1
+    assert all(math.isfinite(x) for x in state["train"]["losses_mean"])
+
+
 def test_nadam_loses_mu_product_through_a_universal_folder_and_keeps_it_through_reshard(tmp_path: Path) -> None:
     """NAdam keeps a scalar mu_product beside its step: no universal file holds one DeepSpeed
     reads, and the step after a universal load raises KeyError, as zckpt says before writing.

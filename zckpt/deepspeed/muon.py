@@ -39,10 +39,13 @@ def is_muon_group(hyperparams: Any) -> bool:
     return isinstance(hyperparams, dict) and hyperparams.get(MUON_FLAG) is True
 
 
-def whole_param_state(hyperparams: Any, key: str, stage: int) -> bool:
+def whole_param_state(hyperparams: Any, key: str, stage: int, bf16_optimizer: bool = False) -> bool:
     """Whether `key` of a flat group with these hyperparameters is kept per whole param (a Muon
-    group's momentum_buffer at ZeRO-1/2) rather than per element of the partition."""
-    return stage in (1, 2) and key == MOMENTUM and is_muon_group(hyperparams)
+    group's momentum_buffer at ZeRO-1/2) rather than per element of the partition. Not under
+    DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation), whose Muon momentum
+    "has the same partition layout as the master weights" (``_prepare_muon_updates``,
+    runtime/bf16_optimizer.py:436-452: ``zeros_like(partition)``)."""
+    return stage in (1, 2) and not bf16_optimizer and key == MOMENTUM and is_muon_group(hyperparams)
 
 
 def touched(layout: ZeroLayout, pieces: list[Piece]) -> list[tuple[int, int]]:

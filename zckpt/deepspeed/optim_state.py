@@ -98,7 +98,8 @@ def build_training_state(
     element_keys: list[str] = []
     tensors: dict[tuple[int, int, str], TensorRef] = {}
     saved_groups = per_rank[0].get("param_groups") or []
-    by_rank = layout.by_rank() if not zero3 else {}
+    by_rank: dict = {}  # layout.by_rank(), built when a Muon group needs it
+    bf16_optimizer = not zero3 and N.ZERO_STAGE not in inner[0]  # its files have no stage key
     whole: set[tuple[int, str]] = set()  # (flat group, key) kept per whole param (DeepSpeed's Muon)
     for rank in range(world):
         state = per_rank[rank].get("state") or {}
@@ -107,7 +108,8 @@ def build_training_state(
             for key, value in (state.get(flat) or {}).items():
                 if not isinstance(value, TensorRef) or len(value.shape) != 1:
                     continue
-                if muon.whole_param_state(hyper, key, layout.stage):
+                if muon.whole_param_state(hyper, key, layout.stage, bf16_optimizer):
+                    by_rank = by_rank or layout.by_rank()
                     needed = muon.buffer_numel(layout, by_rank.get((rank, flat), []))
                     if value.numel != needed:
                         raise LayoutError(

@@ -389,7 +389,9 @@ class OptimPlanner:
                 elif key in element_states and flat in self.swapped:
                     # swapped out: an emptied tensor that keeps the swapper's ds_id (names its file)
                     entry[key] = OutTensor(FP32, (0,), (), attributes={"ds_id": f"{key}-{self._sub_group_id(flat)}"})
-                elif key in element_states and muon.whole_param_state(saved.hyperparams, key, self.layout.stage):
+                elif key in element_states and muon.whole_param_state(
+                    saved.hyperparams, key, self.layout.stage, self.target.bf16_optimizer
+                ):
                     if buffer := self._whole_param_buffer(key, pieces):
                         entry[key] = buffer
                 elif key in element_states:

@@ -85,7 +85,7 @@ def to_universal(
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
     plan = plan_universal(source, target_stage=_stage(target_stage))
-    loss = universal_loss(source, plan.target.stage)
+    loss = universal_loss(source, plan.target.stage, plan.target.bf16_optimizer)
     if loss and not allow_state_loss:
         raise UsageError(
             os.fspath(checkpoint),
