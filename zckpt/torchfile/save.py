@@ -448,6 +448,12 @@ class _TensorStream:
         halves = (buffer[:step], buffer[step : 2 * step])
         total = segment.numel * itemsize
         starts = range(0, total, step)
+        if len(starts) == 1:  # one chunk (a rank's slice of a param: thousands of them in a ZeRO-3
+            # reshard): read here, where a helper thread's round trip would cost more than the read
+            view = halves[0][:total]
+            self.reader.read_into(segment.path, segment.offset, view)
+            yield view
+            return
 
         def read(index: int) -> Future[memoryview]:
             view = halves[index % 2][: min(step, total - starts[index])]
