@@ -320,7 +320,10 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
             else:
                 steps.append(scalar.value)
     scaler = state.loss_scaler
-    losses = {stage: universal_loss(state, stage) for stage in (1, 3)}
+    # ZeRO-1 as the run's own config has it: BF16_Optimizer (bf16 + fp32 gradient accumulation) keeps
+    # Muon's momentum per element, as its universal loader lays it out
+    bf16_optimizer = state.optimizer_kind == "bf16_optimizer"
+    losses = {stage: universal_loss(state, stage, stage == 1 and bf16_optimizer) for stage in (1, 3)}
     return {
         "optimizer_states": state.state_names,
         # per-group values that are not per element (step, NAdam's mu_product, ...)
