@@ -39,13 +39,25 @@ def is_muon_group(hyperparams: Any) -> bool:
     return isinstance(hyperparams, dict) and hyperparams.get(MUON_FLAG) is True
 
 
-def whole_param_state(hyperparams: Any, key: str, stage: int, bf16_optimizer: bool = False) -> bool:
+def whole_param_state(hyperparams: Any, key: str, stage: int, per_element: bool = False) -> bool:
     """Whether `key` of a flat group with these hyperparameters is kept per whole param (a Muon
-    group's momentum_buffer at ZeRO-1/2) rather than per element of the partition. Not under
-    DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation), whose Muon momentum
-    "has the same partition layout as the master weights" (``_prepare_muon_updates``,
-    runtime/bf16_optimizer.py:436-452: ``zeros_like(partition)``)."""
-    return stage in (1, 2) and not bf16_optimizer and key == MOMENTUM and is_muon_group(hyperparams)
+    group's momentum_buffer at ZeRO-1/2) rather than per element of the partition.
+
+    `per_element`: the run keeps Muon's momentum per element of the partition even at ZeRO-1/2
+    (:func:`momentum_per_element`)."""
+    return stage in (1, 2) and not per_element and key == MOMENTUM and is_muon_group(hyperparams)
+
+
+def momentum_per_element(bf16_optimizer: bool, optimizer_offload: bool) -> bool:
+    """Whether a ZeRO-1/2 run keeps Muon's momentum per element of the flat partition, as its
+    masters: DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation), whose Muon
+    momentum "has the same partition layout as the master weights" (``_prepare_muon_updates``,
+    runtime/bf16_optimizer.py:436-452: ``zeros_like(partition)``); and a ZeRO-1/2 run offloading
+    its optimizer (``cpu_offload``), whose ``_apply_muon_updates_cpu_offload`` makes it
+    ``zeros_like(flat_param)`` and writes each param's share at its partition offset
+    (runtime/zero/stage_1_and_2.py:2059-2120; a buffer of another size is replaced by zeros,
+    :2079-2083, so a whole-param buffer loaded there would be lost)."""
+    return bf16_optimizer or optimizer_offload
 
 
 def touched(layout: ZeroLayout, pieces: list[Piece]) -> list[tuple[int, int]]:

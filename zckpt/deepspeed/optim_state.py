@@ -79,8 +79,10 @@ def build_training_state(
     optim_paths: dict[int, str],
     swap_path: SwapPath,
     round_robin: bool,
+    optimizer_offload: bool = False,
 ) -> TrainingState:
-    """Assemble the TrainingState (`round_robin`: the saved config's round_robin_gradients);
+    """Assemble the TrainingState (`round_robin`: the saved config's round_robin_gradients;
+    `optimizer_offload`: ZeRO-1/2 with offload_optimizer, which keeps Muon's momentum per element);
     raises LayoutError when a state tensor does not fit the layout.
 
     Guarantee: DeepSpeed gives the torch optimizer one flat fp32 partition per param group
@@ -100,6 +102,7 @@ def build_training_state(
     saved_groups = per_rank[0].get("param_groups") or []
     by_rank: dict = {}  # layout.by_rank(), built when a Muon group needs it
     bf16_optimizer = not zero3 and N.ZERO_STAGE not in inner[0]  # its files have no stage key
+    per_element = muon.momentum_per_element(bf16_optimizer, optimizer_offload)
     whole: set[tuple[int, str]] = set()  # (flat group, key) kept per whole param (DeepSpeed's Muon)
     for rank in range(world):
         state = per_rank[rank].get("state") or {}
@@ -108,7 +111,7 @@ def build_training_state(
             for key, value in (state.get(flat) or {}).items():
                 if not isinstance(value, TensorRef) or len(value.shape) != 1:
                     continue
-                if muon.whole_param_state(hyper, key, layout.stage, bf16_optimizer):
+                if muon.whole_param_state(hyper, key, layout.stage, per_element):
                     by_rank = by_rank or layout.by_rank()
                     needed = muon.buffer_numel(layout, by_rank.get((rank, flat), []))
                     if value.numel != needed:

@@ -22,7 +22,7 @@ from .model_states import ds_ids as module_ds_ids
 from .optim_state import build_training_state, flat_states
 from .rank_checks import check_not_copies, check_rank_identity
 from .rank_files import LoadedRanks
-from .run_config import RunConfig
+from .run_config import CPU, NVME, RunConfig
 from .schema import as_shape, numel_of
 from .survey import Survey
 from .swap_rules import Aio, SwapRule
@@ -83,6 +83,7 @@ class Partitions:
             ranks.optim_paths,
             self._state_swap_path,
             self.run_config.round_robin_gradients,
+            self.run_config.device(N.CONFIG_OFFLOAD_OPTIMIZER) in (CPU, NVME),  # ZeRO-1/2 treat nvme as cpu
         )
 
     # --- ZeRO-1/2 -----------------------------------------------------------------------------

@@ -92,10 +92,11 @@ class UniversalLoss:
         return f"{reads}: {'; '.join(parts)}"
 
 
-def universal_loss(state: TrainingState, target_stage: int, bf16_optimizer: bool = False) -> UniversalLoss:
+def universal_loss(state: TrainingState, target_stage: int, per_element: bool = False) -> UniversalLoss:
     """What a universal folder for a ZeRO-`target_stage` run would not carry back into
-    DeepSpeed (see ZERO3_UNIVERSAL_STATES); `bf16_optimizer`: that run uses BF16_Optimizer, whose
-    Muon momentum is per element, as its loader lays it out (:mod:`.muon`). Pure."""
+    DeepSpeed (see ZERO3_UNIVERSAL_STATES); `per_element`: that run keeps Muon's momentum per
+    element (BF16_Optimizer, an offloaded optimizer: :func:`.muon.momentum_per_element`), as its
+    loader lays it out. Pure."""
     names = state.state_names
     scalars = list(dict.fromkeys(k for g in state.groups for k in g.scalars if k != N.UNIVERSAL_STEP))
     if target_stage != 3:
@@ -103,7 +104,7 @@ def universal_loss(state: TrainingState, target_stage: int, bf16_optimizer: bool
             key
             for p in state.params
             for key in p.states
-            if muon.whole_param_state(state.groups[p.group].hyperparams, key, target_stage, bf16_optimizer)
+            if muon.whole_param_state(state.groups[p.group].hyperparams, key, target_stage, per_element)
         )
         return UniversalLoss(target_stage, states=tuple(per_param), scalars=tuple(scalars), per_param=tuple(per_param))
     # a step per sub-group, and each of ZeRO3_UNIVERSAL_STATES for every param (a Muon group has none)

@@ -41,7 +41,7 @@ from .layout import (
 )
 from .optim_state import slice_mapping_layout
 from .partition import zero3_partition
-from .run_config import NVME, OFFLOAD_OPTIMIZER_DEVICE_KEY, STAGE_KEY, read_run_config
+from .run_config import CPU, NVME, OFFLOAD_OPTIMIZER_DEVICE_KEY, STAGE_KEY, read_run_config
 from .swap_rules import SwapRule
 
 UINT8 = BY_SHORT["uint8"]  # a file copied as its bytes
@@ -67,6 +67,7 @@ class Target:
     # in offloaded_tensors/, not in the optim files); None when the optimizer is not swapped
     swap: SwapRule | None = None
     clip_grad: float | None = None  # gradient_clipping the ZeRO-1/2 files carry where the input's files hold none
+    optimizer_offload: bool = False  # ZeRO-1/2 offloading the optimizer (cpu, or nvme read as cpu)
 
     @property
     def topology(self) -> Topology:
@@ -186,6 +187,7 @@ def plan_target(
         nvme_offload=run.device(N.CONFIG_OFFLOAD_OPTIMIZER) == NVME or run.device(N.CONFIG_OFFLOAD_PARAM) == NVME,
         swap=run.swap_rule,  # ZeRO-1/2 runs treat "nvme" as CPU offload: no swap rule
         clip_grad=clip,
+        optimizer_offload=stage < 3 and run.device(N.CONFIG_OFFLOAD_OPTIMIZER) in (CPU, NVME),
     )
 
 
@@ -390,7 +392,10 @@ class OptimPlanner:
                     # swapped out: an emptied tensor that keeps the swapper's ds_id (names its file)
                     entry[key] = OutTensor(FP32, (0,), (), attributes={"ds_id": f"{key}-{self._sub_group_id(flat)}"})
                 elif key in element_states and muon.whole_param_state(
-                    saved.hyperparams, key, self.layout.stage, self.target.bf16_optimizer
+                    saved.hyperparams,
+                    key,
+                    self.layout.stage,
+                    muon.momentum_per_element(self.target.bf16_optimizer, self.target.optimizer_offload),
                 ):
                     if buffer := self._whole_param_buffer(key, pieces):
                         entry[key] = buffer

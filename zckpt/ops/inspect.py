@@ -21,6 +21,7 @@ from ..core.untrusted import name_problem, path_component
 from ..deepspeed import names as N
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.locate import list_tags, tag_named_in
+from ..deepspeed.muon import momentum_per_element
 from ..deepspeed.reader import survey
 from ..deepspeed.universal import UniversalLoss, universal_loss
 from ..hf import names as hf
@@ -320,10 +321,10 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
             else:
                 steps.append(scalar.value)
     scaler = state.loss_scaler
-    # ZeRO-1 as the run's own config has it: BF16_Optimizer (bf16 + fp32 gradient accumulation) keeps
-    # Muon's momentum per element, as its universal loader lays it out
-    bf16_optimizer = state.optimizer_kind == "bf16_optimizer"
-    losses = {stage: universal_loss(state, stage, stage == 1 and bf16_optimizer) for stage in (1, 3)}
+    # ZeRO-1 as the run's own config has it: BF16_Optimizer (bf16 + fp32 gradient accumulation) and an
+    # offloaded optimizer keep Muon's momentum per element, as the universal loader lays it out
+    per_element = momentum_per_element(state.optimizer_kind == "bf16_optimizer", state.index.offload != "none")
+    losses = {stage: universal_loss(state, stage, stage == 1 and per_element) for stage in (1, 3)}
     return {
         "optimizer_states": state.state_names,
         # per-group values that are not per element (step, NAdam's mu_product, ...)

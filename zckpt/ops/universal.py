@@ -16,6 +16,7 @@ from typing import Callable
 
 from ..core.errors import UsageError
 from ..core.state import TrainingState
+from ..deepspeed.muon import momentum_per_element
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import write_checkpoint
 from ..deepspeed.universal import UniversalLoss, plan_universal, universal_loss
@@ -85,7 +86,9 @@ def to_universal(
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
     plan = plan_universal(source, target_stage=_stage(target_stage))
-    loss = universal_loss(source, plan.target.stage, plan.target.bf16_optimizer)
+    loss = universal_loss(
+        source, plan.target.stage, momentum_per_element(plan.target.bf16_optimizer, plan.target.optimizer_offload)
+    )
     if loss and not allow_state_loss:
         raise UsageError(
             os.fspath(checkpoint),
