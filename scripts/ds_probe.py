@@ -444,8 +444,13 @@ def muon_group(base: Any, g: int) -> bool:
 
 def muon_whole(opt: Any, base: Any, g: int) -> bool:
     """Whether group `g` keeps Muon's momentum per whole param: ZeRO-1/2's DeepSpeedZeroOptimizer
-    does; BF16_Optimizer keeps it per element of the partition (_prepare_muon_updates)."""
-    return muon_group(base, g) and hasattr(opt, "single_partition_of_fp32_groups")
+    does; BF16_Optimizer (_prepare_muon_updates) and an offloaded optimizer
+    (_apply_muon_updates_cpu_offload) keep it per element of the partition."""
+    return (
+        muon_group(base, g)
+        and hasattr(opt, "single_partition_of_fp32_groups")
+        and not getattr(opt, "cpu_offload", False)
+    )
 
 
 def muon_momenta(opt: Any, base: Any, names_of: dict, params: dict, cross: dict) -> dict[tuple[int, str], Any]:

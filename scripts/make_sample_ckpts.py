@@ -218,6 +218,21 @@ CASES: list[Case] = [
         "momentum_buffer has the master partition's layout (bf16_optimizer.py _prepare_muon_updates), per element",
     ),
     Case(
+        "z2_fp32_ws3_muon_cpuoffload",
+        "ds19",
+        2,
+        "fp32",
+        3,
+        zero_extra=(("offload_optimizer", {"device": "cpu"}),),
+        config_extra=(
+            ("optimizer", {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01}}),
+            ("zero_force_ds_cpu_optimizer", False),
+        ),
+        optim_keys=("momentum_buffer", "exp_avg", "exp_avg_sq"),
+        notes="DeepSpeed's Muon at ZeRO-2 with the optimizer offloaded to CPU: _apply_muon_updates_cpu_offload "
+        "keeps momentum_buffer per element of the flat partition (zeros_like(flat_param)), not per whole param",
+    ),
+    Case(
         "z3_bf16_ws2_muon",
         "ds19",
         3,
@@ -735,8 +750,9 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
     param's offset in the flat partition, and a Muon group's momentum_buffer is laid out per param
     (the full momentum of every param in params_in_partition, in that order). So: a Muon param's
     momentum is taken at its offset in that buffer on every rank that holds it (all must agree,
-    checked here); an Adam param's exp_avg / exp_avg_sq are its slices of the flat partitions,
-    summed over the ranks."""
+    checked here); an Adam param's exp_avg / exp_avg_sq (and, with the optimizer offloaded, a Muon
+    param's momentum, kept per element there) are its slices of the flat partitions, gathered
+    over the ranks. ZeRO-3 and BF16_Optimizer: :func:`capture_muon_per_element`."""
     import deepspeed.comm as dist
     import torch
 
@@ -747,14 +763,13 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
         )
     if not hasattr(opt, "single_partition_of_fp32_groups"):  # BF16_Optimizer: per element too
         return capture_muon_per_element(engine, case, names_of, params, opt.fp32_groups_flat_partition, opt.bf16_groups)
-    opt = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
     mine: dict[str, Any] = {}
     for i in range(len(opt.bit16_groups)):
         flat = opt.single_partition_of_fp32_groups[i]
         state = opt.optimizer.state[flat]
         in_partition = opt.params_in_partition[i]
-        if "momentum_buffer" in state:
+        if "momentum_buffer" in state and not opt.cpu_offload:  # offloaded: per element (below)
             buffer = state["momentum_buffer"].detach().cpu()
             offset = 0
             for p in in_partition:
@@ -770,7 +785,7 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
         for p, padding in zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_padding[i]):
             lo, hi = max(start, rank * partition_size), min(start + p.numel(), (rank + 1) * partition_size)
             if lo < hi:
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in (k for k in case.optim_keys if k in state):  # Adam's moments; offloaded: the momentum
                     piece = state[key].detach().cpu()[lo - rank * partition_size : hi - rank * partition_size]
                     mine.setdefault(f"{names_of[id(p)][0]}.{key}", []).append((lo - start, piece.clone()))
             start += p.numel() + padding
@@ -786,16 +801,16 @@ def capture_muon(engine: Any, case: Case, names_of: dict[int, list[str]], params
             pieces = [g[f"{first}.{key}"] for g in gathered if f"{first}.{key}" in g]
             if not pieces:
                 continue
-            if key == "momentum_buffer":
+            if key == "momentum_buffer" and not opt.cpu_offload:  # whole per rank
                 for other in pieces[1:]:
                     assert torch.equal(other, pieces[0]), (first, "ranks hold different momenta")
                 holders[first] = len(pieces)
                 value = pieces[0]  # in the dtype DeepSpeed keeps it (the gradient's: bf16 in a bf16 run)
             else:
-                value = torch.zeros(p.numel(), dtype=torch.float32)
+                value = torch.zeros(p.numel(), dtype=pieces[0][0][1].dtype)  # the state's own dtype
                 for rank_pieces in pieces:
                     for at, piece in rank_pieces:
-                        value[at : at + piece.numel()] = piece.float()
+                        value[at : at + piece.numel()] = piece
                 value = value.view(p.shape)
             for n in names_of[pid]:
                 optim[f"{n}.{key}"] = value.clone().contiguous()

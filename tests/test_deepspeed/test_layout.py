@@ -136,7 +136,11 @@ def test_zero12_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
             saved = inner["single_partition_of_fp32_groups"][g]
             assert saved.numel() == group.saved[rank], (rank, g)
             saved_state = inner["base_optimizer_state"]["state"][g]
-            muon_whole = inner["base_optimizer_state"]["param_groups"][g].get("use_muon") and not bf16_optimizer
+            # Muon's momentum per whole param, except under BF16_Optimizer and an offloaded optimizer
+            offload = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+            muon_whole = inner["base_optimizer_state"]["param_groups"][g].get("use_muon") and not (
+                bf16_optimizer or offload
+            )
             if muon_whole:
                 # DeepSpeed's Muon: the full momentum of each param the partition touches, end to
                 # end in flat order (stage_1_and_2.py _muon_momentum_buffer / get_flat_partition)

@@ -20,7 +20,13 @@ from zckpt.io.reading import FileReader
 from zckpt.ops.verify import verify
 
 # ZeRO-3 and BF16_Optimizer keep the momentum per element, as exp_avg
-MUON = ["z1_bf16_ws2_muon", "z2_fp32_ws3_muon", "z3_bf16_ws2_muon", "z1_bf16_ws3_muon_bf16optimizer"]
+MUON = [
+    "z1_bf16_ws2_muon",
+    "z2_fp32_ws3_muon",
+    "z3_bf16_ws2_muon",
+    "z1_bf16_ws3_muon_bf16optimizer",
+    "z2_fp32_ws3_muon_cpuoffload",
+]
 
 
 def _states_equal_live(name: str, checkpoint: Path) -> int:
@@ -49,8 +55,10 @@ def test_muon_momentum_read_whole_and_its_copies_checked(name: str) -> None:
     )
     state = open_training_state(case.checkpoint)
     # ZeRO-1/2: a param cut between ranks has its full momentum on both; ZeRO-3 keeps one share each
-    bf16_optimizer = (case.meta["ds_config"].get("data_types") or {}).get("grad_accum_dtype") == "fp32"
-    assert bool(state.state_copies) == (case.meta["zero_stage"] != 3 and not bf16_optimizer)
+    config = case.meta["ds_config"]
+    bf16_optimizer = (config.get("data_types") or {}).get("grad_accum_dtype") == "fp32"
+    offload = "offload_optimizer" in config["zero_optimization"]
+    assert bool(state.state_copies) == (case.meta["zero_stage"] != 3 and not bf16_optimizer and not offload)
     report = verify(case.checkpoint)
     assert report.ok and any(c.name == "state copies" and c.ok for c in report.checks) == bool(state.state_copies)
 
@@ -72,7 +80,10 @@ def test_muon_reshard_relays_each_ranks_momentum(name: str, world_size: int, sta
         inner = inner["optimizer_state_dict"]
         torch_state = inner.get("base_optimizer_state") or inner["optimizer_state_dict"]
         for g, group in enumerate(torch_state["param_groups"]):
-            if not group.get("use_muon") or stage == 3 or "zero_stage" not in inner:  # per element (BF16_Optimizer)
+            per_element = (
+                "zero_stage" not in inner or "offload_optimizer" in case.meta["ds_config"]["zero_optimization"]
+            )
+            if not group.get("use_muon") or stage == 3 or per_element:  # BF16_Optimizer, offload: per element
                 continue
             mappings = inner["param_slice_mappings"][g]  # the params this rank's partition touches
             touched = [n for n in model["param_shapes"][g] if n in mappings]
