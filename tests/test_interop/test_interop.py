@@ -122,6 +122,7 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
     ("z1_bf16_ws2_muon", 3, 2),  # z2_fp32_ws3_muon at 2 ranks: test_muon_reshard_loads_and_trains_on
     ("z3_bf16_ws2_muon", 3, 2),  # ZeRO-3's per-element momentum laid out per whole param
     ("z1_bf16_ws3_muon_bf16optimizer", 2, 1),  # BF16_Optimizer's: per element of the partition
+    ("z2_fp32_ws3_muon_cpuoffload", 2, 1),  # an offloaded optimizer's: per element too
 ]
 
 
