@@ -219,6 +219,20 @@ def test_muon_reshard_to_zero3_loads_and_trains_on(tmp_path: Path) -> None:
     assert train["global_steps_after"] == case.meta["steps"] + 1 and all(math.isfinite(x) for x in train["losses_mean"])
 
 
+def test_muon_reshard_into_a_run_offloading_its_optimizer(tmp_path: Path) -> None:
+    """A Muon run without offload (momentum per whole param) resharded for a 2-rank ZeRO-2 run that
+    offloads its optimizer to CPU, which keeps the momentum per element of the partition (and would
+    replace a buffer of another size by zeros): DeepSpeed holds every state as live, and trains on."""
+    case = sample("z2_fp32_ws3_muon")
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+    reshard(case.checkpoint, tmp_path / "out", world_size=2, stage=2, config=offload)
+    live, optim, state = run_probe(
+        case.name, tmp_path / "out", 2, tmp_path / "probe", stage=2, train_steps=1, config_override=offload
+    )
+    _check_loaded(case, live, optim, state, 2, 2)
+    assert state["train"]["global_steps_after"] == case.meta["steps"] + 1
+
+
 def test_resharded_run_continues_like_the_original(tmp_path: Path) -> None:
     """global_step2 of a 2-rank ZeRO-2 run, resharded to 3 ranks at ZeRO-3, then one more step:
     the step counter advances from the saved one and the loss is finite (a continuation, not a
