@@ -223,6 +223,9 @@ DS_TO_UNIVERSAL_UNUSABLE = {
     "z1_bf16_ws2_nadam": "ds_to_universal fails on NAdam: narrow() cannot be applied to a 0-dim tensor (mu_product)",
     "z1_bf16_ws2_muon": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg' (its Muon group keeps none)",
     "z2_fp32_ws3_muon": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg' (its Muon group keeps none)",
+    "z3_bf16_ws2_muon": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg' (its Muon group keeps none)",
+    "z1_bf16_ws3_muon_bf16optimizer": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg'",
+    "z2_fp32_ws3_muon_cpuoffload": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg'",
 }
 # what ds_to_universal leaves out without a word (its merge knows exp_avg and exp_avg_sq only)
 DS_TO_UNIVERSAL_DROPS = {"z3_fp32_ws2_amsgrad": {"max_exp_avg_sq.pt"}}
