@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_output, same_bits
+from helpers import as_saved_to_a_stream, load_output, same_bits
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -175,11 +175,17 @@ def test_reshard_accepts_it(made: Path, tmp_path: Path) -> None:
 def test_a_model_states_file_copied_over_another_is_refused(
     made: Path, tmp_path: Path, source: int, victim: int
 ) -> None:
-    """Its 34-byte frozen slices are all that tells the ranks apart, and they do."""
+    """Saved to a stream (no file name recorded), its 34-byte frozen slices are all that tells the
+    ranks apart, and they do; saved to their paths, as DeepSpeed saves them, the name inside the
+    copy tells first."""
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(made / "checkpoint", checkpoint)
     tag = checkpoint / TAG
     shutil.copyfile(tag / MODEL_STATES[source], tag / MODEL_STATES[victim])
+    with pytest.raises(ZckptError, match=f"was saved as {MODEL_STATES[source]}"):
+        consolidate(checkpoint, tmp_path / "out")
+    for name in MODEL_STATES:
+        as_saved_to_a_stream(tag / name)
     with pytest.raises(ZckptError) as caught:
         consolidate(checkpoint, tmp_path / "out")
     assert caught.value.path == str(tag / MODEL_STATES[max(source, victim)])
