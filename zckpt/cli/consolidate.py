@@ -24,6 +24,7 @@ from .shared import (
     app,
     checkpoint_and_tag,
     emit,
+    source_inputs,
     swap_notes,
     with_progress,
     write_report,
@@ -204,14 +205,9 @@ def consolidate(
     )
     obj = write_report(
         "consolidate",
-        inputs={
-            "checkpoint": str(checkpoint),
-            "tag": index.tag,
-            "zero_stage": index.zero_stage,
-            "world_size": index.world_size,
-            "swap_folder": None if swap_folder is None else str(swap_folder),
-            "merge_into": None if merge_into is None else str(merge_into),
-        },
+        inputs=source_inputs(
+            checkpoint, index, swap_folder, merge_into=None if merge_into is None else str(merge_into)
+        ),
         outputs={
             "output_dir": str(output_dir),
             "format": format.value,

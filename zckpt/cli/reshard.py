@@ -28,6 +28,7 @@ from .shared import (
     checkpoint_and_tag,
     emit,
     primary_process,
+    source_inputs,
     swap_notes,
     with_progress,
     write_report,
@@ -200,13 +201,7 @@ def reshard(
     names = [f"{result.tag}/{name}" for name in result.files] + ["latest", *result.carried]
     obj = write_report(
         "reshard",
-        inputs={
-            "checkpoint": str(checkpoint),
-            "tag": source.tag,
-            "zero_stage": source.zero_stage,
-            "world_size": source.world_size,
-            "swap_folder": None if swap_folder is None else str(swap_folder),
-        },
+        inputs=source_inputs(checkpoint, source, swap_folder),
         outputs={
             "output_dir": str(output_dir),
             "tag": result.tag,

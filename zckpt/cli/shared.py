@@ -253,6 +253,18 @@ def schema(command: str) -> str:
     return f"zckpt.{command}/1"
 
 
+def source_inputs(checkpoint: Path, index: Any, swap_folder: Optional[Path], **more: Any) -> dict[str, Any]:
+    """A writing command's --json "inputs": the checkpoint read, its tag, stage and world size."""
+    return {
+        "checkpoint": str(checkpoint),
+        "tag": index.tag,
+        "zero_stage": index.zero_stage,
+        "world_size": index.world_size,
+        "swap_folder": None if swap_folder is None else str(swap_folder),
+        **more,
+    }
+
+
 def write_report(
     command: str,
     *,

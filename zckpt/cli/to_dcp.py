@@ -23,6 +23,7 @@ from .shared import (
     checkpoint_and_tag,
     emit,
     primary_process,
+    source_inputs,
     swap_notes,
     with_progress,
     write_report,
@@ -116,13 +117,7 @@ def to_dcp(
     notes = swap_notes(swap_folder, source.notes)
     obj = write_report(
         "to-dcp",
-        inputs={
-            "checkpoint": str(checkpoint),
-            "tag": source.tag,
-            "zero_stage": source.zero_stage,
-            "world_size": source.world_size,
-            "swap_folder": None if swap_folder is None else str(swap_folder),
-        },
+        inputs=source_inputs(checkpoint, source, swap_folder),
         outputs={"output_dir": str(output_dir), "dtype": result.dtype.short},
         files=written(output_dir, result.files),
         tensors=result.tensors,

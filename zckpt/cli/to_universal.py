@@ -25,6 +25,7 @@ from .shared import (
     checkpoint_and_tag,
     emit,
     primary_process,
+    source_inputs,
     swap_notes,
     with_progress,
     write_report,
@@ -130,13 +131,7 @@ def to_universal(
     names = [f"{result.tag}/{name}" for name in result.files] + ["latest_universal"]
     obj = write_report(
         "to-universal",
-        inputs={
-            "checkpoint": str(checkpoint),
-            "tag": source.tag,
-            "zero_stage": source.zero_stage,
-            "world_size": source.world_size,
-            "swap_folder": None if swap_folder is None else str(swap_folder),
-        },
+        inputs=source_inputs(checkpoint, source, swap_folder),
         outputs={"output_dir": str(output_dir), "tag": result.tag, "zero_stage": result.target_stage},
         files=written(output_dir, names),
         # each file under zero/ is one tensor (a param's fp32 master or one optimizer state)
