@@ -20,15 +20,20 @@ import threading
 import zipfile
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..core.errors import CorruptFileError
 from .interrupts import uninterrupted
 from .workers import WorkerPool
 
+if TYPE_CHECKING:
+    from .jobs import JobSync
+
 _READ_BYTES = 1 << 20  # checksum reads go through a cache-sized buffer
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _ZIP_MAGIC = b"PK\x03\x04"
 _POLY = 0xEDB88320  # the reflected CRC-32 polynomial (zlib's)
+_GAP_SPLIT_BYTES = 64 << 20  # unread bytes a job shares out are cut this fine (balance)
 
 
 # --- combining CRCs ---------------------------------------------------------------------------
@@ -325,8 +330,15 @@ class RecordChecker:
         for record in self._overlaps(path, offset, length):
             self._add(path, record, 0, 0, None)
 
-    def finish(self, workers: int = 2) -> None:
-        """Check every touched record whole; CorruptFileError naming the first bad one."""
+    def finish(self, workers: int = 2, job: JobSync | None = None) -> None:
+        """Check every touched record whole; CorruptFileError naming the first bad one.
+
+        With a `job` of several processes (torchrun), every process calls this at the same
+        point: the records any of them touched are checked together, each byte read by one
+        process (see :meth:`_finish_in_job`), and every process raises the same error."""
+        if job is not None and not job.alone:
+            self._finish_in_job(job)
+            return
         with self._lock:
             pending = list(self._seen.items())
             self._seen.clear()
@@ -344,6 +356,70 @@ class RecordChecker:
             self._verified.update(key for key, _ in pending)
             self.records_checked += len(pending)
             self.bytes_checked += sum(seen.record.size for _, seen in pending)
+
+    def _finish_in_job(self, job: JobSync) -> None:
+        """The job-wide check. Why: a record split between processes (a ZeRO-3 flat partition
+        that several output files copy parts of) would otherwise be read whole by each of them
+        to be checked. Instead each process shares the CRCs of the pieces it read; the bytes no
+        process read (padding, overlaps) are shared out by size and read by one process each;
+        every process then joins each record's pieces (crc32_combine) and compares. Three
+        collectives: a barrier (a failed process ends it, before any gather), and two gathers
+        between which nothing raises."""
+        job()
+        with self._lock:
+            pending = list(self._seen.items())
+            self._seen.clear()
+        mine = {key: (seen.record, _joined(seen.pieces)) for key, seen in pending}
+        records: dict[tuple[str, int], Record] = {}
+        pieces: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        for found in job.gather(mine):
+            for key, (record, joined) in found.items():
+                records.setdefault(key, record)
+                pieces.setdefault(key, []).extend(joined)
+        keys = sorted(records)
+        covers = {key: _cover(records[key].size, pieces[key]) for key in keys}
+        gaps = [(key, start, length) for key in keys for start, length in covers[key][1]]
+        owner = _share_out([length for _, _, length in gaps], (job.part, job.parts))
+        read, problems = {}, []
+        for index in owner:
+            key, start, length = gaps[index]
+            try:
+                fd = os.open(key[0], os.O_RDONLY)
+                try:
+                    read[index] = checksum_range(fd, key[0], records[key].start + start, length)
+                finally:
+                    os.close(fd)
+            except CorruptFileError as exc:
+                problems.append((index, exc.path, exc.problem))
+            except OSError as exc:
+                problems.append((index, key[0], f"cannot read record {records[key].name}: {exc.strerror or exc}"))
+        found_crcs: dict[int, int] = {}
+        found_problems = []
+        for crcs, bad in job.gather((read, problems)):
+            found_crcs.update(crcs)
+            found_problems.extend(bad)
+        if found_problems:
+            _, path, problem = min(found_problems)
+            raise CorruptFileError(path, problem)
+        gap_crcs = {(gaps[i][0], gaps[i][1]): crc for i, crc in found_crcs.items()}
+        for key in keys:
+            record = records[key]
+            parts = [(s, n, c) for s, n, c in covers[key][0]] + [
+                (s, n, gap_crcs[key, s]) for s, n in covers[key][1]
+            ]
+            crc = 0
+            for _, length, piece_crc in sorted(parts):
+                crc = crc32_combine(crc, piece_crc, length)
+            if crc != record.crc:
+                raise CorruptFileError(
+                    key[0],
+                    f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): "
+                    "the data is corrupted",
+                )
+        with self._lock:
+            self._verified.update(keys)
+            self.records_checked += len(keys)
+            self.bytes_checked += sum(records[key].size for key in keys)
 
     @staticmethod
     def _check(path: str, seen: _Seen) -> CorruptFileError | None:
@@ -385,6 +461,50 @@ class RecordChecker:
                 f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): the data is corrupted",
             )
         return None
+
+
+def _joined(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """A process's pieces of one record, those that follow each other joined into one (fewer
+    to send); a piece overlapping the one before is dropped (its bytes count as unread)."""
+    joined: list[tuple[int, int, int]] = []
+    for start, length, crc in sorted(pieces):
+        if joined and joined[-1][0] + joined[-1][1] == start:
+            first, first_length, first_crc = joined[-1]
+            joined[-1] = (first, first_length + length, crc32_combine(first_crc, crc, length))
+        elif not joined or joined[-1][0] + joined[-1][1] < start:
+            joined.append((start, length, crc))
+    return joined
+
+
+def _cover(size: int, pieces: list[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """Pieces that tile a record of `size` bytes without overlapping, and the gaps they leave
+    ((start, length), cut to at most _GAP_SPLIT_BYTES each)."""
+    used, gaps, position = [], [], 0
+    for start, length, crc in sorted(pieces, key=lambda p: (p[0], -p[1])):
+        if start < position or length <= 0:
+            continue
+        if start > position:
+            gaps.append((position, start - position))
+        used.append((start, length, crc))
+        position = start + length
+    if position < size:
+        gaps.append((position, size - position))
+    cut = [(s + o, min(_GAP_SPLIT_BYTES, n - o)) for s, n in gaps for o in range(0, n, _GAP_SPLIT_BYTES)]
+    return used, cut
+
+
+def _share_out(sizes: list[int], position: tuple[int, int]) -> list[int]:
+    """The indices of `sizes` process position[0] of position[1] reads: biggest first, each to
+    the least loaded process (every process computes the same split)."""
+    part, parts = position
+    load = [0] * parts
+    mine = []
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        chosen = min(range(parts), key=lambda p: (load[p], p))
+        load[chosen] += sizes[index]
+        if chosen == part:
+            mine.append(index)
+    return mine
 
 
 def check_archive(path: str, workers: int = 1) -> tuple[int, int, str | None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 from ..core.errors import OutputError
 from .interrupts import exit_without_teardown, waiting_on_other_processes
@@ -24,12 +24,23 @@ class JobSync:
     goes on, in short collectives rather than one as long as the wait.
 
     `max_of(value)` is an all-reduce (max) over the job's processes; None for a process alone.
-    `path` is the output the job writes, named in the error.
+    `gather_of(value)` every process's `value` (an all-gather of small picklable objects, in
+    process order). `path` is the output the job writes, named in the error; `part` is this
+    process's index among the job's `parts`.
     """
 
-    def __init__(self, max_of: Callable[[int], int] | None, path: str) -> None:
+    def __init__(
+        self,
+        max_of: Callable[[int], int] | None,
+        path: str,
+        gather_of: Callable[[Any], list[Any]] | None = None,
+        part: int = 0,
+        parts: int = 1,
+    ) -> None:
         self.max_of = max_of
+        self.gather_of = gather_of
         self.path = path
+        self.part, self.parts = part, parts  # this process, and how many share the job
         self._told = False  # this process has said it failed, or heard another did: no more collectives
 
     def __call__(self) -> None:
@@ -44,6 +55,19 @@ class JobSync:
                 )
             if news == _GO:
                 return
+
+    @property
+    def alone(self) -> bool:
+        """Whether this process works alone (no gathers: a job of one, or a barrier only)."""
+        return self.gather_of is None
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's `value`, in process order ([value] alone). A collective: every
+        process calls it at the same point, after a barrier (:meth:`__call__`) has told them
+        that none failed, and nothing between the two may raise."""
+        if self.gather_of is None:
+            return [value]
+        return self.gather_of(value)
 
     def waiting(self) -> None:
         """Process 0, between tries of a lock held by another run: the others keep waiting."""
@@ -77,10 +101,17 @@ def job_share(path: str) -> tuple[int, int, JobSync]:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
+    def gather_of(value: Any) -> list[Any]:
+        found: list[Any] = [None] * dist.get_world_size()
+        with waiting_on_other_processes():
+            dist.all_gather_object(found, value)
+        return found
+
     if not dist.is_initialized():
         with waiting_on_other_processes():
             dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), JobSync(max_of, path)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    return rank, size, JobSync(max_of, path, gather_of, rank, size)
 
 
 def leave_job(code: int) -> None:

@@ -254,7 +254,7 @@ class _Slot:
 class StreamWriter:
     """Writes TensorSources into an open file descriptor at its current position.
 
-    Bytes that need no conversion move file to file in the kernel. The others stream in small
+    Bytes that need no conversion and no checksum move file to file in the kernel. The others stream in small
     chunks (STREAM_CHUNK_BYTES) through a few reused buffers: the helper threads read, checksum
     and convert up to _IN_FLIGHT chunks at once while this thread writes the finished ones in
     order. pread, zlib.crc32, numpy's ufuncs and write all release the GIL, so on 2 cores a
@@ -271,7 +271,10 @@ class StreamWriter:
     def write(self, fd: int, source: TensorSource, dtype: DType) -> None:
         """Append `source`'s elements to `fd`, converted to `dtype`."""
         segments = source.segments
-        if dtype == source.dtype and self._kernel_copy:
+        # Checked bytes are read once, here: checksummed in the buffer they are written from. A
+        # kernel copy would need a second read of each byte to checksum it (twice the reads of
+        # the input, and under torchrun more than each process's share: issue 36).
+        if dtype == source.dtype and self._kernel_copy and self.reader.checker is None:
             for index, segment in enumerate(segments):
                 if not self._copy(fd, segment.path, segment.offset, segment.numel * dtype.itemsize):
                     segments = segments[index:]  # nothing of it written: stream it and the rest

@@ -44,6 +44,7 @@ from ..core.state import ScalarState, TrainingState
 from ..deepspeed.optimizers import deepspeed_adam_w_mode
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import share_of
+from ..io.checksums import RecordChecker
 from ..io.interrupts import signals_deferred
 from ..io.jobs import JobFailed, job_share
 from ..io.materialize import read_scalar, read_tensor
@@ -393,10 +394,13 @@ def to_dcp(
             staged = True
         sync()
         staged = True  # process 0 made it for this job
-        with FileReader(verify=verify) as reader:
+        checker = RecordChecker() if verify else None
+        with FileReader(verify=False, checker=checker) as reader:
             _write_data(folder.path(data_file(part)), layout.files[part], reader, advance)
             if part == 0:
                 sidecar = json.dumps(train_state(source, reader), indent=2, allow_nan=False) + "\n"
+        if checker is not None:  # the input records this job read, each byte by one process
+            checker.finish(job=sync)
         if part == 0:
             _write_file(folder.path(METADATA_FILE), metadata_bytes(layout.items, checkpoint_id=output_dir))
             _write_file(folder.path(TRAIN_STATE_FILE), sidecar.encode("utf-8"))

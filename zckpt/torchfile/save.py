@@ -16,7 +16,6 @@ the same file.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import math
 import os
@@ -76,9 +75,7 @@ __all__ = [
 ]
 
 _PARALLEL_CRC_BYTES = 1 << 20  # chunks from this size on are checksummed while being written
-_KERNEL_COPY_MIN_BYTES = 1 << 20  # smaller parts are not worth a mapping and a system call
 _DIRECT_READ_BYTES = 4 << 20  # one read (and one checksum task) into a direct file's buffer
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
 
 @dataclass(frozen=True)
@@ -234,8 +231,8 @@ def write_raw(
     path: str | os.PathLike[str], plan: RawPlan, reader: FileReader, progress: Callable[[int], None] | None = None
 ) -> None:
     """Write the planned raw file at `path` (created or truncated), through the same stream as
-    archive storages: one reused buffer, kernel copies where no conversion is needed, every
-    source byte read once (and CRC-checked by the reader's checker)."""
+    archive storages: one reused buffer, every source byte read once (and CRC-checked by the
+    reader's checker)."""
     fd, direct = open_output(path, plan.total_size)
     try:
         with WorkerPool(3 if direct else 2, "zckpt-torchsave") as helpers:
@@ -290,6 +287,11 @@ class _TensorStream:
     and zlib.crc32 all release the GIL, so this runs at the speed of the slowest of the three
     rather than of their sum.
 
+    No kernel-side copies (copy_file_range): every byte's CRC-32 is needed for its output record
+    (and for its input record's check), so a kernel copy costs a second read of each byte; read
+    into the buffer they are written from, bytes are read once per job (issue 36: a torchrun
+    process's reads no more than its share).
+
     With `direct` (an O_DIRECT descriptor, :mod:`zckpt.io.direct_write`), bytes are read straight
     into the aligned buffers that are written to the disk, checksummed there on a helper thread:
     one copy per byte, none through the page cache.
@@ -300,7 +302,6 @@ class _TensorStream:
     ) -> None:
         self.fd, self.reader, self.progress, self.helpers = fd, reader, progress, helpers
         self._buffer: np.ndarray | None = None
-        self.kernel_copy = hasattr(os, "copy_file_range")
         self.direct = DirectFile(fd, helpers) if direct else None
 
     def put(self, data: bytes | bytearray | memoryview) -> None:
@@ -352,10 +353,6 @@ class _TensorStream:
             nbytes = part.segment.numel * source.itemsize
             if self.direct is not None:
                 return self._direct_copy(part.segment.path, part.segment.offset, nbytes, crc)
-            if self.kernel_copy and nbytes >= _KERNEL_COPY_MIN_BYTES:
-                kernel = self._kernel_copy(part.segment.path, part.segment.offset, nbytes, crc)
-                if kernel is not None:
-                    return kernel
             for view in self._read_ahead(part.segment, source.itemsize, CHUNK_BYTES // 2):
                 crc = self._emit(view, crc)
             return crc
@@ -364,43 +361,6 @@ class _TensorStream:
         for view in self._read_ahead(part.segment, source.itemsize, chunk):
             out = convert(np.frombuffer(view, dtype=np.dtype(source.numpy_raw)), source, dtype)
             crc = self._emit(memoryview(np.ascontiguousarray(out)).cast("B"), crc)
-        return crc
-
-    def _kernel_copy(self, path: str, offset: int, nbytes: int, crc: int) -> int | None:
-        """Move bytes that need no conversion file to file in the kernel (copy_file_range), and
-        checksum them on a helper thread that reads the same window through a small buffer
-        (pread of page-cache pages into a cache-sized buffer costs less than mapping them).
-        None: nothing was written and the filesystem cannot do it (the caller falls back to
-        reading and writing)."""
-        src = self.reader.descriptor(path)
-        if os.fstat(src).st_size < offset + nbytes:
-            raise CorruptFileError(path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner")
-        done = 0
-        while done < nbytes:
-            count = min(CHUNK_BYTES // 2, nbytes - done)
-            position = offset + done
-            pending = self.helpers.submit(checksum_range, src, path, position, count)
-            copied = 0
-            try:
-                while copied < count:
-                    moved = os.copy_file_range(src, self.fd, count - copied, position + copied)
-                    if moved == 0:
-                        raise CorruptFileError(
-                            path, f"truncated: {nbytes} bytes expected at offset {offset}, file ends sooner"
-                        )
-                    copied += moved
-            except OSError as exc:
-                pending.result()
-                if done == 0 and copied == 0 and exc.errno in _NO_KERNEL_COPY:
-                    self.kernel_copy = False
-                    return None
-                raise
-            window = pending.result()
-            crc = crc32_combine(crc, window, count)
-            if self.reader.checker is not None:  # the same bytes check the input record too
-                self.reader.checker.feed_crc(path, position, count, window)
-            self.progress(count)
-            done += count
         return crc
 
     def _direct_copy(self, path: str, offset: int, nbytes: int, crc: int) -> int:
