@@ -430,6 +430,7 @@ class StagedOutput:
         needed_bytes: int = 0,
         wait: bool = False,
         weights_folder: bool = True,
+        while_waiting: Callable[[], None] | None = None,
     ) -> None:
         self.output_dir = output_dir
         self.final_names = list(final_names)
@@ -438,7 +439,7 @@ class StagedOutput:
         self._weights_re = _WEIGHTS_FILE_RE if weights_folder else None
         self.overwrite = overwrite
         self.needed_bytes = needed_bytes
-        self._lock = OutputLock(output_dir, wait=wait)
+        self._lock = OutputLock(output_dir, wait=wait, while_waiting=while_waiting)  # see OutputLock
         self._temps: dict[str, str] = {}
         self._stale: list[str] = []
 
