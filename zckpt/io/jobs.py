@@ -10,6 +10,10 @@ from ..core.errors import OutputError
 from .interrupts import exit_without_teardown, waiting_on_other_processes
 
 _GO, _WAITING, _FAILED = 0, 1, 2  # what a process brings to a barrier; the highest wins
+GONE = (
+    "another process of this job stopped answering (killed, or its node lost); "
+    "the folder holds the previous output or the whole new one"
+)
 
 
 class JobFailed(OutputError):
@@ -27,6 +31,13 @@ class JobSync:
     `gather_of(value)` every process's `value` (an all-gather of small picklable objects, in
     process order). `path` is the output the job writes, named in the error; `part` is this
     process's index among the job's `parts`.
+
+    A process that dies without a word (SIGKILL, its node lost) cannot say it failed: the others
+    learn it from the collective they wait in, which fails (gloo: "Connection closed by peer")
+    and raises :class:`JobFailed` too, not an internal error. So a worker that was not told
+    leaves the staging folder alone (process 0 may be the one gone, its lock free, the staging
+    folder soon another run's), and each process's line says the job's output is whole or the
+    previous one (what the dead process left, the next run removes).
     """
 
     def __init__(
@@ -46,7 +57,7 @@ class JobSync:
     def __call__(self) -> None:
         """Wait until every process arrives; raise if one of them failed."""
         while self.max_of is not None:
-            news = self.max_of(_GO)
+            news = self._collective(self.max_of, _GO)
             if news == _FAILED:
                 self._told = True
                 raise JobFailed(
@@ -67,12 +78,20 @@ class JobSync:
         that none failed, and nothing between the two may raise."""
         if self.gather_of is None:
             return [value]
-        return self.gather_of(value)
+        return self._collective(self.gather_of, value)
 
     def waiting(self) -> None:
         """Process 0, between tries of a lock held by another run: the others keep waiting."""
         if self.max_of is not None:
-            self.max_of(_WAITING)
+            self._collective(self.max_of, _WAITING)
+
+    def _collective(self, call: Callable[[Any], Any], value: Any) -> Any:
+        """`call(value)`; a collective failing because a process of the job is gone: JobFailed."""
+        try:
+            return call(value)
+        except RuntimeError:  # torch's DistBackendError is one: a peer's connection closed, or a timeout
+            self._told = True  # no more collectives: their peers are gone
+            raise JobFailed(self.path, GONE) from None
 
     def fail(self) -> None:
         """Tell the others this process failed, once; they hear it in the barrier they wait in.
