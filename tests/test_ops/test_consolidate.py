@@ -182,3 +182,35 @@ def test_samples_cover_the_promised_matrix() -> None:
     assert any(s.meta["frozen"] for s in SAMPLE_LIST) and any(s.meta["tied"] for s in SAMPLE_LIST)
     assert any(s.meta["param_groups"] > 1 for s in SAMPLE_LIST)
     assert any((s.meta.get("n_fp32_sub_groups") or 1) > 1 for s in SAMPLE_LIST)
+
+
+def test_torch_format_equals_torch_save_at_the_final_path(tmp_path: Path) -> None:
+    """Each torch shard is written under a temporary name, but named inside (its archive name)
+    as torch.save names a file at its final path: the bytes equal torch.save's there."""
+    case = sample("z3_fp32_ws2_tied_frozen")
+    consolidate(case.checkpoint, tmp_path / "out", format="torch", max_shard_size="3KB")
+    shards = sorted((tmp_path / "out").glob("pytorch_model-*.bin"))
+    assert len(shards) > 1
+    for shard in shards:
+        again = tmp_path / "again" / shard.name
+        again.parent.mkdir(exist_ok=True)
+        torch.save(torch.load(shard, weights_only=True), again)
+        assert again.read_bytes() == shard.read_bytes(), shard.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("format", ["safetensors", "torch"])
+def test_torchrun_processes_split_the_shards_byte_identically(tmp_path: Path, format: str) -> None:
+    """`torchrun --nproc-per-node 2 -m zckpt consolidate`: the processes write their share of
+    the shards into one folder; the result equals the single-process run byte for byte."""
+    from helpers import run_zckpt_torchrun
+
+    case = sample("z3_fp32_ws2_tied_frozen")
+    consolidate(case.checkpoint, tmp_path / "single", format=format, max_shard_size="3KB")
+    result = run_zckpt_torchrun(
+        "consolidate", str(case.checkpoint), str(tmp_path / "multi"), "--format", format, "--max-shard-size", "3KB"
+    )
+    assert result.stdout.count("wrote ") == 1  # only the first process reports
+    single = {p.name: p.read_bytes() for p in (tmp_path / "single").iterdir()}
+    multi = {p.name: p.read_bytes() for p in (tmp_path / "multi").iterdir()}
+    assert len(single) > 3 and single == multi

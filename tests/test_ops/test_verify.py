@@ -236,3 +236,44 @@ def test_scan_finds_nan_and_inf(tmp_path: Path) -> None:
 def test_missing_path_is_bad_input(tmp_path: Path) -> None:
     code, output = run_cli(str(tmp_path / "nothing"))
     assert code == 1 and "no such file" in output
+
+
+def test_records_checked_in_pieces_say_what_whole_records_say(tmp_path: Path, monkeypatch) -> None:
+    """verify cuts records into pieces (shared by threads and torchrun processes) and joins their
+    CRC-32s: the counts and the problem named equal check_archive's, which reads records whole."""
+    from zckpt.io.checksums import check_archive
+    from zckpt.ops import verify as verify_module
+
+    checkpoint, tag = _copy(tmp_path, "z2_bf16_ws3_frozen_groups")
+    victim = sorted(tag.glob("*optim_states.pt"))[0]
+    info = max(data_records(victim), key=lambda i: i.file_size)
+    flip(victim, record_start(victim, info) + info.file_size - 3)  # in the record's last piece
+    monkeypatch.setattr(verify_module, "_PIECE_BYTES", 1000)
+    files = sorted(str(p) for p in tag.glob("*.pt"))
+    pieces = verify_module._archive_crcs(files, 2, verify_module.job_share(str(checkpoint))[2])
+    assert pieces == [check_archive(f) for f in files]
+    assert pieces[files.index(str(victim))][2] is not None and "CRC-32" in pieces[files.index(str(victim))][2]
+
+
+@pytest.mark.slow
+def test_torchrun_processes_share_the_reading_with_the_same_report(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m zckpt verify`: each process checks its share of the
+    records; the first prints the report one process prints, and every process exits alike."""
+    import re
+
+    from helpers import run_zckpt_torchrun
+
+    checkpoint, tag = _copy(tmp_path, "z3_fp32_ws2_tied_frozen")
+    for damaged in (False, True):
+        if damaged:
+            victim = sorted(tag.glob("*optim_states.pt"))[-1]
+            info = max(data_records(victim), key=lambda i: i.file_size)
+            flip(victim, record_start(victim, info) + info.file_size // 3)
+        code, single = run_cli(str(checkpoint), "--scan")
+        multi = run_zckpt_torchrun("verify", str(checkpoint), "--scan", check=False)
+        assert multi.stdout == single, (multi.stdout, single)
+        if not damaged:
+            assert code == 0 and multi.returncode == 0, multi.stderr[-2000:]
+        else:  # torchrun says each process's exit code
+            assert code == 3 and re.findall(r"^\s*exitcode\s*:\s*(\d+)", multi.stderr, re.M) == ["3", "3"], multi.stderr[-2000:]
+            assert f"problem: {victim}: record " in single and "fails its CRC-32 check" in single

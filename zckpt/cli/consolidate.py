@@ -24,6 +24,7 @@ from .shared import (
     app,
     checkpoint_and_tag,
     emit,
+    primary_process,
     source_inputs,
     swap_notes,
     with_progress,
@@ -56,7 +57,9 @@ def file_list(files: tuple[str, ...]) -> str:
         "  zckpt consolidate runs/ckpt/global_step500 out/ --format torch\n"
         "  zckpt consolidate out/checkpoint-500 adapter/   # PEFT run: adapter folder\n"
         "  zckpt consolidate checkpoints/ out/ -f lightning   # lightning_model.pt\n"
-        "  zckpt consolidate out/checkpoint-500 merged/ --merge-into base-model/\n\n"
+        "  zckpt consolidate out/checkpoint-500 merged/ --merge-into base-model/\n"
+        "  # on a cluster the processes split the shards (one shard: one process):\n"
+        "  torchrun --nproc-per-node 8 ... -m zckpt consolidate big/ out/ --max-shard-size 2GB\n\n"
         "zero_to_fp32.py's spellings work too: --max_shard_size, --exclude_frozen_parameters, "
         "-t, -d/--debug, and --safe_serialization (safetensors is the default here)."
     ),
@@ -171,9 +174,10 @@ def consolidate(
         fail(f"--safe_serialization asks for safetensors, but --format {format.value} was given", EXIT_USAGE)
     target = guarded(lambda: output_dtype(dtype), debug) if dtype is not None else None
     checkpoint, tag = checkpoint_and_tag(checkpoint, tag, debug)
+    primary = primary_process()
     timer = Timer()
     result = with_progress(
-        quiet or as_json,
+        quiet or as_json or not primary,
         "consolidating",
         lambda progress: run_consolidate(
             checkpoint,
@@ -195,6 +199,8 @@ def consolidate(
         ),
         debug,
     )
+    if not primary:  # the first process of a torchrun job reports
+        return
     index = result.index
     notes = [n for n in index.notes if n.startswith(RUN_FOLDER_NOTES) or n == LEGACY_NOTE]
     notes += [n for n in swap_notes(swap_folder, index.notes) if n not in notes]

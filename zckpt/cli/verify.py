@@ -24,6 +24,7 @@ from .shared import (
     app,
     default_workers,
     emit,
+    primary_process,
     schema,
 )
 
@@ -39,7 +40,9 @@ if TYPE_CHECKING:
         "  zckpt verify runs/ckpt                # every file, CRC, rank, state\n"
         "  zckpt verify runs/ckpt --scan         # also NaN/Inf in every tensor\n"
         "  zckpt verify uc/global_step500_universal\n"
-        "  zckpt verify out/ --json | jq .ok"
+        "  zckpt verify out/ --json | jq .ok\n"
+        "  # on a cluster the processes split the reading (the first one reports):\n"
+        "  torchrun --nproc-per-node 8 ... -m zckpt verify big/"
     ),
 )
 def verify(
@@ -88,7 +91,13 @@ def verify(
         ),
         debug,
     )
-    emit(as_json, quiet, {"schema": schema("verify"), **report.as_dict()}, None if as_json or quiet else render(report))
+    if primary_process():  # the first process of a torchrun job reports; every one exits alike
+        emit(
+            as_json,
+            quiet,
+            {"schema": schema("verify"), **report.as_dict()},
+            None if as_json or quiet else render(report),
+        )
     if not report.ok:
         raise typer.Exit(EXIT_INCOMPLETE)
 

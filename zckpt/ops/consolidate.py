@@ -13,12 +13,14 @@ which a PEFT run's checkpoint gets instead.
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Callable, Literal
 
 from ..core.dtypes import FP32, DTypeLike, output_dtype
 from ..core.errors import LayoutError, UsageError
+from ..core.index import CheckpointIndex
 from ..core.run_folders import TRAINER_CHECKPOINT_RE
 from ..deepspeed.reader import open_checkpoint, open_training_state
+from ..io.jobs import job_share
 from ..io.output import refuse_output_inside_input
 from .formats import FORMATS, SAFETENSORS, WeightsFormat, find_format
 from .lightning import LIGHTNING, LIGHTNING_FILE, consolidate_lightning, without_legacy_prefix
@@ -71,6 +73,12 @@ def consolidate(
 
     One writer per output folder: another zckpt run writing `output_dir` makes this one refuse
     (an OutputError naming it), or with `wait` wait for it to end.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the processes share the weights files, each reading only
+    what its files hold (see :func:`~zckpt.ops.weights_folder.write_consolidated`); the output is
+    the one a single process writes. The split is by file: a single-file output (one shard, a
+    PEFT adapter) is written by one process, as are Lightning's file and a PEFT merge (process 0;
+    the others wait for it).
     """
     _refuse_file_name(os.fspath(output_dir), format)
     if optimizer_states and format != LIGHTNING:
@@ -92,30 +100,41 @@ def consolidate(
             raise UsageError(
                 None, "--format lightning writes Lightning's whole-model checkpoint; it takes no PEFT options"
             )
-        return consolidate_lightning(
+        written = _first_process_writes(
+            os.fspath(output_dir),
+            index,
+            lambda: consolidate_lightning(
+                index,
+                os.fspath(output_dir),
+                dtype=None if dtype is None else output_dtype(dtype),
+                exclude_frozen=exclude_frozen,
+                state=state,
+                overwrite=overwrite,
+                progress=progress,
+                verify=verify,
+                wait=wait,
+            ),
+        )
+        assert written is not None  # consolidate_lightning always writes
+        return written
+
+    def peft_output() -> ConsolidationResult | None:
+        return consolidate_peft(
             index,
             os.fspath(output_dir),
-            dtype=None if dtype is None else output_dtype(dtype),
-            exclude_frozen=exclude_frozen,
-            state=state,
+            peft=peft,
+            merge_into=merge_into,
+            dtype=dtype,
+            format=format,
+            max_shard_size=max_shard_size,
             overwrite=overwrite,
             progress=progress,
             verify=verify,
             wait=wait,
         )
-    done = consolidate_peft(
-        index,
-        os.fspath(output_dir),
-        peft=peft,
-        merge_into=merge_into,
-        dtype=dtype,
-        format=format,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        progress=progress,
-        verify=verify,
-        wait=wait,
-    )
+
+    # a merge computes its tensors: one process writes it (an adapter folder is shared out)
+    done = peft_output() if merge_into is None else _first_process_writes(os.fspath(output_dir), index, peft_output)
     if done is not None:
         return done
     dtype = FP32 if dtype is None else dtype
@@ -125,6 +144,31 @@ def consolidate(
     return write_consolidated(
         index, plan, os.fspath(output_dir), overwrite=overwrite, progress=progress, verify=verify, wait=wait
     )
+
+
+def _first_process_writes(
+    output_dir: str, index: CheckpointIndex, write: Callable[[], ConsolidationResult | None]
+) -> ConsolidationResult | None:
+    """`write()` on process 0 of a torchrun job, the others waiting for it and returning what it
+    wrote (their own `index`); `write()` itself for a process alone."""
+    part, parts, sync = job_share(output_dir)
+    if parts == 1:
+        return write()
+    result = None
+    try:
+        if part == 0:
+            result = write()
+        sync()
+    except BaseException:
+        sync.fail()
+        raise
+    summary = sync.gather(
+        None if result is None else (result.files, result.tensors, result.bytes_written, result.dtype, result.peft)
+    )[0]
+    if result is not None or summary is None:
+        return result
+    files, tensors, written, dtype, peft = summary
+    return ConsolidationResult(output_dir, files, tensors, written, index, dtype, peft)
 
 
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")

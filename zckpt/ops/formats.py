@@ -76,9 +76,16 @@ class WeightsFormat:
         return 0
 
     def write(
-        self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance
+        self,
+        path: str,
+        tensors: Sequence[ShardTensor],
+        tied: dict[str, str],
+        reader: FileReader,
+        advance: Advance,
+        name: str | None = None,
     ) -> None:
-        """Stream one file at `path` (created or truncated), one tensor at a time."""
+        """Stream one file at `path` (created or truncated), one tensor at a time; `name`: the
+        file's final name, when `path` is a temporary one renamed afterwards."""
         raise NotImplementedError
 
 
@@ -92,7 +99,13 @@ class SafetensorsFormat(WeightsFormat):
         return len(safetensors_header(tensors, tied))
 
     def write(
-        self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance
+        self,
+        path: str,
+        tensors: Sequence[ShardTensor],
+        tied: dict[str, str],
+        reader: FileReader,
+        advance: Advance,
+        name: str | None = None,
     ) -> None:
         writer = StreamWriter(reader, advance)
         write_safetensors(
@@ -103,7 +116,13 @@ class SafetensorsFormat(WeightsFormat):
 @dataclass(frozen=True)
 class TorchFormat(WeightsFormat):
     def write(
-        self, path: str, tensors: Sequence[ShardTensor], tied: dict[str, str], reader: FileReader, advance: Advance
+        self,
+        path: str,
+        tensors: Sequence[ShardTensor],
+        tied: dict[str, str],
+        reader: FileReader,
+        advance: Advance,
+        name: str | None = None,
     ) -> None:
         shard: dict[str, OutTensor] = {}
         for tensor in tensors:
@@ -112,7 +131,8 @@ class TorchFormat(WeightsFormat):
                 continue
             parts = tuple(Copy(s, tensor.source.dtype) for s in tensor.source.segments)
             shard[tensor.name] = OutTensor(tensor.dtype, tuple(tensor.source.shape), parts)
-        plan = plan_archive(shard, archive_name_for(path))  # named as torch.save names a file at `path`
+        # named as torch.save names a file at its final path, not after the temporary one
+        plan = plan_archive(shard, archive_name_for(os.path.join(os.path.dirname(path), name) if name else path))
         plan = replace(plan, serialization_id=torch_serialization_id(dict(plan.storages), reader))
         write_archive(path, plan, reader, advance)
 

@@ -7,6 +7,8 @@ Outputs write each name once; this is the check that the copy left out was the s
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..core.index import CheckpointIndex, Entry
 from ..core.state import TrainingState
 from ..io.materialize import unequal_elements
@@ -46,7 +48,9 @@ def replica_problems(index: CheckpointIndex, reader: FileReader | None = None) -
     return problems
 
 
-def rounded_copy_problems(index: CheckpointIndex, reader: FileReader | None = None) -> list[str]:
+def rounded_copy_problems(
+    index: CheckpointIndex, reader: FileReader | None = None, differences: Sequence[str | None] | None = None
+) -> list[str]:
     """One line per file whose 16-bit copies are not all their masters rounded to the copy's
     dtype (round to nearest even, as the optimizer's copy back does after each step). A
     model-states, layer or expert file of another step than the optimizer files (or a damaged
@@ -59,20 +63,24 @@ def rounded_copy_problems(index: CheckpointIndex, reader: FileReader | None = No
     (bf16_optimizer.py:431, 593-597), FP16_Optimizer (fp16/fused_optimizer.py:364) and
     FP16_UnfusedOptimizer (fp16/unfused_optimizer.py:239) do the same. Not under ZenFlow
     (zenflow/zenflow_stage_1_and_2.py: its selective optimizer updates the 16-bit weights of
-    important columns between the masters' updates): verify does not run this check there."""
+    important columns between the masters' updates): verify does not run this check there.
+
+    `differences`: each of ``index.rounded_copies``' :func:`rounding_difference`, worked out
+    elsewhere (verify shares them between the processes of a torchrun job); nothing is read then."""
+    if differences is None:
+        own = reader is None
+        reader = reader or FileReader()
+        try:
+            differences = [rounding_difference(reader, master, copy) for copy, master in index.rounded_copies]
+        finally:
+            if own:
+                reader.close()
     by_file: dict[str, list[tuple[Entry, Entry, str]]] = {}
     counted: dict[str, int] = {}
-    own = reader is None
-    reader = reader or FileReader()
-    try:
-        for copy, master in index.rounded_copies:
-            counted[_where(copy)] = counted.get(_where(copy), 0) + 1
-            differs = _rounding_difference(reader, master, copy)
-            if differs:
-                by_file.setdefault(_where(copy), []).append((copy, master, differs))
-    finally:
-        if own:
-            reader.close()
+    for (copy, master), differs in zip(index.rounded_copies, differences):
+        counted[_where(copy)] = counted.get(_where(copy), 0) + 1
+        if differs:
+            by_file.setdefault(_where(copy), []).append((copy, master, differs))
     problems = []
     for path, wrong in by_file.items():
         copy, master, differs = wrong[0]
@@ -85,7 +93,7 @@ def rounded_copy_problems(index: CheckpointIndex, reader: FileReader | None = No
     return problems
 
 
-def _rounding_difference(reader: FileReader, master: Entry, copy: Entry) -> str | None:
+def rounding_difference(reader: FileReader, master: Entry, copy: Entry) -> str | None:
     """How `copy` differs from `master` rounded to its dtype, or None when every bit agrees."""
     numel = copy.source.numel
     if master.source.numel != numel:

@@ -17,26 +17,31 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from ..core.dtypes import BF16, FP16, FP32, DType
-from ..core.errors import CheckpointNotFoundError, UsageError, ZckptError
-from ..core.index import Segment, TensorSource
+from ..core.errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
+from ..core.index import Entry, Segment, TensorSource
 from ..core.sizes import format_size
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.reader import survey
+from ..deepspeed.save import share_of
 from ..deepspeed.survey import Survey
-from ..io.checksums import check_archive
+from ..io.checksums import Record, archive_records, checksum_range, crc32_combine
+from ..io.jobs import JobSync, job_share
 from ..io.materialize import CHUNK_BYTES
 from ..io.output import find_leftovers
 from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
 from ..torchfile.legacy import is_legacy_torch_file
 from .classify import Kind, classify
-from .replicas import replica_problems, rounded_copy_problems, state_copy_problems
+from .replicas import replica_problems, rounded_copy_problems, rounding_difference, state_copy_problems
 from .tensor_sources import open_tensors
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,33 @@ def verify(
     weights: a folder, a .safetensors, a .index.json or a torch .bin, or a live ZeRO-Infinity
     swap folder) and report every problem. A swap folder is checked against the layout of
     `checkpoint`; ``verify(CHECKPOINT, swap_folder=NVME_PATH)`` is the same check. `tp_rules`: a
-    ``--tp-rules`` file, for a tensor-parallel run that records no merge rules."""
+    ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the processes share the reading: the CRC-32 checks (each
+    byte of every record read by one process) and with `scan` the tensors, sizes balanced; the
+    checks that read only the files' metadata run on every process. Every process returns the
+    report one process alone would give."""
     path = os.fspath(path)
+    _, _, job = job_share(path)
+    try:
+        report = _verify(path, tag, scan, workers, checkpoint, swap_folder, tp_rules, job)
+        job()  # every process has its report (or hears that one failed)
+    except BaseException:
+        job.fail()
+        raise
+    return report
+
+
+def _verify(
+    path: str,
+    tag: str | None,
+    scan: bool,
+    workers: int,
+    checkpoint: str | os.PathLike[str] | None,
+    swap_folder: str | os.PathLike[str] | None,
+    tp_rules: str | os.PathLike[str] | None,
+    job: JobSync,
+) -> VerifyReport:
     found = classify(path)
     if found.kind is Kind.MISSING:
         raise CheckpointNotFoundError(path, "no such file or directory")
@@ -118,21 +148,21 @@ def verify(
                 path,
                 "give the checkpoint either as PATH with --swap-folder, or with --checkpoint and the swap folder as PATH",
             )
-        return _verify_swap_folder(os.fspath(swap_folder), path, tag, scan, workers)
+        return _verify_swap_folder(os.fspath(swap_folder), path, tag, scan, workers, job)
     if found.kind is Kind.SWAP_FOLDER:
-        return _verify_swap_folder(path, checkpoint, tag, scan, workers)
+        return _verify_swap_folder(path, checkpoint, tag, scan, workers, job)
     if checkpoint is not None:
         raise UsageError(path, "--checkpoint goes with a swap folder as PATH (<nvme_path> or its zero_stage_3/)")
     if not found.is_checkpoint:
-        return _verify_weights(path, scan, workers)
-    return _verify_checkpoint(path, tag, scan, workers, tp_rules)
+        return _verify_weights(path, scan, workers, job)
+    return _verify_checkpoint(path, tag, scan, workers, job, tp_rules)
 
 
 # --- ZeRO checkpoints and universal folders ---------------------------------------------------
 
 
 def _verify_checkpoint(
-    path: str, tag: str | None, scan: bool, workers: int, tp_rules: str | os.PathLike[str] | None = None
+    path: str, tag: str | None, scan: bool, workers: int, job: JobSync, tp_rules: str | os.PathLike[str] | None = None
 ) -> VerifyReport:
     found = survey(path, tag, tp_rules=tp_rules)
     findings = _Findings()
@@ -152,7 +182,7 @@ def _verify_checkpoint(
             [left.describe() for left in find_leftovers(folder) if left.alive is False],
             "no leftovers of an interrupted zckpt run",
         )
-    _check_crcs(files, findings, workers)
+    _check_crcs(files, findings, workers, job)
     state = found.state
     if state is not None and not found.universal:
         _check_identity(found, findings)
@@ -186,7 +216,7 @@ def _verify_checkpoint(
             kinds = sorted({copy.source.dtype.name for copy, _ in copies})
             findings.add(
                 "module weights",
-                rounded_copy_problems(state.index),
+                rounded_copy_problems(state.index, differences=_rounding_differences(copies, workers, job)),
                 f"{len(copies)} {'/'.join(kinds)} weights of the module (model-states, layer and expert files) "
                 "are their masters rounded (the optimizer's copy of the same step)",
             )
@@ -197,7 +227,7 @@ def _verify_checkpoint(
             findings.add(name, [], "", skipped="not run: " + (why or "the layout has problems"))
     if scan:
         sources = _checkpoint_sources(found)
-        findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
+        findings.add("values", _scan(sources, workers, job), f"no NaN or Inf in {len(sources)} tensors")
     needs = _needs(found) if found.complete else ()
     return VerifyReport(
         path,
@@ -236,15 +266,14 @@ def _size(path: str) -> int:
         return 0
 
 
-def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
+def _check_crcs(files: list[str], findings: _Findings, workers: int, job: JobSync) -> None:
     """Every record of every torch archive; files without a checksum are counted and named."""
 
     torch_files = [f for f in files if f.endswith((".pt", ".pth", ".bin"))]
     legacy = [f for f in torch_files if is_legacy_torch_file(f)]  # no CRC in that format
     archives = [f for f in torch_files if f not in legacy]
     unchecked = [f for f in files if f not in torch_files]
-    with WorkerPool(max(1, workers), "zckpt-verify") as pool:
-        results = list(pool.map(check_archive, archives))
+    results = _archive_crcs(archives, workers, job)
     problems = [problem for _, _, problem in results if problem]
     records = sum(r for r, _, _ in results)
     checked = sum(b for _, b, _ in results)
@@ -269,6 +298,85 @@ def _check_crcs(files: list[str], findings: _Findings, workers: int) -> None:
         findings.notes.append(
             f"{len(swaps)} NVMe swap files ({format_size(sum(map(_size, swaps)))}) carry no checksum: their sizes were checked, their bytes cannot be"
         )
+
+
+_PIECE_BYTES = 32 << 20  # records are checked in pieces this big at most (threads and processes share them)
+
+
+def _archive_crcs(archives: list[str], workers: int, job: JobSync) -> list[tuple[int, int, str | None]]:
+    """:func:`~zckpt.io.checksums.check_archive` of each file: (records, bytes checked, the first
+    bad record's problem or None). The records are cut into pieces shared between the threads
+    and the job's processes (each byte read once), whose CRC-32s are joined per record."""
+    tables = [archive_records(path) for path in archives]
+    pieces = [
+        (path, record, offset, min(_PIECE_BYTES, record.size - offset))
+        for path, records in zip(archives, tables)
+        for record in records
+        for offset in range(0, record.size, _PIECE_BYTES)
+    ]
+    crcs = iter(_shared(_piece_crc, pieces, [length for _, _, _, length in pieces], workers, job))
+    results = []
+    for path, records in zip(archives, tables):
+        problem = None
+        for record in records:
+            crc, bad = 0, None
+            for offset in range(0, record.size, _PIECE_BYTES):
+                piece = next(crcs)
+                if isinstance(piece, str):
+                    bad = bad or piece
+                else:
+                    crc = crc32_combine(crc, piece, min(_PIECE_BYTES, record.size - offset)) if offset else piece
+            if bad is None and crc != record.crc:
+                bad = str(
+                    CorruptFileError(
+                        path,
+                        f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): "
+                        "the data is corrupted",
+                    )
+                )
+            problem = problem or bad
+        results.append((len(records), 0 if problem else sum(r.size for r in records), problem))
+    return results
+
+
+def _piece_crc(piece: tuple[str, Record, int, int]) -> int | str:
+    """The CRC-32 of one piece of a record, or the problem reading it (as the record check says it)."""
+    path, record, offset, length = piece
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return checksum_range(fd, path, record.start + offset, length)
+        finally:
+            os.close(fd)
+    except CorruptFileError as exc:
+        return str(exc)
+    except OSError as exc:
+        return str(CorruptFileError(path, f"cannot read record {record.name}: {exc.strerror or exc}"))
+
+
+def _shared(work: Callable[[T], R], items: list[T], sizes: list[int], workers: int, job: JobSync) -> list[R]:
+    """`work` of every item, in order, on every process; each process of a torchrun job does its
+    share (sizes balanced, the same split everywhere) on `workers` threads, and the results are
+    gathered. `work` says a problem in its result rather than raising (a process that raises
+    stops the job at the barrier before the gather)."""
+    mine = share_of(sizes, job.part, job.parts)
+    with WorkerPool(max(1, workers), "zckpt-verify") as pool:
+        done = dict(zip(mine, pool.map(work, [items[i] for i in mine])))
+    job()
+    for found in job.gather(done):
+        done.update(found)
+    return [done[i] for i in range(len(items))]
+
+
+def _rounding_differences(copies: Sequence[tuple[Entry, Entry]], workers: int, job: JobSync) -> list[str | None]:
+    """How each 16-bit module weight differs from its master rounded (None: not at all), the
+    pairs shared between threads and the job's processes by size."""
+
+    def difference(pair: tuple[Entry, Entry]) -> str | None:
+        with FileReader(verify=False) as reader:  # the bytes' CRC-32s are the checksums check's
+            return rounding_difference(reader, pair[1], pair[0])
+
+    return _shared(difference, list(copies), [c.source.nbytes + m.source.nbytes for c, m in copies], workers, job)
 
 
 def _check_identity(found: Survey, findings: _Findings) -> None:
@@ -337,7 +445,7 @@ def _checkpoint_sources(found: Survey) -> list[tuple[str, TensorSource]]:
 
 
 def _verify_swap_folder(
-    path: str, checkpoint: str | os.PathLike[str] | None, tag: str | None, scan: bool, workers: int
+    path: str, checkpoint: str | os.PathLike[str] | None, tag: str | None, scan: bool, workers: int, job: JobSync
 ) -> VerifyReport:
     """What can be checked on raw swap files, which carry no checksum: every rank holds the same
     files with the same sizes; with a checkpoint of the run, every file its layout needs is
@@ -386,7 +494,7 @@ def _verify_swap_folder(
     findings.checks.append(Check("checksums", None, swap.NO_CRC_NOTE))
     if scan:
         sources = _swap_sources(folder, found)
-        findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
+        findings.add("values", _scan(sources, workers, job), f"no NaN or Inf in {len(sources)} tensors")
     return VerifyReport(
         path,
         "swap_folder",
@@ -438,7 +546,7 @@ def _chunks(reader: FileReader, source: TensorSource) -> Iterator[np.ndarray]:
         yield chunk
 
 
-def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
+def _scan(sources: list[tuple[str, TensorSource]], workers: int, job: JobSync) -> list[str]:
     floating = [(n, s) for n, s in sources if s.dtype.is_floating and s.numel]
 
     def count(item: tuple[str, TensorSource]) -> str | None:
@@ -454,8 +562,7 @@ def _scan(sources: list[tuple[str, TensorSource]], workers: int) -> list[str]:
         )
         return f"{where}: {name} holds {bad} NaN/Inf of {source.numel} elements"
 
-    with WorkerPool(max(1, workers), "zckpt-verify") as pool:
-        return [p for p in pool.map(count, floating) if p]
+    return [p for p in _shared(count, floating, [s.nbytes for _, s in floating], workers, job) if p]
 
 
 # --- what operations would need --------------------------------------------------------------------
@@ -499,7 +606,7 @@ def _needs(found: Survey) -> list[Need]:
 _WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
-def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
+def _verify_weights(path: str, scan: bool, workers: int, job: JobSync) -> VerifyReport:
     """A consolidated output: headers, shards and index agree (tensor_sources checks that), torch
     files' CRCs, leftovers, and with `scan` the values."""
     findings = _Findings()
@@ -529,7 +636,7 @@ def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
         [],
         f"{len(files)} weights file{'s' * (len(files) != 1)}, {len(sources)} tensors, headers, index and sizes consistent",
     )
-    _check_crcs(files, findings, workers)
+    _check_crcs(files, findings, workers, job)
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     findings.add(
         "leftovers",
@@ -537,7 +644,7 @@ def _verify_weights(path: str, scan: bool, workers: int) -> VerifyReport:
         "no leftovers of an interrupted zckpt run",
     )
     if scan:
-        findings.add("values", _scan(sources, workers), f"no NaN or Inf in {len(sources)} tensors")
+        findings.add("values", _scan(sources, workers, job), f"no NaN or Inf in {len(sources)} tensors")
     if found.kind == "safetensors":
         findings.notes.append(
             "safetensors files carry no checksum: their headers and sizes were checked, their bytes cannot be"

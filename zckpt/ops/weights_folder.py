@@ -17,9 +17,12 @@ from typing import Callable, Literal, Sequence
 from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
 from ..core.index import CheckpointIndex, TensorSource
 from ..core.sizes import parse_size
+from ..deepspeed.save import share_of
 from ..hf import names as hf
 from ..hf.shards import ShardItem, plan_shards
-from ..io.output import StagedOutput, output_error
+from ..io.checksums import RecordChecker
+from ..io.jobs import JobFailed, job_share
+from ..io.output import StagedOutput, fsync_file, output_error
 from ..io.reading import FileReader
 from .formats import OutputFormat, WeightsFormat, weights_format
 
@@ -132,37 +135,99 @@ def write_consolidated(
     wait: bool = False,
 ) -> ConsolidationResult:
     """Execute a plan: stream every tensor into staged files, then move them into place (holding
-    the output folder's lock: see :class:`~zckpt.io.output.OutputLock`)."""
+    the output folder's lock: see :class:`~zckpt.io.output.OutputLock`).
+
+    Under torchrun (``WORLD_SIZE`` > 1) the job's processes share the weights files (sizes
+    balanced, the same split on every process: :func:`~zckpt.deepspeed.save.share_of`), each
+    reading only what its files hold; process 0 holds the lock, writes the index and the files
+    copied along, and moves every file into place once all are written. The split is by file:
+    an output of one file is written by one process. With `verify`, the input records the job
+    read pass their CRC-32 checks first, each byte read by one process."""
     names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
     # writing beside the checkpoint's own config and tokenizer (`consolidate . .` inside a
     # checkpoint-N folder): the weights are added and nothing else is touched
     extra = [p for p in plan.extra_files if not _same_file(p, os.path.join(output_dir, os.path.basename(p)))]
     names += [os.path.basename(p) for p in extra]
     total = plan.bytes_to_write
-    advance = byte_counter(progress, total)
-    with (
-        StagedOutput(output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait) as staged,
-        FileReader(verify=verify) as reader,
-    ):
-        fmt = weights_format(plan.format)
-        for planned in plan.files:
-            write_staged(
-                staged,
-                output_dir,
-                planned.name,
-                lambda path, f=planned: fmt.write(path, f.tensors, plan.tied, reader, advance),
-            )
-        if plan.index_file:
-            write_staged(
-                staged,
-                output_dir,
-                plan.index_file,
-                lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)),
-            )
-        write_extra_files(staged, output_dir, extra, plan.dtype)
-        reader.verify_now()  # before anything is moved into place
-        staged.commit()
+    part, parts, sync = job_share(output_dir)
+    fmt = weights_format(plan.format)
+    mine = [plan.files[i] for i in share_of([_file_bytes(fmt, f) for f in plan.files], part, parts)]
+    advance = byte_counter(progress, sum(_file_bytes(fmt, f) for f in mine))
+    staged = StagedOutput(
+        output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait, while_waiting=sync.waiting
+    )
+    checker = RecordChecker() if verify else None
+    written: list[str] = []  # this process's temporary files (removed on its own failure)
+    entered = False  # process 0 holds the lock
+    try:
+        if part == 0:
+            staged.__enter__()
+            entered = True
+        # every process writes under process 0's temporary names (the lock holder's): a file a
+        # killed job leaves names a process the next run can tell is gone
+        temps = {name: staged.temp_path(name) for name in names} if part == 0 else None
+        sync()
+        temps = sync.gather(temps)[0]
+        with FileReader(verify=False, checker=checker) as reader:
+            for planned in mine:
+                written.append(temps[planned.name])
+                _write_file(
+                    output_dir,
+                    planned.name,
+                    temps[planned.name],
+                    lambda path, f=planned: fmt.write(path, f.tensors, plan.tied, reader, advance, name=f.name),
+                )
+                if part != 0:  # synced by its writer (process 0's commit syncs the rest)
+                    fsync_file(temps[planned.name])
+        if part == 0:
+            if plan.index_file:
+                write_staged(
+                    staged,
+                    output_dir,
+                    plan.index_file,
+                    lambda path: write_text(path, index_text(plan.total_size, plan.weight_map)),
+                )
+            write_extra_files(staged, output_dir, extra, plan.dtype)
+        if checker is not None:  # before anything is moved into place; each byte read by one process
+            checker.finish(job=sync)
+        sync()  # every file is written
+        if part == 0:
+            staged.commit()
+        sync()  # nobody returns before the files are in place (or knows they could not be)
+    except BaseException as exc:
+        # process 0 removes every temporary file, under its lock; another process its own,
+        # unless told of a failure (process 0 may have let the lock go)
+        if entered:
+            staged.abort()
+        elif part != 0 and not isinstance(exc, JobFailed):
+            for path in written:
+                _remove_quietly(path)
+        sync.fail()
+        raise
+    finally:
+        if entered:
+            staged.__exit__(None, None, None)  # the lock let go
     return ConsolidationResult(output_dir, tuple(names), len(plan.weight_map), total, index, plan.dtype)
+
+
+def _file_bytes(fmt: WeightsFormat, planned: PlannedFile) -> int:
+    """Tensor bytes one output file holds (what shares the files between processes)."""
+    return fmt.tensor_bytes(planned.tensors, sum(t.nbytes for t in planned.tensors if t.alias_of is None))
+
+
+def _write_file(output_dir: str, name: str, path: str, write: Callable[[str], object]) -> None:
+    """Write output file `name` at (temporary) `path`; an OS error names the final file."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise output_error(os.path.join(output_dir, name), exc) from None
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def byte_counter(progress: Progress | None, total: int) -> Callable[[int], None]:
@@ -180,10 +245,7 @@ def byte_counter(progress: Progress | None, total: int) -> Callable[[int], None]
 
 def write_staged(staged: StagedOutput, output_dir: str, name: str, write: Callable[[str], object]) -> None:
     """Write one output file under its temporary name; an OS error names the final file."""
-    try:
-        write(staged.temp_path(name))
-    except OSError as exc:
-        raise output_error(os.path.join(output_dir, name), exc) from None
+    _write_file(output_dir, name, staged.temp_path(name), write)
 
 
 def write_extra_files(staged: StagedOutput, output_dir: str, sources: Sequence[str], dtype: DType) -> None:
