@@ -191,6 +191,114 @@ CASES: list[Case] = [
         notes="torch.optim.Adam with weight_decay 0.01 (L2, added to the gradient; adam_w_mode false): "
         "exp_avg and exp_avg_sq nonzero in ZeRO-3's padding",
     ),
+    # one sample per optimizer family (issue 35): torch's Adagrad, RAdam, Adamax and RMSprop (built by
+    # DeepSpeed from the config's type through getattr(torch.optim, type); Adagrad by name), DeepSpeed's
+    # FusedAdam (Adam without torch_adam; the CPU accelerator builds it), and its CPU Adam / Adagrad /
+    # Lion (the config's type with the optimizer offloaded to CPU; JIT-built C++ ops)
+    Case(
+        "z3_fp32_ws2_adagrad",
+        "ds19",
+        3,
+        "fp32",
+        2,
+        config_extra=(
+            ("optimizer", {"type": "Adagrad", "params": {"lr": 1e-2, "weight_decay": 0.01, "lr_decay": 0.01}}),
+            ("zero_allow_untested_optimizer", True),
+        ),
+        optim_keys=("sum",),
+        notes="torch.optim.Adagrad (lr_decay 0.01, weight_decay 0.01 added to the gradient): state sum and a step",
+    ),
+    Case(
+        "z2_bf16_ws2_radam",
+        "ds19",
+        2,
+        "bf16",
+        2,
+        config_extra=(
+            (
+                "optimizer",
+                {"type": "RAdam", "params": {"lr": 1e-2, "weight_decay": 0.01, "decoupled_weight_decay": True}},
+            ),
+            ("zero_allow_untested_optimizer", True),
+        ),
+        notes="torch.optim.RAdam (decoupled weight decay): exp_avg, exp_avg_sq and a step",
+    ),
+    Case(
+        "z1_fp32_ws3_adamax",
+        "ds19",
+        1,
+        "fp32",
+        3,
+        config_extra=(
+            ("optimizer", {"type": "Adamax", "params": {"lr": 1e-2, "weight_decay": 0.01}}),
+            ("zero_allow_untested_optimizer", True),
+        ),
+        optim_keys=("exp_avg", "exp_inf"),
+        notes="torch.optim.Adamax: exp_avg, exp_inf (the infinity norm) and a step",
+    ),
+    Case(
+        "z3_bf16_ws2_rmsprop_centered",
+        "ds19",
+        3,
+        "bf16",
+        2,
+        config_extra=(
+            (
+                "optimizer",
+                {
+                    "type": "RMSprop",
+                    "params": {"lr": 1e-3, "momentum": 0.9, "centered": True, "weight_decay": 0.01},
+                },
+            ),
+            ("zero_allow_untested_optimizer", True),
+        ),
+        optim_keys=("square_avg", "momentum_buffer", "grad_avg"),
+        notes="torch.optim.RMSprop (momentum 0.9, centered): square_avg, momentum_buffer, grad_avg and a step",
+    ),
+    Case(
+        "z1_bf16_ws2_fusedadam",
+        "ds19",
+        1,
+        "bf16",
+        2,
+        config_extra=(("optimizer", {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}),),
+        notes="DeepSpeed's FusedAdam (AdamW without torch_adam; the CPU accelerator's fused_adam op): exp_avg, "
+        "exp_avg_sq and an integer step per flat group, and a 'step' of 0 in each param group",
+    ),
+    Case(
+        "z3_bf16_ws2_cpuadam",
+        "ds19",
+        3,
+        "bf16",
+        2,
+        zero_extra=(("offload_optimizer", {"device": "cpu"}),),
+        config_extra=(("optimizer", {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}),),
+        notes="DeepSpeedCPUAdam (AdamW without torch_adam, the optimizer offloaded to CPU): exp_avg, exp_avg_sq "
+        "(fp32) and an integer step",
+    ),
+    Case(
+        "z2_fp32_ws2_cpuadagrad",
+        "ds19",
+        2,
+        "fp32",
+        2,
+        zero_extra=(("offload_optimizer", {"device": "cpu"}),),
+        config_extra=(("optimizer", {"type": "Adagrad", "params": {"lr": 1e-2, "weight_decay": 0.01}}),),
+        optim_keys=("exp_avg_sq",),
+        notes="DeepSpeedCPUAdagrad (Adagrad with the optimizer offloaded to CPU): exp_avg_sq (the sum of squared "
+        "gradients) and an integer step",
+    ),
+    Case(
+        "z2_bf16_ws2_cpulion",
+        "ds19",
+        2,
+        "bf16",
+        2,
+        zero_extra=(("offload_optimizer", {"device": "cpu"}),),
+        config_extra=(("optimizer", {"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.01}}),),
+        notes="DeepSpeedCPULion (Lion with the optimizer offloaded to CPU): exp_avg, an exp_avg_sq it creates and "
+        "never updates (zeros), and an integer step",
+    ),
     # DeepSpeed's Muon (MuonWithAuxAdam): every 2-D param whose name holds neither "embed" nor
     # "lm_head" in a Muon group (state: momentum_buffer, one full momentum per param the rank's
     # partition touches), the rest in an Adam group (exp_avg, exp_avg_sq, an integer step)

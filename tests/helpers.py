@@ -93,14 +93,36 @@ class Sample:
     @property
     def state_names(self) -> list[str]:
         """The per-element states torch's optimizer keeps: SGD its momentum, Adam its two moments
-        (AMSGrad a third); DeepSpeed's Muon the momentum of its Muon group's params and Adam's two
-        moments of the rest (:meth:`param_state_names` says which param has which)."""
-        if self.optimizer.lower() == "sgd":
+        (AMSGrad a third), Adagrad its sum, Adamax exp_avg and exp_inf, RMSprop square_avg (and a
+        momentum_buffer, a grad_avg); DeepSpeed's Muon the momentum of its Muon group's params and
+        Adam's two moments of the rest (:meth:`param_state_names` says which param has which)."""
+        kind = self.optimizer.lower()
+        params = (self.meta.get("ds_config", {}).get("optimizer") or {}).get("params", {})
+        if kind == "sgd":
             return ["momentum_buffer"]
         if self.muon:
             return ["momentum_buffer", "exp_avg", "exp_avg_sq"]
-        amsgrad = (self.meta.get("ds_config", {}).get("optimizer") or {}).get("params", {}).get("amsgrad")
-        return ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else [])]
+        if kind == "adagrad":  # torch's keeps a sum; DeepSpeedCPUAdagrad (optimizer offloaded) an exp_avg_sq
+            return ["exp_avg_sq"] if self.cpu_optimizer else ["sum"]
+        if kind == "adamax":
+            return ["exp_avg", "exp_inf"]
+        if kind == "rmsprop":  # in the order torch creates them
+            return [
+                "square_avg",
+                *(["momentum_buffer"] if params.get("momentum") else []),
+                *(["grad_avg"] if params.get("centered") else []),
+            ]
+        # Adam, AdamW (torch's, FusedAdam, DeepSpeedCPUAdam), RAdam, NAdam, DeepSpeedCPULion (its
+        # exp_avg_sq stays zero)
+        return ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if params.get("amsgrad") else [])]
+
+    @property
+    def cpu_optimizer(self) -> bool:
+        """Whether DeepSpeed built its own CPU optimizer (the optimizer offloaded to CPU and
+        zero_force_ds_cpu_optimizer left on): DeepSpeedCPUAdam / Adagrad / Lion."""
+        config = self.meta.get("ds_config", {})
+        offload = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device")
+        return offload == "cpu" and config.get("zero_force_ds_cpu_optimizer", True) is not False
 
     def param_state_names(self, name: str, live_optim: dict[str, torch.Tensor]) -> list[str]:
         """The states param `name` has: under Muon, its group's (the live capture names them)."""
@@ -278,6 +300,18 @@ ZERO3_PADDED = frozenset(
         "/frozen_param_fragments",
     }
 )
+
+# ZeRO-1/2 pad a group's flat partition with zeros, but an optimizer may compute a nonzero state
+# from the zero gradient there: Adamax's exp_inf = max(beta2 * exp_inf, |grad| + eps) holds eps
+ZERO12_PADDED_STATES = "/optimizer_state_dict/base_optimizer_state/state"
+
+
+def padded_paths(case: Sample, stage: int) -> set[str]:
+    """The tensors of a ZeRO-`stage` checkpoint of `case` whose padding zckpt writes as zeros and
+    DeepSpeed may not (compare_trees' `padded`)."""
+    if stage == 3:
+        return set(ZERO3_PADDED)
+    return {ZERO12_PADDED_STATES} if case.optimizer.lower() == "adamax" else set()
 
 
 def _padding_free(ref: TensorRef, other: TensorRef, reader: FileReader) -> tuple[np.ndarray, np.ndarray]:

@@ -44,7 +44,11 @@ def _check_loaded(case: Sample, live: dict, optim: dict, state: dict, world_size
     )
     if case.counts_steps:  # torch's SGD keeps no step
         with FileReader() as reader:
-            steps = [read_tensor(reader, g.scalars["step"].tensor).item() for g in original.groups]
+            # a torch optimizer's step is a tensor, DeepSpeed's own optimizers' a Python int
+            steps = [
+                s.value if s.tensor is None else read_tensor(reader, s.tensor).item()
+                for s in (g.scalars["step"] for g in original.groups)
+            ]
         assert [set(g["step"]) for g in state["param_groups"]] == [{s} for s in steps]
     for group, saved in zip(state["param_groups"], original.groups):
         assert group["hyperparameters"]["lr"] == saved.hyperparams["lr"]

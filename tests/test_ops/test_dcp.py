@@ -35,6 +35,8 @@ from zckpt.core.errors import OutputError, UsageError
 from zckpt.ops.dcp import TRAIN_STATE_FILE, to_dcp
 
 WITH_LIVE_OPTIMIZER = [s for s in SAMPLE_LIST if (s.folder / "reference" / "live_optimizer.safetensors").exists()]
+# the group keys of torch's own AdamW (what dcp.load into it wants)
+TORCH_ADAMW_KEYS = frozenset(torch.optim.AdamW([torch.zeros(1)]).param_groups[0]) - {"params"}
 
 
 def read_dcp(folder: Path, tmp_path: Path) -> dict:
@@ -91,9 +93,20 @@ def test_optimizer_holds_the_live_moments_steps_and_groups(case: Sample, tmp_pat
             assert same_bits(optim["state"][name][key], live_optim[f"{name}.{key}"]), (name, key)
     _, saved = saved_files(case)
     groups = optim["param_groups"]
-    assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == [
-        {k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]
-    ]
+    section = case.meta["ds_config"].get("optimizer") or {}
+    kind, params = section.get("type", "").lower(), section.get("params") or {}
+    own_adam = kind in ("adam", "adamw") and not params.get("torch_adam")
+    # engine._configure_basic_optimizer: AdamW, or Adam unless adam_w_mode is false, decouples the decay
+    decoupled = kind == "adamw" or params.get("adam_w_mode", True)
+    for group, saved_group in zip(groups, saved["param_groups"], strict=True):
+        ours = {k: v for k, v in group.items() if k != "params"}
+        theirs = {k: v for k, v in saved_group.items() if k != "params"}
+        assert {k: ours.get(k) for k in theirs} == theirs  # every saved value as saved
+        if own_adam:  # FusedAdam, DeepSpeedCPUAdam: completed with the keys torch's AdamW adds (AdamW: decoupled)
+            assert set(ours) - set(theirs) <= TORCH_ADAMW_KEYS, sorted(ours)
+            assert ours["decoupled_weight_decay"] is decoupled
+        else:
+            assert ours == theirs
     assert sorted(n for g in groups for n in g["params"]) == sorted(trainable)  # each once
     for group, saved_group in zip(groups, saved["param_groups"]):  # one flat param per rank
         if "step" not in saved["state"][saved_group["params"][0]]:  # SGD's, Muon's Muon group
