@@ -151,10 +151,17 @@ def two_nodes(tmp: Path, *argv: str | Path, per_node: int = 1, kill: dict | None
         time.sleep(0.05)
     ended = time.monotonic()
     if any(a.poll() is None for a in agents):
+        # the agents, then their processes (each in a session of its own, as torchrun starts them)
+        stuck = [json.loads(p.read_text())["pid"] for p in record.glob("rank*")]
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
+        for pid in stuck:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         pytest.fail(f"the job still ran {JOB_TIMEOUT} s after it started: {[p.read_text()[-2000:] for p in logs]}")
     ranks = {int(p.name[4:]): json.loads(p.read_text()) for p in record.glob("rank*")}
     assert len(ranks) == 2 * per_node, sorted(ranks)
@@ -300,8 +307,8 @@ def test_two_nodes_write_what_one_node_writes(references, command: str, tmp_path
 # ---------------------------------------------------------------------------------------------
 # 2. A process that does not commit, killed on the other node
 
-# (command, processes per node, over a previous output); the process killed: node 1's first, at
-# the n-th file it creates (its first already written when n is 2)
+# (command, processes per node, over a previous output, n): the process killed is node 1's first,
+# at the n-th file it creates in the staging folder (its first already written when n is 2)
 WORKER_CASES = [("reshard", 1, False, 2), ("reshard", 2, True, 1), ("to-dcp", 1, False, 1)]
 
 
