@@ -537,3 +537,53 @@ def test_nadam_loses_mu_product_through_a_universal_folder_and_keeps_it_through_
     _, _, state = run_probe(case.name, tmp_path / "r", 3, tmp_path / "pr", train_steps=1)
     assert state["train"]["global_steps_after"] == case.meta["steps"] + 1
     assert all(math.isfinite(x) for x in state["train"]["losses_mean"])
+
+
+# --------------------------------------------------------------------------------------
+# 7. Layouts DeepSpeed's universal loaders read in one form only: written for the named run
+# --------------------------------------------------------------------------------------
+def test_moe_universal_folder_for_expert_parallel_1_resumes_at_degree_1(tmp_path: Path) -> None:
+    """moe_z1_bf16_ep2_dp4 (4 experts, expert-parallel 2, 4 ranks) written with
+    ``--expert-parallel 1`` and loaded with load_universal by a run built with MoE(ep_size=1) at 2
+    ranks: DeepSpeed's loader finds each expert by its local id at the loading run's degree (at 1:
+    its global id, no EP slicing), so every rank holds every expert's saved master (the sample's
+    live engine values), the dense params', the saved step, and saves the saved moments again
+    (test_interop_parallel's MoE checks)."""
+    from test_interop_parallel import MOE_LOADER, _assert_moe_loaded, _run_deepspeed
+
+    case = sample("moe_z1_bf16_ep2_dp4")
+    out = tmp_path / "universal"
+    _cli("to-universal", str(case.checkpoint), str(out), "--expert-parallel", "1", "-q")
+    loaded = tmp_path / "loaded"
+    _run_deepspeed(MOE_LOADER, loaded, 2, out, loaded, case.meta["dtype"], case.meta["zero_stage"], 2, 1, "universal")
+    _assert_moe_loaded(case, loaded, 2)
+
+
+@pytest.mark.parametrize("tp", [0, 2], ids=["plain-zero3-tensor-parallel-1", "autotp-zero3-tp2"])
+def test_autotp_zero3_universal_folder_resumes_at_zero3(tp: int, tmp_path: Path) -> None:
+    """autotp_z3_bf16_tp2_dp2 (AutoTP at 2 tensor ranks, ZeRO-3, 4 ranks), loaded with
+    load_universal by a ZeRO-3 run of 2 ranks: with ``--tensor-parallel 1`` (a plain ZeRO-3
+    model's flat files) by the unsharded model without AutoTP at 2 data ranks; by default (DeepSpeed's
+    dict files, of which its ZeRO-3 loader cuts each tensor rank's piece by the model's AutoTP map)
+    by an AutoTP run at 2 tensor ranks and 1 data rank. Saved again, every param's master and
+    moments are ds_to_universal's merge of the original (the sample's
+    reference/universal.safetensors), and every group's step the saved one."""
+    from test_interop_parallel import TP_LOADER, _assert_holds_the_merged_state, _run_deepspeed
+
+    case = sample("autotp_z3_bf16_tp2_dp2")
+    out = tmp_path / "universal"
+    _cli("to-universal", str(case.checkpoint), str(out), "-q", *(["--tensor-parallel", "1"] if tp == 0 else []))
+    loaded = tmp_path / "loaded"
+    dp = 2 // max(tp, 1)
+    _run_deepspeed(TP_LOADER, loaded, 2, out, loaded, case.meta["dtype"], 3, dp, tp, "universal")
+    _assert_holds_the_merged_state(case, loaded / "resaved", dp)
+    from zckpt.deepspeed.reader import open_training_state
+    from zckpt.io.materialize import read_tensor
+    from zckpt.io.reading import FileReader
+
+    def steps(path: Path) -> list[float]:
+        with FileReader() as reader:
+            found = [g.scalars["step"] for g in open_training_state(path).groups]
+            return [float(s.value if s.tensor is None else read_tensor(reader, s.tensor).item()) for s in found]
+
+    assert set(steps(loaded / "resaved")) == set(steps(case.checkpoint)) == {float(case.meta["global_steps"])}

@@ -351,3 +351,88 @@ def test_what_a_zero12_loader_restores_is_written_without_a_word(name: str, tmp_
     result = to_universal(sample(name).checkpoint, tmp_path / "u", target_stage=1)
     assert result.loss is None
     assert inspect_path(str(sample(name).checkpoint))["training_state"]["universal_loss"]["zero1_2"] is None
+
+
+# --------------------------------------------------------------------------------------
+# Layouts DeepSpeed's loaders read in one form only: --expert-parallel, --tensor-parallel
+# (DeepSpeed loading them: test_interop_universal.py)
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,args,text",
+    [
+        ("z2_fp32_ws1", ["--expert-parallel", "1"], "for mixture-of-experts checkpoints; this one has no experts"),
+        ("z2_fp32_ws1", ["--tensor-parallel", "2"], "for tensor-parallel checkpoints; this one has none"),
+        ("moe_z2_fp32_ep2_dp2", ["--expert-parallel", "3"], "has 4 experts, which do not divide over 3"),
+        ("megatron_z3_fp32_tp2_dp2", [], "--tensor-parallel 1 for a ZeRO-3 run without tensor parallelism"),
+        ("megatron_z1_fp32_tp2", ["--stage", "3", "--tensor-parallel", "2"], "`zckpt reshard --stage 3`"),
+    ],
+    ids=["ep-no-experts", "tp-not-sharded", "ep-not-dividing", "megatron-zero3", "megatron-zero3-tp2"],
+)
+def test_a_layout_no_loader_reads_is_refused_before_writing(
+    name: str, args: list[str], text: str, tmp_path: Path
+) -> None:
+    result = run_cli("to-universal", sample(name).checkpoint, tmp_path / "out", *args, cwd=tmp_path)
+    assert result.returncode == 2 and text in one_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("ep", [1, 4])
+def test_moe_folder_for_another_expert_parallel_degree(ep: int, tmp_path: Path) -> None:
+    """Each expert param's folder under its local id at degree `ep` holds the experts that rank
+    holds there (rows stacked, global expert ``e * 4 // ep + local`` in row e; at 1 the expert
+    alone, unmarked), whose masters are the live engine's (the sample's reference); the expert
+    group carries the name a run at that degree gives it; zckpt reads the folder back whole."""
+    case = sample("moe_z2_fp32_ep2_dp2")
+    live = load_file(case.folder / "reference" / "live.safetensors")
+    out = tmp_path / "u"
+    to_universal(case.checkpoint, out, expert_parallel=ep)
+    zero = _universal_dir(out) / "zero"
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    per_rank = 4 // ep
+    folders = {p.name for p in zero.iterdir() if p.name.startswith(prefix)}
+    leaves = ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert folders == {f"{prefix}{local}.{leaf}" for local in range(per_rank) for leaf in leaves}
+    for folder in folders:
+        local, leaf = folder[len(prefix) :].split(".", 1)
+        saved = torch.load(zero / folder / "fp32.pt", weights_only=False)
+        rows = [live[f"{prefix}{e * per_rank + int(local)}.{leaf}"] for e in range(ep)]
+        if ep == 1:
+            assert set(saved) == {"cat_dim", "param"} and same_bits(saved["param"], rows[0]), folder
+        else:
+            assert saved["is_expert_param"] is True and saved["ep_num_experts"] == ep, folder
+            assert same_bits(saved["param"], torch.stack(rows)), folder
+    groups = load_with_stand_ins(zero / "optimizer_state.pt")["param_groups"]
+    assert [g["name"] for g in groups if g.get("moe")] == [f"ep_size_{ep}"]
+    consolidate(case.checkpoint, tmp_path / "a")
+    consolidate(out, tmp_path / "b")
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert sorted(a) == sorted(b) and all(same_bits(b[k], v) for k, v in a.items())
+
+
+@pytest.mark.parametrize("tensor_parallel", [None, 1], ids=["autotp", "one-tensor-rank"])
+def test_autotp_zero3_folder_holds_the_merged_tensors(tensor_parallel: int | None, tmp_path: Path) -> None:
+    """An AutoTP ZeRO-3 run's folder: every param's master and moments ds_to_universal's merge of
+    the original (the sample's reference); by default in DeepSpeed's dicts of the full-shape
+    tensor, of which its ZeRO-3 loader cuts each tensor rank's piece, with the model states' AutoTP
+    map; with --tensor-parallel 1 a plain ZeRO-3 model's flat files and the model states of a run
+    at one tensor rank (no map of the old ranks' pieces)."""
+    case = sample("autotp_z3_bf16_tp2_dp2")
+    reference = load_file(case.folder / "reference" / "universal.safetensors")
+    out = tmp_path / "u"
+    assert to_universal(case.checkpoint, out, tensor_parallel=tensor_parallel).target_stage == 3
+    folder = _universal_dir(out)
+    names = [k for k in reference if not k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert sorted(p.name for p in (folder / "zero").iterdir() if p.is_dir()) == sorted(names)
+    for name in names:
+        assert sorted(p.name for p in (folder / "zero" / name).iterdir()) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt"]
+        for key, stem in (("", "fp32"), (".exp_avg", "exp_avg"), (".exp_avg_sq", "exp_avg_sq")):
+            saved = torch.load(folder / "zero" / name / f"{stem}.pt", weights_only=False)
+            if tensor_parallel == 1:
+                assert same_bits(saved, reference[name + key].reshape(-1)), (name, stem)
+            else:
+                assert list(saved) == ["cat_dim", "param"] and same_bits(saved["param"], reference[name + key])
+    model = load_with_stand_ins(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    if tensor_parallel == 1:
+        assert "universal_checkpoint_info" not in model and model["checkpoint_parallel_dimensions"]["tp_degree"] == 1
+    else:
+        assert "affine_map" in model["universal_checkpoint_info"]

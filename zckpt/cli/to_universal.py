@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -41,7 +41,9 @@ from .shared import (
         "\b\nExamples:\n"
         "  # writes global_step500_universal/ and latest_universal in runs/ckpt:\n"
         "  zckpt to-universal runs/ckpt runs/ckpt\n"
-        "  zckpt to-universal runs/ckpt uc/ --stage 3   # for a ZeRO-3 run\n"
+        "  zckpt to-universal runs/ckpt uc/ --stage 3         # for a ZeRO-3 run\n"
+        "  zckpt to-universal moe/ uc/ --expert-parallel 1    # a MoE run, for expert degree 1\n"
+        "  zckpt to-universal tp/ uc/ --tensor-parallel 1    # AutoTP ZeRO-3, for a plain ZeRO-3 run\n"
         "  # on a cluster the ranks split the params:\n"
         "  torchrun --nproc-per-node 8 ... -m zckpt to-universal big/ uc/"
     ),
@@ -82,6 +84,22 @@ def to_universal(
             "(said first; `zckpt reshard` keeps every state).",
         ),
     ] = False,
+    expert_parallel: Annotated[
+        Optional[int],
+        typer.Option(
+            "--expert-parallel",
+            metavar="E",
+            help="A mixture-of-experts checkpoint: the expert-parallel degree of the run that will load it (default: its own; DeepSpeed's loader finds experts by their local ids at its degree).",
+        ),
+    ] = None,
+    tensor_parallel: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tensor-parallel",
+            metavar="T",
+            help="A tensor-parallel checkpoint (AutoTP, Megatron-style): 1 writes the unsharded model's, for a run without tensor parallelism; default: a folder DeepSpeed's loader cuts for any tensor ranks (AutoTP; Megatron-style at ZeRO-1/2 only).",
+        ),
+    ] = None,
 ) -> None:
     """Write DeepSpeed's universal checkpoint: one file per param and optimizer state, for any world size.
 
@@ -91,6 +109,8 @@ def to_universal(
     (--stage: DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders read different files). Where DeepSpeed's loader
     would not restore a state (AMSGrad's max_exp_avg_sq at ZeRO-3, NAdam's mu_product, SGD at ZeRO-3),
     nothing is written and one line says what; --allow-state-loss writes it anyway.
+    DeepSpeed's loader finds a MoE run's experts by their local ids, so --expert-parallel names the
+    loading run's degree; --tensor-parallel 1 writes a tensor-parallel run for one without.
     """
     from ..core.sizes import format_size
     from ..ops.universal import to_universal as run_to_universal
@@ -114,6 +134,8 @@ def to_universal(
             tp_rules=tp_rules,
             wait=wait,
             allow_state_loss=allow_state_loss,
+            expert_parallel=expert_parallel,
+            tensor_parallel=tensor_parallel,
         ),
         debug,
     )

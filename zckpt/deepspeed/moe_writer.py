@@ -213,19 +213,29 @@ def _merged_model(
     return dict(out)
 
 
-def expert_universal_params(state: TrainingState) -> tuple[list[ParamState], dict[str, dict[str, Any]]]:
-    """A mixture-of-experts run's params as its universal folder holds them, and what each file
+def expert_universal_params(
+    state: TrainingState, expert_parallel: int | None = None
+) -> tuple[TrainingState, list[ParamState], dict[str, dict[str, Any]]]:
+    """A mixture-of-experts run's state, params as its universal folder holds them for a loading
+    run at expert-parallel degree `expert_parallel` (default: the run's own), and what each file
     holds beside the tensor. DeepSpeed's universal loader finds a param's folder by the loading
     rank's own (local) name, and the expert ranks of a native MoE give different experts the
     same local names; an expert param's folder therefore holds its copies on every expert rank
-    stacked on a new dim 0 (expert rank e's is global expert ``e * per_rank + local``), marked
-    ``is_expert_param`` with ``ep_num_experts`` = the expert-parallel degree, and the loader takes
-    row ``ep_rank`` (DeepSpeed's EP slicing, one expert per local name and rank). Such a folder
-    loads at the run's own expert-parallel degree, over any number of data ranks. Dense params
-    are as they are."""
-    ep = state.index.topology.ep
+    of that degree stacked on a new dim 0 (expert rank e's is global expert ``e * per_rank +
+    local``), marked ``is_expert_param`` with ``ep_num_experts`` = the degree, and the loader
+    takes row ``ep_rank`` (DeepSpeed's EP slicing, one expert per local name and rank). Such a
+    folder loads at that degree only, over any number of data ranks. At degree 1 local names are
+    global ones and the loader slices nothing: each expert's folder holds it alone, unmarked.
+    Dense params are as they are. The state's expert groups take the name a run at that degree
+    gives them (``ep_size_<degree>``): DeepSpeed restores the saved name, and its next save looks
+    the expert group up by it. Raises UsageError when the experts do not divide over the degree."""
     expert = expert_group_indices(state)
+    ep = expert_parallel or state.index.topology.ep
     per_rank = _experts_per_rank(state, expert, ep)
+    if ep != state.index.topology.ep:
+        state = _renamed_expert_groups(state, expert, state.index.topology.ep, ep)
+    if ep == 1:
+        return state, list(state.params), {}
     stacks: dict[str, list[ParamState | None]] = {}
     for param in state.params:
         found = N.expert_id(param.name)
@@ -259,7 +269,7 @@ def expert_universal_params(state: TrainingState) -> tuple[list[ParamState], dic
             )
         )
         keys[local] = {N.UNIVERSAL_CAT_DIM: 0, N.EP_IS_EXPERT_PARAM: True, N.EP_NUM_EXPERTS: ep}
-    return params, keys
+    return state, params, keys
 
 
 def _stacked(sources: list[TensorSource]) -> TensorSource:

@@ -28,9 +28,9 @@ from ..torchfile.save import OutTensor
 from . import muon
 from . import names as N
 from .megatron_rules import has_merge_patterns, universal_keys
-from .moe_writer import expert_universal_params
+from .moe_writer import expert_group_indices, expert_universal_params
 from .pipeline_writer import one_stage_state
-from .tensor_parallel_writer import unsharded_state
+from .tensor_parallel_writer import one_tensor_rank_state, unsharded_state
 from .writer import (
     CheckpointPlan,
     OptimPlanner,
@@ -118,7 +118,13 @@ def universal_loss(state: TrainingState, target_stage: int, per_element: bool = 
     )
 
 
-def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> CheckpointPlan:
+def plan_universal(
+    state: TrainingState,
+    *,
+    target_stage: int | None = None,
+    expert_parallel: int | None = None,
+    tensor_parallel: int | None = None,
+) -> CheckpointPlan:
     """Every file of the universal folder ``<tag>_universal`` as an object tree.
 
     `target_stage`: the ZeRO stage of the run that will load it (default: the input's; ZeRO-1 for
@@ -131,33 +137,57 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
     pipeline engine does not read it from a universal folder; zckpt does, for frozen params and
     buffers), so the folder is whole on its own. An AutoTP run's is written unsharded: DeepSpeed's
     loader cuts each tensor rank's piece by the loading model's own ``affine_map``, at any
-    tensor-parallel degree. A Megatron-style run's is unsharded too, each param's files holding
-    the merge rule ``ds_to_universal`` writes beside the tensor (``cat_dim``, sub-params,
-    ``vocab_tensor``), which DeepSpeed's loader cuts the loading rank's slice by.
+    tensor-parallel degree (ZeRO-3's from DeepSpeed's dict files only, which its folder holds, as
+    ``ds_to_universal`` writes them: runtime/zero/stage3.py ``load_hp_checkpoint_state``). A
+    Megatron-style run's is unsharded too, each param's files holding the merge rule
+    ``ds_to_universal`` writes beside the tensor (``cat_dim``, sub-params, ``vocab_tensor``), which
+    DeepSpeed's ZeRO-1/2 loader cuts the loading rank's slice by (its ZeRO-3 loader cuts none).
+
+    `tensor_parallel` 1: a tensor-parallel run's folder as the unsharded model's run at one tensor
+    rank saves it (:func:`~.tensor_parallel_writer.one_tensor_rank_state`: no rules of the old
+    ranks; ZeRO-3's files flat), for a run without tensor parallelism, at any stage. Another
+    degree: the default folder, which DeepSpeed's loader cuts for any.
+
+    `expert_parallel`: a mixture-of-experts run's folder for a loading run at that expert-parallel
+    degree (default: the run's own; :func:`~.moe_writer.expert_universal_params`): DeepSpeed's
+    loader finds experts by their local ids at the loading run's degree.
     """
-    tensor_parallel = state.index.topology.tp > 1
-    keys = _megatron_keys(state) if tensor_parallel else {}
+    tensor_parallel = _tensor_parallel(state, tensor_parallel)
+    sharded = state.index.topology.tp > 1
+    info = state.engine_extras.get(N.UNIVERSAL_CHECKPOINT_INFO)
+    autotp = sharded and isinstance(info, dict) and N.AFFINE_MAP in info  # AutoTP's map of each rank's pieces
+    keys = _megatron_keys(state) if sharded else {}
     params = list(state.params)
-    experts = state.index.topology.ep > 1
+    experts = bool(expert_group_indices(state))
+    if expert_parallel is not None and (expert_parallel < 1 or not experts):
+        raise UsageError(
+            None,
+            f"--expert-parallel {expert_parallel}: "
+            + ("at least 1" if expert_parallel < 1 else "for mixture-of-experts checkpoints; this one has no experts"),
+        )
     if experts:
-        params, keys = expert_universal_params(state)
+        state, params, keys = expert_universal_params(state, expert_parallel)
         state = replace(state, index=replace(state.index, topology=Topology.data_parallel(state.index.topology.dp)))
-    if state.stages:
+    pipeline = bool(state.stages)
+    if pipeline:
         state = one_stage_state(state)  # with tensor ranks: every param already merged
         params = list(state.params)
-    elif tensor_parallel:
-        state = unsharded_state(state)
+    elif sharded:
+        state = one_tensor_rank_state(state) if tensor_parallel == 1 else unsharded_state(state)
+        params = list(state.params)
     require_data_parallel(state, "to-universal")
     if target_stage is None and state.index.zero_stage == 0:  # DeepSpeed's universal loader is ZeRO-1/2/3's
         target_stage = 1
     target = plan_target(state, state.index.topology.dp, target_stage)
     if experts and target.stage == 3:
         raise UsageError(None, "--target-stage 3: DeepSpeed runs native mixture-of-experts at ZeRO-0/1/2 only")
-    if tensor_parallel and target.stage == 3:
+    if sharded and target.stage == 3 and tensor_parallel != 1 and (pipeline or not autotp):
         raise UsageError(
             None,
             "--target-stage 3: zckpt writes the universal folder of a tensor-parallel run for DeepSpeed's ZeRO-1/2 "
-            "loader, which cuts each tensor rank's slice (pass --target-stage 1 or 2)",
+            "loader, which cuts each tensor rank's slice (its ZeRO-3 loader cuts AutoTP params only): pass "
+            "--target-stage 1 or 2, --tensor-parallel 1 for a ZeRO-3 run without tensor parallelism, or "
+            "`zckpt reshard --stage 3` for a ZeRO-3 run at the same tensor ranks",
         )
     layout = target_layout(state, target)
     files = plan_model_states(state, target, layout)
@@ -169,11 +199,29 @@ def plan_universal(state: TrainingState, *, target_stage: int | None = None) -> 
         )
     )
     zero3 = target.stage == 3
+    # an AutoTP run's ZeRO-3 folder in DeepSpeed's dicts, as ds_to_universal writes it (merge_tp_slices)
+    flat = zero3 and not (autotp and tensor_parallel != 1)
     for param in params:
-        files.extend(_param_files(state, param, zero3, keys.get(param.name)))
+        files.extend(_param_files(state, param, zero3, keys.get(param.name), flat))
     return CheckpointPlan(
         N.universal_tag(state.index.source_tag), target, layout, tuple(files), latest_file=N.LATEST_UNIVERSAL_FILE
     )
+
+
+def _tensor_parallel(state: TrainingState, tensor_parallel: int | None) -> int | None:
+    """`tensor_parallel` checked against the state: 1 for any run, another degree for a
+    tensor-parallel one only (its folder loads at any degree: the default)."""
+    if tensor_parallel is None or tensor_parallel == 1:
+        return tensor_parallel
+    if tensor_parallel < 1:
+        raise UsageError(None, f"--tensor-parallel {tensor_parallel}: at least 1")
+    if state.index.topology.tp == 1:
+        raise UsageError(
+            None,
+            f"--tensor-parallel {tensor_parallel}: for tensor-parallel checkpoints; this one has none "
+            "(1 writes it as it is)",
+        )
+    return tensor_parallel
 
 
 def _megatron_keys(state: TrainingState) -> dict[str, dict[str, Any]]:
@@ -187,11 +235,13 @@ def _megatron_keys(state: TrainingState) -> dict[str, dict[str, Any]]:
 
 
 def _param_files(
-    state: TrainingState, param: ParamState, zero3: bool, keys: dict[str, Any] | None = None
+    state: TrainingState, param: ParamState, zero3: bool, keys: dict[str, Any] | None = None, flat: bool | None = None
 ) -> list[PlannedFile]:
     """The param's folder: its name and its states' names come from the checkpoint (its tag
     folder is named when one cannot be a file name). `keys`: what the files hold beside the
-    tensor (a Megatron-style param's merge rule), else ``cat_dim`` 0."""
+    tensor (a Megatron-style param's merge rule), else ``cat_dim`` 0. `flat` (default: `zero3`):
+    each file the bare flat tensor, else DeepSpeed's dict of the full-shape tensor."""
+    flat = zero3 if flat is None else flat
     where = state.index.tag_dir
     sources = {N.UNIVERSAL_FP32: param.master, **param.states}
     files = []
@@ -199,7 +249,7 @@ def _param_files(
         files.append(
             PlannedFile(
                 N.universal_state_file(param.name, key, where),
-                _wrapped(tensor_of(source, shape=(source.numel,) if zero3 else param.shape), zero3, keys),
+                _wrapped(tensor_of(source, shape=(source.numel,) if flat else param.shape), flat, keys),
                 None,
             )
         )
@@ -209,9 +259,10 @@ def _param_files(
     return files
 
 
-def _wrapped(tensor: OutTensor, zero3: bool, keys: dict[str, Any] | None) -> Any:
-    """ZeRO-3's loader takes the bare flat tensor; ZeRO-1/2's wants DeepSpeed's dict (its key
-    order: ``cat_dim`` or the other merge keys first, as ``merge_tp_slices`` fills it)."""
-    if zero3:
+def _wrapped(tensor: OutTensor, flat: bool, keys: dict[str, Any] | None) -> Any:
+    """ZeRO-3's loader takes the bare flat tensor (or the dict, of which it cuts an AutoTP param's
+    tensor rank's piece); ZeRO-1/2's wants DeepSpeed's dict (its key order: ``cat_dim`` or the
+    other merge keys first, as ``merge_tp_slices`` fills it)."""
+    if flat:
         return tensor
     return {**(keys if keys is not None else {N.UNIVERSAL_CAT_DIM: 0}), N.UNIVERSAL_PARAM: tensor}

@@ -44,10 +44,14 @@ def plan_to_universal(
     target_stage: int | None = None,
     swap_folder: str | os.PathLike[str] | None = None,
     tp_rules: str | os.PathLike[str] | None = None,
+    expert_parallel: int | None = None,
+    tensor_parallel: int | None = None,
 ) -> CheckpointPlan:
     """Read the checkpoint's training state and plan every file of its universal folder."""
     state = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    return plan_universal(state, target_stage=_stage(target_stage))
+    return plan_universal(
+        state, target_stage=_stage(target_stage), expert_parallel=expert_parallel, tensor_parallel=tensor_parallel
+    )
 
 
 def _stage(stage: int | None) -> int | None:
@@ -70,6 +74,8 @@ def to_universal(
     wait: bool = False,
     tp_rules: str | os.PathLike[str] | None = None,
     allow_state_loss: bool = False,
+    expert_parallel: int | None = None,
+    tensor_parallel: int | None = None,
 ) -> UniversalResult:
     """Write the universal checkpoint of `checkpoint` (tag `tag`, default: the latest) into
     `output_dir`, in the flavour a ZeRO-`target_stage` run loads (default: the input's stage).
@@ -78,6 +84,12 @@ def to_universal(
     `output_dir` is waited for instead of refused. `tp_rules`: a ``--tp-rules`` file, for a
     tensor-parallel run that records no merge rules (each param's files then carry its rule).
 
+    DeepSpeed's universal loaders read some layouts in one form only, so the folder is written for
+    the loading run's: `expert_parallel`, a mixture-of-experts run's expert-parallel degree
+    (default: the checkpoint's; its loader finds experts by their local ids at that degree);
+    `tensor_parallel` 1, a tensor-parallel run as the unsharded model's (the only form a ZeRO-3
+    run loads: its loader cuts no tensor rank's piece).
+
     Where DeepSpeed's universal loader of the target stage would not restore part of the
     optimizer's state (:func:`~zckpt.deepspeed.universal.universal_loss`: AMSGrad's
     max_exp_avg_sq at ZeRO-3, NAdam's mu_product, an SGD run's momentum at ZeRO-3), nothing is
@@ -85,7 +97,9 @@ def to_universal(
     then says it): ``reshard`` writes a checkpoint of the new layout that keeps every state."""
     output_dir = os.fspath(output_dir)
     source = open_training_state(checkpoint, tag, swap_folder, tp_rules)
-    plan = plan_universal(source, target_stage=_stage(target_stage))
+    plan = plan_universal(
+        source, target_stage=_stage(target_stage), expert_parallel=expert_parallel, tensor_parallel=tensor_parallel
+    )
     loss = universal_loss(
         source, plan.target.stage, momentum_per_element(plan.target.bf16_optimizer, plan.target.optimizer_offload)
     )
