@@ -86,6 +86,7 @@ RESUME_CASES = [  # (sample, world size, in place): ZeRO-1/2/3, fp32/bf16/fp16, 
     ("z3_bf16_ws3_subgroups_groups", 2, False),
     ("z3_fp16_ws4_subgroups_frozen", 3, False),
     ("hf_trainer", 4, True),  # ZeRO-3 bf16, tied, WarmupLR scheduler; written into its checkpoint-3/ folder
+    ("z3_bf16_ws2_cpuadam", 3, False),  # DeepSpeedCPUAdam: its integer step in optimizer_state.pt
 ]
 
 
@@ -154,6 +155,7 @@ CROSS_STAGE_CASES = [  # (sample, target stage, world size, through the CLI)
     ("z2_fp16_ws4_tied", 3, 2, True),  # fp16 loss scaler into ZeRO-3's loader
     ("z1_fp32_ws2_frozen_tied", 3, 1, False),
     ("z3_bf16_ws3_subgroups_groups", 2, 4, False),  # 2 groups: ZeRO-2's loader restores each group
+    ("z3_bf16_ws2_rmsprop_centered", 2, 3, False),  # RMSprop's three states, each a file ZeRO-2's loader reads
 ]
 
 
@@ -226,6 +228,11 @@ DS_TO_UNIVERSAL_UNUSABLE = {
     "z3_bf16_ws2_muon": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg' (its Muon group keeps none)",
     "z1_bf16_ws3_muon_bf16optimizer": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg'",
     "z2_fp32_ws3_muon_cpuoffload": "ds_to_universal fails on DeepSpeed's Muon: KeyError: 'exp_avg'",
+    # its merge knows Adam's two moments only, and needs both
+    "z3_fp32_ws2_adagrad": "ds_to_universal fails on Adagrad: KeyError: 'exp_avg'",
+    "z1_fp32_ws3_adamax": "ds_to_universal fails on Adamax: KeyError: 'exp_avg_sq'",
+    "z3_bf16_ws2_rmsprop_centered": "ds_to_universal fails on RMSprop: KeyError: 'exp_avg'",
+    "z2_fp32_ws2_cpuadagrad": "ds_to_universal fails on DeepSpeedCPUAdagrad: KeyError: 'exp_avg'",
 }
 # what ds_to_universal leaves out without a word (its merge knows exp_avg and exp_avg_sq only)
 DS_TO_UNIVERSAL_DROPS = {"z3_fp32_ws2_amsgrad": {"max_exp_avg_sq.pt"}}
