@@ -62,9 +62,24 @@ def job_reads(checkpoint: Path, args: list[str], nodes: int, per_node: int, work
         port = _free_port()
         agents = [
             subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
-                 "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                 "--rdzv-id", f"reads-{port}", *counted],
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(nodes),
+                    "--node-rank",
+                    str(node),
+                    "--nproc-per-node",
+                    str(per_node),
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"127.0.0.1:{port}",
+                    "--rdzv-id",
+                    f"reads-{port}",
+                    *counted,
+                ],
                 env=env,
             )  # fmt: skip
             for node in range(nodes)
@@ -114,7 +129,9 @@ def main() -> None:
             args = COMMANDS[name]
             alone = None
             for nodes, per_node in LAYOUTS:
-                fixed = max(job_reads(TINY, ["verify"] if name == "verify" else ["reshard", "-w", "2"], nodes, per_node, work))
+                fixed = max(
+                    job_reads(TINY, ["verify"] if name == "verify" else ["reshard", "-w", "2"], nodes, per_node, work)
+                )
                 reads = [n - fixed for n in job_reads(checkpoint, args, nodes, per_node, work)]
                 processes = max(nodes, 1) * per_node
                 if alone is None:

@@ -74,11 +74,34 @@ def _reads(checkpoint: Path, out: Path, io_dir: Path, args: list[str], nodes: in
         return [_counted(path) for path in sorted(io_dir.glob("io_*.json"))]
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
-             "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", f"reads-{port}", str(ROOT / "scripts" / "io_counted.py"), str(io_dir), "--",
-             sys.executable, "-m", "zckpt", *command],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(per_node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"reads-{port}",
+                str(ROOT / "scripts" / "io_counted.py"),
+                str(io_dir),
+                "--",
+                sys.executable,
+                "-m",
+                "zckpt",
+                *command,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for node in range(nodes)
     ]

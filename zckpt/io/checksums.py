@@ -404,9 +404,7 @@ class RecordChecker:
         gap_crcs = {(gaps[i][0], gaps[i][1]): crc for i, crc in found_crcs.items()}
         for key in keys:
             record = records[key]
-            parts = [(s, n, c) for s, n, c in covers[key][0]] + [
-                (s, n, gap_crcs[key, s]) for s, n in covers[key][1]
-            ]
+            parts = [(s, n, c) for s, n, c in covers[key][0]] + [(s, n, gap_crcs[key, s]) for s, n in covers[key][1]]
             crc = 0
             for _, length, piece_crc in sorted(parts):
                 crc = crc32_combine(crc, piece_crc, length)

@@ -29,7 +29,7 @@ import numpy as np
 from ..core.dtypes import DType
 from ..core.errors import CorruptFileError
 from ..core.index import Segment
-from ..io.checksums import checksum_range, crc32_combine
+from ..io.checksums import crc32_combine
 from ..io.direct_write import DirectFile, open_output
 from ..io.materialize import CHUNK_BYTES, convert, write_all
 from ..io.reading import FileReader
