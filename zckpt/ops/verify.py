@@ -29,7 +29,7 @@ from ..deepspeed import swap_folder as swap
 from ..deepspeed.reader import survey
 from ..deepspeed.save import share_of
 from ..deepspeed.survey import Survey
-from ..io.checksums import Record, archive_records, checksum_range, crc32_combine
+from ..io.checksums import Record, RecordChecker, archive_records, checksum_range, crc32_combine
 from ..io.jobs import JobSync, job_share
 from ..io.materialize import CHUNK_BYTES
 from ..io.output import find_leftovers
@@ -182,8 +182,15 @@ def _verify_checkpoint(
             [left.describe() for left in find_leftovers(folder) if left.alive is False],
             "no leftovers of an interrupted zckpt run",
         )
-    _check_crcs(files, findings, workers, job)
+    # the checks that read tensors go first, their reads fed to the CRC-32 checks (each byte read once)
+    checker = RecordChecker()
     state = found.state
+    copies = state.index.rounded_copies if state is not None and not found.universal else ()
+    zenflow = state is not None and _zenflow(state.ds_config)
+    differences = _rounding_differences(copies, workers, job, checker) if copies and not zenflow else []
+    sources = _checkpoint_sources(found) if scan else []
+    values = _scan(sources, workers, job, checker) if scan else []
+    _check_crcs(files, findings, workers, job, checker)
     if state is not None and not found.universal:
         _check_identity(found, findings)
         _check_optimizer_state(found, findings)
@@ -203,8 +210,7 @@ def _verify_checkpoint(
                 f"{len(held)} further cop{'ies' if len(held) != 1 else 'y'} of optimizer states that several ranks "
                 "keep whole (DeepSpeed's Muon momentum of a param two partitions touch) equal the one read",
             )
-        copies = state.index.rounded_copies
-        if copies and _zenflow(state.ds_config):
+        if copies and zenflow:
             findings.add(
                 "module weights",
                 [],
@@ -216,7 +222,7 @@ def _verify_checkpoint(
             kinds = sorted({copy.source.dtype.name for copy, _ in copies})
             findings.add(
                 "module weights",
-                rounded_copy_problems(state.index, differences=_rounding_differences(copies, workers, job)),
+                rounded_copy_problems(state.index, differences=differences),
                 f"{len(copies)} {'/'.join(kinds)} weights of the module (model-states, layer and expert files) "
                 "are their masters rounded (the optimizer's copy of the same step)",
             )
@@ -226,8 +232,7 @@ def _verify_checkpoint(
         for name in ("rank identity", "optimizer state"):
             findings.add(name, [], "", skipped="not run: " + (why or "the layout has problems"))
     if scan:
-        sources = _checkpoint_sources(found)
-        findings.add("values", _scan(sources, workers, job), f"no NaN or Inf in {len(sources)} tensors")
+        findings.add("values", values, f"no NaN or Inf in {len(sources)} tensors")
     needs = _needs(found) if found.complete else ()
     return VerifyReport(
         path,
@@ -266,14 +271,26 @@ def _size(path: str) -> int:
         return 0
 
 
-def _check_crcs(files: list[str], findings: _Findings, workers: int, job: JobSync) -> None:
-    """Every record of every torch archive; files without a checksum are counted and named."""
+def _check_crcs(files: list[str], findings: _Findings, workers: int, job: JobSync, checker: RecordChecker) -> None:
+    """Every record of every torch archive; files without a checksum are counted and named.
+
+    `checker` holds the CRC-32s of what the other checks read already: the rest of each record
+    is read once, by one process of a job (:meth:`RecordChecker.finish`). A record that fails
+    makes every archive be read again in pieces, to name each damaged file's first bad record."""
 
     torch_files = [f for f in files if f.endswith((".pt", ".pth", ".bin"))]
     legacy = [f for f in torch_files if is_legacy_torch_file(f)]  # no CRC in that format
     archives = [f for f in torch_files if f not in legacy]
     unchecked = [f for f in files if f not in torch_files]
-    results = _archive_crcs(archives, workers, job)
+    tables = [archive_records(path) for path in archives]
+    for path, records in zip(archives, tables):
+        for record in records:
+            checker.touch(path, record.start, record.size)
+    try:
+        checker.finish(max(1, workers), job=job)
+        results: list[tuple[int, int, str | None]] = [(len(t), sum(r.size for r in t), None) for t in tables]
+    except CorruptFileError:  # every process of a job hears it: they read again together
+        results = _archive_crcs(archives, workers, job)
     problems = [problem for _, _, problem in results if problem]
     records = sum(r for r, _, _ in results)
     checked = sum(b for _, b, _ in results)
@@ -368,12 +385,15 @@ def _shared(work: Callable[[T], R], items: list[T], sizes: list[int], workers: i
     return [done[i] for i in range(len(items))]
 
 
-def _rounding_differences(copies: Sequence[tuple[Entry, Entry]], workers: int, job: JobSync) -> list[str | None]:
+def _rounding_differences(
+    copies: Sequence[tuple[Entry, Entry]], workers: int, job: JobSync, checker: RecordChecker
+) -> list[str | None]:
     """How each 16-bit module weight differs from its master rounded (None: not at all), the
-    pairs shared between threads and the job's processes by size."""
+    pairs shared between threads and the job's processes by size; the bytes read are fed to
+    `checker` (the checksums check's)."""
 
     def difference(pair: tuple[Entry, Entry]) -> str | None:
-        with FileReader(verify=False) as reader:  # the bytes' CRC-32s are the checksums check's
+        with FileReader(verify=False, checker=checker) as reader:
             return rounding_difference(reader, pair[1], pair[0])
 
     return _shared(difference, list(copies), [c.source.nbytes + m.source.nbytes for c, m in copies], workers, job)
@@ -494,7 +514,7 @@ def _verify_swap_folder(
     findings.checks.append(Check("checksums", None, swap.NO_CRC_NOTE))
     if scan:
         sources = _swap_sources(folder, found)
-        findings.add("values", _scan(sources, workers, job), f"no NaN or Inf in {len(sources)} tensors")
+        findings.add("values", _scan(sources, workers, job, None), f"no NaN or Inf in {len(sources)} tensors")
     return VerifyReport(
         path,
         "swap_folder",
@@ -546,12 +566,14 @@ def _chunks(reader: FileReader, source: TensorSource) -> Iterator[np.ndarray]:
         yield chunk
 
 
-def _scan(sources: list[tuple[str, TensorSource]], workers: int, job: JobSync) -> list[str]:
+def _scan(
+    sources: list[tuple[str, TensorSource]], workers: int, job: JobSync, checker: RecordChecker | None
+) -> list[str]:
     floating = [(n, s) for n, s in sources if s.dtype.is_floating and s.numel]
 
     def count(item: tuple[str, TensorSource]) -> str | None:
         name, source = item
-        with FileReader(verify=False) as reader:
+        with FileReader(verify=False, checker=checker) as reader:
             bad = sum(_non_finite(chunk, source.dtype) for chunk in _chunks(reader, source))
         if not bad:
             return None
@@ -636,7 +658,9 @@ def _verify_weights(path: str, scan: bool, workers: int, job: JobSync) -> Verify
         [],
         f"{len(files)} weights file{'s' * (len(files) != 1)}, {len(sources)} tensors, headers, index and sizes consistent",
     )
-    _check_crcs(files, findings, workers, job)
+    checker = RecordChecker()
+    values = _scan(sources, workers, job, checker) if scan else []  # its reads fed to the CRC-32 checks
+    _check_crcs(files, findings, workers, job, checker)
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     findings.add(
         "leftovers",
@@ -644,7 +668,7 @@ def _verify_weights(path: str, scan: bool, workers: int, job: JobSync) -> Verify
         "no leftovers of an interrupted zckpt run",
     )
     if scan:
-        findings.add("values", _scan(sources, workers, job), f"no NaN or Inf in {len(sources)} tensors")
+        findings.add("values", values, f"no NaN or Inf in {len(sources)} tensors")
     if found.kind == "safetensors":
         findings.notes.append(
             "safetensors files carry no checksum: their headers and sizes were checked, their bytes cannot be"
