@@ -195,7 +195,7 @@ def test_completion_offers_the_shown_spellings_only(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("COMP_WORDS", "zckpt to-universal --t")
     monkeypatch.setenv("COMP_CWORD", "2")
     result = runner.invoke(app, [], prog_name="zckpt")
-    assert result.stdout.split() == ["--tag", "--tp-rules"], result.stdout  # not the hidden --target-stage
+    assert result.stdout.split() == ["--tag", "--tp-rules", "--tensor-parallel"], result.stdout  # not --target-stage
 
 
 def test_train_resumes_from_the_latest_file(tmp_path: Path) -> None:

@@ -45,6 +45,9 @@ IDEAS: dict[str, Idea] = {
     "a DeepSpeed config": Idea("--config", None, "FILE", one_help=False),  # says what is taken from it
     "dtype": Idea("--dtype", None, "DTYPE", one_help=False),  # of what, per command
     "a checkpoint beside a swap folder": Idea("--checkpoint", None, "CKPT", one_help=False),
+    # reshard's and to-universal's: the layout of the run that will load the output (help per command)
+    "tensor ranks of the target run": Idea("--tensor-parallel", None, "T", one_help=False),
+    "expert-parallel degree of the target run": Idea("--expert-parallel", None, "E", one_help=False),
 }
 EVERY_COMMAND = ("help", "quiet", "json output", "traceback on error")
 
@@ -64,9 +67,7 @@ OWN: dict[str, dict[str, Optional[str]]] = {
     "reshard": {
         "--pipeline-stages": None,
         "--layer-partition": None,
-        "--tensor-parallel": None,
         "--padded-vocab-size": None,
-        "--expert-parallel": None,
     },
     "to-universal": {"--allow-state-loss": None},
     "to-dcp": {},

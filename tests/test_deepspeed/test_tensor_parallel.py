@@ -136,9 +136,11 @@ def test_reshard_across_zero_stages_keeps_every_value(tmp_path: Path, name: str,
     reference = _reference(case)
     for name, value in load_state_dict(out, dtype="fp32").items():
         assert same_bits(value, reference[name]), name
-    with pytest.raises(UsageError, match="--target-stage 3: zckpt writes the universal folder of a tensor-parallel"):
-        to_universal(case.checkpoint, tmp_path / "z3", target_stage=3)
-    assert not (tmp_path / "z3").exists()
+    # an AutoTP run's ZeRO-3 universal folder: DeepSpeed's dicts, whose tensor ranks' pieces its ZeRO-3
+    # loader cuts (test_interop_universal.py); read back, the merged model
+    assert to_universal(case.checkpoint, tmp_path / "z3", target_stage=3).target_stage == 3
+    for name, value in load_state_dict(tmp_path / "z3", dtype="fp32").items():
+        assert same_bits(value, reference[name]), name
 
 
 @pytest.mark.parametrize("case", TENSOR_PARALLEL_SAMPLES, ids=IDS)
