@@ -133,9 +133,8 @@ def _fixed(tmp_path: Path, nodes: int, per_node: int) -> int:
 def _alone(checkpoint: Path, tmp_path: Path, args: list[str]) -> int:
     """What the command reads in one process (minus the same on the tiny sample)."""
     if args[0] not in _ALONE:
-        out, io_dir = tmp_path / "alone", tmp_path / "io_alone"
-        fixed = _reads(TINY, tmp_path / "tiny1", tmp_path / "io_tiny1", ["reshard", "-w", "2"], 0, 1)[0]
-        _ALONE[args[0]] = _reads(checkpoint, out, io_dir, args, 0, 1)[0] - fixed
+        fixed = _fixed(tmp_path / "one", 0, 1)
+        _ALONE[args[0]] = _reads(checkpoint, tmp_path / "alone", tmp_path / "io_alone", args, 0, 1)[0] - fixed
     return _ALONE[args[0]]
 
 
