@@ -125,7 +125,10 @@ _ALONE: dict[str, int] = {}
 def _fixed(tmp_path: Path, nodes: int, per_node: int) -> int:
     """What a process of this job layout reads before any work (a reshard of a 72 KB sample)."""
     if (nodes, per_node) not in _FIXED:
-        reads = _reads(TINY, tmp_path / "tiny", tmp_path / "io_tiny", ["reshard", "-w", "2"], nodes, per_node)
+        where = f"{nodes}x{per_node}"
+        reads = _reads(
+            TINY, tmp_path / f"tiny_{where}", tmp_path / f"io_tiny_{where}", ["reshard", "-w", "2"], nodes, per_node
+        )
         _FIXED[nodes, per_node] = max(reads)
     return _FIXED[nodes, per_node]
 
@@ -133,7 +136,7 @@ def _fixed(tmp_path: Path, nodes: int, per_node: int) -> int:
 def _alone(checkpoint: Path, tmp_path: Path, args: list[str]) -> int:
     """What the command reads in one process (minus the same on the tiny sample)."""
     if args[0] not in _ALONE:
-        fixed = _fixed(tmp_path / "one", 0, 1)
+        fixed = _fixed(tmp_path, 0, 1)
         _ALONE[args[0]] = _reads(checkpoint, tmp_path / "alone", tmp_path / "io_alone", args, 0, 1)[0] - fixed
     return _ALONE[args[0]]
 
