@@ -16,15 +16,16 @@ whose every param divides by the world size cannot be told apart.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 from ..core.dtypes import BF16, FP16, FP32, DType
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, UsageError, ZckptError
-from ..core.index import Entry, Segment, TensorSource
+from ..core.index import CheckpointIndex, Entry, Segment, TensorSource
 from ..core.sizes import format_size
+from ..core.state import TrainingState
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.reader import survey
 from ..deepspeed.save import share_of
@@ -114,10 +115,11 @@ def verify(
     `checkpoint`; ``verify(CHECKPOINT, swap_folder=NVME_PATH)`` is the same check. `tp_rules`: a
     ``--tp-rules`` file, for a tensor-parallel run that records no merge rules.
 
-    Under torchrun (``WORLD_SIZE`` > 1) the processes share the reading: the CRC-32 checks (each
-    byte of every record read by one process) and with `scan` the tensors, sizes balanced; the
-    checks that read only the files' metadata run on every process. Every process returns the
-    report one process alone would give."""
+    Under torchrun (``WORLD_SIZE`` > 1) the processes share the reading, sizes balanced: the
+    module weights compared with their masters, with `scan` the tensors, and the rest of every
+    record for its CRC-32 check, so each byte is read by one process. The checks that read
+    metadata only (the files' pickles, the copies of replicated params) run on every process.
+    Every process returns the report one process alone would give."""
     path = os.fspath(path)
     _, _, job = job_share(path)
     try:
@@ -185,29 +187,32 @@ def _verify_checkpoint(
     # the checks that read tensors go first, their reads fed to the CRC-32 checks (each byte read once)
     checker = RecordChecker()
     state = found.state
-    copies = state.index.rounded_copies if state is not None and not found.universal else ()
+    judged = state is not None and not found.universal  # the checks of rank files' copies
+    copies = state.index.rounded_copies if state is not None and judged else ()
     zenflow = state is not None and _zenflow(state.ds_config)
     differences = _rounding_differences(copies, workers, job, checker) if copies and not zenflow else []
+    replicas = _replica_problems(state.index, workers, job, checker) if state is not None and judged else []
+    held = _state_copy_problems(state, workers, job, checker) if state is not None and judged else []
     sources = _checkpoint_sources(found) if scan else []
     values = _scan(sources, workers, job, checker) if scan else []
     _check_crcs(files, findings, workers, job, checker)
-    if state is not None and not found.universal:
+    if state is not None and judged:
         _check_identity(found, findings)
         _check_optimizer_state(found, findings)
         if state.index.replicas:
-            replicas = state.index.replicas
+            count = len(state.index.replicas)
             findings.add(
                 "replicas",
-                replica_problems(state.index),
-                f"{len(replicas)} cop{'ies' if len(replicas) != 1 else 'y'} of params that several ranks keep "
+                replicas,
+                f"{count} cop{'ies' if count != 1 else 'y'} of params that several ranks keep "
                 "(tied across pipeline stages, replicated across tensor ranks) equal the one written",
             )
         if state.state_copies:
-            held = state.state_copies
+            count = len(state.state_copies)
             findings.add(
                 "state copies",
-                state_copy_problems(state),
-                f"{len(held)} further cop{'ies' if len(held) != 1 else 'y'} of optimizer states that several ranks "
+                held,
+                f"{count} further cop{'ies' if count != 1 else 'y'} of optimizer states that several ranks "
                 "keep whole (DeepSpeed's Muon momentum of a param two partitions touch) equal the one read",
             )
         if copies and zenflow:
@@ -397,6 +402,30 @@ def _rounding_differences(
             return rounding_difference(reader, pair[1], pair[0])
 
     return _shared(difference, list(copies), [c.source.nbytes + m.source.nbytes for c, m in copies], workers, job)
+
+
+def _replica_problems(index: CheckpointIndex, workers: int, job: JobSync, checker: RecordChecker) -> list[str]:
+    """:func:`~.replicas.replica_problems`, each copy compared on one thread of one process
+    (sizes balanced), the bytes read fed to `checker`."""
+
+    def problems(replica: Entry) -> list[str]:
+        with FileReader(verify=False, checker=checker) as reader:
+            return replica_problems(replace(index, replicas=(replica,)), reader)
+
+    found = _shared(problems, list(index.replicas), [2 * r.source.nbytes for r in index.replicas], workers, job)
+    return [problem for each in found for problem in each]
+
+
+def _state_copy_problems(state: TrainingState, workers: int, job: JobSync, checker: RecordChecker) -> list[str]:
+    """:func:`~.replicas.state_copy_problems`, shared out as :func:`_replica_problems` is."""
+
+    def problems(copy: tuple[str, str, TensorSource]) -> list[str]:
+        with FileReader(verify=False, checker=checker) as reader:
+            return state_copy_problems(replace(state, state_copies=(copy,)), reader)
+
+    copies = list(state.state_copies)
+    found = _shared(problems, copies, [2 * source.nbytes for _, _, source in copies], workers, job)
+    return [problem for each in found for problem in each]
 
 
 def _check_identity(found: Survey, findings: _Findings) -> None:
