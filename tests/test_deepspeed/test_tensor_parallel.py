@@ -24,7 +24,6 @@ from helpers import (
     sample,
 )
 from zckpt import load_state_dict, reshard, to_universal
-from zckpt.core.errors import UsageError
 from zckpt.core.topology import Topology
 from zckpt.deepspeed.reader import open_checkpoint, open_training_state, survey
 from zckpt.ops.verify import verify

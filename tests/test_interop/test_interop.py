@@ -92,7 +92,7 @@ def test_cases_are_not_the_bundled_ones() -> None:
 # --- reshard: real DeepSpeed loads zckpt's output at a new world size / stage ---------------------
 from helpers import sample  # noqa: E402
 from interop_checks import _check_loaded  # noqa: E402
-from interop_helpers import run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
+from interop_helpers import needs_built_op, run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
 from zckpt import reshard  # noqa: E402
 
 RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change, fp16 scaler, 0.14 format
@@ -135,7 +135,10 @@ RESHARD_CASES = [  # (sample, world size, stage): odd sizes, every stage change,
 ]
 
 
-@pytest.mark.parametrize("name,world_size,stage", RESHARD_CASES, ids=[f"{n}-ws{w}-z{s}" for n, w, s in RESHARD_CASES])
+@pytest.mark.parametrize(
+    "name,world_size,stage",
+    [pytest.param(n, w, st, id=f"{n}-ws{w}-z{st}", marks=needs_built_op(n)) for n, w, st in RESHARD_CASES],
+)
 def test_deepspeed_loads_resharded_sample(name: str, world_size: int, stage: int, tmp_path: Path) -> None:
     case = sample(name)
     reshard(case.checkpoint, tmp_path / "out", world_size=world_size, stage=stage)

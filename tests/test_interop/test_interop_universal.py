@@ -53,6 +53,7 @@ from interop_checks import DS_TO_UNIVERSAL, FRESH, GEN, _check_resumed, _plain, 
 from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     ds_env,
     ds_python,
+    needs_built_op,
     run_logged,
     run_probe,
     sample_generator,
@@ -91,7 +92,11 @@ RESUME_CASES = [  # (sample, world size, in place): ZeRO-1/2/3, fp32/bf16/fp16, 
 
 
 @pytest.mark.parametrize(
-    "name,world_size,in_place", RESUME_CASES, ids=[f"{n}-ws{w}{'-in_place' if i else ''}" for n, w, i in RESUME_CASES]
+    "name,world_size,in_place",
+    [
+        pytest.param(n, w, i, id=f"{n}-ws{w}{'-in_place' if i else ''}", marks=needs_built_op(n))
+        for n, w, i in RESUME_CASES
+    ],
 )
 def test_deepspeed_resumes_universal_output(name: str, world_size: int, in_place: bool, tmp_path: Path) -> None:
     case = sample(name)

@@ -275,5 +275,7 @@ def test_torchrun_processes_share_the_reading_with_the_same_report(tmp_path: Pat
         if not damaged:
             assert code == 0 and multi.returncode == 0, multi.stderr[-2000:]
         else:  # torchrun says each process's exit code
-            assert code == 3 and re.findall(r"^\s*exitcode\s*:\s*(\d+)", multi.stderr, re.M) == ["3", "3"], multi.stderr[-2000:]
+            assert code == 3 and re.findall(r"^\s*exitcode\s*:\s*(\d+)", multi.stderr, re.M) == ["3", "3"], (
+                multi.stderr[-2000:]
+            )
             assert f"problem: {victim}: record " in single and "fails its CRC-32 check" in single
