@@ -42,8 +42,8 @@ from .shared import (
         "  # writes global_step500_universal/ and latest_universal in runs/ckpt:\n"
         "  zckpt to-universal runs/ckpt runs/ckpt\n"
         "  zckpt to-universal runs/ckpt uc/ --stage 3         # for a ZeRO-3 run\n"
-        "  zckpt to-universal moe/ uc/ --expert-parallel 1    # a MoE run, for expert degree 1\n"
-        "  zckpt to-universal tp/ uc/ --tensor-parallel 1    # AutoTP ZeRO-3, for a plain ZeRO-3 run\n"
+        "  zckpt to-universal moe/ uc/ --expert-parallel 1   # MoE, for expert degree 1\n"
+        "  zckpt to-universal tp/ uc/ --tensor-parallel 1   # AutoTP, as plain ZeRO-3\n"
         "  # on a cluster the ranks split the params:\n"
         "  torchrun --nproc-per-node 8 ... -m zckpt to-universal big/ uc/"
     ),
