@@ -120,16 +120,9 @@ def test_universal_files_hold_the_live_engine_state(case: Sample, target_stage: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", RESHARDABLE, ids=lambda s: s.name)
-def test_round_trip_through_universal_gives_deepspeeds_files_back(
-    case: Sample, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def test_round_trip_through_universal_gives_deepspeeds_files_back(case: Sample, tmp_path: Path) -> None:
     """ZeRO -> universal (the other stage's flavour) -> ZeRO at the same world size and stage:
     every file, key and tensor DeepSpeed wrote, optimizer tensors bit for bit."""
-    if not case.muon and case.state_names != sorted(case.state_names):  # (a Muon group has one kind)
-        # a universal folder keeps each state in a file named after it and no key order: read back,
-        # the states come in name order, not the optimizer's (RMSprop: square_avg, momentum_buffer,
-        # grad_avg); the values are whole, only the order of the keys in the torch state differs
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a universal folder keeps no state key order"))
     ws, stage = case.meta["world_size"], case.meta["zero_stage"]
     to_universal(case.checkpoint, tmp_path / "u", target_stage=3 if stage < 3 else 2, allow_state_loss=True)
     reshard(tmp_path / "u", tmp_path / "back", world_size=ws, stage=stage)

@@ -24,3 +24,41 @@ def deepspeed_adam_w_mode(ds_config: dict[str, Any]) -> bool | None:
     if kind not in ADAM_TYPES or not isinstance(params, dict) or params.get("torch_adam"):
         return None
     return kind == "adamw" or bool(params.get("adam_w_mode", True))
+
+
+# The order in which torch's optimizers (2.x, ``_init_group``) and DeepSpeed's create a param's
+# state keys, merged into one order that each optimizer's own keys follow: Adam/AdamW/RAdam step,
+# exp_avg, exp_avg_sq, max_exp_avg_sq; NAdam step, mu_product, exp_avg, exp_avg_sq; RMSprop step,
+# square_avg, momentum_buffer, grad_avg; Adadelta step, square_avg, acc_delta; Adamax step,
+# exp_avg, exp_inf; Adagrad step, sum; ASGD step, eta, mu, ax; Rprop step, prev, step_size; SGD
+# and Muon momentum_buffer; DeepSpeed's CPU Adagrad exp_avg_sq, CPU Lion exp_avg, exp_avg_sq.
+STATE_CREATION_ORDER = (
+    "step",
+    "mu_product",
+    "eta",
+    "mu",
+    "ax",
+    "square_avg",
+    "acc_delta",
+    "momentum_buffer",
+    "grad_avg",
+    "prev",
+    "step_size",
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "exp_inf",
+    "sum",
+)
+_RANK = {name: index for index, name in enumerate(STATE_CREATION_ORDER)}
+
+
+def in_creation_order(names: list[str]) -> list[str]:
+    """`names` (a param's optimizer-state keys, found in no particular order: a universal folder
+    keeps one file per state) in the order its optimizer created them, as torch.save then
+    pickled them; names no known optimizer creates come last, by name.
+
+    >>> in_creation_order(["grad_avg", "momentum_buffer", "square_avg"])
+    ['square_avg', 'momentum_buffer', 'grad_avg']
+    """
+    return sorted(names, key=lambda name: (_RANK.get(name, len(_RANK)), name))

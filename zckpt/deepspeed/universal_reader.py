@@ -27,6 +27,7 @@ from . import names as N
 from .layout import LayoutParam, zero12_layout
 from .model_states import declare, describe, module_entries, param_shapes_of, tied_entries
 from .optim_state import module_buffers, optimizer_order, saved_run_state
+from .optimizers import in_creation_order
 from .partitions import sub_group_param_groups
 from .rank_checks import check_same_run
 from .rank_files import load, scan_rank_files
@@ -297,6 +298,7 @@ class UniversalReader:
             else:
                 states[stem] = source
         assert master is not None
+        states = {key: states[key] for key in in_creation_order(list(states))}  # as the optimizer saved them
         return _ParamFiles(master, states, step, step_saved, step_path)
 
     def _state_source(
