@@ -58,8 +58,8 @@ def file_list(files: tuple[str, ...]) -> str:
         "  zckpt consolidate out/checkpoint-500 adapter/   # PEFT run: adapter folder\n"
         "  zckpt consolidate checkpoints/ out/ -f lightning   # lightning_model.pt\n"
         "  zckpt consolidate out/checkpoint-500 merged/ --merge-into base-model/\n"
-        "  # on a cluster the processes split the shards (one shard: one process):\n"
-        "  torchrun --nproc-per-node 8 -m zckpt consolidate big/ out/ --max-shard-size 2GB\n\n"
+        "  # on a cluster the processes split the bytes of every file:\n"
+        "  torchrun --nproc-per-node 8 -m zckpt consolidate big/ out/\n\n"
         "zero_to_fp32.py's spellings work too: --max_shard_size, --exclude_frozen_parameters, "
         "-t, -d/--debug, and --safe_serialization (safetensors is the default here)."
     ),

@@ -24,6 +24,7 @@ from ..io.checksums import RecordChecker
 from ..io.jobs import JobFailed, job_share
 from ..io.output import StagedOutput, fsync_file, output_error
 from ..io.reading import FileReader
+from .file_pieces import create_files, plan_pieces, write_pieces
 from .formats import OutputFormat, WeightsFormat, weights_format
 
 __all__ = ["OutputFormat"]  # re-exported: the formats' names, from .formats
@@ -137,12 +138,13 @@ def write_consolidated(
     """Execute a plan: stream every tensor into staged files, then move them into place (holding
     the output folder's lock: see :class:`~zckpt.io.output.OutputLock`).
 
-    Under torchrun (``WORLD_SIZE`` > 1) the job's processes share the weights files (sizes
-    balanced, the same split on every process: :func:`~zckpt.deepspeed.save.share_of`), each
-    reading only what its files hold; process 0 holds the lock, writes the index and the files
-    copied along, and moves every file into place once all are written. The split is by file:
-    an output of one file is written by one process. With `verify`, the input records the job
-    read pass their CRC-32 checks first, each byte read by one process."""
+    Under torchrun (``WORLD_SIZE`` > 1) the job's processes share the weights (sizes balanced,
+    the same split on every process: :func:`~zckpt.deepspeed.save.share_of`), each reading only
+    what its share holds: safetensors files in pieces of a few MiB of every file
+    (:mod:`~zckpt.ops.file_pieces`), torch files whole (a CRC-32 per record: one process writes
+    each). Process 0 holds the lock, creates the shared files, writes the index and the files
+    copied along, and moves every file into place once all are written. With `verify`, the input
+    records the job read pass their CRC-32 checks first, each byte read by one process."""
     names = [f.name for f in plan.files] + ([plan.index_file] if plan.index_file else [])
     # writing beside the checkpoint's own config and tokenizer (`consolidate . .` inside a
     # checkpoint-N folder): the weights are added and nothing else is touched
@@ -151,12 +153,28 @@ def write_consolidated(
     total = plan.bytes_to_write
     part, parts, sync = job_share(output_dir)
     fmt = weights_format(plan.format)
-    mine = [plan.files[i] for i in share_of([_file_bytes(fmt, f) for f in plan.files], part, parts)]
-    advance = byte_counter(progress, sum(_file_bytes(fmt, f) for f in mine))
+    # safetensors under torchrun: every file's bytes shared out in pieces (file_pieces); torch
+    # files (a CRC-32 per record) and a process alone: whole files
+    pieces = (
+        plan_pieces([(f.name, f.tensors) for f in plan.files], plan.tied)
+        if parts > 1 and fmt.name == "safetensors"
+        else None
+    )
+    if pieces is not None:
+        my_pieces = [pieces.pieces[i] for i in share_of([p.read_bytes for p in pieces.pieces], part, parts)]
+        mine = []
+        advance = byte_counter(progress, sum(p.source.numel * p.dtype.itemsize for p in my_pieces))
+    else:
+        mine = [plan.files[i] for i in share_of([_file_bytes(fmt, f) for f in plan.files], part, parts)]
+        advance = byte_counter(progress, sum(_file_bytes(fmt, f) for f in mine))
     staged = StagedOutput(
         output_dir, names, overwrite=overwrite, needed_bytes=total, wait=wait, while_waiting=sync.waiting
     )
     checker = RecordChecker() if verify else None
+
+    def named_error(name: str, exc: OSError) -> Exception:
+        return output_error(os.path.join(output_dir, name), exc)
+
     written: list[str] = []  # this process's temporary files (removed on its own failure)
     entered = False  # process 0 holds the lock
     try:
@@ -166,9 +184,15 @@ def write_consolidated(
         # every process writes under process 0's temporary names (the lock holder's): a file a
         # killed job leaves names a process the next run can tell is gone
         temps = {name: staged.temp_path(name) for name in names} if part == 0 else None
+        if pieces is not None and part == 0:  # at their final size, headers in: the others write into them
+            create_files(pieces, temps, named_error)
         sync()
         temps = sync.gather(temps)[0]
         with FileReader(verify=False, checker=checker) as reader:
+            if pieces is not None:
+                touched = write_pieces(my_pieces, temps, reader, advance, named_error)
+                for path in touched:
+                    fsync_file(path)
             for planned in mine:
                 written.append(temps[planned.name])
                 _write_file(
