@@ -12,7 +12,7 @@ whole checkpoint.
 
 The input is a synthetic ZeRO-3 checkpoint of 4 ranks (``scripts/synthetic_ckpt.py``, ~100 MB)
 so that the tensor bytes outweigh the import noise; outputs have enough files to balance
-(the split is by output file).
+(the split is by output file; a safetensors file's bytes are split in pieces).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _reads(checkpoint: Path, out: Path, io_dir: Path, args: list[str], nodes: in
     each process's bytes read."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [args[0], str(checkpoint), str(out), *args[1:], "-q"]
+    command = [args[0], str(checkpoint), *([str(out)] if args[0] != "verify" else []), *args[1:], "-q"]
     if nodes == 0:
         counted = [sys.executable, str(ROOT / "scripts" / "io_counted.py"), str(io_dir), "--"]
         subprocess.run([*counted, sys.executable, "-m", "zckpt", *command], env=env, check=True, timeout=600)
@@ -118,25 +118,24 @@ def _counted(path: Path) -> int:
     return record["io"]["rchar"] - record["baseline"]["rchar"]
 
 
-_FIXED: dict[tuple[int, int], int] = {}
+_FIXED: dict[tuple[str, int, int], int] = {}
 _ALONE: dict[str, int] = {}
 
 
-def _fixed(tmp_path: Path, nodes: int, per_node: int) -> int:
-    """What a process of this job layout reads before any work (a reshard of a 72 KB sample)."""
-    if (nodes, per_node) not in _FIXED:
-        where = f"{nodes}x{per_node}"
-        reads = _reads(
-            TINY, tmp_path / f"tiny_{where}", tmp_path / f"io_tiny_{where}", ["reshard", "-w", "2"], nodes, per_node
-        )
-        _FIXED[nodes, per_node] = max(reads)
-    return _FIXED[nodes, per_node]
+def _fixed(tmp_path: Path, args: list[str], nodes: int, per_node: int) -> int:
+    """What a process of this command and job layout reads before any work: the same command
+    on a 72 KB sample (its imports, the rendezvous, gloo)."""
+    key = (args[0], nodes, per_node)
+    if key not in _FIXED:
+        where = f"{args[0]}_{nodes}x{per_node}"
+        _FIXED[key] = max(_reads(TINY, tmp_path / f"tiny_{where}", tmp_path / f"io_{where}", args, nodes, per_node))
+    return _FIXED[key]
 
 
 def _alone(checkpoint: Path, tmp_path: Path, args: list[str]) -> int:
     """What the command reads in one process (minus the same on the tiny sample)."""
     if args[0] not in _ALONE:
-        fixed = _fixed(tmp_path, 0, 1)
+        fixed = _fixed(tmp_path, args, 0, 1)
         _ALONE[args[0]] = _reads(checkpoint, tmp_path / "alone", tmp_path / "io_alone", args, 0, 1)[0] - fixed
     return _ALONE[args[0]]
 
@@ -149,6 +148,8 @@ def _alone(checkpoint: Path, tmp_path: Path, args: list[str]) -> int:
         (["reshard", "-w", "8"], 2, 1),  # two simulated nodes
         (["to-universal"], 1, 4),
         (["to-dcp"], 1, 2),
+        (["consolidate"], 1, 4),  # one safetensors file: shared in pieces
+        (["verify"], 1, 2),
     ],
     ids=lambda v: "-".join(v) if isinstance(v, list) else str(v),
 )
@@ -158,9 +159,10 @@ def test_each_process_reads_its_share(
     processes = nodes * per_node
     tensors, metadata = _tensor_and_metadata_bytes(checkpoint)
     alone = _alone(checkpoint, tmp_path, args)
-    if args[0] != "to-dcp":  # one process reads every tensor byte once (to-dcp writes the tied head twice)
+    if args[0] not in ("to-dcp", "consolidate"):  # one process reads every tensor byte once
         assert alone <= 1.02 * tensors + metadata, (alone, tensors, metadata)
-    fixed = _fixed(tmp_path, nodes, per_node)
+    # (to-dcp writes the tied head twice; consolidate reads the masters only, the tied one twice)
+    fixed = _fixed(tmp_path, args, nodes, per_node)
     reads = [n - fixed for n in _reads(checkpoint, tmp_path / "out", tmp_path / "io", args, nodes, per_node)]
     limit = 1.1 * alone / processes + metadata
     assert max(reads) <= limit, (reads, limit, alone, metadata, fixed)

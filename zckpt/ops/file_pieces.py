@@ -24,7 +24,18 @@ from ..io.materialize import StreamWriter, write_all
 from ..io.reading import FileReader
 from .formats import ShardTensor, safetensors_header
 
-PIECE_BYTES = 16 << 20  # output bytes per piece: fine enough to balance, big enough to stream
+PIECE_BYTES = 16 << 20  # output bytes per piece at most: big enough to stream
+MIN_PIECE_BYTES = 256 << 10  # and at least: a small output is cut finer, not into crumbs
+
+
+def piece_bytes_for(total: int, parts: int) -> int:
+    """Pieces small enough that each of `parts` processes gets about 16 of them (a balance within
+    a few percent), within [MIN_PIECE_BYTES, PIECE_BYTES].
+
+    >>> piece_bytes_for(140 << 30, 128) // (1 << 20), piece_bytes_for(30 << 20, 4) // 1024
+    (16, 480)
+    """
+    return max(MIN_PIECE_BYTES, min(PIECE_BYTES, total // (16 * max(parts, 1))))
 
 
 @dataclass(frozen=True)

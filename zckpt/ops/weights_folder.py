@@ -24,7 +24,7 @@ from ..io.checksums import RecordChecker
 from ..io.jobs import JobFailed, job_share
 from ..io.output import StagedOutput, fsync_file, output_error
 from ..io.reading import FileReader
-from .file_pieces import create_files, plan_pieces, write_pieces
+from .file_pieces import create_files, piece_bytes_for, plan_pieces, write_pieces
 from .formats import OutputFormat, WeightsFormat, weights_format
 
 __all__ = ["OutputFormat"]  # re-exported: the formats' names, from .formats
@@ -140,7 +140,7 @@ def write_consolidated(
 
     Under torchrun (``WORLD_SIZE`` > 1) the job's processes share the weights (sizes balanced,
     the same split on every process: :func:`~zckpt.deepspeed.save.share_of`), each reading only
-    what its share holds: safetensors files in pieces of a few MiB of every file
+    what its share holds: safetensors files in pieces of every file (256 KiB-16 MiB)
     (:mod:`~zckpt.ops.file_pieces`), torch files whole (a CRC-32 per record: one process writes
     each). Process 0 holds the lock, creates the shared files, writes the index and the files
     copied along, and moves every file into place once all are written. With `verify`, the input
@@ -156,7 +156,7 @@ def write_consolidated(
     # safetensors under torchrun: every file's bytes shared out in pieces (file_pieces); torch
     # files (a CRC-32 per record) and a process alone: whole files
     pieces = (
-        plan_pieces([(f.name, f.tensors) for f in plan.files], plan.tied)
+        plan_pieces([(f.name, f.tensors) for f in plan.files], plan.tied, piece_bytes_for(total, parts))
         if parts > 1 and fmt.name == "safetensors"
         else None
     )
