@@ -67,11 +67,16 @@ def worker(args: argparse.Namespace) -> None:
             bounded_memory=args.bounded_memory,
         )
     )
-    losses, step_times = [], []
+    parts = _timed_parts(trainer) if args.breakdown and rank == 0 else None
+    losses, step_times, breakdown = [], [], []
     for _ in range(args.steps):
+        if parts is not None:
+            parts.clear()
         started = time.perf_counter()
         losses.append(trainer.train_step().loss)
         step_times.append(time.perf_counter() - started)
+        if parts is not None:
+            breakdown.append(dict(parts, total=step_times[-1]))
     swapper = trainer.optimizer.swapper
     counters = vars(swapper.counters) if swapper else {}
     mine = {
@@ -89,11 +94,56 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         (args.work_dir / "zckpt_run").mkdir(parents=True, exist_ok=True)
         (args.work_dir / "zckpt_run" / "state.json").write_text(
-            json.dumps({"losses": losses, "step_times": step_times, "ranks": gathered})
+            json.dumps({"losses": losses, "step_times": step_times, "ranks": gathered, "breakdown": breakdown})
         )
         (args.work_dir / "ds_config.json").write_text(json.dumps(trainer.ds_config()))
         (args.work_dir / "model_config.json").write_text(trainer.model_config.to_json())
     end_worker(trainer)
+
+
+def _timed_parts(trainer) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Wrap the trainer's parts in timers (seconds per part, summed over the step; cleared by
+    the caller): forward (its gathers included), the collectives, the optimizer step and, in
+    it, AdamW, the wait for the gradients' last writes and the wait for the swap reads/writes."""
+    from zckpt.trainer import optim
+
+    parts: dict[str, float] = {}
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def run(*a, **k):  # type: ignore[no-untyped-def]
+            started = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - started
+
+        return run
+
+    comm, model, optimizer = trainer.comm, trainer.model, trainer.optimizer
+    comm.all_gather = timed("all_gather", comm.all_gather)
+    comm.reduce_scatter = timed("reduce_scatter", comm.reduce_scatter)
+    model.forward = timed("forward", model.forward)
+    optimizer.step = timed("optimizer_step", optimizer.step)
+    optim.adamw = timed("adamw", optim.adamw)
+    swapper = optimizer.swapper
+    if swapper is not None:
+        swapper.drain_gradients = timed("gradient_write_wait", swapper.drain_gradients)
+        stream = swapper.stream
+
+        def waited(flats):  # type: ignore[no-untyped-def]
+            items = stream(flats)
+            while True:  # the time in next(): waiting for reads (and, at the end, the last writes)
+                started = time.perf_counter()
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                finally:
+                    parts["swap_wait"] = parts.get("swap_wait", 0.0) + time.perf_counter() - started
+                yield item
+
+        swapper.stream = waited
+    return parts
 
 
 def end_worker(trainer) -> None:  # type: ignore[no-untyped-def]
@@ -115,8 +165,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _extensions_dir() -> str:
+    """Where DeepSpeed JIT-builds its ops (async_io for the NVMe swap) for this interpreter: the
+    folder tests/interop_helpers.torch_extensions_dir names (per release and venv), so a bench
+    run reuses the build .ci/run made instead of paying a 3-6 minute one."""
+    import hashlib
+    from importlib.metadata import version
+
+    major, minor = version("deepspeed").split(".")[:2]
+    key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
+    return str(Path.home() / ".cache" / f"torch_extensions_ds{major if major != '0' else ''}{minor}_{key}")
+
+
 def _env() -> dict[str, str]:
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "LOCAL_SIZE": "2"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "LOCAL_SIZE": "2"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", _extensions_dir())
+    return env
 
 
 def _torchrun(script_args: list[str], log: Path) -> None:
@@ -155,8 +219,62 @@ def _dd(folder: Path, mib: int) -> dict:
     return rates
 
 
+def _ds_breakdown(log: Path, skip: int) -> dict[str, float]:
+    """Median seconds per part over DeepSpeed's steps after `skip`, from rank 0's
+    wall_clock_breakdown lines (``[Rank 0] time (ms) | fwd: 1.2 | bwd: ...``) in `log`."""
+    steps: list[dict[str, float]] = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "[Rank 0] time (ms)" not in line:
+            continue
+        found = {k: float(v) / 1e3 for k, v in re.findall(r"(\w+): ([\d.]+)", line.split("time (ms)", 1)[1])}
+        if any(k.endswith("_microstep") for k in found):  # the same figures again, per micro-step
+            continue
+        if not steps or any(k in steps[-1] for k in found):  # a step's lines (swaps, then fwd/bwd/step) are done
+            steps.append({})
+        steps[-1].update(found)
+    return _part_medians(steps, skip)
+
+
+def _part_medians(steps: list[dict[str, float]], skip: int) -> dict[str, float]:
+    kept = steps[skip:] if len(steps) > skip else steps
+    return {k: statistics.median(s.get(k, 0.0) for s in kept) for k in dict.fromkeys(k for s in kept for k in s)}
+
+
 def _median(times: list[float], skip: int) -> float:
     return statistics.median(times[skip:] if len(times) > skip else times)
+
+
+def _run_pair(args: argparse.Namespace, passthrough: list[str]) -> tuple[dict, dict]:
+    """One trainer run, then one DeepSpeed run of the same settings: their state.json."""
+    for name in ("zckpt_nvme", "ds_nvme", "zckpt_run", "ds_run"):
+        shutil.rmtree(args.work_dir / name, ignore_errors=True)
+    _torchrun([str(Path(__file__).resolve()), "--worker", *passthrough], args.work_dir / "zckpt.log")
+    ours = json.loads((args.work_dir / "zckpt_run" / "state.json").read_text())
+    config = json.loads((args.work_dir / "ds_config.json").read_text())
+    for section in ("offload_optimizer", "offload_param"):
+        if section in config["zero_optimization"]:
+            config["zero_optimization"][section]["nvme_path"] = str(args.work_dir / "ds_nvme")
+    if args.breakdown:  # DeepSpeed's own timers (forward, backward, step, swaps) in ds.log
+        config["wall_clock_breakdown"] = True
+    (args.work_dir / "ds_config.json").write_text(json.dumps(config))
+    _torchrun(
+        [
+            str(ROOT / "scripts" / "ds_train_gpt.py"),
+            "--model-config",
+            str(args.work_dir / "model_config.json"),
+            "--ds-config",
+            str(args.work_dir / "ds_config.json"),
+            "--out",
+            str(args.work_dir / "ds_run"),
+            "--train-steps",
+            str(args.steps),
+            "--seed",
+            "1",
+            "--no-live",
+        ],
+        args.work_dir / "ds.log",
+    )
+    return ours, json.loads((args.work_dir / "ds_run" / "state.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +301,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="params on NVMe too: zckpt train --nvme-params, DeepSpeed offload_param nvme",
     )
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N rounds of trainer-then-DeepSpeed; each round's median per side, the ratio per round, "
+        "and the median of those (the machine's load moves between runs, less within a round)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="where rank 0's step time goes: timers around the trainer's parts, DeepSpeed's wall_clock_breakdown",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -195,35 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
     if args.json:
         passthrough = [a for a in passthrough if a != str(args.json)]
-    _torchrun([str(Path(__file__).resolve()), "--worker", *passthrough], args.work_dir / "zckpt.log")
-    ours = json.loads((args.work_dir / "zckpt_run" / "state.json").read_text())
-    config = json.loads((args.work_dir / "ds_config.json").read_text())
-    for section in ("offload_optimizer", "offload_param"):
-        if section in config["zero_optimization"]:
-            config["zero_optimization"][section]["nvme_path"] = str(args.work_dir / "ds_nvme")
-    (args.work_dir / "ds_config.json").write_text(json.dumps(config))
-    _torchrun(
-        [
-            str(ROOT / "scripts" / "ds_train_gpt.py"),
-            "--model-config",
-            str(args.work_dir / "model_config.json"),
-            "--ds-config",
-            str(args.work_dir / "ds_config.json"),
-            "--out",
-            str(args.work_dir / "ds_run"),
-            "--train-steps",
-            str(args.steps),
-            "--seed",
-            "1",
-            "--no-live",
-        ],
-        args.work_dir / "ds.log",
-    )
-    theirs = json.loads((args.work_dir / "ds_run" / "state.json").read_text())
-    dd = _dd(args.work_dir, args.dd_mib)
-
     skip = 2  # the first steps warm up allocators (and DeepSpeed's swap buffers)
-    step_ours, step_theirs = _median(ours["step_times"], skip), _median(theirs["step_times"], skip)
+    rounds = []
+    for _ in range(max(1, args.alternate)):  # trainer then DeepSpeed, each round on fresh swap folders
+        ours, theirs = _run_pair(args, passthrough)
+        medians = _median(ours["step_times"], skip), _median(theirs["step_times"], skip)
+        rounds.append({"zckpt": medians[0], "deepspeed": medians[1], "ratio": medians[0] / medians[1]})
+        if args.breakdown:
+            rounds[-1]["zckpt_parts"] = _part_medians(ours["breakdown"], skip)
+            rounds[-1]["deepspeed_parts"] = _ds_breakdown(args.work_dir / "ds.log", skip)
+    dd = _dd(args.work_dir, args.dd_mib)
+    step_ours = statistics.median(r["zckpt"] for r in rounds)
+    step_theirs = statistics.median(r["deepspeed"] for r in rounds)
+    ratio = statistics.median(r["ratio"] for r in rounds)
     rank0 = ours["ranks"][0]
     read_mbs = [r["counters"]["bytes_read"] / r["counters"]["read_seconds"] / 1e6 for r in ours["ranks"]]
     write_mbs = [r["counters"]["bytes_written"] / r["counters"]["write_seconds"] / 1e6 for r in ours["ranks"]]
@@ -234,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         "deepspeed": theirs,
         "dd": dd,
         "median_step_s": {"zckpt": step_ours, "deepspeed": step_theirs},
-        "ratio": step_ours / step_theirs,
+        "rounds": rounds,
+        "ratio": ratio,
         "swap_read_mb_s": read_mbs,
         "swap_write_mb_s": write_mbs,
         "max_relative_loss_gap": loss_gap,
@@ -245,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         f"({rank0['swapped_state_bytes'] / 2**20:.1f} MiB of optimizer state and gradients per rank on NVMe, buffer pool {rank0['pool_bytes'] / 2**20:.1f} MiB, O_DIRECT {rank0['direct']})"
     )
     print("| | zckpt train | DeepSpeed 0.19.8 |\n|---|---|---|")
-    print(f"| median step time (steps {skip + 1}-{args.steps}) | {step_ours:.3f} s | {step_theirs:.3f} s |")
-    print(f"| ratio zckpt / DeepSpeed | {step_ours / step_theirs:.2f}x | |")
+    median_of = f"median over {len(rounds)} rounds of each round's median" if len(rounds) > 1 else "median"
+    print(f"| step time, {median_of} (steps {skip + 1}-{args.steps}) | {step_ours:.3f} s | {step_theirs:.3f} s |")
+    per_round = ", ".join(f"{r['ratio']:.2f}x" for r in rounds)
+    print(f"| ratio zckpt / DeepSpeed (median of the rounds' ratios) | {ratio:.2f}x | {per_round} |")
     rss_ours = ", ".join(f"{r['peak_rss_kib'] / 1024:.0f}" for r in ours["ranks"])
     rss_theirs = ", ".join(f"{p / 1024:.0f}" for p in theirs["peak_rss_kib"])
     print(f"| peak RSS per rank | {rss_ours} MiB | {rss_theirs} MiB |")
@@ -256,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         f"| dd, same folder | write {dd['write']:.0f} MB/s (oflag=direct), read {dd['read']:.0f} MB/s (iflag=direct) | |"
     )
     print(f"| losses, max relative difference | {loss_gap:.1e} | |")
+    if args.breakdown:
+        print("\nrank 0, median seconds per part (steps after the first two), per round:")
+        for r in rounds:
+            for side in ("zckpt", "deepspeed"):
+                print(f"- {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in r[f"{side}_parts"].items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -221,8 +221,12 @@ class ShardedAdamW:
 
     def begin_micro_step(self, last: bool) -> None:
         """Say whether the coming backward is the optimizer step's last micro-step (its
-        gradients are then final: their squares go into the norm as they arrive)."""
+        gradients are then final: their squares go into the norm as they arrive). Before the
+        last one, the swapper starts reading the first swapped sub-groups' states, which the
+        step needs first, while this micro-step computes."""
         self.last_micro_step = last
+        if last and self.swapper is not None:
+            self.swapper.read_ahead(sorted(self.swapped))
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add param `index`'s reduce-scattered share `grad` (any float dtype) to its fp32
@@ -282,6 +286,8 @@ class ShardedAdamW:
         if self.loss_scale is not None:
             self.loss_scale.update(overflow)
         if overflow:
+            if self.swapper is not None:
+                self.swapper.drop_ahead()
             self.zero_grad()
             return StepResult(norm, True)
         combined = scale

@@ -15,7 +15,10 @@ in flight, so gradient accumulation takes a few shares' memory, not the model's.
 
 The optimizer step streams the sub-groups through a fixed pool of page-aligned buffers (three
 sets of four, fewer when fewer sub-groups are swapped): one background thread reads sub-group
-i+1 and writes sub-group i-1 back while AdamW runs on sub-group i. Memory is the pool, whatever
+i+1 and writes sub-group i-1 back while AdamW runs on sub-group i. The states of the first
+sub-groups (one per buffer set) do not wait for the step: :meth:`OptimizerSwapper.read_ahead`
+reads them on a second thread while the last micro-step computes, so the step starts on data
+already in memory (the step waits on the disk, not on AdamW). Memory is the pool, whatever
 the model's size. On local filesystems the whole blocks of the state files move with O_DIRECT
 (no page-cache copy, as DeepSpeed's aio does) and a tail shorter than a block through the page
 cache; elsewhere everything is buffered. Gradient files, written a share at a time at any
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -115,6 +119,9 @@ class OptimizerSwapper:
         ]
         self._views = [[torch.frombuffer(b, dtype=torch.float32) for b in slot] for slot in self._buffers]
         self._io = WorkerPool(1, "zckpt-swap")
+        self._ahead_io = WorkerPool(1, "zckpt-swap-ahead")  # state reads ahead of the step
+        self._ahead: dict[int, tuple[int, Future]] = {}  # flat -> (buffer set, its state read)
+        self._counting = threading.Lock()  # both threads add to the counters
         self._gradient_writes: deque[Future] = deque()
 
     @property
@@ -151,8 +158,8 @@ class OptimizerSwapper:
         return any(direct is not None for fds in self._fds.values() for _, direct in fds)
 
     # -- streaming through the pool -------------------------------------------------------------
-    def _submit(self, move, flat: int, slot: int) -> Future:
-        """`move` (read or write) on the I/O thread; a failing disk becomes one clear error."""
+    def _submit(self, move, flat: int, slot: int, pool: WorkerPool | None = None) -> Future:
+        """`move` (read or write) on the I/O thread (or `pool`'s); a failing disk becomes one clear error."""
 
         def run() -> None:
             try:
@@ -162,25 +169,57 @@ class OptimizerSwapper:
                     self.folder, f"NVMe swap I/O of sub-group {flat} failed: {exc.strerror or exc}"
                 ) from exc
 
-        return self._io.submit(run)
+        return (pool or self._io).submit(run)
+
+    def _count(self, read: int = 0, written: int = 0, read_seconds: float = 0.0, write_seconds: float = 0.0) -> None:
+        with self._counting:
+            self.counters.bytes_read += read
+            self.counters.bytes_written += written
+            self.counters.read_seconds += read_seconds
+            self.counters.write_seconds += write_seconds
 
     def _read(self, flat: int, slot: int) -> None:
+        self._read_states(flat, slot)
+        self._read_gradient(flat, slot)
+
+    def _read_states(self, flat: int, slot: int) -> None:
+        """Sub-group `flat`'s master and moments into buffer set `slot`."""
         started, size = time.perf_counter(), self.groups[flat].file_numel * 4
         for fds, buffer in zip(self._fds[flat], self._buffers[slot]):
             for fd, start, end in self._pieces(fds, size):
                 pread_exactly(fd, memoryview(buffer)[start:end], start)
-        gradient_size = self.groups[flat].numel * 4
+        self._count(read=3 * size, read_seconds=time.perf_counter() - started)
+
+    def _read_gradient(self, flat: int, slot: int, states: Future | None = None) -> None:
+        """Sub-group `flat`'s gradient into buffer set `slot` (once `states`, its read ahead, is done)."""
+        if states is not None:
+            states.result()
+        started, gradient_size = time.perf_counter(), self.groups[flat].numel * 4
         pread_exactly(self._gradient_fds[flat], memoryview(self._buffers[slot][-1])[:gradient_size], 0)
-        self.counters.bytes_read += 3 * size + gradient_size
-        self.counters.read_seconds += time.perf_counter() - started
+        self._count(read=gradient_size, read_seconds=time.perf_counter() - started)
 
     def _write(self, flat: int, slot: int) -> None:
         started, size = time.perf_counter(), self.groups[flat].file_numel * 4
         for fds, buffer in zip(self._fds[flat], self._buffers[slot]):
             for fd, start, end in self._pieces(fds, size):
                 pwrite_all(fd, memoryview(buffer)[start:end], start)
-        self.counters.bytes_written += 3 * size
-        self.counters.write_seconds += time.perf_counter() - started
+        self._count(written=3 * size, write_seconds=time.perf_counter() - started)
+
+    # -- the first sub-groups' states, read while backward runs ---------------------------------
+    def read_ahead(self, flats: Sequence[int]) -> None:
+        """Start reading the states (not the gradients, still being written) of the first
+        sub-groups :meth:`stream` will be given `flats`, each into the buffer set it will use,
+        on the read-ahead thread. Call only while no stream is running (every buffer is free)."""
+        for i, flat in enumerate(flats[: len(self._buffers)]):
+            if flat not in self._ahead:
+                self._ahead[flat] = (i, self._submit(self._read_states, flat, i, self._ahead_io))
+
+    def drop_ahead(self) -> None:
+        """Wait for the reads ahead and forget them (the step they were for is not coming, or a
+        file they read is about to change); raises the first I/O error."""
+        ahead, self._ahead = self._ahead, {}
+        for _, future in ahead.values():
+            future.result()
 
     # -- gradients, a share at a time during backward -------------------------------------------
     def put_gradient(
@@ -208,14 +247,13 @@ class OptimizerSwapper:
                 held = torch.empty_like(grad)
                 pread_exactly(fd, memoryview(held.numpy()).cast("B"), position)
                 grad = held.add_(grad)
-                self.counters.bytes_read += grad.numel() * 4
+                self._count(read=grad.numel() * 4)
             pwrite_all(fd, memoryview(grad.numpy()).cast("B"), position)
         except OSError as exc:
             raise OutputError(
                 self.folder, f"NVMe swap of a gradient of sub-group {flat} failed: {exc.strerror or exc}"
             ) from exc
-        self.counters.bytes_written += grad.numel() * 4
-        self.counters.write_seconds += time.perf_counter() - started
+        self._count(written=grad.numel() * 4, write_seconds=time.perf_counter() - started)
         if on_written is not None:
             on_written(grad)
 
@@ -228,25 +266,36 @@ class OptimizerSwapper:
         """Yield (flat, [master, exp_avg, exp_avg_sq, gradient]) for each swapped sub-group in
         `flats`, the tensors views of pool buffers holding the file contents; what the caller
         changes in the first three is written back once it asks for the next one. Sub-group
-        i+1 is read meanwhile (after every gradient handed over has been written)."""
+        i+1 is read meanwhile (after every gradient handed over has been written); a sub-group
+        whose states were read ahead (:meth:`read_ahead`) only needs its gradient read."""
         self.drain_gradients()
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
         slots = len(self._buffers)
+        ahead, self._ahead = self._ahead, {}
+
+        def read(i: int) -> Future:
+            slot, states = ahead.pop(flats[i], (None, None))
+            if states is not None and slot == i % slots:
+                return self._submit(lambda flat, slot: self._read_gradient(flat, slot, states), flats[i], slot)
+            if states is not None:  # read ahead into another buffer set: read again
+                states.result()
+            return self._submit(self._read, flats[i], i % slots)
+
         try:
             if flats:
-                reads[0] = self._submit(self._read, flats[0], 0)
+                reads[0] = read(0)
             for i, flat in enumerate(flats):
                 reads.pop(i).result()
                 if i + 1 < len(flats):
                     if i + 1 - slots in writes:  # the buffer set it reuses has been written back
                         writes.pop(i + 1 - slots).result()
-                    reads[i + 1] = self._submit(self._read, flats[i + 1], (i + 1) % slots)
+                    reads[i + 1] = read(i + 1)
                 numel = self.groups[flat].numel
                 yield flat, [view[:numel] for view in self._views[i % slots]]
                 writes[i] = self._submit(self._write, flat, i % slots)
         finally:
-            for future in [*reads.values(), *writes.values()]:
+            for future in [*reads.values(), *writes.values(), *(f for _, f in ahead.values())]:
                 future.result()
 
     # -- random access (initial masters, checkpoint loads, gathers) -----------------------------
@@ -260,6 +309,7 @@ class OptimizerSwapper:
         return out
 
     def write_range(self, flat: int, key: int, offset: int, values: np.ndarray) -> None:
+        self.drop_ahead()  # a read ahead would hold the values before this write
         data = np.ascontiguousarray(values, dtype=np.float32)
         try:
             pwrite_all(self._fds[flat][key][0], memoryview(data).cast("B"), offset * 4)
@@ -277,6 +327,8 @@ class OptimizerSwapper:
     def close(self) -> None:
         if hasattr(self, "_io"):
             self._io.shutdown(wait=True)
+            self._ahead_io.shutdown(wait=True)
+            self._ahead = {}
         for fds in self._fds.values():
             for fd, direct in fds:
                 os.close(fd)

@@ -232,8 +232,11 @@ class ShardedModel(nn.Module):
         """This rank's share of the gradient summed over ranks, divided by the world size
         (DeepSpeed averages over data-parallel ranks); a host tensor, as the shard is."""
         spec = self.plan.params[index]
-        full = torch.zeros(spec.share * self.comm.world, dtype=grad.dtype, device=grad.device)
-        full[: spec.numel] = grad.reshape(-1)
+        if spec.numel == spec.share * self.comm.world:  # no padding: the gradient itself (autograd is done with it)
+            full = grad.reshape(-1)
+        else:
+            full = torch.zeros(spec.share * self.comm.world, dtype=grad.dtype, device=grad.device)
+            full[: spec.numel] = grad.reshape(-1)
         out = torch.empty(spec.share, dtype=grad.dtype, device=grad.device)
         self.comm.reduce_scatter(out, full)
         if self.comm.world > 1:
