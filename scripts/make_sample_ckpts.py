@@ -1301,8 +1301,14 @@ def zero_to_fp32_on_zip_copy(case: Case, casedir: Path, python: str, log: Path, 
     return ["-m", "deepspeed.utils.zero_to_fp32", "<zip copy of " + case.checkpoint + ">", "reference/zero_to_fp32"]
 
 
-def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> float:
-    """Generate one case from scratch; returns the seconds it took."""
+def generate(
+    case: Case, out: Path, pythons: dict[str, str], logdir: Path, extensions: dict[str, str] | None = None
+) -> float:
+    """Generate one case from scratch; returns the seconds it took. `extensions`: release -> the
+    folder DeepSpeed builds its ops into for that release's interpreter (default: one per release
+    under ~/.cache); the interop tests pass the folder their own runs use, where CI built
+    async_io already, so that no fresh run builds it again (5-10 minutes)."""
+    extensions = extensions or {}
     t0 = time.time()
     casedir = out / case.name
     if casedir.exists():
@@ -1314,7 +1320,9 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
     # extension cache, which two releases on the same torch would share; a build by the other
     # release can then be loaded ("module 'deepspeed_shm_comm' has no attribute ...").
     env = cpu_env(
-        case.world_size, TORCH_EXTENSIONS_DIR=str(Path.home() / ".cache" / f"torch_extensions_{case.release}")
+        case.world_size,
+        TORCH_EXTENSIONS_DIR=extensions.get(case.release)
+        or str(Path.home() / ".cache" / f"torch_extensions_{case.release}"),
     )
 
     # a fixed name (not mkdtemp's random one): it is written into ds_config in every .pt file
@@ -1329,7 +1337,7 @@ def generate(case: Case, out: Path, pythons: dict[str, str], logdir: Path) -> fl
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)
     env.pop("ZCKPT_NVME_PATH", None)
-    env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions_ds19")
+    env["TORCH_EXTENSIONS_DIR"] = extensions.get("ds19") or str(Path.home() / ".cache" / "torch_extensions_ds19")
 
     ckpt = casedir / case.checkpoint
     for fname in ("zero_to_fp32.py", "zero_to_torch.py"):

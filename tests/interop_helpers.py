@@ -74,6 +74,12 @@ class ProbeError(RuntimeError):
 # --------------------------------------------------------------------------------------
 # /dev/shm leaks
 # --------------------------------------------------------------------------------------
+def extensions_for(pythons: dict[str, str]) -> dict[str, str]:
+    """For make_sample_ckpts.generate: each release's interpreter builds DeepSpeed's ops where the
+    tests' own runs of it do (:func:`torch_extensions_dir`: CI built async_io there)."""
+    return {release: str(torch_extensions_dir(python)) for release, python in pythons.items()}
+
+
 def sample_generator() -> Any:
     """scripts/make_sample_ckpts.py as a module (its Case and generate), loaded once."""
     return _load_script("make_sample_ckpts")

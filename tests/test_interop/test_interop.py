@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-from interop_helpers import sample_generator  # noqa: E402
+from interop_helpers import extensions_for, sample_generator  # noqa: E402
 
 GEN = sample_generator()
 SIZES = {"vocab": 29, "dim": 43, "hidden": 17, "seed": 7}
@@ -60,7 +60,8 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Sample]:
     root = tmp_path_factory.mktemp("fresh")
     made = {}
     for case in CASES:
-        GEN.generate(case, root, {"ds19": sys.executable, "ds14": DS14_PYTHON or sys.executable}, root)
+        pythons = {"ds19": sys.executable, "ds14": DS14_PYTHON or sys.executable}
+        GEN.generate(case, root, pythons, root, extensions=extensions_for(pythons))
         made[case.name] = Sample(case.name, root / case.name, json.loads((root / case.name / "meta.json").read_text()))
     return made
 
@@ -189,7 +190,8 @@ def test_deepspeed_loads_a_reshard_of_a_run_saved_without_its_frozen_params(tmp_
     """save_checkpoint(exclude_frozen_parameters=True) records no frozen params (None), so that a
     load keeps the model's own (the Trainer saves PEFT runs so). zckpt once wrote an empty record
     instead, and DeepSpeed's load looked every frozen param up in it: KeyError."""
-    GEN.generate(EXCLUDED, tmp_path, {"ds19": sys.executable}, tmp_path)
+    pythons = {"ds19": sys.executable}
+    GEN.generate(EXCLUDED, tmp_path, pythons, tmp_path, extensions=extensions_for(pythons))
     case = Sample(
         EXCLUDED.name, tmp_path / EXCLUDED.name, json.loads((tmp_path / EXCLUDED.name / "meta.json").read_text())
     )

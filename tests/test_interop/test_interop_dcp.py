@@ -39,7 +39,13 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-from interop_helpers import free_port, run_logged, run_probe, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
+from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
+    extensions_for,
+    free_port,
+    run_logged,
+    run_probe,
+    shm_leak_safety_net,
+)
 from zckpt import to_dcp  # noqa: E402
 
 WORKER = ROOT / "scripts" / "fsdp2_resume.py"
@@ -233,7 +239,8 @@ def test_fsdp2_resumes_a_run_of_deepspeeds_own_adam(tmp_path: Path) -> None:
     )
     root = tmp_path / "fresh"
     root.mkdir()
-    gen.generate(case, root, {"ds19": sys.executable}, root)
+    pythons = {"ds19": sys.executable}
+    gen.generate(case, root, pythons, root, extensions=extensions_for(pythons))
     fresh = SampleOf(case.name, root / case.name, json.loads((root / case.name / "meta.json").read_text()))
     assert "torch_adam" not in fresh.meta["ds_config"]["optimizer"]["params"]
     to_dcp(fresh.checkpoint, tmp_path / "dcp")

@@ -53,6 +53,7 @@ from interop_helpers import (  # noqa: E402,F401
     case_arg,
     ds_env,
     ds_python,
+    extensions_for,
     free_port,
     run_logged,
     sample_generator,
@@ -217,7 +218,8 @@ def test_deepspeed_loads_zckpt_output_as_it_loads_its_own(tmp_path: Path) -> Non
 def test_fresh_nvme_run_resharded_2_to_3(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """A run made now (sizes and seed not in the repository), 2 ranks -> 3 ranks."""
     root = tmp_path_factory.mktemp("fresh_nvme")
-    GEN.generate(FRESH, root, {"ds19": sys.executable}, root)
+    pythons = {"ds19": sys.executable}
+    GEN.generate(FRESH, root, pythons, root, extensions=extensions_for(pythons))
     case = Sample(FRESH.name, root / FRESH.name, json.loads((root / FRESH.name / "meta.json").read_text()))
     assert [g["swapped_to_nvme"] for g in case.meta["fp32_sub_groups"]] == [True, False]
     reshard(case.checkpoint, tmp_path / "out", world_size=3)

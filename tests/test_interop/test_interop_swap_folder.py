@@ -31,7 +31,12 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-from interop_helpers import run_probe, sample_generator, shm_leak_safety_net  # noqa: E402,F401 (autouse fixture)
+from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
+    extensions_for,
+    run_probe,
+    sample_generator,
+    shm_leak_safety_net,
+)
 
 GEN = sample_generator()
 NO_NVME = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
@@ -64,7 +69,8 @@ FRESH = GEN.Case(
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Sample:
     root = tmp_path_factory.mktemp("fresh_nvme")
-    GEN.generate(FRESH, root, {"ds19": sys.executable, "ds14": sys.executable}, root)
+    pythons = {"ds19": sys.executable, "ds14": sys.executable}
+    GEN.generate(FRESH, root, pythons, root, extensions=extensions_for(pythons))
     return Sample(FRESH.name, root / FRESH.name, json.loads((root / FRESH.name / "meta.json").read_text()))
 
 

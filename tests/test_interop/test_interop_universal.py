@@ -53,6 +53,7 @@ from interop_checks import DS_TO_UNIVERSAL, FRESH, GEN, _check_resumed, _plain, 
 from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     ds_env,
     ds_python,
+    extensions_for,
     needs_built_op,
     run_logged,
     run_probe,
@@ -191,7 +192,8 @@ def test_deepspeed_resumes_universal_output_at_another_stage(
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Sample:
     root = tmp_path_factory.mktemp("fresh_universal")
-    GEN.generate(FRESH, root, {"ds19": ds_python(), "ds14": ds_python()}, root)
+    pythons = {"ds19": ds_python(), "ds14": ds_python()}
+    GEN.generate(FRESH, root, pythons, root, extensions=extensions_for(pythons))
     return Sample(FRESH.name, root / FRESH.name, json.loads((root / FRESH.name / "meta.json").read_text()))
 
 

@@ -36,6 +36,7 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     ProbeError,
     ds_env,
     ds_python,
+    extensions_for,
     run_logged,
     run_probe,
     shm_leak_safety_net,
@@ -60,7 +61,8 @@ NAME = "adapter/v2.0.weight"  # one of the params the '/' is in
 @pytest.fixture(scope="module")
 def slashed(tmp_path_factory: pytest.TempPathFactory) -> Sample:
     root = tmp_path_factory.mktemp("slashed")
-    GEN.generate(SLASHED, root, {"ds19": ds_python(), "ds14": ds_python()}, root)
+    pythons = {"ds19": ds_python(), "ds14": ds_python()}
+    GEN.generate(SLASHED, root, pythons, root, extensions=extensions_for(pythons))
     found = Sample(SLASHED.name, root / SLASHED.name, json.loads((root / SLASHED.name / "meta.json").read_text()))
     assert NAME in found.live()  # DeepSpeed trained and saved it under that name
     return found
