@@ -49,7 +49,9 @@ def _free_port() -> int:
 
 
 def job_reads(checkpoint: Path, args: list[str], nodes: int, per_node: int, work: Path) -> list[int]:
-    """Each process's bytes read (rchar minus the baseline interpreter's)."""
+    """Run `zckpt <args>` on `checkpoint` (into ``work/out``) on `nodes` x `per_node` processes
+    (`nodes` 0: one process, no torchrun); each process's bytes read (rchar minus the baseline
+    interpreter's). RuntimeError with the processes' output when the job fails."""
     out, io_dir = work / "out", work / "io"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(io_dir, ignore_errors=True)
@@ -57,41 +59,26 @@ def job_reads(checkpoint: Path, args: list[str], nodes: int, per_node: int, work
     command = [args[0], str(checkpoint)] + ([str(out)] if args[0] != "verify" else []) + [*args[1:], "-q"]
     counted = [str(ROOT / "scripts" / "io_counted.py"), str(io_dir), "--", sys.executable, "-m", "zckpt", *command]
     if nodes == 0:
-        agents = [subprocess.Popen([sys.executable, *counted], env=env)]
+        launches = [[sys.executable, *counted]]
     else:
         port = _free_port()
-        agents = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes",
-                    str(nodes),
-                    "--node-rank",
-                    str(node),
-                    "--nproc-per-node",
-                    str(per_node),
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    f"127.0.0.1:{port}",
-                    "--rdzv-id",
-                    f"reads-{port}",
-                    *counted,
-                ],
-                env=env,
-            )  # fmt: skip
+        launches = [
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
+             "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", f"reads-{port}", *counted]
             for node in range(nodes)
-        ]
-    codes = [agent.wait(timeout=3600) for agent in agents]
-    if any(codes):
-        raise SystemExit(f"{' '.join(command)} on {nodes}x{per_node}: exit {codes}")
-    reads = []
-    for path in sorted(io_dir.glob("io_*.json")):
-        record = json.loads(path.read_text())
-        reads.append(record["io"]["rchar"] - record["baseline"]["rchar"])
-    return reads
+        ]  # fmt: skip
+    agents = [
+        subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for launch in launches
+    ]
+    outputs = [agent.communicate(timeout=3600)[0] for agent in agents]
+    records = [json.loads(path.read_text()) for path in sorted(io_dir.glob("io_*.json"))]
+    if any(agent.returncode for agent in agents) or len(records) != max(nodes, 1) * per_node:
+        raise RuntimeError(
+            f"{' '.join(command)} on {nodes}x{per_node} failed:\n" + "\n".join(o[-3000:] for o in outputs)
+        )
+    return [record["io"]["rchar"] - record["baseline"]["rchar"] for record in records]
 
 
 def tensor_and_metadata_bytes(checkpoint: Path) -> tuple[int, int]:
