@@ -43,6 +43,7 @@ MODEL_STATES = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)
 # Runs under torchrun, one process per rank: train 2 steps, save, and on rank 0 DeepSpeed's own
 # zero_to_fp32 of what was saved (the function its script runs, with the script's defaults).
 WORKER = r'''
+import os
 import sys
 from pathlib import Path
 
@@ -96,6 +97,10 @@ if dist.get_rank() == 0:
 
     convert_zero_checkpoint_to_state_dict(str(out / "checkpoint"), str(out / "zero_to_fp32"))
 dist.barrier()
+# leave at once (torch 2.13's gloo threads can abort the interpreter's exit: see ds_probe.py)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 

@@ -109,7 +109,10 @@ def _run_deepspeed(code: str, out: Path, world: int, *args: object) -> None:
     scripts/ (make_parallel_ckpts) and `args` on its command line; fails the test with its log."""
     out.mkdir(parents=True, exist_ok=True)
     script = out / "script.py"
-    script.write_text(code)
+    # every rank passed the script's last barrier: leave at once, as ds_probe.py does (torch 2.13's
+    # gloo threads can abort the interpreter's exit, "terminate called without an active
+    # exception", which torchrun reports as a failed run: seen here under load)
+    script.write_text(code + "\nimport os, sys\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n")
     python = ds_python()
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
     cmd += [str(script), str(ROOT / "scripts"), *map(str, args)]
