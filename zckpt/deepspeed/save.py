@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 from ..core.errors import OutputError
 from ..io.checksums import RecordChecker
 from ..io.interrupts import signals_deferred
-from ..io.jobs import JobFailed, JobSync
+from ..io.jobs import JobFailed, JobSync, share_of
 from ..io.output import OutputLock, StagedFolder, fsync_file, output_error, path_inside, write_text_atomic
 from ..io.reading import FileReader
 from ..io.workers import WorkerPool
@@ -50,22 +50,6 @@ def archive_sizes(plan: CheckpointPlan) -> Iterator[int]:
         yield (
             plan_raw(f.obj.tensor) if isinstance(f.obj, RawFile) else plan_archive(f.obj, archive_name_for(f.name))
         ).total_size
-
-
-def share_of(sizes: list[int], part: int, parts: int) -> list[int]:
-    """Indices of the files process `part` of `parts` writes: biggest first, each to the least
-    loaded process, so the split is deterministic and balanced.
-
-    >>> share_of([10, 1, 1, 10], 0, 2), share_of([10, 1, 1, 10], 1, 2)
-    ([0, 1], [3, 2])
-    """
-    load = [0] * parts
-    owner = {}
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        chosen = min(range(parts), key=lambda p: (load[p], p))
-        owner[index] = chosen
-        load[chosen] += sizes[index]
-    return [i for i in sorted(owner, key=lambda i: (-sizes[i], i)) if owner[i] == part]
 
 
 def _write_one(path: str, archive: ArchivePlan | RawPlan, checker: RecordChecker | None) -> int:

@@ -20,14 +20,11 @@ import threading
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..core.errors import CorruptFileError
 from .interrupts import uninterrupted
+from .jobs import JobSync, share_of
 from .workers import WorkerPool
-
-if TYPE_CHECKING:
-    from .jobs import JobSync
 
 _READ_BYTES = 1 << 20  # checksum reads go through a cache-sized buffer
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -379,7 +376,7 @@ class RecordChecker:
         keys = sorted(records)
         covers = {key: _cover(records[key].size, pieces[key]) for key in keys}
         gaps = [(key, start, length) for key in keys for start, length in covers[key][1]]
-        owner = _share_out([length for _, _, length in gaps], (job.part, job.parts))
+        owner = share_of([length for _, _, length in gaps], job.part, job.parts)
         read, problems = {}, []
         for index in owner:
             key, start, length = gaps[index]
@@ -404,7 +401,7 @@ class RecordChecker:
         gap_crcs = {(gaps[i][0], gaps[i][1]): crc for i, crc in found_crcs.items()}
         for key in keys:
             record = records[key]
-            parts = [(s, n, c) for s, n, c in covers[key][0]] + [(s, n, gap_crcs[key, s]) for s, n in covers[key][1]]
+            parts = covers[key][0] + [(s, n, gap_crcs[key, s]) for s, n in covers[key][1]]
             crc = 0
             for _, length, piece_crc in sorted(parts):
                 crc = crc32_combine(crc, piece_crc, length)
@@ -489,20 +486,6 @@ def _cover(size: int, pieces: list[tuple[int, int, int]]) -> tuple[list[tuple[in
         gaps.append((position, size - position))
     cut = [(s + o, min(_GAP_SPLIT_BYTES, n - o)) for s, n in gaps for o in range(0, n, _GAP_SPLIT_BYTES)]
     return used, cut
-
-
-def _share_out(sizes: list[int], position: tuple[int, int]) -> list[int]:
-    """The indices of `sizes` process position[0] of position[1] reads: biggest first, each to
-    the least loaded process (every process computes the same split)."""
-    part, parts = position
-    load = [0] * parts
-    mine = []
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        chosen = min(range(parts), key=lambda p: (load[p], p))
-        load[chosen] += sizes[index]
-        if chosen == part:
-            mine.append(index)
-    return mine
 
 
 def check_archive(path: str, workers: int = 1) -> tuple[int, int, str | None]:

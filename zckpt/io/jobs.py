@@ -105,6 +105,23 @@ class JobSync:
             pass
 
 
+def share_of(sizes: list[int], part: int, parts: int) -> list[int]:
+    """Indices of the items (files, pieces, unread byte ranges; by size) process `part` of
+    `parts` takes: biggest first, each to the least loaded process, so every process computes
+    the same balanced split.
+
+    >>> share_of([10, 1, 1, 10], 0, 2), share_of([10, 1, 1, 10], 1, 2)
+    ([0, 1], [3, 2])
+    """
+    load = [0] * parts
+    owner = {}
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        chosen = min(range(parts), key=lambda p: (load[p], p))
+        owner[index] = chosen
+        load[chosen] += sizes[index]
+    return [i for i in sorted(owner, key=lambda i: (-sizes[i], i)) if owner[i] == part]
+
+
 def job_share(path: str) -> tuple[int, int, JobSync]:
     """(this process, process count, barrier) under torchrun; (0, 1, a no-op barrier) otherwise.
     `path`: the output the job writes (named when another process fails)."""

@@ -43,10 +43,9 @@ from ..core.index import TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
 from ..deepspeed.optimizers import deepspeed_adam_w_mode
 from ..deepspeed.reader import open_training_state
-from ..deepspeed.save import share_of
 from ..io.checksums import RecordChecker
 from ..io.interrupts import signals_deferred
-from ..io.jobs import JobFailed, job_share
+from ..io.jobs import JobFailed, job_share, share_of
 from ..io.materialize import read_scalar, read_tensor
 from ..io.output import (
     OutputLock,

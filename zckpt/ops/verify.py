@@ -28,10 +28,9 @@ from ..core.sizes import format_size
 from ..core.state import TrainingState
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.reader import survey
-from ..deepspeed.save import share_of
 from ..deepspeed.survey import Survey
 from ..io.checksums import Record, RecordChecker, archive_records, checksum_range, crc32_combine
-from ..io.jobs import JobSync, job_share
+from ..io.jobs import JobSync, job_share, share_of
 from ..io.materialize import CHUNK_BYTES
 from ..io.output import find_leftovers
 from ..io.reading import FileReader, read_range

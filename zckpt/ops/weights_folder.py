@@ -17,11 +17,10 @@ from typing import Callable, Literal, Sequence
 from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
 from ..core.index import CheckpointIndex, TensorSource
 from ..core.sizes import parse_size
-from ..deepspeed.save import share_of
 from ..hf import names as hf
 from ..hf.shards import ShardItem, plan_shards
 from ..io.checksums import RecordChecker
-from ..io.jobs import JobFailed, job_share
+from ..io.jobs import JobFailed, job_share, share_of
 from ..io.output import StagedOutput, fsync_file, output_error
 from ..io.reading import FileReader
 from .file_pieces import create_files, piece_bytes_for, plan_pieces, write_pieces
@@ -139,7 +138,7 @@ def write_consolidated(
     the output folder's lock: see :class:`~zckpt.io.output.OutputLock`).
 
     Under torchrun (``WORLD_SIZE`` > 1) the job's processes share the weights (sizes balanced,
-    the same split on every process: :func:`~zckpt.deepspeed.save.share_of`), each reading only
+    the same split on every process: :func:`~zckpt.io.jobs.share_of`), each reading only
     what its share holds: safetensors files in pieces of every file (256 KiB-16 MiB)
     (:mod:`~zckpt.ops.file_pieces`), torch files whole (a CRC-32 per record: one process writes
     each). Process 0 holds the lock, creates the shared files, writes the index and the files
