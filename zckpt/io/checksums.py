@@ -380,16 +380,11 @@ class RecordChecker:
         read, problems = {}, []
         for index in owner:
             key, start, length = gaps[index]
-            try:
-                fd = os.open(key[0], os.O_RDONLY)
-                try:
-                    read[index] = checksum_range(fd, key[0], records[key].start + start, length)
-                finally:
-                    os.close(fd)
-            except CorruptFileError as exc:
-                problems.append((index, exc.path, exc.problem))
-            except OSError as exc:
-                problems.append((index, key[0], f"cannot read record {records[key].name}: {exc.strerror or exc}"))
+            found = piece_crc(key[0], records[key], start, length)
+            if isinstance(found, CorruptFileError):
+                problems.append((index, found.path, found.problem))
+            else:
+                read[index] = found
         found_crcs: dict[int, int] = {}
         found_problems = []
         for crcs, bad in job.gather((read, problems)):
@@ -403,14 +398,10 @@ class RecordChecker:
             record = records[key]
             parts = covers[key][0] + [(s, n, gap_crcs[key, s]) for s, n in covers[key][1]]
             crc = 0
-            for _, length, piece_crc in sorted(parts):
-                crc = crc32_combine(crc, piece_crc, length)
+            for _, length, part_crc in sorted(parts):
+                crc = crc32_combine(crc, part_crc, length)
             if crc != record.crc:
-                raise CorruptFileError(
-                    key[0],
-                    f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): "
-                    "the data is corrupted",
-                )
+                raise crc_mismatch(key[0], record, crc)
         with self._lock:
             self._verified.update(keys)
             self.records_checked += len(keys)
@@ -451,11 +442,31 @@ class RecordChecker:
             if fd is not None:
                 os.close(fd)
         if crc != record.crc:
-            return CorruptFileError(
-                path,
-                f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): the data is corrupted",
-            )
+            return crc_mismatch(path, record, crc)
         return None
+
+
+def crc_mismatch(path: str, record: Record, crc: int) -> CorruptFileError:
+    """The error of a record whose data hashes to `crc`, not to its stored CRC-32."""
+    return CorruptFileError(
+        path,
+        f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): the data is corrupted",
+    )
+
+
+def piece_crc(path: str, record: Record, offset: int, length: int) -> int | CorruptFileError:
+    """The CRC-32 of bytes [offset, offset + length) of `record` in `path`, or the problem
+    reading them (returned, not raised: a job's processes gather it before anyone raises)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return checksum_range(fd, path, record.start + offset, length)
+        finally:
+            os.close(fd)
+    except CorruptFileError as exc:
+        return exc
+    except OSError as exc:
+        return CorruptFileError(path, f"cannot read record {record.name}: {exc.strerror or exc}")
 
 
 def _joined(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

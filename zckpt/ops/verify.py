@@ -29,7 +29,7 @@ from ..core.state import TrainingState
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.reader import survey
 from ..deepspeed.survey import Survey
-from ..io.checksums import Record, RecordChecker, archive_records, checksum_range, crc32_combine
+from ..io.checksums import Record, RecordChecker, archive_records, crc32_combine, crc_mismatch, piece_crc
 from ..io.jobs import JobSync, job_share, share_of
 from ..io.materialize import CHUNK_BYTES
 from ..io.output import find_leftovers
@@ -348,13 +348,7 @@ def _archive_crcs(archives: list[str], workers: int, job: JobSync) -> list[tuple
                 else:
                     crc = crc32_combine(crc, piece, min(_PIECE_BYTES, record.size - offset)) if offset else piece
             if bad is None and crc != record.crc:
-                bad = str(
-                    CorruptFileError(
-                        path,
-                        f"record {record.name} fails its CRC-32 check (stored {record.crc:08x}, data {crc:08x}): "
-                        "the data is corrupted",
-                    )
-                )
+                bad = str(crc_mismatch(path, record, crc))
             problem = problem or bad
         results.append((len(records), 0 if problem else sum(r.size for r in records), problem))
     return results
@@ -362,17 +356,8 @@ def _archive_crcs(archives: list[str], workers: int, job: JobSync) -> list[tuple
 
 def _piece_crc(piece: tuple[str, Record, int, int]) -> int | str:
     """The CRC-32 of one piece of a record, or the problem reading it (as the record check says it)."""
-    path, record, offset, length = piece
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            return checksum_range(fd, path, record.start + offset, length)
-        finally:
-            os.close(fd)
-    except CorruptFileError as exc:
-        return str(exc)
-    except OSError as exc:
-        return str(CorruptFileError(path, f"cannot read record {record.name}: {exc.strerror or exc}"))
+    found = piece_crc(*piece)
+    return str(found) if isinstance(found, CorruptFileError) else found
 
 
 def _shared(work: Callable[[T], R], items: list[T], sizes: list[int], workers: int, job: JobSync) -> list[R]:
