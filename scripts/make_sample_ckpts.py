@@ -100,6 +100,9 @@ class Case:
     optim_keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     # save_checkpoint(exclude_frozen_parameters=True), as the Hugging Face Trainer saves PEFT runs
     exclude_frozen: bool = False
+    # also write the engine's live 16-bit module params (ZeRO-1/2: whole on every rank) at the last
+    # save into reference/live_params16.safetensors (ZenFlow: they are not the masters rounded)
+    live_params16: bool = False
 
     @property
     def steps(self) -> int:
@@ -298,6 +301,29 @@ CASES: list[Case] = [
         config_extra=(("optimizer", {"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.01}}),),
         notes="DeepSpeedCPULion (Lion with the optimizer offloaded to CPU): exp_avg, an exp_avg_sq it creates and "
         "never updates (zeros), and an integer step",
+    ),
+    # ZenFlow (zero_optimization.zenflow; ZeRO-1/2 with the optimizer offloaded to CPU): update_interval
+    # becomes gradient_accumulation_steps, so 4 micro-steps are 2 global steps; between the CPU Adam's
+    # updates of the masters its selective optimizer updates the top-k columns of the 16-bit weights
+    Case(
+        "z2_bf16_ws2_zenflow",
+        "ds19",
+        2,
+        "bf16",
+        2,
+        save_steps=(4,),
+        live_params16=True,
+        zero_extra=(
+            ("offload_optimizer", {"device": "cpu"}),
+            (
+                "zenflow",
+                {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 2, "update_interval": 2},
+            ),
+        ),
+        config_extra=(("optimizer", {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}),),
+        notes="ZenFlow (select_strategy step, select_interval 2, update_interval 2; ZenFlowCPUAdam on the masters, "
+        "ZenFlowSelectiveAdamW on the top-k columns of the 16-bit weights): 4 micro-steps, tag global_step2, "
+        "the CPU Adam's step 4; the saved 16-bit weights are the live engine's, not the masters rounded",
     ),
     # DeepSpeed's Muon (MuonWithAuxAdam): every 2-D param whose name holds neither "embed" nor
     # "lm_head" in a Muon group (state: momentum_buffer, one full momentum per param the rank's
@@ -1135,6 +1161,16 @@ def worker(case: Case, casedir: Path) -> None:
                     save_file(live, str(ref / "live.safetensors"), metadata={"format": "pt"})
                     if optim is not None:
                         save_file(optim, str(ref / "live_optimizer.safetensors"), metadata={"format": "pt"})
+                    if case.live_params16:
+                        assert case.stage in (1, 2), case.stage
+                        names_of, params = params_by_identity(engine.module)
+                        params16 = {
+                            n: p.data.detach().cpu().clone().contiguous()
+                            for pid, p in params.items()
+                            if p.requires_grad
+                            for n in names_of[pid]
+                        }
+                        save_file(params16, str(ref / "live_params16.safetensors"), metadata={"format": "pt"})
             engine.save_checkpoint(str(ckpt_dir), exclude_frozen_parameters=case.exclude_frozen)
             dist.barrier()
             tags.append((ckpt_dir / "latest").read_text().strip())
@@ -1437,6 +1473,11 @@ def generate(
     }
     if info.get("live_swap"):
         meta["live_swap"] = info["live_swap"]
+    if case.live_params16:
+        meta["live_params16"] = (
+            "reference/live_params16.safetensors: each trainable param of engine.module as the engine held it "
+            "(16-bit) right before the last save_checkpoint"
+        )
     (casedir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return time.time() - t0
 

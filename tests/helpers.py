@@ -147,6 +147,18 @@ class Sample:
 
         return load_file(self.folder / "reference" / "live.safetensors")
 
+    @property
+    def zenflow(self) -> dict | None:
+        """The run's ``zero_optimization.zenflow`` (None: not a ZenFlow run). ZenFlow makes
+        ``update_interval`` the gradient accumulation steps: meta's ``steps`` counts micro-steps."""
+        return self.meta.get("ds_config", {}).get("zero_optimization", {}).get("zenflow")
+
+    def live_params16(self) -> dict[str, torch.Tensor]:
+        """The engine module's 16-bit trainable params right before the save (ZenFlow samples)."""
+        from safetensors.torch import load_file
+
+        return load_file(self.folder / "reference" / "live_params16.safetensors")
+
 
 def load_samples() -> list[Sample]:
     samples = []
@@ -304,6 +316,20 @@ ZERO3_PADDED = frozenset(
 # ZeRO-1/2 pad a group's flat partition with zeros, but an optimizer may compute a nonzero state
 # from the zero gradient there: Adamax's exp_inf = max(beta2 * exp_inf, |grad| + eps) holds eps
 ZERO12_PADDED_STATES = "/optimizer_state_dict/base_optimizer_state/state"
+
+
+def drop_zenflow_module_weights(case: Sample, original: dict, ours: dict, reader: FileReader) -> None:
+    """A round trip through ZeRO-3 or a universal folder, neither of which holds 16-bit weights,
+    gives a ZenFlow run's module weights back as the masters rounded (what DeepSpeed's load of
+    either rebuilds them from), not the live engine's that ZenFlow saved: checks ours are the live
+    masters rounded by torch, and takes the trainable weights out of both model-states trees."""
+    if not case.zenflow or "module" not in original:
+        return
+    live = case.live()
+    for name, saved in case.live_params16().items():
+        original["module"].pop(name)
+        got = torch.from_numpy(read_ref(reader, ours["module"].pop(name)).copy()).view(saved.dtype)
+        assert same_bits(got.view(saved.shape), live[name].to(saved.dtype)), name
 
 
 def padded_paths(case: Sample, stage: int) -> set[str]:
