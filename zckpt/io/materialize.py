@@ -98,6 +98,27 @@ def unequal_elements(reader: FileReader, reference: TensorSource, other: TensorS
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def unequal_columns(
+    reader: FileReader, reference: TensorSource, other: TensorSource, columns: int, chunk: int
+) -> tuple[int, np.ndarray]:
+    """:func:`unequal_elements` of a row-major 2-D `other` with `columns` columns, and which of
+    its columns hold an unequal element (a bool per column), read `chunk` elements at a time."""
+    numel, unequal = other.numel, 0
+    changed = np.zeros(columns, dtype=bool)
+    for start in range(0, numel, chunk):
+        count = min(chunk, numel - start)
+        wide = np.empty(count, dtype=reference.dtype.numpy_raw)
+        kept = np.empty(count, dtype=other.dtype.numpy_raw)
+        read_range(reader, reference, start, wide)
+        read_range(reader, other, start, kept)
+        converted = convert(wide, reference.dtype, other.dtype)
+        bits = _BITS[kept.dtype.itemsize]  # the 16-bit copies' (complex ones are never rounded copies)
+        where = np.flatnonzero(converted.view(bits) != kept.view(bits))
+        unequal += where.size
+        changed[(where + start) % columns] = True
+    return unequal, changed
+
+
 def all_zero(reader: FileReader, source: TensorSource, chunk: int) -> bool:
     """Whether every element of `source` is zero as a value (-0.0 too), read `chunk` elements at a
     time: memory stays bounded, and the first nonzero chunk ends the read."""

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from ..core.index import CheckpointIndex, Entry
 from ..core.state import TrainingState
-from ..io.materialize import unequal_elements
+from ..io.materialize import unequal_columns, unequal_elements
 from ..io.reading import FileReader
 
 _CHUNK = 1 << 22  # elements compared at a time: memory stays bounded whatever the tensor's size
@@ -49,7 +49,10 @@ def replica_problems(index: CheckpointIndex, reader: FileReader | None = None) -
 
 
 def rounded_copy_problems(
-    index: CheckpointIndex, reader: FileReader | None = None, differences: Sequence[str | None] | None = None
+    index: CheckpointIndex,
+    reader: FileReader | None = None,
+    differences: Sequence[str | None] | None = None,
+    zenflow: bool = False,
 ) -> list[str]:
     """One line per file whose 16-bit copies are not all their masters rounded to the copy's
     dtype (round to nearest even, as the optimizer's copy back does after each step). A
@@ -61,9 +64,9 @@ def rounded_copy_problems(
     skipped the fp32 partition is copied back into them (``step``, zero/stage_1_and_2.py:3145,
     :3095-3096 with CPU offload; an overflow skips both, :3049-3060); ZeRO-0's BF16_Optimizer
     (bf16_optimizer.py:431, 593-597), FP16_Optimizer (fp16/fused_optimizer.py:364) and
-    FP16_UnfusedOptimizer (fp16/unfused_optimizer.py:239) do the same. Not under ZenFlow
-    (zenflow/zenflow_stage_1_and_2.py: its selective optimizer updates the 16-bit weights of
-    important columns between the masters' updates): verify does not run this check there.
+    FP16_UnfusedOptimizer (fp16/unfused_optimizer.py:239) do the same. Not under ZenFlow, whose
+    selective optimizer updates some columns of the 16-bit weights after that copy: there
+    `differences` are :func:`zenflow_difference`'s (`zenflow` true words the line so).
 
     `differences`: each of ``index.rounded_copies``' :func:`rounding_difference`, worked out
     elsewhere (verify shares them between the processes of a torchrun job); nothing is read then."""
@@ -86,7 +89,8 @@ def rounded_copy_problems(
         copy, master, differs = wrong[0]
         problems.append(
             f"{path}: {len(wrong)} of its {counted[path]} module weights are not their masters rounded "
-            f"({copy.name}, {copy.source.dtype.name}, {differs} the {master.source.dtype.name} master in "
+            + ("outside the columns ZenFlow's selective optimizer updates " if zenflow else "")
+            + f"({copy.name}, {copy.source.dtype.name}, {differs} the {master.source.dtype.name} master in "
             f"{_where(master)}): the module's weights and the optimizer's masters are not of the same step "
             "(a file is from another save, or damaged)"
         )
@@ -100,6 +104,40 @@ def rounding_difference(reader: FileReader, master: Entry, copy: Entry) -> str |
         return f"has {numel} elements, not {master.source.numel} as"
     unequal = unequal_elements(reader, master.source, copy.source, _ROUNDING_CHUNK)
     return f"differs in {unequal} of {numel} elements from" if unequal else None
+
+
+def zenflow_difference(
+    reader: FileReader, master: Entry, copy: Entry, topk_ratio: float, partitions: int
+) -> str | None:
+    """How a ZenFlow run's 16-bit `copy` differs from `master` rounded beyond the columns its
+    selective optimizer updates, or None when it does not.
+
+    Guarantee (DeepSpeed 0.19.8, ZenFlowZeroOptimizerSequential): at each accumulation boundary
+    the masters are copied into the 16-bit weights whole, as without ZenFlow; then, and at the
+    micro-steps between, ZenFlowSelectiveAdamW steps the selected columns of each 2-D weight
+    (``param.data[:, param.selected_indices] = ...``, ops/adam/zenflow_torch_adam.py:158) and
+    1-D weights whole (the copy back of ``temp_selected_param``, :122-124, runs on the param's
+    own data). At a selection boundary the masters are reset to the 16-bit weights widened
+    (``sync_fp32_param_from_gpu``, runtime/zenflow/zenflow_stage_1_and_2.py:174-186), so older
+    selections leave no difference behind. Each rank whose partition holds part of a weight
+    selects ``max(1, int(n * topk_ratio))`` of that part's n columns (:_num_selected_columns,
+    :223-225): a 2-D weight differs in at most ``int(columns * topk_ratio) + partitions`` of its
+    columns. Weights of other dimensions are not judged."""
+    numel = copy.source.numel
+    if master.source.numel != numel:
+        return f"has {numel} elements, not {master.source.numel} as"
+    if len(copy.source.shape) != 2 or numel == 0:
+        return None
+    columns = copy.source.shape[1]
+    most = int(columns * topk_ratio) + partitions
+    unequal, changed = unequal_columns(reader, master.source, copy.source, columns, _ROUNDING_CHUNK)
+    count = int(changed.sum())
+    if count <= most:
+        return None
+    return (
+        f"differs in {unequal} of {numel} elements, in {count} of its {columns} columns (ZenFlow's selective "
+        f"optimizer updates at most {most}), from"
+    )
 
 
 def _where(entry: Entry) -> str:

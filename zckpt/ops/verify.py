@@ -37,7 +37,13 @@ from ..io.reading import FileReader, read_range
 from ..io.workers import WorkerPool
 from ..torchfile.legacy import is_legacy_torch_file
 from .classify import Kind, classify
-from .replicas import replica_problems, rounded_copy_problems, rounding_difference, state_copy_problems
+from .replicas import (
+    replica_problems,
+    rounded_copy_problems,
+    rounding_difference,
+    state_copy_problems,
+    zenflow_difference,
+)
 from .tensor_sources import open_tensors
 
 T = TypeVar("T")
@@ -188,8 +194,16 @@ def _verify_checkpoint(
     state = found.state
     judged = state is not None and not found.universal  # the checks of rank files' copies
     copies = state.index.rounded_copies if state is not None and judged else ()
-    zenflow = state is not None and _zenflow(state.ds_config)
-    differences = _rounding_differences(copies, workers, job, checker) if copies and not zenflow else []
+    zenflow = _zenflow(state.ds_config) if state is not None else None
+    # ZenFlow with overlap_step: a separate process steps the masters while the engine trains on
+    # the last step's weights (ZenFlowZeroOptimizerParallel), so the two are of different steps
+    overlapped = zenflow is not None and bool(zenflow.get("overlap_step"))
+    if copies and zenflow is None:
+        differences = _rounding_differences(copies, workers, job, checker)
+    elif copies and not overlapped:
+        differences = _zenflow_differences(copies, zenflow, state.index.topology.dp, workers, job, checker)
+    else:
+        differences = []
     replicas = _replica_problems(state.index, workers, job, checker) if state is not None and judged else []
     held = _state_copy_problems(state, workers, job, checker) if state is not None and judged else []
     sources = _checkpoint_sources(found) if scan else []
@@ -214,13 +228,22 @@ def _verify_checkpoint(
                 f"{count} further cop{'ies' if count != 1 else 'y'} of optimizer states that several ranks "
                 "keep whole (DeepSpeed's Muon momentum of a param two partitions touch) equal the one read",
             )
-        if copies and zenflow:
+        if copies and overlapped:
             findings.add(
                 "module weights",
                 [],
                 "",
-                skipped="not run: a ZenFlow run (zero_optimization.zenflow) updates the 16-bit weights of its "
-                "important columns between the masters' updates, so they are not the masters rounded",
+                skipped="not run: a ZenFlow run with overlap_step (zero_optimization.zenflow) steps its masters in "
+                "another process while the 16-bit weights hold the step before, so they are not the masters rounded",
+            )
+        elif copies and zenflow is not None:
+            flat = sum(1 for copy, _ in copies if len(copy.source.shape) != 2)
+            findings.add(
+                "module weights",
+                rounded_copy_problems(state.index, differences=differences, zenflow=True),
+                f"{len(copies) - flat} 2-D weights of the module are their masters rounded outside the few columns "
+                f"(topk_ratio {_topk_ratio(zenflow)}) that ZenFlow's selective optimizer updates; "
+                f"{flat} of other shapes, which it updates whole, not judged",
             )
         elif copies:
             kinds = sorted({copy.source.dtype.name for copy, _ in copies})
@@ -251,10 +274,18 @@ def _verify_checkpoint(
     )
 
 
-def _zenflow(ds_config: object) -> bool:
-    """Whether the saved ds_config turns ZenFlow on (``zero_optimization.zenflow``)."""
+def _zenflow(ds_config: object) -> dict | None:
+    """The saved ds_config's ``zero_optimization.zenflow`` (None: ZenFlow off; an empty dict
+    where it is on with DeepSpeed's defaults)."""
     zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
-    return isinstance(zero, dict) and zero.get("zenflow") is not None
+    zenflow = zero.get("zenflow") if isinstance(zero, dict) else None
+    return None if zenflow is None else zenflow if isinstance(zenflow, dict) else {}
+
+
+def _topk_ratio(zenflow: dict) -> float:
+    """ZenFlow's share of selected columns (DeepSpeed's default 0.1, zenflow_config.py)."""
+    ratio = zenflow.get("topk_ratio", 0.1)
+    return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else 0.1
 
 
 def _tag_files(found: Survey) -> list[str]:
@@ -384,6 +415,25 @@ def _rounding_differences(
     def difference(pair: tuple[Entry, Entry]) -> str | None:
         with FileReader(verify=False, checker=checker) as reader:
             return rounding_difference(reader, pair[1], pair[0])
+
+    return _shared(difference, list(copies), [c.source.nbytes + m.source.nbytes for c, m in copies], workers, job)
+
+
+def _zenflow_differences(
+    copies: Sequence[tuple[Entry, Entry]],
+    zenflow: dict,
+    partitions: int,
+    workers: int,
+    job: JobSync,
+    checker: RecordChecker,
+) -> list[str | None]:
+    """:func:`_rounding_differences` of a ZenFlow run: how each 16-bit weight differs from its
+    master rounded beyond the columns ZenFlow updates (:func:`~.replicas.zenflow_difference`)."""
+    ratio = _topk_ratio(zenflow)
+
+    def difference(pair: tuple[Entry, Entry]) -> str | None:
+        with FileReader(verify=False, checker=checker) as reader:
+            return zenflow_difference(reader, pair[1], pair[0], ratio, partitions)
 
     return _shared(difference, list(copies), [c.source.nbytes + m.source.nbytes for c, m in copies], workers, job)
 
