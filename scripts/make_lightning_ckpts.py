@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_torchrun import launcher  # noqa: E402
 from make_sample_ckpts import cpu_env, free_port, run, run_workers  # noqa: E402
 from rank_exit import leave  # noqa: E402
 
@@ -358,10 +359,9 @@ def resume_worker(case: Case, ckpt_path: Path, outdir: Path, world_size: int, st
 
 def resume_command(python: str, case: Case, ckpt_path: Path, outdir: Path, world_size: int, steps: int) -> list[str]:
     """The command line of :func:`resume_worker`: under torchrun, or for `world_size` 0 alone."""
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_port", str(free_port())]
+    torchrun = [*launcher(python), "--nproc_per_node", str(world_size), "--master_port", str(free_port())]
     return [
-        python,
-        *(launcher if world_size else []),
+        *(torchrun if world_size else [python]),
         str(Path(__file__).resolve()),
         "--worker",
         "--case-json",

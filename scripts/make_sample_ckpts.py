@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fast_torchrun import launcher  # noqa: E402  (torchrun, or the test suite's faster fork of it)
 from shm_leaks import removing_shm_leaks  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1272,9 +1273,7 @@ def run_workers(
     with removing_shm_leaks():
         run(
             [
-                python,
-                "-m",
-                "torch.distributed.run",
+                *launcher(python),
                 "--nproc_per_node",
                 str(world_size),
                 "--master_port",

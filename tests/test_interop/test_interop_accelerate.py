@@ -30,7 +30,13 @@ from typing import Any, Callable
 import pytest
 
 from helpers import ROOT
-from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
+from interop_helpers import (  # noqa: F401 (autouse fixture)
+    ds_python,
+    free_port,
+    launcher,
+    run_hf_job,
+    shm_leak_safety_net,
+)
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -58,9 +64,7 @@ def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         if name not in made:
             out = tmp_path_factory.mktemp(name)
             cmd = [
-                python,
-                "-m",
-                "torch.distributed.run",
+                *launcher(python),
                 "--nproc-per-node",
                 "2",
                 "--master-port",

@@ -31,6 +31,7 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     ds_env,
     ds_python,
     free_port,
+    launcher,
     run_logged,
     shm_leak_safety_net,
 )
@@ -112,9 +113,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
     script.write_text(WORKER)
     python = ds_python()
     cmd = [
-        python,
-        "-m",
-        "torch.distributed.run",
+        *launcher(python),
         "--nproc-per-node",
         "2",
         "--master-port",

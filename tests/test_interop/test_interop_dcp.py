@@ -42,6 +42,7 @@ if importlib.util.find_spec("deepspeed") is None:
 from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     extensions_for,
     free_port,
+    launcher,
     run_logged,
     run_probe,
     shm_leak_safety_net,
@@ -65,7 +66,7 @@ def resume(
     """Run scripts/fsdp2_resume.py at `world_size` ranks (a bundled case's model, or the Hugging
     Face model of `hf_model`); fail the test with its errors if it fails."""
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size)]
+    cmd = [*launcher(sys.executable), "--nproc-per-node", str(world_size)]
     cmd += ["--master-port", str(free_port()), str(WORKER), "--dcp", str(dcp), "--out", str(out)]
     if hf_model is not None:
         cmd += ["--hf-model", str(hf_model)]
@@ -198,7 +199,7 @@ def test_fsdp2_resumes_a_hugging_face_trainer_checkpoint(tmp_path: Path) -> None
 
     trainer_out = tmp_path / "trainer"
     trainer_out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd = [*launcher(sys.executable), "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += [str(ROOT / "scripts" / "hf_trainer_run.py"), "--out", str(trainer_out), "--max-steps", "3"]
     cmd += ["--save-steps", "2", "--stage", "3", "--bf16", "--dump-masters", "--samples", "64", "--lr", "0.02"]
     run_hf_job("hf_trainer_run.py (2 processes, ZeRO-3 bf16)", cmd, trainer_out, 2, sys.executable, timeout=300)

@@ -28,7 +28,13 @@ from typing import Any, Callable
 import pytest
 
 from helpers import ROOT
-from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
+from interop_helpers import (  # noqa: F401 (autouse fixture)
+    ds_python,
+    free_port,
+    launcher,
+    run_hf_job,
+    shm_leak_safety_net,
+)
 from zckpt import reshard
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -70,9 +76,7 @@ def run_trainer(
     python = hf_python()
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        python,
-        "-m",
-        "torch.distributed.run",
+        *launcher(python),
         "--nproc-per-node",
         str(processes),
         "--master-port",

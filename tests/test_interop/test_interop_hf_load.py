@@ -25,7 +25,13 @@ from typing import Any, Callable
 import pytest
 
 from helpers import ROOT
-from interop_helpers import ds_python, free_port, run_hf_job, shm_leak_safety_net  # noqa: F401 (autouse fixture)
+from interop_helpers import (  # noqa: F401 (autouse fixture)
+    ds_python,
+    free_port,
+    launcher,
+    run_hf_job,
+    shm_leak_safety_net,
+)
 from zckpt import consolidate
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -50,9 +56,7 @@ def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tup
         if name not in made:
             out = tmp_path_factory.mktemp(name)
             cmd = [
-                python,
-                "-m",
-                "torch.distributed.run",
+                *launcher(python),
                 "--nproc-per-node",
                 "2",
                 "--master-port",

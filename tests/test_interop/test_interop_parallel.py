@@ -35,6 +35,7 @@ from interop_helpers import (  # noqa: E402,F401 (autouse fixture)
     ds_env,
     ds_python,
     free_port,
+    launcher,
     run_logged,
     shm_leak_safety_net,
 )
@@ -114,7 +115,7 @@ def _run_deepspeed(code: str, out: Path, world: int, *args: object) -> None:
     # exception", which torchrun reports as a failed run: seen here under load)
     script.write_text(code + "\nimport os, sys\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n")
     python = ds_python()
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port())]
+    cmd = [*launcher(python), "--nproc-per-node", str(world), "--master-port", str(free_port())]
     cmd += [str(script), str(ROOT / "scripts"), *map(str, args)]
     log = out / "run.log"
     returncode = run_logged(cmd, ds_env(world, python), log, timeout=600)

@@ -55,6 +55,7 @@ from interop_helpers import (  # noqa: E402,F401
     ds_python,
     extensions_for,
     free_port,
+    launcher,
     run_logged,
     sample_generator,
     shm_leak_safety_net,
@@ -96,9 +97,7 @@ def run_nvme_probe(
     swap = Path(tempfile.mkdtemp(prefix="zckpt_nvme_probe_"))
     try:
         cmd = [
-            python,
-            "-m",
-            "torch.distributed.run",
+            *launcher(python),
             "--nproc-per-node",
             str(world_size),
             "--master-port",

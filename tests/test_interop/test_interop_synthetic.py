@@ -27,7 +27,14 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-from interop_helpers import _load_script, ds_env, free_port, run_logged, shm_leak_safety_net  # noqa: E402,F401
+from interop_helpers import (  # noqa: E402,F401
+    _load_script,
+    ds_env,
+    free_port,
+    launcher,
+    run_logged,
+    shm_leak_safety_net,
+)
 
 synthetic = _load_script("synthetic_ckpt")
 
@@ -58,7 +65,7 @@ def test_synthetic_checkpoint_has_the_layout_deepspeed_writes(stage: int, tmp_pa
     ours = tmp_path / "synthetic"
     synthetic.write_synthetic(ours, config, 2, stage, "bf16", tmp_path / "noise")
     theirs = tmp_path / "deepspeed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd = [*launcher(sys.executable), "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += [str(ROOT / "scripts" / "ds_train_gpt.py"), "--model-config", str(ours / "model_config.json")]
     cmd += ["--ds-config", str(ours / "ds_config.json"), "--out", str(tmp_path / "run"), "--save", str(theirs)]
     cmd += ["--train-steps", "1", "--no-live"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interop_helpers import ROOT, ds_env, ds_python, free_port, run_logged
+from interop_helpers import ROOT, ds_env, ds_python, free_port, launcher, run_logged
 from zckpt.core.errors import UsageError
 from zckpt.ops import api
 from zckpt.trainer import TrainConfig, Trainer, plan_training
@@ -81,9 +81,7 @@ def _run_deepspeed(
         config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(nvme_path)
     (out / "ds_config.json").write_text(json.dumps(config))
     cmd = [
-        python,
-        "-m",
-        "torch.distributed.run",
+        *launcher(python),
         "--nproc-per-node",
         str(WORLD),
         "--master-port",
