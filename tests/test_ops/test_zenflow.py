@@ -107,3 +107,19 @@ def test_reshard_carries_the_saved_module_weights(tmp_path: Path, stage: int, wo
     step = state.groups[0].scalars["step"]
     assert (step.tensor, step.value) == (None, 4)  # ZenFlowCPUAdam's int step: the micro-steps
     assert state.global_steps == 2
+
+
+def test_a_layout_without_16bit_weights_says_it_does_not_keep_them(tmp_path: Path) -> None:
+    """ZeRO-3 and universal folders hold no 16-bit weights: writing the ZenFlow run there says
+    so (a run loading them starts from the masters rounded); ZeRO-1/2 keep them, silently."""
+    from zckpt.ops.universal import to_universal
+
+    kept = reshard(CASE.checkpoint, tmp_path / "z2", world_size=3)
+    assert kept.notes == ()
+    z3 = reshard(CASE.checkpoint, tmp_path / "z3", world_size=2, stage=3)
+    universal = to_universal(CASE.checkpoint, tmp_path / "universal")
+    for result, where in ((z3, "a ZeRO-3 checkpoint"), (universal, "a universal folder")):
+        (note,) = result.notes
+        assert "ZenFlow" in note and f"not kept in {where}" in note and "zckpt reshard" in note
+    plain = reshard(sample("z2_fp32_ws2_cpuadagrad").checkpoint, tmp_path / "plain", world_size=2, stage=3)
+    assert plain.notes == ()

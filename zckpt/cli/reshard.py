@@ -197,7 +197,7 @@ def reshard(
         + (f", {len(result.dropped)} left out ({', '.join(result.dropped)})" if result.dropped else "")
         + f" -> {output_dir}"
     )
-    notes = swap_notes(swap_folder, result.source.index.notes)
+    notes = [*swap_notes(swap_folder, result.source.index.notes), *result.notes]
     names = [f"{result.tag}/{name}" for name in result.files] + ["latest", *result.carried]
     obj = write_report(
         "reshard",

@@ -147,7 +147,7 @@ def to_universal(
         f"world size {source.world_size}): {len(result.source.params)} params, {len(result.files)} files, "
         f"{format_size(result.bytes_written)} -> {output_dir}"
     )
-    notes = swap_notes(swap_folder, source.notes)
+    notes = [*swap_notes(swap_folder, source.notes), *result.notes]
     if result.loss is not None:
         notes = [*notes, f"written with --allow-state-loss: {result.loss.describe()}"]
     names = [f"{result.tag}/{name}" for name in result.files] + ["latest_universal"]

@@ -34,6 +34,7 @@ from ..deepspeed.tensor_parallel_writer import (
     vocabulary_rules,
 )
 from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
+from ..deepspeed.zenflow import module_weights_note
 from ..io.jobs import job_share
 from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
 
@@ -51,6 +52,9 @@ class ReshardResult:
     bytes_written: int
     carried: tuple[str, ...]  # files copied from beside the input's tag folders (HF Trainer's, ...)
     dropped: tuple[str, ...]  # carried files left out (RNG states of processes the target lacks)
+    notes: tuple[
+        str, ...
+    ] = ()  # what the new layout does not keep of the input (a ZenFlow run's 16-bit weights at ZeRO-3)
 
 
 @dataclass(frozen=True)
@@ -313,6 +317,15 @@ def reshard(
         before_latest=copy_carried,
         wait=wait,
     )
+    note = module_weights_note(source.ds_config, "a ZeRO-3 checkpoint") if plan.target.stage == 3 else None
     return ReshardResult(
-        output_dir, plan.tag, source, plan.target, result.files, result.bytes_written, tuple(carried), tuple(dropped)
+        output_dir,
+        plan.tag,
+        source,
+        plan.target,
+        result.files,
+        result.bytes_written,
+        tuple(carried),
+        tuple(dropped),
+        (note,) if note else (),
     )

@@ -21,6 +21,7 @@ from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import write_checkpoint
 from ..deepspeed.universal import UniversalLoss, plan_universal, universal_loss
 from ..deepspeed.writer import CheckpointPlan
+from ..deepspeed.zenflow import module_weights_note
 from ..io.jobs import job_share
 from ..io.output import is_inside, refuse_output_inside_input
 
@@ -35,6 +36,7 @@ class UniversalResult:
     bytes_written: int
     # what DeepSpeed's universal loader of that stage will not restore (written with allow_state_loss)
     loss: UniversalLoss | None = None
+    notes: tuple[str, ...] = ()  # what the folder does not keep beyond optimizer state (a ZenFlow run's 16-bit weights)
 
 
 def plan_to_universal(
@@ -129,6 +131,14 @@ def to_universal(
         verify=verify,
         wait=wait,
     )
+    note = module_weights_note(source.ds_config, "a universal folder")
     return UniversalResult(
-        output_dir, plan.tag, source, plan.target.stage, result.files, result.bytes_written, loss or None
+        output_dir,
+        plan.tag,
+        source,
+        plan.target.stage,
+        result.files,
+        result.bytes_written,
+        loss or None,
+        (note,) if note else (),
     )

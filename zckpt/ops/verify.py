@@ -29,6 +29,7 @@ from ..core.state import TrainingState
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.reader import survey
 from ..deepspeed.survey import Survey
+from ..deepspeed.zenflow import topk_ratio, zenflow_settings
 from ..io.checksums import Record, RecordChecker, archive_records, crc32_combine, crc_mismatch, piece_crc
 from ..io.jobs import JobSync, job_share, share_of
 from ..io.materialize import CHUNK_BYTES
@@ -194,7 +195,7 @@ def _verify_checkpoint(
     state = found.state
     judged = state is not None and not found.universal  # the checks of rank files' copies
     copies = state.index.rounded_copies if state is not None and judged else ()
-    zenflow = _zenflow(state.ds_config) if state is not None else None
+    zenflow = zenflow_settings(state.ds_config) if state is not None else None
     # ZenFlow with overlap_step: a separate process steps the masters while the engine trains on
     # the last step's weights (ZenFlowZeroOptimizerParallel), so the two are of different steps
     overlapped = zenflow is not None and bool(zenflow.get("overlap_step"))
@@ -242,7 +243,7 @@ def _verify_checkpoint(
                 "module weights",
                 rounded_copy_problems(state.index, differences=differences, zenflow=True),
                 f"{len(copies) - flat} 2-D weights of the module are their masters rounded outside the few columns "
-                f"(topk_ratio {_topk_ratio(zenflow)}) that ZenFlow's selective optimizer updates; "
+                f"(topk_ratio {topk_ratio(zenflow)}) that ZenFlow's selective optimizer updates; "
                 f"{flat} of other shapes, which it updates whole, not judged",
             )
         elif copies:
@@ -272,20 +273,6 @@ def _verify_checkpoint(
         bytes=sum(_size(f) for f in files),
         scanned=scan,
     )
-
-
-def _zenflow(ds_config: object) -> dict | None:
-    """The saved ds_config's ``zero_optimization.zenflow`` (None: ZenFlow off; an empty dict
-    where it is on with DeepSpeed's defaults)."""
-    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
-    zenflow = zero.get("zenflow") if isinstance(zero, dict) else None
-    return None if zenflow is None else zenflow if isinstance(zenflow, dict) else {}
-
-
-def _topk_ratio(zenflow: dict) -> float:
-    """ZenFlow's share of selected columns (DeepSpeed's default 0.1, zenflow_config.py)."""
-    ratio = zenflow.get("topk_ratio", 0.1)
-    return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else 0.1
 
 
 def _tag_files(found: Survey) -> list[str]:
@@ -429,7 +416,7 @@ def _zenflow_differences(
 ) -> list[str | None]:
     """:func:`_rounding_differences` of a ZenFlow run: how each 16-bit weight differs from its
     master rounded beyond the columns ZenFlow updates (:func:`~.replicas.zenflow_difference`)."""
-    ratio = _topk_ratio(zenflow)
+    ratio = topk_ratio(zenflow)
 
     def difference(pair: tuple[Entry, Entry]) -> str | None:
         with FileReader(verify=False, checker=checker) as reader:
