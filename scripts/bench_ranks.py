@@ -18,7 +18,9 @@ Models (``--models``):
 - ``small``: ``zckpt train``'s GPT at 48 layers x dim 64 (580 params), the issue's own;
 - ``deep80``: the same block at 80 layers x dim 64 (962 params), standing in for a 70B-class
   param list (Llama-2-70B's 80 layers of q/k/v/o, gate/up/down and two norms: 723 params); tiny
-  widths keep the bytes small, so the cost is the ranks' and the params' count, not the bytes'.
+  widths keep the bytes small, so the cost is the ranks' and the params' count, not the bytes';
+- ``llama80``: Llama's own param list at 80 layers x dim 64 (723 params, Hugging Face's names,
+  grouped k/v, no biases, untied head: ``synthetic_ckpt.py --block llama``).
 
 Usage::
 
@@ -53,6 +55,7 @@ from bench_common import TreeSampler  # noqa: E402
 MODELS = {
     "small": ["--layers", "48", "--dim", "64", "--vocab", "256"],
     "deep80": ["--layers", "80", "--dim", "64", "--vocab", "256"],
+    "llama80": ["--block", "llama", "--layers", "80", "--dim", "64", "--vocab", "256"],
 }
 COMMANDS = ("inspect", "verify", "consolidate", "reshard", "to-universal", "zero_to_fp32")
 

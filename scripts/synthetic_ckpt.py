@@ -15,8 +15,10 @@ Usage::
 
     python scripts/synthetic_ckpt.py OUT --params 0.4e9 --stage 3 --world-size 2   # ~5.6 GB at bf16
     python scripts/synthetic_ckpt.py OUT --layers 2 --dim 64 --vocab 256 --stage 2 --world-size 2
+    python scripts/synthetic_ckpt.py OUT --block llama --layers 80 --dim 64 --vocab 256 --world-size 64
 
-``--params`` picks GPT-2-like shapes (vocabulary 50304, heads of 64, depth and width from the
+``--block llama`` lays out Llama's param list instead (Hugging Face's names, 9 params per layer:
+Llama-2-70B's 80 layers make 723), for the rank-axis benchmark. ``--params`` picks GPT-2-like shapes (vocabulary 50304, heads of 64, depth and width from the
 table in :data:`SIZES` or the nearest below) and prints them. ``OUT`` gets ``latest``, the tag
 folder ``global_step1000``, ``model_config.json`` and ``ds_config.json`` (what ``ds_train_gpt.py``
 builds the model and the engine from: DeepSpeed then saves the same files, see
@@ -38,6 +40,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from zckpt.core.dtypes import FP32  # noqa: E402
 from zckpt.core.index import CheckpointIndex, Entry, Segment, TensorSource  # noqa: E402
@@ -67,6 +72,48 @@ def gpt_config(params: float | None, layers: int, dim: int, vocab: int, seq_len:
     return GPTConfig(vocab=vocab, seq_len=seq_len, layers=layers, dim=dim, heads=max(1, dim // 64), tie_embeddings=True)
 
 
+class _LlamaLayer(nn.Module):
+    """A Llama decoder layer's params (Hugging Face's names; no biases; grouped k/v heads)."""
+
+    def __init__(self, dim: int, kv_dim: int, ffn: int) -> None:
+        super().__init__()
+        self.self_attn = nn.ModuleDict(
+            {
+                "q_proj": nn.Linear(dim, dim, bias=False),
+                "k_proj": nn.Linear(dim, kv_dim, bias=False),
+                "v_proj": nn.Linear(dim, kv_dim, bias=False),
+                "o_proj": nn.Linear(dim, dim, bias=False),
+            }
+        )
+        self.mlp = nn.ModuleDict(
+            {
+                "gate_proj": nn.Linear(dim, ffn, bias=False),
+                "up_proj": nn.Linear(dim, ffn, bias=False),
+                "down_proj": nn.Linear(ffn, dim, bias=False),
+            }
+        )
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.empty(dim))
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.empty(dim))
+
+
+def llama_style_model(layers: int, dim: int, vocab: int) -> nn.Module:
+    """Llama's param list at `layers` x `dim` on the meta device: per layer q/k/v/o, gate/up/down
+    and two norms (9 params), plus the embedding, the final norm and an untied head; k/v at a
+    quarter of the width (grouped heads) and the MLP at 8/3 of it, as Llama-2-70B's 80 layers
+    (723 params) are shaped. The rank-axis benchmark's 70B-class param list, at tiny widths."""
+    with torch.device("meta"):
+        model = nn.Module()
+        model.model = nn.Module()
+        model.model.embed_tokens = nn.Embedding(vocab, dim)
+        model.model.layers = nn.ModuleList(_LlamaLayer(dim, max(1, dim // 4), dim * 8 // 3) for _ in range(layers))
+        model.model.norm = nn.Module()
+        model.model.norm.weight = nn.Parameter(torch.empty(dim))
+        model.lm_head = nn.Linear(dim, vocab, bias=False)
+    return model
+
+
 def noise_files(folder: Path) -> tuple[str, str]:
     """(masters and exp_avg, exp_avg_sq): float32 files the sources wrap around, made once."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -90,12 +137,16 @@ def wrapped(path: str, numel: int, start: int) -> TensorSource:
     return tuple(segments)
 
 
-def synthetic_state(config: GPTConfig, world_size: int, dtype: str, noise: tuple[str, str], tag: str) -> TrainingState:
-    """The training state of `config`'s GPT after STEPS AdamW steps, its values from the noise
-    files; laid out by zckpt's ZeRO-3 plan of the model (what the trainer saves)."""
+def synthetic_state(
+    config: GPTConfig, world_size: int, dtype: str, noise: tuple[str, str], tag: str, block: str = "gpt"
+) -> TrainingState:
+    """The training state of `config`'s GPT (or, `block` "llama", of Llama's param list at its
+    depth and width) after STEPS AdamW steps, its values from the noise files; laid out by zckpt's
+    ZeRO-3 plan of the model (what the trainer saves)."""
     from zckpt.core.dtypes import BY_SHORT
 
-    plan = plan_zero3(build_empty_model(config), world_size, sub_group_size=10**9)
+    model = build_empty_model(config) if block == "gpt" else llama_style_model(config.layers, config.dim, config.vocab)
+    plan = plan_zero3(model, world_size, sub_group_size=10**9)
     values, squares = noise
     entries: list[Entry] = []
     params: dict[str, ParamState] = {}
@@ -164,16 +215,25 @@ def synthetic_state(config: GPTConfig, world_size: int, dtype: str, noise: tuple
 
 
 def write_synthetic(
-    out: Path, config: GPTConfig, world_size: int, stage: int, dtype: str, noise_dir: Path, overwrite: bool = False
+    out: Path,
+    config: GPTConfig,
+    world_size: int,
+    stage: int,
+    dtype: str,
+    noise_dir: Path,
+    overwrite: bool = False,
+    block: str = "gpt",
 ) -> dict[str, Any]:
     """Write the checkpoint into `out`; returns what ``synthetic.json`` records."""
     tag = f"global_step{STEPS}"
-    state = synthetic_state(config, world_size, dtype, noise_files(noise_dir), tag)
+    state = synthetic_state(config, world_size, dtype, noise_files(noise_dir), tag, block)
     started = time.perf_counter()
     plan = plan_checkpoint(state, plan_target(state, world_size, stage=stage), tag)
     result = write_checkpoint(plan, str(out), overwrite=overwrite)
     seconds = time.perf_counter() - started
     model_config = {"model_type": "zckpt-gpt", **{k: getattr(config, k) for k in config.__dataclass_fields__}}
+    if block == "llama":  # not a model ds_train_gpt.py builds: the param list only
+        model_config = {"model_type": "llama-style", "layers": config.layers, "dim": config.dim, "vocab": config.vocab}
     (out / "model_config.json").write_text(json.dumps(model_config, indent=2) + "\n")
     # the config the run had: what scripts/ds_train_gpt.py gives DeepSpeed to make the same layout
     (out / "ds_config.json").write_text(json.dumps(plan.target.ds_config, indent=2) + "\n")
@@ -206,9 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--noise-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "zckpt_noise")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument(
+        "--block",
+        choices=("gpt", "llama"),
+        default="gpt",
+        help="gpt: zckpt train's GPT; llama: Llama's param list (9 per layer, no biases, untied head)",
+    )
     args = ap.parse_args(argv)
     config = gpt_config(args.params, args.layers, args.dim, args.vocab, args.seq_len)
-    facts = write_synthetic(args.out, config, args.world_size, args.stage, args.dtype, args.noise_dir, args.overwrite)
+    facts = write_synthetic(
+        args.out, config, args.world_size, args.stage, args.dtype, args.noise_dir, args.overwrite, args.block
+    )
     print(json.dumps(facts))
     return 0
 
