@@ -17,6 +17,7 @@ from ..io.reading import FileReader
 from ..torchfile.reader import TensorRef
 from . import names as N
 from . import swap_folder as swap
+from .features import feature_notes, feature_refusal
 from .live_swap import check_swap_folder, report_swap_folder
 from .model_states import declare, describe, describe_readable, module_entries, rounded_copies, tied_entries
 from .partitions import Partitions
@@ -77,6 +78,11 @@ def read_ranks(
         mp_world=mp_world,
     )
     run_config = describe(result, ranks.model0, ranks.inner[0], ranks.optim_files[0][0], ranks.zero3, ranks.model0_path)
+    refusal = feature_refusal(ranks.model0, ranks.inner, ranks.zero3, ranks.model0_path, ranks.optim_files[0][1])
+    if refusal is not None:  # a DeepSpeed feature whose files zckpt does not read, named (.features)
+        result.problems.append(refusal)
+        return
+    result.notes.extend(feature_notes(ranks.model0))
     if not check_world(result, ranks, tag_dir):
         return
     if swap_folder is not None and not check_swap_folder(result, swap_folder, ranks.zero3):

@@ -14,6 +14,7 @@ from ..core.errors import CheckpointNotFoundError, LayoutError, ZckptError
 from ..core.topology import RankCoords, Topology
 from ..torchfile import reader as torchfile
 from . import names as N
+from .features import fast_writer_refusal
 from .locate import natural_key
 from .survey import Survey
 
@@ -306,7 +307,9 @@ def zero_rank_files(tag_dir: str) -> RankFiles:
         return files
     fatal = None
     if not files.model:
-        fatal = CheckpointNotFoundError(tag_dir, "no *_model_states.pt file in the tag folder")
+        fatal = fast_writer_refusal(tag_dir) or CheckpointNotFoundError(
+            tag_dir, "no *_model_states.pt file in the tag folder"
+        )
     elif None in files.model and len(files.model) > 1:
         fatal = LayoutError(
             tag_dir,
