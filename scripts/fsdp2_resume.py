@@ -9,8 +9,11 @@ Per-rank worker, started by torchrun with an interpreter that has torch (no Deep
 The model and its param groups are built exactly as ``make_sample_ckpts.py`` builds them for the
 bundled case NAME (its ``build_model`` / ``param_groups``), in fp32; ``fc1``, ``fc2`` and then the
 whole model are sharded with ``fully_shard`` (tied ``embed``/``lm_head`` and the frozen adapter in
-the root's group); the optimizer is ``torch.optim.AdamW`` over those groups. Then the README's
-recipe, word for word::
+the root's group); the optimizer is torch's class for the one the case's run used, with its config's
+hyperparameters, over those groups (:func:`case_optimizers`: torch's own by its name; DeepSpeed's
+FusedAdam and CPU Adam as AdamW, or Adam without ``adam_w_mode``; CPU Adagrad as Adagrad; Muon as
+``torch.optim.Muon`` over DeepSpeed's Muon params plus AdamW over the rest; Lion refused, torch has
+none). Then the README's recipe, word for word (``optimizer`` a list of the optimizers)::
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=DIR)
@@ -19,8 +22,9 @@ recipe, word for word::
 Rank 0 writes into OUTDIR what the run holds after the load (full state dicts gathered with
 ``get_state_dict(..., full_state_dict=True, cpu_offload=True)``): ``loaded_model.safetensors`` (every
 name of the module's state dict), ``loaded_optim.safetensors`` (``<name>.<state>`` for every
-per-element optimizer state) and ``loaded.json`` (each param's ``step``, the param groups without
-their tensors). With ``--train-steps K``, K more AdamW steps follow and the same capture is written
+optimizer state, and scalar ones such as NAdam's ``mu_product``) and ``loaded.json`` (each param's
+``step``, the param groups without their tensors, every optimizer's in order). With
+``--train-steps K``, K more optimizer steps follow and the same capture is written
 as ``after_train_*``; ``run.json`` has the losses.
 
 With ``--hf-model CHECKPOINT_N`` instead of ``--case``, the model is the Hugging Face model its
@@ -125,7 +129,85 @@ def hugging_face_model(folder: Path) -> tuple[Any, Any]:
         {"params": [p for n, p in named if n in decay], "weight_decay": 0.0},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    return model, torch.optim.AdamW(groups, lr=1e-3)
+    return model, [torch.optim.AdamW(groups, lr=1e-3)]
+
+
+# the config's optimizer when a case sets none (make_sample_ckpts.ds_config)
+DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
+# DeepSpeed 0.19.8's Muon (engine._muon_param_groups, MuonWithAuxAdam): a param is Muon's when
+# deepspeed.initialize tags it so (2-D or more, "embed" and "lm_head" not in its name); the config's
+# lr / momentum / weight_decay go to the Muon half, lr / betas / eps / weight_decay to the Adam half,
+# which MuonWithAuxAdam completes with betas (0.9, 0.95) and eps 1e-10
+MUON_KEYS, MUON_ADAM_KEYS = ("lr", "momentum", "weight_decay"), ("lr", "betas", "eps", "weight_decay")
+MUON_ADAM_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-10}
+
+
+def optimizer_spec(case: Any) -> dict[str, Any]:
+    """The case's config ``optimizer`` section (type and params)."""
+    return dict(case.config_extra).get("optimizer", DEFAULT_OPTIMIZER)
+
+
+def torch_optimizer_class(kind: str, params: dict[str, Any], offloaded: bool) -> tuple[Any, dict[str, Any]]:
+    """torch's class for what DeepSpeed built from config type `kind` (lower-cased) and its params,
+    and the params torch's class takes. DeepSpeed's own Adams (FusedAdam, DeepSpeedCPUAdam; torch's
+    Adam/AdamW with ``torch_adam``) are torch's AdamW or Adam by ``adam_w_mode`` (always AdamW for
+    type AdamW), without their ``bias_correction`` (torch always corrects); DeepSpeedCPUAdagrad is
+    torch's Adagrad; any other type is ``torch.optim.<type>``, as DeepSpeed builds it."""
+    import torch
+
+    params = dict(params)
+    params.pop("torch_adam", None)
+    if kind in ("adam", "adamw"):
+        adam_w_mode = params.pop("adam_w_mode", True)
+        params.pop("bias_correction", None)
+        return (torch.optim.AdamW if kind == "adamw" or adam_w_mode else torch.optim.Adam), params
+    if kind == "lion":
+        raise SystemExit(f"torch {torch.__version__} has no Lion optimizer (DeepSpeed's {'CPU ' * offloaded}Lion ran)")
+    names = {name.lower(): name for name in dir(torch.optim)}
+    if kind not in names:
+        raise SystemExit(f"torch.optim has no optimizer {kind!r}")
+    return getattr(torch.optim, names[kind]), params
+
+
+def case_optimizers(gen: Any, case: Any, model: Any) -> list[Any]:
+    """torch's equivalent of the optimizer the case's run trained with, over the case's groups
+    (make_sample_ckpts.param_groups), with the config's hyperparameters: one optimizer, or for
+    DeepSpeed's Muon two, ``torch.optim.Muon`` over the Muon params and AdamW (Adam without
+    ``adam_w_mode``) over the rest, Muon's groups first as DeepSpeed orders them."""
+    import torch
+
+    spec = optimizer_spec(case)
+    kind = str(spec["type"]).lower()
+    params = dict(spec.get("params") or {})
+    offload = dict(case.zero_extra).get("offload_optimizer")
+    offloaded = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+    groups = gen.param_groups(model, case)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    if kind != "muon":
+        cls, kwargs = torch_optimizer_class(kind, params, offloaded)
+        return [cls(groups, **kwargs)]
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def is_muon(p: Any) -> bool:
+        name = names[id(p)]
+        return p.ndim >= 2 and "embed" not in name and "lm_head" not in name
+
+    adam_w_mode = params.pop("adam_w_mode", True)
+    muon_groups, adam_groups = [], []
+    for group in groups:
+        extra = {k: v for k, v in group.items() if k != "params"}
+        muon = [p for p in group["params"] if is_muon(p)]
+        adam = [p for p in group["params"] if not is_muon(p)]
+        if muon:
+            muon_groups.append({"params": muon, **{k: v for k, v in extra.items() if k in MUON_KEYS}})
+        if adam:
+            adam_groups.append({"params": adam, **{k: v for k, v in extra.items() if k in MUON_ADAM_KEYS}})
+    muon_kwargs = {k: params[k] for k in MUON_KEYS if k in params}
+    adam_kwargs = {**MUON_ADAM_DEFAULTS, **{k: params[k] for k in MUON_ADAM_KEYS if k in params}}
+    adam_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    optimizers = [torch.optim.Muon(muon_groups, **muon_kwargs)] if muon_groups else []
+    return optimizers + ([adam_cls(adam_groups, **adam_kwargs)] if adam_groups else [])
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -146,7 +228,7 @@ def worker(args: argparse.Namespace) -> None:
         fully_shard(model.fc1)
         fully_shard(model.fc2)
         fully_shard(model)
-        optimizer = torch.optim.AdamW(gen.param_groups(model, case), lr=1e-2, weight_decay=0.01)
+        optimizer = case_optimizers(gen, case, model)
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=args.dcp)
@@ -182,8 +264,9 @@ def worker(args: argparse.Namespace) -> None:
                 step_losses.append([j, weight, loss.item()])
             if args.clip_grad > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-            optimizer.step()
-            optimizer.zero_grad()
+            for one in optimizer:
+                one.step()
+                one.zero_grad()
             losses.append(step_losses)
         dump(out, "after_train", capture(model, optimizer))
     gathered: list[Any] = [None] * world

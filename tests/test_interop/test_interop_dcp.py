@@ -4,15 +4,21 @@ against real DeepSpeed training on from the same checkpoint. Needs DeepSpeed ins
 interpreter (the training truth); skipped otherwise.
 
 Run: ``DS_ACCELERATOR=cpu PYTHONPATH=tests python -m pytest -m deepspeed -p interop_helpers
-tests/test_interop/test_interop_dcp.py`` (about 3 minutes on 2 cores: one DeepSpeed run of ~10 s,
+tests/test_interop/test_interop_dcp.py`` (about 4 minutes on 2 cores: one DeepSpeed run of ~10 s,
 four FSDP2 runs of ~6 s, a Hugging Face Trainer run and its FSDP2 resume, ~25 s, a FusedAdam run
-with the build of DeepSpeed's CPU FusedAdam op, ~80 s).
+with the build of DeepSpeed's CPU FusedAdam op, ~80 s, and one FSDP2 load of ~5 s per optimizer
+family's sample).
 
 What the expected values are (never zckpt's code):
 
 * right after the load, bit for bit: the sample's ``reference/live*.safetensors`` (the engine's
   fp32 masters, frozen params, buffers and Adam moments before it saved), and its ``meta.json``
   (steps, param groups' lr and weight decay as make_sample_ckpts set them);
+* for each optimizer family's sample (torch's SGD, Adam, AdamW with AMSGrad, NAdam, RAdam, Adamax,
+  Adagrad, RMSprop; DeepSpeed's FusedAdam, CPU Adam, CPU Adagrad, Muon) resumed with torch's
+  equivalent optimizer: the same live files, each per-element state under torch's name for it,
+  NAdam's ``mu_product`` as torch's NAdam computes it after the run's steps, the config's
+  hyperparameters;
 * after two more steps: DeepSpeed itself resuming the original checkpoint at its own world size
   and training the same two steps on the same data (``ds_probe.py --train-steps 2 --data
   global``). FSDP2 reduces gradients in another order than DeepSpeed, so the values agree to
@@ -249,3 +255,106 @@ def test_fsdp2_resumes_a_run_of_deepspeeds_own_adam(tmp_path: Path) -> None:
     check_loaded(fresh, out)
     groups = json.loads((out / "loaded.json").read_text())["param_groups"]
     assert all(g["decoupled_weight_decay"] is True and g["amsgrad"] is False for g in groups)
+
+
+# one real DeepSpeed run per optimizer family (issue 35), each resumed once by FSDP2 with torch's
+# equivalent optimizer (scripts/fsdp2_resume.py case_optimizers): at the run's own world size, two
+# at another. DeepSpeedCPULion (z2_bf16_ws2_cpulion) is not here: torch 2.13 has no Lion.
+FAMILIES = [
+    ("z3_fp32_ws2_sgd_coupled_wd", 2),  # SGD, Nesterov: momentum_buffer, no step
+    ("z3_bf16_ws3_adam_coupled_wd", 3),  # torch's Adam, L2 decay
+    ("z3_fp32_ws2_amsgrad", 2),  # torch's AdamW(amsgrad): max_exp_avg_sq
+    ("z1_bf16_ws2_nadam", 3),  # NAdam at another world size: a scalar mu_product per param
+    ("z2_bf16_ws2_radam", 2),
+    ("z1_fp32_ws3_adamax", 3),  # exp_inf
+    ("z3_fp32_ws2_adagrad", 2),  # torch's Adagrad: sum
+    ("z3_bf16_ws2_rmsprop_centered", 2),  # square_avg, momentum_buffer, grad_avg
+    ("z1_bf16_ws2_fusedadam", 2),  # DeepSpeed's FusedAdam as AdamW: an integer step
+    ("z3_bf16_ws2_cpuadam", 2),  # DeepSpeedCPUAdam as AdamW
+    ("z2_fp32_ws2_cpuadagrad", 2),  # DeepSpeedCPUAdagrad as torch's Adagrad: exp_avg_sq as sum
+    ("z1_bf16_ws2_muon", 2),  # DeepSpeed's Muon as torch's Muon + AdamW
+    ("z2_fp32_ws3_muon", 2),  # at another world size
+    ("z3_bf16_ws2_muon", 2),  # a bf16 momentum_buffer (ZeRO-3 keeps it so): widened, exactly
+]
+
+
+def torch_state_name(case: Sample, key: str) -> str:
+    """The name torch's equivalent optimizer gives DeepSpeed's state `key`: DeepSpeedCPUAdagrad's
+    sum of squared gradients is ``exp_avg_sq``, torch's Adagrad's ``sum``."""
+    return "sum" if case.optimizer.lower() == "adagrad" and case.cpu_optimizer and key == "exp_avg_sq" else key
+
+
+def nadam_mu_product(steps: int, group: dict) -> torch.Tensor:
+    """NAdam's mu_product after `steps` steps, from torch's NAdam itself (it depends only on the
+    step count, beta1 and momentum_decay)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.NAdam([param], betas=tuple(group["betas"]), momentum_decay=group["momentum_decay"])
+    for _ in range(steps):
+        param.grad = torch.ones(1)
+        optimizer.step()
+    return optimizer.state[param]["mu_product"]
+
+
+@pytest.mark.parametrize("name, world_size", FAMILIES, ids=[f"{n}-fsdp{w}" for n, w in FAMILIES])
+def test_fsdp2_resumes_each_optimizer_family_bit_for_bit(name: str, world_size: int, tmp_path: Path) -> None:
+    """to_dcp of the family's sample, loaded by FSDP2 at `world_size` ranks with torch's class for
+    the run's optimizer and the config's hyperparameters: every fp32 master, frozen param and
+    buffer, and every per-element optimizer state, is the live engine's (a bf16 Muon momentum
+    widened exactly); each param's step is the run's step count as torch keeps it (a float32 0-d
+    tensor; SGD and Muon's Muon group count none), NAdam's mu_product torch's after those steps;
+    the groups hold the config's hyperparameters."""
+    case = sample(name)
+    to_dcp(case.checkpoint, tmp_path / "dcp")
+    out = resume(case, tmp_path / "dcp", world_size, tmp_path / "fsdp2")
+    model = load_file(out / "loaded_model.safetensors")
+    optim = load_file(out / "loaded_optim.safetensors")
+    info = json.loads((out / "loaded.json").read_text())
+    live = case.live()
+    assert sorted(model) == sorted(live)
+    for key, truth in live.items():
+        assert same_bits(model[key], truth.float() if truth.is_floating_point() else truth), key
+
+    live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
+    tied = set(case.meta.get("tied") or {})
+    expected = {}
+    for key, truth in live_optim.items():
+        param, state = key.rsplit(".", 1)
+        if param not in tied:
+            expected[f"{param}.{torch_state_name(case, state)}"] = truth
+    scalars = {k: v for k, v in optim.items() if k.rsplit(".", 1)[1] in case.scalar_names}
+    assert sorted(set(optim) - set(scalars)) == sorted(expected)
+    for key, truth in expected.items():  # fp32 in the fp32 model: what the engine held, exactly
+        assert same_bits(optim[key], truth.float()), key
+    trainable = {k.rsplit(".", 1)[0] for k in expected}
+    assert trainable == {
+        n for n in live if n not in tied and n not in case.meta["frozen"] and n not in case.meta["buffers"]
+    }
+
+    groups = info["param_groups"]
+    if case.scalar_names:  # NAdam
+        assert sorted(scalars) == sorted(f"{n}.mu_product" for n in trainable)
+        truth = nadam_mu_product(case.meta["steps"], groups[0])
+        for key, value in scalars.items():
+            assert same_bits(value, truth), key
+    counting = {n for n in trainable if case.counts_steps or f"{n}.exp_avg" in expected}  # Muon: its Adam group
+    assert sorted(info["steps"]) == sorted(counting)
+    step = {"value": float(case.meta["steps"]), "dtype": "torch.float32", "shape": []}
+    assert all(s == step for s in info["steps"].values())
+
+    section = case.meta["ds_config"]["optimizer"]
+    config = {k: v for k, v in section["params"].items() if k not in ("torch_adam", "adam_w_mode")}
+    kind = section["type"].lower()
+    if case.muon:  # DeepSpeed's Muon half (lr, momentum, weight_decay) and Adam half (MuonWithAuxAdam's betas, eps)
+        assert len(groups) == 2
+        assert {k: groups[0][k] for k in config} == config
+        assert groups[0]["nesterov"] is True and groups[0]["ns_steps"] == 5 and "betas" not in groups[0]
+        adam = {"lr": config["lr"], "weight_decay": config["weight_decay"], "betas": [0.9, 0.95], "eps": 1e-10}
+        assert {k: groups[1][k] for k in adam} == adam
+        assert groups[1]["decoupled_weight_decay"] is True
+    else:
+        assert len(groups) == 1
+        assert {k: groups[0][k] for k in config} == config
+    if kind in ("adam", "adamw"):  # engine: AdamW decouples, Adam unless adam_w_mode is false
+        assert groups[0]["decoupled_weight_decay"] is (kind == "adamw" or section["params"].get("adam_w_mode", True))
+    if kind == "adagrad" and case.cpu_optimizer:  # DeepSpeedCPUAdagrad: no lr decay, its sum from zero
+        assert groups[0]["lr_decay"] == 0 and groups[0]["initial_accumulator_value"] == 0

@@ -35,8 +35,17 @@ from zckpt.core.errors import OutputError, UsageError
 from zckpt.ops.dcp import TRAIN_STATE_FILE, to_dcp
 
 WITH_LIVE_OPTIMIZER = [s for s in SAMPLE_LIST if (s.folder / "reference" / "live_optimizer.safetensors").exists()]
-# the group keys of torch's own AdamW (what dcp.load into it wants)
+# the group keys of torch's own AdamW, Adagrad, Muon (what dcp.load into them wants)
 TORCH_ADAMW_KEYS = frozenset(torch.optim.AdamW([torch.zeros(1)]).param_groups[0]) - {"params"}
+TORCH_ADAGRAD_KEYS = frozenset(torch.optim.Adagrad([torch.zeros(1)]).param_groups[0]) - {"params"}
+TORCH_MUON_KEYS = frozenset(torch.optim.Muon([torch.zeros(2, 2)]).param_groups[0]) - {"params"}
+
+
+def dcp_state_name(case: Sample, key: str) -> str:
+    """What to-dcp names DeepSpeed's state `key`: torch's Adagrad's ``sum`` for DeepSpeedCPUAdagrad's
+    ``exp_avg_sq`` (what torch's Adagrad, its equivalent, loads); any other as saved."""
+    cpu_adagrad = case.optimizer.lower() == "adagrad" and case.cpu_optimizer
+    return "sum" if cpu_adagrad and key == "exp_avg_sq" else key
 
 
 def read_dcp(folder: Path, tmp_path: Path) -> dict:
@@ -78,7 +87,10 @@ def test_model_holds_the_live_values(case: Sample, tmp_path: Path) -> None:
 def test_optimizer_holds_the_live_moments_steps_and_groups(case: Sample, tmp_path: Path) -> None:
     """optim["state"] as get_state_dict keys it: each trainable param under its first name (a tied
     alias has none), its Adam moments equal to the engine's, its step a float32 0-d tensor equal
-    to its group's saved step; optim["param_groups"] the saved hyperparameters and member names."""
+    to its group's saved step; optim["param_groups"] the saved hyperparameters and member names,
+    completed where DeepSpeed's own optimizer ran with the keys of torch's equivalent (FusedAdam,
+    DeepSpeedCPUAdam: AdamW or Adam; DeepSpeedCPUAdagrad: Adagrad, its exp_avg_sq as sum; Muon:
+    Muon and AdamW)."""
     to_dcp(case.checkpoint, tmp_path / "dcp")
     optim = read_dcp(tmp_path / "dcp", tmp_path)["optim"]
     live_optim = load_file(case.folder / "reference" / "live_optimizer.safetensors")
@@ -87,24 +99,40 @@ def test_optimizer_holds_the_live_moments_steps_and_groups(case: Sample, tmp_pat
     for name in trainable:
         names = case.param_state_names(name, live_optim)  # Muon: its group's states
         step = case.counts_steps or (case.muon and "exp_avg" in names)  # Muon's Adam group keeps a step
-        expected = {*names, *case.scalar_names, *(["step"] if step else [])}
+        expected = {*(dcp_state_name(case, k) for k in names), *case.scalar_names, *(["step"] if step else [])}
         assert set(optim["state"][name]) == expected, name
         for key in names:
-            assert same_bits(optim["state"][name][key], live_optim[f"{name}.{key}"]), (name, key)
+            assert same_bits(optim["state"][name][dcp_state_name(case, key)], live_optim[f"{name}.{key}"]), (name, key)
     _, saved = saved_files(case)
     groups = optim["param_groups"]
     section = case.meta["ds_config"].get("optimizer") or {}
     kind, params = section.get("type", "").lower(), section.get("params") or {}
     own_adam = kind in ("adam", "adamw") and not params.get("torch_adam")
-    # engine._configure_basic_optimizer: AdamW, or Adam unless adam_w_mode is false, decouples the decay
+    # engine._configure_basic_optimizer: AdamW, or Adam unless adam_w_mode is false, decouples the
+    # decay; Muon's Adam half likewise unless adam_w_mode is false
     decoupled = kind == "adamw" or params.get("adam_w_mode", True)
     for group, saved_group in zip(groups, saved["param_groups"], strict=True):
         ours = {k: v for k, v in group.items() if k != "params"}
         theirs = {k: v for k, v in saved_group.items() if k != "params"}
         assert {k: ours.get(k) for k in theirs} == theirs  # every saved value as saved
-        if own_adam:  # FusedAdam, DeepSpeedCPUAdam: completed with the keys torch's AdamW adds (AdamW: decoupled)
-            assert set(ours) - set(theirs) <= TORCH_ADAMW_KEYS, sorted(ours)
+        added = {k: v for k, v in ours.items() if k not in theirs}
+        if own_adam or (case.muon and not theirs["use_muon"]):
+            # FusedAdam, DeepSpeedCPUAdam: completed with the keys torch's AdamW adds (AdamW: decoupled)
+            assert set(added) <= TORCH_ADAMW_KEYS, sorted(ours)
             assert ours["decoupled_weight_decay"] is decoupled
+        elif case.muon:  # DeepSpeed's muon_update: Nesterov, 5 quintic Newton-Schulz steps, sqrt(max(1, A/B))
+            assert set(ours) >= TORCH_MUON_KEYS
+            assert added == {
+                "nesterov": True,
+                "ns_coefficients": (3.4445, -4.775, 2.0315),
+                "eps": 1e-7,
+                "ns_steps": 5,
+                "adjust_lr_fn": None,
+            }
+        elif kind == "adagrad" and case.cpu_optimizer:  # DeepSpeedCPUAdagrad: no lr decay, the sum from zero
+            assert set(ours) >= TORCH_ADAGRAD_KEYS
+            assert added == {k: v for k, v in torch.optim.Adagrad([torch.zeros(1)]).defaults.items() if k not in theirs}
+            assert added["lr_decay"] == 0 and added["initial_accumulator_value"] == 0
         else:
             assert ours == theirs
     assert sorted(n for g in groups for n in g["params"]) == sorted(trainable)  # each once
@@ -450,6 +478,47 @@ def test_deepspeeds_own_adam_groups_get_torchs_other_keys(optimizer: dict | None
 
     fresh = (torch.optim.AdamW if mode else torch.optim.Adam)([torch.nn.Parameter(torch.zeros(1))])
     assert set(fresh.param_groups[0]) - {"params", "initial_lr"} <= set(group)
+
+
+CPU_OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.parametrize(
+    "config, kind",
+    [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "adam"),  # FusedAdam
+        ({"optimizer": {"type": "Adam", "params": {}}, **CPU_OFFLOAD}, "adam"),  # DeepSpeedCPUAdam
+        ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, None),
+        ({"optimizer": {"type": "Adagrad", "params": {}}}, None),  # torch's Adagrad
+        ({"optimizer": {"type": "Adagrad", "params": {}}, **CPU_OFFLOAD}, "cpu_adagrad"),
+        (
+            {"optimizer": {"type": "Adagrad"}, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            "cpu_adagrad",
+        ),
+        ({"optimizer": {"type": "Lion", "params": {}}, **CPU_OFFLOAD}, "lion"),
+        ({"optimizer": {"type": "Muon", "params": {}}}, "muon"),
+        ({"optimizer": {"type": "SGD", "params": {}}, **CPU_OFFLOAD}, None),
+        ({}, None),  # a client optimizer
+    ],
+)
+def test_which_of_deepspeeds_own_optimizers_ran(config: dict, kind: str | None) -> None:
+    """engine._configure_basic_optimizer (0.19.8): which optimizer the config made, so to-dcp
+    completes its groups with the keys of torch's equivalent (dcp.load wants them all)."""
+    from zckpt.deepspeed.optimizers import deepspeed_own_optimizer
+    from zckpt.ops.dcp import torch_group
+
+    assert deepspeed_own_optimizer(config) == kind
+    if kind == "cpu_adagrad":  # DeepSpeedCPUAdagrad's saved group: torch's Adagrad's keys added
+        group = torch_group({"lr": 0.01, "eps": 1e-10, "weight_decay": 0.0, "amsgrad": False}, config)
+        assert set(group) >= TORCH_ADAGRAD_KEYS and group["lr_decay"] == 0 and group["amsgrad"] is False
+    if kind == "muon":  # MuonWithAuxAdam: the Muon half gets torch's Muon keys, the Adam half AdamW's
+        muon = {"use_muon": True, "name": "muon-params", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}
+        assert set(torch_group(muon, config)) >= TORCH_MUON_KEYS
+        adam = {"use_muon": False, "lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
+        assert set(torch_group(adam, config)) >= TORCH_ADAMW_KEYS
+        assert torch_group(adam, config)["decoupled_weight_decay"] is True
+        config["optimizer"]["params"]["adam_w_mode"] = False
+        assert torch_group(adam, config)["decoupled_weight_decay"] is False
 
 
 @pytest.mark.parametrize(

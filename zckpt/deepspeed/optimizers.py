@@ -26,6 +26,37 @@ def deepspeed_adam_w_mode(ds_config: dict[str, Any]) -> bool | None:
     return kind == "adamw" or bool(params.get("adam_w_mode", True))
 
 
+def deepspeed_own_optimizer(ds_config: dict[str, Any]) -> str | None:
+    """Which of DeepSpeed's own optimizers the config's ``optimizer`` section made the engine build
+    (0.19.8, ``_configure_basic_optimizer``): ``"adam"`` (FusedAdam; DeepSpeedCPUAdam with the
+    optimizer offloaded: :func:`deepspeed_adam_w_mode` says which weight decay), ``"cpu_adagrad"``
+    (type Adagrad with the optimizer offloaded to CPU or NVMe: DeepSpeedCPUAdagrad; torch's Adagrad
+    otherwise), ``"lion"`` (DeepSpeedCPULion offloaded, FusedLion otherwise), ``"muon"``
+    (MuonWithAuxAdam: a Muon half and an Adam half per group, ``use_muon`` in each). None: torch's
+    own (its groups and states are torch's already) or a client's optimizer."""
+    section = ds_config.get("optimizer")
+    if not isinstance(section, dict):
+        return None
+    kind = str(section.get("type", "")).lower()
+    if deepspeed_adam_w_mode(ds_config) is not None:
+        return "adam"
+    zero = ds_config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    offloaded = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")  # zero_use_cpu_optimizer
+    if kind == "adagrad" and offloaded:
+        return "cpu_adagrad"
+    if kind in ("lion", "muon"):
+        return kind
+    return None
+
+
+def muon_adam_w_mode(ds_config: dict[str, Any]) -> bool:
+    """Whether a Muon run's Adam half decoupled its weight decay: the config's ``adam_w_mode``
+    (default true), as MuonWithAuxAdam and its FusedAdam take it."""
+    params = (ds_config.get("optimizer") or {}).get("params") or {}
+    return bool(params.get("adam_w_mode", True)) if isinstance(params, dict) else True
+
+
 # The order in which torch's optimizers (2.x, ``_init_group``) and DeepSpeed's create a param's
 # state keys, merged into one order that each optimizer's own keys follow: Adam/AdamW/RAdam step,
 # exp_avg, exp_avg_sq, max_exp_avg_sq; NAdam step, mu_product, exp_avg, exp_avg_sq; RMSprop step,

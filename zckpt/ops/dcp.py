@@ -3,17 +3,20 @@
 The folder holds ``{"model": ..., "optim": ...}`` laid out as
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns it (full
 state dicts keyed by the module's own names), so a fresh model sharded with ``fully_shard`` at
-any world size, plus ``torch.optim.AdamW`` with the same groups, resumes with ``dcp.load`` and
-``set_state_dict``:
+any world size, plus torch's optimizer of the run (``torch.optim.AdamW``, ``SGD``, ``Adagrad``,
+...; DeepSpeed's own as torch's equivalent: :func:`torch_group`) with the same groups, resumes
+with ``dcp.load`` and ``set_state_dict``:
 
 - ``model``: every name of the module's state dict (tied names both), trainable params as their
   fp32 masters (or rounded to `dtype`), frozen params and buffers as saved;
 - ``optim["state"][name]``: every optimizer state of each trainable param (``exp_avg``,
-  ``exp_avg_sq``, ...) plus its group's ``step``, a float32 0-d tensor as torch's AdamW keeps it
-  (torch counts steps per param, DeepSpeed per group: each param gets its group's);
+  ``exp_avg_sq``, ...; DeepSpeedCPUAdagrad's ``exp_avg_sq`` as ``sum``, torch's Adagrad's name)
+  plus its group's scalar states: ``step`` a float32 0-d tensor as torch's optimizers keep it,
+  DeepSpeed's own optimizers' integer step included (torch counts steps per param, DeepSpeed per
+  group: each param gets its group's), NAdam's ``mu_product`` as saved;
 - ``optim["param_groups"]``: the groups' hyperparameters as saved, with their params' names
-  (a run of DeepSpeed's own Adam, which saves fewer keys than torch's, gets torch's others:
-  :func:`torch_adam_group`).
+  (a run of DeepSpeed's own Adam, CPU Adagrad or Muon, which save fewer keys than torch's
+  equivalent, gets torch's others: :func:`torch_group`).
 
 What DCP has no place for (counters, the lr scheduler, the client state) goes into
 ``train_state.json`` beside it (:func:`train_state`).
@@ -41,7 +44,7 @@ from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
 from ..core.errors import CorruptFileError, LayoutError, OutputError, UsageError
 from ..core.index import TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
-from ..deepspeed.optimizers import deepspeed_adam_w_mode
+from ..deepspeed.optimizers import deepspeed_adam_w_mode, deepspeed_own_optimizer, muon_adam_w_mode
 from ..deepspeed.reader import open_training_state
 from ..io.checksums import RecordChecker
 from ..io.interrupts import signals_deferred
@@ -112,6 +115,7 @@ def plan_dcp(state: TrainingState, dtype: DTypeLike = "fp32") -> DcpPlan:
     # the module's state dict order; anything the index holds beyond it (none expected) after it
     names = [n for n in state.module_names if n in entries] + [n for n in entries if n not in state.module_names]
     tensors = []
+    renames = _TORCH_STATE_NAMES.get(deepspeed_own_optimizer(state.ds_config) or "", {})
     for name in names:
         source = entries[name].source
         kind = entries[entries[name].alias_of or name].kind
@@ -126,15 +130,19 @@ def plan_dcp(state: TrainingState, dtype: DTypeLike = "fp32") -> DcpPlan:
         }
         for key, made in scalars.items():
             tensors.append(DcpTensor(("optim", "state", param.name, key), *made))
-        for key, source in param.states.items():
+        for saved_key, source in param.states.items():
+            key = renames.get(saved_key, saved_key)
+            if key != saved_key and key in param.states:
+                raise LayoutError(
+                    state.index.tag_dir, f"{param.name}: optimizer states {saved_key!r} and {key!r} both saved"
+                )
             if key in scalars:
                 raise LayoutError(
                     state.index.tag_dir, f"{param.name}: optimizer state {key!r} is both per group and per param"
                 )
             tensors.append(DcpTensor(("optim", "state", param.name, key), source.shape, source.dtype, source))
-    adam_w_mode = deepspeed_adam_w_mode(state.ds_config)
     groups = tuple(
-        {**torch_adam_group(group.hyperparams, adam_w_mode), "params": list(group.params)} for group in state.groups
+        {**torch_group(group.hyperparams, state.ds_config), "params": list(group.params)} for group in state.groups
     )
     for path, value in group_values(groups):
         if not _plain(value):
@@ -157,14 +165,63 @@ _TORCH_ADAM_DEFAULTS = {
 }
 
 
+# torch.optim.Adagrad's group keys (torch 2.13) that DeepSpeedCPUAdagrad does not save: it decays
+# no lr and starts its sum at zero, as torch's Adagrad with these values does
+_TORCH_ADAGRAD_DEFAULTS = {
+    "lr_decay": 0,
+    "initial_accumulator_value": 0,
+    "foreach": None,
+    "maximize": False,
+    "differentiable": False,
+    "fused": None,
+}
+# torch.optim.Muon's group keys (torch 2.13) that DeepSpeed's Muon group does not save, with the
+# values of DeepSpeed's muon_update (0.19.8, runtime/zero/muon/original_muon.py): Nesterov always,
+# 5 iterations of the quintic Newton-Schulz (3.4445, -4.7750, 2.0315) after dividing by the norm
+# plus 1e-7, the update scaled by sqrt(max(1, rows / cols)) (torch's adjust_lr_fn "original").
+# Its default ns_method "gram" iterates on the Gram matrix, the same polynomial reordered (equal
+# up to rounding), which torch's Muon does not offer.
+_TORCH_MUON_DEFAULTS = {
+    "nesterov": True,
+    "ns_coefficients": (3.4445, -4.775, 2.0315),
+    "eps": 1e-7,
+    "ns_steps": 5,
+    "adjust_lr_fn": None,
+}
+# the states DeepSpeed's own optimizers name otherwise than torch's equivalent does
+_TORCH_STATE_NAMES = {"cpu_adagrad": {"exp_avg_sq": "sum"}}
+
+
+def _completed(hyperparams: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    return {**hyperparams, **{k: v for k, v in defaults.items() if k not in hyperparams}}
+
+
+def torch_group(hyperparams: dict[str, Any], ds_config: dict[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters as saved, completed with the keys of torch's equivalent of the
+    DeepSpeed optimizer that ran (dcp.load wants every key of the fresh optimizer's groups):
+    FusedAdam / DeepSpeedCPUAdam torch's AdamW or Adam (:func:`torch_adam_group`),
+    DeepSpeedCPUAdagrad torch's Adagrad, DeepSpeed's Muon torch's Muon (its Muon groups) and AdamW
+    or Adam (its Adam groups, by ``adam_w_mode``). torch's own optimizers' groups, and DeepSpeed's
+    Lion (torch has no Lion), as saved. What was saved is kept as saved."""
+    own = deepspeed_own_optimizer(ds_config)
+    if own == "adam":
+        return torch_adam_group(hyperparams, deepspeed_adam_w_mode(ds_config))
+    if own == "cpu_adagrad":
+        return _completed(hyperparams, _TORCH_ADAGRAD_DEFAULTS)
+    if own == "muon":
+        if hyperparams.get("use_muon"):
+            return _completed(hyperparams, _TORCH_MUON_DEFAULTS)
+        return torch_adam_group(hyperparams, muon_adam_w_mode(ds_config))
+    return dict(hyperparams)
+
+
 def torch_adam_group(hyperparams: dict[str, Any], adam_w_mode: bool | None) -> dict[str, Any]:
     """A group's hyperparameters as saved, completed with the keys torch's AdamW (or Adam) has
     where DeepSpeed's FusedAdam or DeepSpeedCPUAdam ran (`adam_w_mode` not None): dcp.load wants
     every key of the fresh optimizer's groups. What was saved is kept as saved."""
     if adam_w_mode is None:
         return dict(hyperparams)
-    missing = {**_TORCH_ADAM_DEFAULTS, "decoupled_weight_decay": adam_w_mode}
-    return {**hyperparams, **{k: v for k, v in missing.items() if k not in hyperparams}}
+    return _completed(hyperparams, {**_TORCH_ADAM_DEFAULTS, "decoupled_weight_decay": adam_w_mode})
 
 
 def _scalar(key: str, scalar: ScalarState) -> tuple[tuple[int, ...], DType, TensorSource | None, Any]:
@@ -435,6 +492,8 @@ __all__ = [
     "lay_out",
     "plan_dcp",
     "to_dcp",
+    "torch_adam_group",
+    "torch_group",
     "torch_state_dict",
     "train_state",
 ]
