@@ -18,7 +18,8 @@ What the expected values are (never zckpt's code):
   Adagrad, RMSprop; DeepSpeed's FusedAdam, CPU Adam, CPU Adagrad, Muon) resumed with torch's
   equivalent optimizer: the same live files, each per-element state under torch's name for it,
   NAdam's ``mu_product`` as torch's NAdam computes it after the run's steps, the config's
-  hyperparameters;
+  hyperparameters; the CPU Adagrad run's one more step (torch's Adagrad on the renamed ``sum``)
+  against DeepSpeed's own step on the same data, as below;
 * after two more steps: DeepSpeed itself resuming the original checkpoint at its own world size
   and training the same two steps on the same data (``ds_probe.py --train-steps 2 --data
   global``). FSDP2 reduces gradients in another order than DeepSpeed, so the values agree to
@@ -259,7 +260,9 @@ def test_fsdp2_resumes_a_run_of_deepspeeds_own_adam(tmp_path: Path) -> None:
 
 # one real DeepSpeed run per optimizer family (issue 35), each resumed once by FSDP2 with torch's
 # equivalent optimizer (scripts/fsdp2_resume.py case_optimizers): at the run's own world size, two
-# at another. DeepSpeedCPULion (z2_bf16_ws2_cpulion) is not here: torch 2.13 has no Lion.
+# at another. DeepSpeedCPULion (z2_bf16_ws2_cpulion) is not here: torch 2.13 has no Lion. The CPU
+# Adagrad run, whose state to-dcp renames, then trains one step on, against DeepSpeed's own step.
+TRAINED_ON = "z2_fp32_ws2_cpuadagrad"
 FAMILIES = [
     ("z3_fp32_ws2_sgd_coupled_wd", 2),  # SGD, Nesterov: momentum_buffer, no step
     ("z3_bf16_ws3_adam_coupled_wd", 3),  # torch's Adam, L2 decay
@@ -305,7 +308,7 @@ def test_fsdp2_resumes_each_optimizer_family_bit_for_bit(name: str, world_size: 
     the groups hold the config's hyperparameters."""
     case = sample(name)
     to_dcp(case.checkpoint, tmp_path / "dcp")
-    out = resume(case, tmp_path / "dcp", world_size, tmp_path / "fsdp2")
+    out = resume(case, tmp_path / "dcp", world_size, tmp_path / "fsdp2", train_steps=int(name == TRAINED_ON))
     model = load_file(out / "loaded_model.safetensors")
     optim = load_file(out / "loaded_optim.safetensors")
     info = json.loads((out / "loaded.json").read_text())
@@ -358,3 +361,28 @@ def test_fsdp2_resumes_each_optimizer_family_bit_for_bit(name: str, world_size: 
         assert groups[0]["decoupled_weight_decay"] is (kind == "adamw" or section["params"].get("adam_w_mode", True))
     if kind == "adagrad" and case.cpu_optimizer:  # DeepSpeedCPUAdagrad: no lr decay, its sum from zero
         assert groups[0]["lr_decay"] == 0 and groups[0]["initial_accumulator_value"] == 0
+    if name == TRAINED_ON:
+        trains_on_as_deepspeed_does(case, out, tmp_path / "ds_truth")
+
+
+def trains_on_as_deepspeed_does(case: Sample, out: Path, truth: Path) -> None:
+    """One more step of torch's Adagrad on the loaded state (its sum: DeepSpeedCPUAdagrad's
+    exp_avg_sq) against DeepSpeed resuming the original checkpoint and training the same step on
+    the same data: equal to float32 rounding, far below what the step moved the params."""
+    run_probe(case.name, case.checkpoint, case.meta["world_size"], truth, train_steps=1, data="global")
+    ds_model = load_file(truth / "live_after_train.safetensors")
+    ds_optim = load_file(truth / "live_optimizer_after_train.safetensors")
+    model = load_file(out / "after_train_model.safetensors")
+    optim = load_file(out / "after_train_optim.safetensors")
+    live = case.live()
+    moved = 0.0
+    for key, value in optim.items():
+        param, state = key.rsplit(".", 1)
+        assert state == "sum"
+        torch.testing.assert_close(model[param], ds_model[param], rtol=0, atol=1e-6, msg=param)
+        moved = max(moved, (ds_model[param] - live[param]).abs().max().item())
+        theirs = ds_optim[f"{param}.exp_avg_sq"]
+        torch.testing.assert_close(value, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item(), msg=key)
+    assert moved > 1e-3
+    info = json.loads((out / "after_train.json").read_text())
+    assert {s["value"] for s in info["steps"].values()} == {float(case.meta["steps"] + 1)}
