@@ -326,6 +326,30 @@ CASES: list[Case] = [
         "ZenFlowSelectiveAdamW on the top-k columns of the 16-bit weights): 4 micro-steps, tag global_step2, "
         "the CPU Adam's step 4; the saved 16-bit weights are the live engine's, not the masters rounded",
     ),
+    # zero_optimization.elastic_checkpoint (ZeRO-1/2): base_optimizer_state is a list, one dict per
+    # param group of the group's flat partition states without the group's padding (DeepSpeed's
+    # _get_base_optimizer_state), and base_optimizer_state_step only where the optimizer keeps a
+    # group 'step' (torch's AdamW does not)
+    Case(
+        "z2_bf16_ws2_elastic",
+        "ds19",
+        2,
+        "bf16",
+        2,
+        zero_extra=(("elastic_checkpoint", True),),
+        notes="elastic_checkpoint: base_optimizer_state a list of 1 dict (one per param group: exp_avg, "
+        "exp_avg_sq without the group's padding, and the tensor step); no param_groups saved",
+    ),
+    Case(
+        "z1_fp32_ws3_elastic",
+        "ds19",
+        1,
+        "fp32",
+        3,
+        zero_extra=(("elastic_checkpoint", True),),
+        notes="elastic_checkpoint at ZeRO-1, 3 ranks: base_optimizer_state a list of 1 dict (exp_avg, exp_avg_sq "
+        "without the group's padding, and the tensor step); no param_groups saved",
+    ),
     # DeepSpeed's Muon (MuonWithAuxAdam): every 2-D param whose name holds neither "embed" nor
     # "lm_head" in a Muon group (state: momentum_buffer, one full momentum per param the rank's
     # partition touches), the rest in an Adam group (exp_avg, exp_avg_sq, an integer step)
