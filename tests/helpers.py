@@ -800,3 +800,26 @@ def assert_slices_are_live(state: Any, case: Sample, cut: dict[str, int] | None 
                     value = read_tensor(reader, source).reshape(param.shape)
                     assert same_bits(value[:rows], truth[:rows]), (t, param.name)
                     assert not value[rows:].any(), (t, param.name)
+
+
+def deepspeed_base_state(inner: dict) -> dict:
+    """The torch optimizer state ({state, param_groups}) of a ZeRO-1/2 optimizer file as DeepSpeed
+    saved it. A run with zero_optimization.elastic_checkpoint saves a list of per-group states
+    (less the group's padding) and no param groups: its groups are then those DeepSpeed saved for
+    the same optimizer config (torch's AdamW, lr 1e-2, weight decay 0.01) in the rigid sample
+    z2_fp32_ws1, its state ``{g: the group's saved dict}``."""
+    base = inner.get("base_optimizer_state")
+    if not isinstance(base, list):
+        return base if base is not None else inner["optimizer_state_dict"]
+    rigid = sample("z2_fp32_ws1")
+    saved = load_with_stand_ins(rigid.checkpoint / rigid.meta["tag"] / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    group = {k: v for k, v in saved["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].items()}
+    return {
+        "state": dict(enumerate(base)),
+        "param_groups": [{**group, "params": [g]} for g in range(len(base))],
+    }
+
+
+def is_elastic(case: Sample) -> bool:
+    """A run saved with zero_optimization.elastic_checkpoint (zckpt writes the rigid layout)."""
+    return bool(case.meta.get("ds_config", {}).get("zero_optimization", {}).get("elastic_checkpoint"))

@@ -34,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import SAMPLE_LIST, Sample, same_bits
+from helpers import SAMPLE_LIST, Sample, deepspeed_base_state, same_bits
 from zckpt.deepspeed.layout import (
     LayoutParam,
     ZeroLayout,
@@ -135,10 +135,10 @@ def test_zero12_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
         for g, group in enumerate(layout.flat_groups):
             saved = inner["single_partition_of_fp32_groups"][g]
             assert saved.numel() == group.saved[rank], (rank, g)
-            saved_state = inner["base_optimizer_state"]["state"][g]
+            saved_state = deepspeed_base_state(inner)["state"][g]
             # Muon's momentum per whole param, except under BF16_Optimizer and an offloaded optimizer
             offload = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
-            muon_whole = inner["base_optimizer_state"]["param_groups"][g].get("use_muon") and not (
+            muon_whole = deepspeed_base_state(inner)["param_groups"][g].get("use_muon") and not (
                 bf16_optimizer or offload
             )
             if muon_whole:
@@ -150,7 +150,9 @@ def test_zero12_partitions_are_where_deepspeed_put_them(case: Sample) -> None:
             per_element = [k for k, v in saved_state.items() if torch.is_tensor(v) and v.dim() == 1 and k != "step"]
             for key in per_element if not muon_whole else ():
                 states.setdefault(key, {})[rank, g] = saved_state[key]
-                assert states[key][rank, g].numel() == group.partition, (rank, g, key)
+                # elastic_checkpoint: the group's states less its padding (stage_1_and_2.py _get_base_optimizer_state)
+                numel = group.saved[rank] if isinstance(inner["base_optimizer_state"], list) else group.partition
+                assert states[key][rank, g].numel() == numel, (rank, g, key)
             # stage_1_and_2.py 541-550: the rank's padding, which ZeRO's saved fp32 partition lacks
             assert inner["group_paddings"][g] == group.partition - padded.flat_groups[g].saved[rank], (rank, g)
             if "param_alignment_paddings" in inner:

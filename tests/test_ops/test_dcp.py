@@ -21,6 +21,7 @@ from helpers import (
     Sample,
     assert_same_objects,
     data_records,
+    deepspeed_base_state,
     flip,
     load_with_stand_ins,
     one_line,
@@ -62,8 +63,7 @@ def saved_files(case: Sample) -> tuple[dict, dict]:
     rank0 = load_with_stand_ins(
         next(p for n, p in files.items() if "zero_pp_rank_0_" in n and n.endswith("optim_states.pt"))
     )
-    inner = rank0["optimizer_state_dict"]
-    return model, inner.get("base_optimizer_state") or inner["optimizer_state_dict"]
+    return model, deepspeed_base_state(rank0["optimizer_state_dict"])
 
 
 def aliases(case: Sample) -> set[str]:

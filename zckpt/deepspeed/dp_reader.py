@@ -17,6 +17,7 @@ from ..io.reading import FileReader
 from ..torchfile.reader import TensorRef
 from . import names as N
 from . import swap_folder as swap
+from .elastic import rigid_views
 from .features import feature_notes, feature_refusal
 from .live_swap import check_swap_folder, report_swap_folder
 from .model_states import declare, describe, describe_readable, module_entries, rounded_copies, tied_entries
@@ -67,10 +68,20 @@ def read_ranks(
     ):
         describe_readable(result, models, optims, files.optim, files.zero3, tag_dir, files.mp_rank)
         return
+    # elastic_checkpoint's per-group states read as the rigid layout's (.elastic)
+    inner, refusal, elastic_notes = rigid_views(
+        {rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims},
+        model0.get(N.DS_CONFIG) if isinstance(model0, dict) else None,
+        {rank: path for rank, (_, path) in files.optim.items()},
+    )
+    if refusal is not None:
+        result.problems.append(refusal)
+        return
+    result.notes.extend(elastic_notes)
     ranks = LoadedRanks(
         models=models,
         optims=optims,
-        inner={rank: optims[rank][N.OPTIMIZER_STATE_DICT] for rank in optims},
+        inner=inner,
         model_paths=files.model,
         optim_files=files.optim,
         zero3=files.zero3,

@@ -69,13 +69,6 @@ def feature_refusal(
             "(frozen_param_fragments int8, without their scales), which zckpt does not read",
         )
     inner0 = inner.get(0) or {}
-    if isinstance(inner0.get(N.BASE_OPTIMIZER_STATE), (list, tuple)):
-        # stage_1_and_2.py:3375-3382, :3349-3356: one state per param group, padding cut off, and the step
-        return LayoutError(
-            optim_path,
-            "a ZeRO-1/2 run with zero_optimization.elastic_checkpoint: its optimizer state is saved per param "
-            "group without padding (base_optimizer_state a list), which zckpt does not read",
-        )
     ratio = _section(zero, N.CONFIG_OFFLOAD_OPTIMIZER, "ratio")
     if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1:
         missing = _sub_groups_without_state(inner0)

@@ -18,6 +18,7 @@ from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..io.reading import source_of
 from . import muon
 from . import names as N
+from .elastic import ELASTIC_VIEW
 from .layout import FlatGroup, ZeroLayout, round_robin_order, zero12_layout
 
 # model_states keys that the engine writes itself; anything else came from the training script
@@ -104,6 +105,7 @@ def build_training_state(
     bf16_optimizer = not zero3 and N.ZERO_STAGE not in inner[0]  # its files have no stage key
     per_element = muon.momentum_per_element(bf16_optimizer, optimizer_offload)
     whole: set[tuple[int, str]] = set()  # (flat group, key) kept per whole param (DeepSpeed's Muon)
+    elastic = not zero3 and bool(inner[0].get(ELASTIC_VIEW))  # states saved less the padding (.elastic)
     for rank in range(world):
         state = per_rank[rank].get("state") or {}
         for flat, group in enumerate(layout.flat_groups):
@@ -121,7 +123,7 @@ def build_training_state(
                         )
                     ref = value
                     whole.add((flat, key))
-                elif value.numel == group.partition:
+                elif value.numel == group.partition or (elastic and value.numel == group.saved[rank]):
                     ref = value
                 elif value.numel == 0 and group.partition and index.offload == "nvme":
                     path = swap_path(rank, flat, value, layout, group, optim_paths[rank], key)

@@ -93,3 +93,80 @@ def in_creation_order(names: list[str]) -> list[str]:
     ['square_avg', 'momentum_buffer', 'grad_avg']
     """
     return sorted(names, key=lambda name: (_RANK.get(name, len(_RANK)), name))
+
+
+# DeepSpeed's own Adams' group keys in the order their __init__ makes them (0.19.8): FusedAdam
+# (ops/adam/fused_adam.py:89) and DeepSpeedCPUAdam (ops/adam/cpu_adam.py:66-71), with their defaults
+_FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+_CPU_ADAM_DEFAULTS = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0,
+    "bias_correction": True,
+    "amsgrad": False,
+}
+# the config keys DeepSpeed's engine takes out of the optimizer's params before building it
+# (engine._configure_basic_optimizer, get_optimizer_configuration)
+_ENGINE_KEYS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
+
+
+def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The hyperparameters of a param group of the optimizer DeepSpeed's engine built from the
+    config's ``optimizer`` section (0.19.8, ``_configure_basic_optimizer``) where the training
+    script gave its groups no values of their own, and the optimizer's name; (None, why) where
+    zckpt cannot tell them: a client's optimizer (no ``optimizer`` section), DeepSpeed's Lamb,
+    Lion, Muon, MuP optimizers or CPU Adagrad. torch's optimizers (type Adam/AdamW with
+    ``torch_adam``, Adagrad not offloaded, any other ``torch.optim`` class by name) are built on
+    a stand-in param, as the engine builds them; FusedAdam and DeepSpeedCPUAdam from their
+    ``__init__``'s defaults. Used where a checkpoint saves no param groups (elastic_checkpoint)."""
+    section = ds_config.get("optimizer")
+    if not isinstance(section, dict) or not isinstance(section.get("type"), str):
+        return None, "the run's optimizer is the training script's own (the config has no optimizer section)"
+    kind = section["type"]
+    params = dict(section.get("params") or {})
+    if not isinstance(section.get("params") or {}, dict):
+        return None, f"the config's optimizer params are a {type(section['params']).__name__}"
+    lower = kind.lower()
+    zero = ds_config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    offloaded = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+    if lower in ADAM_TYPES:
+        adam_w_mode = lower == "adamw" or bool(params.get("adam_w_mode", True))
+        torch_adam = bool(params.get("torch_adam", False))
+        kwargs = {k: v for k, v in params.items() if k not in _ENGINE_KEYS}
+        if torch_adam:
+            import torch
+
+            return _named(_torch_group(torch.optim.AdamW if adam_w_mode else torch.optim.Adam, kwargs), kind)
+        defaults = _CPU_ADAM_DEFAULTS if offloaded else _FUSED_ADAM_DEFAULTS
+        unknown = [k for k in kwargs if k not in defaults]
+        if unknown:
+            return None, f"the config's Adam params {unknown} are not DeepSpeed's Adam's"
+        return {k: kwargs.get(k, v) for k, v in defaults.items()}, kind
+    if lower == "adagrad" and not offloaded:
+        import torch
+
+        return _named(_torch_group(torch.optim.Adagrad, params), kind)
+    if lower in ("adagrad", "lamb", "lion", "muon", "muadam", "muadamw", "musgd"):
+        return None, f"DeepSpeed built its own {kind} optimizer, whose group defaults zckpt does not know"
+    import torch
+
+    optimizer = getattr(torch.optim, kind, None)
+    if not isinstance(optimizer, type):
+        return None, f"the config's optimizer type {kind!r} is not one zckpt knows"
+    return _named(_torch_group(optimizer, params), kind)
+
+
+def _named(group: dict[str, Any] | None, kind: str) -> tuple[dict[str, Any] | None, str]:
+    return (group, kind) if group is not None else (None, f"torch's {kind} refuses the config's params")
+
+
+def _torch_group(optimizer: Any, params: dict[str, Any]) -> dict[str, Any] | None:
+    import torch
+
+    try:
+        group = optimizer([torch.zeros(1)], **params).param_groups[0]
+    except (TypeError, ValueError):  # params torch's optimizer refuses: the engine would have too
+        return None
+    return {k: v for k, v in group.items() if k != "params"}
