@@ -23,7 +23,7 @@ from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
 from ..torchfile.pickler import PickledReduce
 from . import names as N
-from .writer import CheckpointPlan, PlannedFile, Target, copied_file, plan_checkpoint
+from .writer import AnyPlannedFile, CheckpointPlan, PlannedFile, Target, copied_file, derived_file, plan_checkpoint
 
 
 def expert_group_indices(state: TrainingState) -> list[int]:
@@ -71,15 +71,15 @@ def plan_moe_checkpoint(state: TrainingState, target: Target, expert_parallel: i
     ]
     optim = {f.rank: f for f in dense_plan.files if N.OPTIM_STATES_RE.match(f.name)}
     experts_optim = [{f.rank: f for f in plan.files if N.OPTIM_STATES_RE.match(f.name)} for plan in expert_plans]
-    files: list[PlannedFile] = []
+    files: list[AnyPlannedFile] = []
     for f in dense_plan.files:
         if f.rank in optim and f is optim[f.rank]:
             assert f.rank is not None
             part = experts_optim[f.rank % ep][f.rank // ep]
-            files.append(replace(f, obj=_merged_optim(f.obj, part.obj, dense, expert)))
+            files.append(derived_file(f, lambda obj, part=part: _merged_optim(obj, part.obj, dense, expert)))
         else:
             expert_model = next(p for p in expert_plans[0].files if N.MODEL_STATES_RE.match(p.name))
-            files.append(replace(f, obj=_merged_model(f.obj, expert_model.obj, dense, expert, state)))
+            files.append(derived_file(f, lambda obj, m=expert_model: _merged_model(obj, m.obj, dense, expert, state)))
     for path in sorted(p for p in state.index.files if N.EXPERT_STATES_RE.match(os.path.basename(p))):
         files.append(PlannedFile(os.path.basename(path), copied_file(path), None))
     return replace(dense_plan, files=tuple(files))

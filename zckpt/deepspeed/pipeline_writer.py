@@ -27,6 +27,7 @@ from . import names as N
 from .pipeline import joined_states, merged_entries
 from .tensor_parallel_writer import tensor_ranks_state
 from .writer import (
+    AnyPlannedFile,
     CheckpointPlan,
     PlannedFile,
     Target,
@@ -151,7 +152,7 @@ def plan_pipeline_checkpoint(
         out_stages = tuple(
             replace(stage, tensor_shards=tuple(stage_state(rank, stage) for rank in ranks)) for stage in out_stages
         )
-    files: list[PlannedFile] = []
+    files: list[AnyPlannedFile] = []
     plans = []
     for number, stage in enumerate(out_stages):
         if stage.tensor_shards:  # each tensor rank of the stage its own data-parallel checkpoint
@@ -256,16 +257,20 @@ def one_stage_state(state: TrainingState) -> TrainingState:
 
 
 def _as_stage_file(
-    planned: PlannedFile, stage: int, stages: int, held: PipelineStage, tensor: int = 0, tp: int = 1
-) -> PlannedFile:
+    planned: AnyPlannedFile, stage: int, stages: int, held: PipelineStage, tensor: int = 0, tp: int = 1
+) -> AnyPlannedFile:
     """A file the data-parallel writer planned, as pipeline stage `stage` (tensor rank `tensor`
     of `tp`) names and holds it: model-parallel rank ``stage * tp + tensor``."""
-    values: dict[str, Any] = {
-        N.MODULE: None,  # the weights are in the layer files
-        N.BUFFER_NAMES: list(held.buffers),
-        N.SHARED_PARAMS: {},
-        N.MP_WORLD_SIZE: stages * tp,
-    }
-    if isinstance(planned.obj, dict) and N.CHECKPOINT_PARALLEL_DIMENSIONS in planned.obj:
-        values[N.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": stages, "tp_degree": tp}
+
+    def values(obj: dict) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            N.MODULE: None,  # the weights are in the layer files
+            N.BUFFER_NAMES: list(held.buffers),
+            N.SHARED_PARAMS: {},
+            N.MP_WORLD_SIZE: stages * tp,
+        }
+        if N.CHECKPOINT_PARALLEL_DIMENSIONS in obj:
+            out[N.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": stages, "tp_degree": tp}
+        return out
+
     return at_model_parallel_rank(planned, stage * tp + tensor, values)

@@ -18,7 +18,7 @@ from ..io.output import OutputLock, StagedFolder, fsync_file, output_error, path
 from ..io.reading import FileReader
 from ..io.workers import WorkerPool
 from ..torchfile.save import ArchivePlan, RawPlan, archive_name_for, plan_archive, plan_raw, write_archive, write_raw
-from .writer import CheckpointPlan, RawFile
+from .writer import AnyPlannedFile, CheckpointPlan, LazyFile, RawFile
 
 PARALLEL_MIN_BYTES = 64 << 20  # below this, one thread does it
 
@@ -31,28 +31,45 @@ class SaveResult:
     bytes_written: int
 
 
+def planned_archive(planned: AnyPlannedFile) -> ArchivePlan | RawPlan:
+    """A file's archive plan (pickled object tree, record layout, exact size), or for a raw swap
+    file its byte plan; reads nothing. A lazy file's tree is built for it, and dropped with it."""
+    obj = planned.obj
+    return plan_raw(obj.tensor) if isinstance(obj, RawFile) else plan_archive(obj, archive_name_for(planned.name))
+
+
 def archives(plan: CheckpointPlan) -> list[tuple[str, ArchivePlan | RawPlan]]:
-    """Each file's archive plan (pickled object tree, record layout, exact size), or for a raw
-    swap file its byte plan; reads nothing."""
-    return [
-        (
-            f.name,
-            plan_raw(f.obj.tensor) if isinstance(f.obj, RawFile) else plan_archive(f.obj, archive_name_for(f.name)),
-        )
-        for f in plan.files
-    ]
+    """Each file's archive plan (:func:`planned_archive`), all held at once."""
+    return [(f.name, planned_archive(f)) for f in plan.files]
 
 
 def archive_sizes(plan: CheckpointPlan) -> Iterator[int]:
     """Each file's exact size, as :func:`archives` plans it, one file at a time: what a size
     needs, without holding every file's pickle at once (thousands of rank files' worth)."""
+    known: dict[tuple[object, int], int] = {}
     for f in plan.files:
-        yield (
-            plan_raw(f.obj.tensor) if isinstance(f.obj, RawFile) else plan_archive(f.obj, archive_name_for(f.name))
-        ).total_size
+        yield _size(f, known)
 
 
-def _write_one(path: str, archive: ArchivePlan | RawPlan, checker: RecordChecker | None) -> int:
+def _size(planned: AnyPlannedFile, known: dict[tuple[object, int], int]) -> int:
+    """A file's exact size. Lazy files that pickle alike (:attr:`~.writer.LazyFile.alike`) are
+    planned once per length of name (`known`: the sizes found), as their archives differ in
+    their names only."""
+    if not isinstance(planned, LazyFile) or planned.alike is None:
+        return planned_archive(planned).total_size
+    key = (planned.alike, len(archive_name_for(planned.name)))
+    if key not in known:
+        known[key] = planned_archive(planned).total_size
+    return known[key]
+
+
+def _write_one(
+    path: str, planned: AnyPlannedFile | ArchivePlan | RawPlan, size: int, checker: RecordChecker | None
+) -> int:
+    """Write one file; a planned file's archive is planned here (again: only its size was kept)."""
+    archive = planned if isinstance(planned, (ArchivePlan, RawPlan)) else planned_archive(planned)
+    if archive.total_size != size:  # a plan is a pure function: built twice, it is the same
+        raise RuntimeError(f"{path}: planned at {size} bytes, then at {archive.total_size}")
     with FileReader(verify=False, checker=checker) as reader:
         if isinstance(archive, RawPlan):
             write_raw(path, archive, reader)
@@ -90,8 +107,20 @@ def write_checkpoint(
     writes the files of data-parallel rank `part` (and process 0 the shared ones) instead of a
     size-balanced share.
     """
-    planned = archives(plan)
-    total = sum(a.total_size for _, a in planned)
+    # sizes first (the disk check, the shares of a job's processes), one file at a time; a lazy
+    # file's tree is built again when it is written, so that the trees of thousands of rank files
+    # (a piece per param and rank) are never held together. An eager file's archive is kept.
+    names = [f.name for f in plan.files]
+    kept: dict[int, ArchivePlan | RawPlan] = {}
+    sizes = []
+    known: dict[tuple[object, int], int] = {}
+    for i, f in enumerate(plan.files):
+        if isinstance(f, LazyFile):
+            sizes.append(_size(f, known))
+        else:
+            kept[i] = planned_archive(f)
+            sizes.append(kept[i].total_size)
+    total = sum(sizes)
     # the tag comes from the input (`latest`): the folder it names must be one inside output_dir
     folder = StagedFolder(path_inside(output_dir, plan.tag))
     sync = barrier or JobSync(None, output_dir)
@@ -99,7 +128,7 @@ def write_checkpoint(
     if by_rank:  # each process holds only its own rank's data (the trainer): it writes that rank's files
         mine = [i for i, f in enumerate(plan.files) if (f.rank or 0) % parts == part]
     else:
-        mine = share_of([a.total_size for _, a in planned], part, parts)
+        mine = share_of(sizes, part, parts)
     done = 0
     checker = RecordChecker() if verify else None
     staged = False  # this process may remove the staging folder: it is this job's, being written
@@ -110,15 +139,15 @@ def write_checkpoint(
             staged = True
         sync()
         staged = True  # process 0 made it for this job
-        jobs = [(folder.path(planned[i][0]), planned[i][1], checker) for i in mine]
-        for folder_name in sorted(({os.path.dirname(name) for name, _ in planned} | set(plan.folders)) - {""}):
+        jobs = [(folder.path(names[i]), kept.get(i, plan.files[i]), sizes[i], checker) for i in mine]
+        for folder_name in sorted(({os.path.dirname(name) for name in names} | set(plan.folders)) - {""}):
             os.makedirs(folder.path(folder_name), exist_ok=True)
         # Threads, not processes: checksums, kernel copies, reads, writes and dtype conversion all
         # release the GIL, and a thread per file keeps every core busy however the sizes fall.
         # Two files per CPU: one converting dtypes (CPU-bound) overlaps others that only copy.
         count = (
             min(workers or 2 * (os.cpu_count() or 1), len(jobs))
-            if sum(a.total_size for _, a, _ in jobs) >= PARALLEL_MIN_BYTES
+            if sum(size for _, _, size, _ in jobs) >= PARALLEL_MIN_BYTES
             else 1
         )
         if count > 1:
@@ -131,8 +160,8 @@ def write_checkpoint(
             finally:  # on an error or a signal, files not started yet are not started
                 pool.shutdown(wait=True, cancel_futures=True)
         else:
-            for path, archive, _ in jobs:
-                done += _write_one(path, archive, checker)
+            for path, planned, size, _ in jobs:
+                done += _write_one(path, planned, size, checker)
                 if progress:
                     progress(done, total)
         # Synced once all are written, not one by one: the first fsync's journal commit takes the
@@ -140,7 +169,7 @@ def write_checkpoint(
         # each forced a commit (735 files of a universal checkpoint: 8.6 s of 10 s).
         if checker is not None:  # input records partly read: the job reads the rest once
             checker.finish(job=sync)
-        for path, _, _ in jobs:
+        for path, _, _, _ in jobs:
             fsync_file(path)
         sync()
         staged = part == 0  # every file is in: committing, or cleaning up, is process 0's
@@ -165,4 +194,4 @@ def write_checkpoint(
     finally:
         if lock is not None:
             lock.release()
-    return SaveResult(output_dir, plan.tag, tuple(name for name, _ in planned), total)
+    return SaveResult(output_dir, plan.tag, tuple(names), total)

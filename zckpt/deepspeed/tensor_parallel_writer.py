@@ -25,7 +25,7 @@ from ..core.topology import Topology
 from . import names as N
 from .megatron_rules import has_merge_patterns, megatron_specs, merge_rule, rules_at_tensor_ranks, shard_shapes
 from .tensor_parallel import cut
-from .writer import CheckpointPlan, PlannedFile, Target, at_model_parallel_rank, plan_checkpoint
+from .writer import AnyPlannedFile, CheckpointPlan, Target, at_model_parallel_rank, plan_checkpoint
 
 
 def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> CheckpointPlan:
@@ -34,7 +34,7 @@ def plan_tensor_parallel_checkpoint(state: TrainingState, target: Target) -> Che
     if target.stage not in (1, 2, 3):
         raise UsageError(None, f"--stage {target.stage}: zckpt writes tensor-parallel checkpoints at ZeRO-1/2/3 only")
     tp = len(state.tensor_shards)
-    files: list[PlannedFile] = []
+    files: list[AnyPlannedFile] = []
     plans = [plan_checkpoint(shard, target) for shard in state.tensor_shards]
     for rank, plan in enumerate(plans):
         files.extend(at_model_parallel_rank(planned, rank, {N.MP_WORLD_SIZE: tp}) for planned in plan.files)

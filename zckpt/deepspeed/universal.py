@@ -18,10 +18,12 @@ Pure: no tensor byte is read.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.errors import UsageError
+from ..core.index import TensorSource
 from ..core.state import ParamState, TrainingState
 from ..core.topology import Topology
 from ..torchfile.save import OutTensor
@@ -32,7 +34,9 @@ from .moe_writer import expert_group_indices, expert_universal_params
 from .pipeline_writer import one_stage_state
 from .tensor_parallel_writer import one_tensor_rank_state, unsharded_state
 from .writer import (
+    AnyPlannedFile,
     CheckpointPlan,
+    LazyFile,
     OptimPlanner,
     PlannedFile,
     plan_model_states,
@@ -236,7 +240,7 @@ def _megatron_keys(state: TrainingState) -> dict[str, dict[str, Any]]:
 
 def _param_files(
     state: TrainingState, param: ParamState, zero3: bool, keys: dict[str, Any] | None = None, flat: bool | None = None
-) -> list[PlannedFile]:
+) -> list[AnyPlannedFile]:
     """The param's folder: its name and its states' names come from the checkpoint (its tag
     folder is named when one cannot be a file name). `keys`: what the files hold beside the
     tensor (a Megatron-style param's merge rule), else ``cat_dim`` 0. `flat` (default: `zero3`):
@@ -244,19 +248,20 @@ def _param_files(
     flat = zero3 if flat is None else flat
     where = state.index.tag_dir
     sources = {N.UNIVERSAL_FP32: param.master, **param.states}
-    files = []
+    files: list[AnyPlannedFile] = []
     for key, source in sources.items():
-        files.append(
-            PlannedFile(
-                N.universal_state_file(param.name, key, where),
-                _wrapped(tensor_of(source, shape=(source.numel,) if flat else param.shape), flat, keys),
-                None,
-            )
-        )
+        # built when written: a ZeRO-3 input's tensor is a part per rank that holds a piece of it
+        build = functools.partial(_state_file, source, (source.numel,) if flat else param.shape, flat, keys)
+        files.append(LazyFile(N.universal_state_file(param.name, key, where), build, None))
     step = state.groups[param.group].scalars.get(N.UNIVERSAL_STEP)
     if step is not None and not zero3:
         files.append(PlannedFile(N.universal_state_file(param.name, N.UNIVERSAL_STEP, where), scalar_of(step), None))
     return files
+
+
+def _state_file(source: TensorSource, shape: tuple[int, ...], flat: bool, keys: dict[str, Any] | None) -> Any:
+    """A param's state file: its whole tensor at `shape` (:func:`_wrapped`)."""
+    return _wrapped(tensor_of(source, shape=shape), flat, keys)
 
 
 def _wrapped(tensor: OutTensor, flat: bool, keys: dict[str, Any] | None) -> Any:

@@ -14,12 +14,13 @@ Padding elements are zeros, so the same input always gives the same bytes.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable
 
 from ..core.dtypes import BF16, BY_SHORT, FP32, DType
 from ..core.errors import LayoutError, UsageError
@@ -91,11 +92,42 @@ class PlannedFile:
 
 
 @dataclass(frozen=True)
+class LazyFile:
+    """A planned file whose object tree is built each time `obj` is read, by a pure function of
+    the plan. A rank file's tree cuts every param (a piece per param and state): thousands of
+    them held at once grow with the ranks, one at a time does not (the writer builds each when
+    it writes it)."""
+
+    name: str
+    build: Callable[[], Any] = field(repr=False, compare=False)
+    rank: int | None
+    # files of one `alike` key (not None) pickle alike, their tensors of the same sizes: their
+    # archives are as large where their names are as long, so one is planned for the size of all
+    alike: Any = field(default=None, compare=False)
+
+    @property
+    def obj(self) -> Any:
+        return self.build()
+
+
+AnyPlannedFile = PlannedFile | LazyFile
+
+
+def derived_file(planned: AnyPlannedFile, make: Callable[[Any], Any], name: str | None = None) -> AnyPlannedFile:
+    """A file of `planned`'s rank holding ``make(planned.obj)`` (named `name`, default its own):
+    built when read where `planned` is lazy, else now."""
+    name = planned.name if name is None else name
+    if isinstance(planned, LazyFile):
+        return LazyFile(name, lambda: make(planned.obj), planned.rank)
+    return PlannedFile(name, make(planned.obj), planned.rank)
+
+
+@dataclass(frozen=True)
 class CheckpointPlan:
     tag: str  # the folder the files go in
     target: Target
     layout: ZeroLayout
-    files: tuple[PlannedFile, ...]  # names relative to the tag folder ("zero/<param>/fp32.pt")
+    files: tuple[AnyPlannedFile, ...]  # names relative to the tag folder ("zero/<param>/fp32.pt")
     latest_file: str = N.LATEST_FILE  # written last, naming the tag folder
     # folders made even when no file goes in them: a run offloading to NVMe copies
     # offloaded_tensors/rankRR/ back on load, and fails where it is missing
@@ -212,10 +244,13 @@ def target_layout(state: TrainingState, target: Target) -> ZeroLayout:
     )
 
 
-def at_model_parallel_rank(planned: PlannedFile, mp_rank: int, model_values: dict[str, Any]) -> PlannedFile:
+def at_model_parallel_rank(
+    planned: AnyPlannedFile, mp_rank: int, model_values: dict[str, Any] | Callable[[dict], dict[str, Any]]
+) -> AnyPlannedFile:
     """A file this writer planned (named for model-parallel rank 0) as model-parallel rank
     `mp_rank` names it (a pipeline stage, a tensor rank); its model-states file (ZeRO-1/2's one,
-    or each of ZeRO-3's per data rank) with `model_values` set, in the keys' places."""
+    or each of ZeRO-3's per data rank) with `model_values` set, in the keys' places (a function:
+    the values, of the file's object tree, computed when it is built)."""
     optim = N.OPTIM_STATES_RE.match(planned.name)
     if optim is not None:
         return replace(planned, name=N.optim_states_name(int(optim["dp"]), mp_rank, bool(optim["prefix"])))
@@ -224,7 +259,8 @@ def at_model_parallel_rank(planned: PlannedFile, mp_rank: int, model_values: dic
     name = (
         N.model_states_name(1, 0, mp_rank) if model["dp"] is None else N.model_states_name(3, int(model["dp"]), mp_rank)
     )
-    return PlannedFile(name, {**planned.obj, **model_values}, planned.rank)
+    values = model_values if callable(model_values) else lambda _obj: model_values
+    return derived_file(planned, lambda obj: {**obj, **values(obj)}, name)
 
 
 def require_data_parallel(state: TrainingState, what: str) -> None:
@@ -244,7 +280,9 @@ def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None
     optim = OptimPlanner(state, target, layout)
     ranks = list(target.topology.data_ranks())
     optim_files = [
-        PlannedFile(N.rank_optim_states_name(at, bf16=target.dtype == BF16), optim.file(at.data), at.data)
+        LazyFile(
+            N.rank_optim_states_name(at, bf16=target.dtype == BF16), functools.partial(optim.file, at.data), at.data
+        )
         for at in ranks
     ]
     swap_files = [f for at in ranks for f in optim.swap_files(at.data)]
@@ -254,12 +292,15 @@ def plan_checkpoint(state: TrainingState, target: Target, tag: str | None = None
     return CheckpointPlan(tag or state.index.source_tag, target, layout, files, folders=folders)
 
 
-def plan_model_states(state: TrainingState, target: Target, layout: ZeroLayout) -> list[PlannedFile]:
-    """The model_states file(s) of the target run: one per rank for ZeRO-3, else one."""
+def plan_model_states(state: TrainingState, target: Target, layout: ZeroLayout) -> list[AnyPlannedFile]:
+    """The model_states file(s) of the target run: one per rank for ZeRO-3 (each built when
+    written), else one."""
     models = ModelPlanner(state, target, layout)
     if target.stage == 3:
         return [
-            PlannedFile(N.rank_model_states_name(3, at), models.file(at.data), at.data)
+            LazyFile(
+                N.rank_model_states_name(3, at), functools.partial(models.file, at.data), at.data, models.alike(at.data)
+            )
             for at in target.topology.data_ranks()
         ]
     return [PlannedFile(N.rank_model_states_name(target.stage, RankCoords()), models.file(None), None)]
@@ -669,6 +710,13 @@ class ModelPlanner:
             )
             for group in self.layout.flat_groups
         ]
+
+    def alike(self, rank: int) -> object | None:
+        """A ZeRO-3 rank file's `alike` key (:class:`LazyFile`): the files of ranks other than 0
+        that keep no buffers of their own differ in what their frozen fragments' bytes are, not in
+        their pickles or sizes (rank 0's alone lists the tied params)."""
+        own = self.state.rank_buffers[rank] if rank < len(self.state.rank_buffers) else {}
+        return None if rank == 0 or own else self
 
     def _module(self, rank: int | None) -> dict:
         """The module state dict; a ZeRO-3 rank gets the buffers that rank had (if it existed)."""
