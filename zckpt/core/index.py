@@ -12,7 +12,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Iterable, Iterator, Literal, Sequence, overload
 
 from .dtypes import DType
 from .errors import CorruptFileError
@@ -31,13 +31,60 @@ class Segment:
     numel: int
 
 
+class PackedSegments(Sequence[Segment]):
+    """Segments kept as columns (each one's path, byte offset and element count), not as an
+    object each: a ZeRO-3 param cut across thousands of ranks has a segment per rank and state,
+    about 24 bytes each here against some 130 as Segment objects with their ints. Reads as the
+    tuple of its Segments (made when read), equal to it and hashed as it is."""
+
+    __slots__ = ("_paths", "_offsets", "_numels")
+
+    def __init__(self, segments: Iterable[Segment]) -> None:
+        paths: list[str] = []
+        offsets, numels = array.array("q"), array.array("q")
+        for segment in segments:
+            paths.append(segment.path)
+            offsets.append(segment.offset)
+            numels.append(segment.numel)
+        self._paths, self._offsets, self._numels = tuple(paths), offsets, numels
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    @overload
+    def __getitem__(self, index: int) -> Segment: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Segment, ...]: ...
+    def __getitem__(self, index: int | slice) -> Segment | tuple[Segment, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        return Segment(self._paths[index], self._offsets[index], self._numels[index])
+
+    def __iter__(self) -> Iterator[Segment]:
+        return map(Segment, self._paths, self._offsets, self._numels)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PackedSegments, tuple)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PackedSegments({tuple(self)!r})"
+
+    def __reduce__(self) -> tuple:  # stdlib pickling (processes): as its segments
+        return (PackedSegments, (tuple(self),))
+
+
 @dataclass(frozen=True)
 class TensorSource:
     """One full tensor as the concatenation of `segments`, viewed as `shape`."""
 
     dtype: DType  # dtype of the stored elements
     shape: tuple[int, ...]
-    segments: tuple[Segment, ...]
+    segments: tuple[Segment, ...] | PackedSegments
 
     @property
     def numel(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..core.errors import LayoutError
-from ..core.index import CheckpointIndex, Segment, TensorRef, TensorSource
+from ..core.index import CheckpointIndex, PackedSegments, Segment, TensorRef, TensorSource
 from ..core.state import ParamGroupState, ParamState, ScalarState, TrainingState
 from ..io.reading import source_of
 from . import muon
@@ -166,7 +166,7 @@ def build_training_state(
             refs = [tensors.get((p.rank, p.flat, key)) for p in pieces]
             if any(r is None for r in refs):
                 continue  # a group without this state (e.g. not stepped yet)
-            segments = tuple(
+            segments = PackedSegments(
                 Segment(r.path, r.offset + p.flat_offset * r.dtype.itemsize, p.length) for r, p in zip(refs, pieces)
             )
             states[key] = TensorSource(

@@ -12,7 +12,7 @@ import re
 
 from ..core.dtypes import FP32
 from ..core.errors import CheckpointNotFoundError, CorruptFileError, LayoutError
-from ..core.index import CheckpointIndex, Entry, Segment, TensorRef, TensorSource
+from ..core.index import CheckpointIndex, Entry, PackedSegments, Segment, TensorRef, TensorSource
 from ..core.state import TrainingState
 from ..core.untrusted import regular_file_inside
 from . import names as N
@@ -202,7 +202,7 @@ class Partitions:
         self.layout = layout
         entries = []
         for param, pieces in zip(layout.params, layout.by_param()):
-            segments = tuple(_segment(flat[p.rank][p.flat], p.flat_offset, p.length) for p in pieces)
+            segments = PackedSegments(_segment(flat[p.rank][p.flat], p.flat_offset, p.length) for p in pieces)
             shape = self.shapes[param.name]
             entries.append(
                 Entry(param.name, "param", TensorSource(flat[0][0].dtype if flat[0] else FP32, shape, segments))
