@@ -12,7 +12,7 @@ import errno
 import os
 from collections import deque
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -84,15 +84,21 @@ def unequal_elements(reader: FileReader, reference: TensorSource, other: TensorS
     `other`'s dtype (unchanged where the dtypes agree: NaN payloads and -0.0 count as stored),
     read `chunk` elements at a time so that memory stays bounded whatever the tensor's size.
     The two hold `other.numel` elements each."""
-    numel, unequal = other.numel, 0
-    for start in range(0, numel, chunk):
-        count = min(chunk, numel - start)
+    return sum(_unequal(converted, kept) for _, converted, kept in _compared_chunks(reader, reference, other, chunk))
+
+
+def _compared_chunks(
+    reader: FileReader, reference: TensorSource, other: TensorSource, chunk: int
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """``(start, reference's elements converted to other's dtype, other's elements)``, `chunk`
+    elements at a time (raw arrays of other's element size)."""
+    for start in range(0, other.numel, chunk):
+        count = min(chunk, other.numel - start)
         wide = np.empty(count, dtype=reference.dtype.numpy_raw)
         kept = np.empty(count, dtype=other.dtype.numpy_raw)
         read_range(reader, reference, start, wide)
         read_range(reader, other, start, kept)
-        unequal += _unequal(convert(wide, reference.dtype, other.dtype), kept)
-    return unequal
+        yield start, convert(wide, reference.dtype, other.dtype), kept
 
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -103,15 +109,9 @@ def unequal_columns(
 ) -> tuple[int, np.ndarray]:
     """:func:`unequal_elements` of a row-major 2-D `other` with `columns` columns, and which of
     its columns hold an unequal element (a bool per column), read `chunk` elements at a time."""
-    numel, unequal = other.numel, 0
+    unequal = 0
     changed = np.zeros(columns, dtype=bool)
-    for start in range(0, numel, chunk):
-        count = min(chunk, numel - start)
-        wide = np.empty(count, dtype=reference.dtype.numpy_raw)
-        kept = np.empty(count, dtype=other.dtype.numpy_raw)
-        read_range(reader, reference, start, wide)
-        read_range(reader, other, start, kept)
-        converted = convert(wide, reference.dtype, other.dtype)
+    for start, converted, kept in _compared_chunks(reader, reference, other, chunk):
         bits = _BITS[kept.dtype.itemsize]  # the 16-bit copies' (complex ones are never rounded copies)
         where = np.flatnonzero(converted.view(bits) != kept.view(bits))
         unequal += where.size
