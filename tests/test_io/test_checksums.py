@@ -376,3 +376,23 @@ def test_a_zip_version_zipfile_refuses_is_a_finding_not_a_crash(tmp_path: Path) 
     assert archive_records(str(path)) == ()
     report = verify(folder)
     assert not report.ok and any(str(path) in p for p in report.problems), report.problems
+
+
+def test_a_record_read_in_slices_keeps_its_runs_joined() -> None:
+    """Slices of a record that meet end to start are joined as they come (a ZeRO-3 partition is
+    read a slice per param and output file: thousands until the job ends), in any order; slices
+    read twice are kept apart; each piece's CRC is its bytes'."""
+    from zckpt.io.checksums import Record, _Seen
+
+    rng = random.Random(5)
+    data = rng.randbytes(4000)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randrange(1, 60)))
+        slices = [(a, b - a) for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        twice = rng.sample(slices, rng.randrange(0, 3))
+        seen = _Seen(Record("x", 0, len(data), zlib.crc32(data)))
+        for start, length in rng.sample(slices, len(slices)) + twice:
+            seen.add(start, length, zlib.crc32(data[start : start + length]))
+        assert all(zlib.crc32(data[s : s + n]) == crc for s, n, crc in seen.pieces)
+        assert (0, len(data)) in [(s, n) for s, n, _ in seen.pieces]  # whole, however it came
+        assert len(seen.pieces) <= 1 + len(twice)

@@ -19,7 +19,7 @@ import struct
 import threading
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core.errors import CorruptFileError
 from .interrupts import uninterrupted
@@ -241,10 +241,35 @@ def _constant_run(path: str, record: Record, size: int) -> bool:
 
 @dataclass
 class _Seen:
-    """Pieces of one record already checksummed: (offset in record, length, crc)."""
+    """Pieces of one record already checksummed: (offset in record, length, crc). A piece that
+    meets another end to start is joined with it as it comes (:func:`crc32_combine`): a record
+    read in thousands of slices (a ZeRO-3 rank's partition, a slice per param and output file)
+    keeps a few runs until the job's end, not a tuple per slice."""
 
     record: Record
-    pieces: list[tuple[int, int, int]]
+    _runs: dict[int, tuple[int, int]] = field(default_factory=dict)  # start -> (length, crc)
+    _ends: dict[int, int] = field(default_factory=dict)  # end -> start of the run ending there
+    _others: list[tuple[int, int, int]] = field(default_factory=list)  # overlapping pieces, as read
+
+    def add(self, start: int, length: int, crc: int) -> None:
+        end = start + length
+        if length <= 0 or start in self._runs or end in self._ends:  # read twice: kept apart
+            self._others.append((start, length, crc))
+            return
+        before = self._ends.pop(start, None)
+        if before is not None:
+            first_length, first_crc = self._runs.pop(before)
+            start, length, crc = before, first_length + length, crc32_combine(first_crc, crc, length)
+        after = self._runs.pop(end, None)
+        if after is not None:
+            del self._ends[end + after[0]]
+            length, crc = length + after[0], crc32_combine(crc, after[1], after[0])
+        self._runs[start] = (length, crc)
+        self._ends[start + length] = start
+
+    @property
+    def pieces(self) -> list[tuple[int, int, int]]:
+        return [(start, length, crc) for start, (length, crc) in self._runs.items()] + self._others
 
 
 def checksum_range(fd: int, path: str, position: int, count: int) -> int:
@@ -300,9 +325,9 @@ class RecordChecker:
                 return
             seen = self._seen.get(key)
             if seen is None:
-                seen = self._seen[key] = _Seen(record, [])
+                seen = self._seen[key] = _Seen(record)
             if crc is not None:
-                seen.pieces.append((start, length, crc))
+                seen.add(start, length, crc)
 
     def feed(self, path: str, offset: int, data: memoryview | bytes) -> None:
         """Bytes of `path` read at `offset`: checksum the parts that lie inside records."""
