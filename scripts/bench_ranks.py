@@ -32,7 +32,8 @@ export) on the same inputs: each command runs once per tree, back to back, so a 
 pair sees the same machine load (CPU seconds, user + system, are recorded beside the wall time:
 on a shared machine they move less). ``--json`` (default docs/ranks.json) collects every run,
 appended to what the file already holds; ``--plot`` draws docs/ranks_time.png and
-docs/ranks_rss.png (matplotlib: the ``bench`` extra) from that JSON.
+docs/ranks_rss.png (matplotlib: the ``bench`` extra) from that JSON, ``--plot-labels`` naming the
+labels drawn (docs/ranks.json keeps earlier trees' runs as ``before`` and ``previous``).
 """
 
 from __future__ import annotations
@@ -110,13 +111,14 @@ def measure(cmd: list[str], env: dict[str, str], log: Path, sample_s: float) -> 
     }
 
 
-def plot(results: list[dict[str, Any]], docs: Path) -> None:
+def plot(results: list[dict[str, Any]], docs: Path, labels: list[str] | None = None) -> None:
+    """Draw the two plots from `results`, the runs of `labels` only (default: every label)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in results if r["returncode"] == 0]
+    ok = [r for r in results if r["returncode"] == 0 and (labels is None or r["label"] in labels)]
     series: dict[tuple, list[tuple[int, float, float]]] = {}
     for r in ok:
         key = (r["label"], r["model"], r["stage"], r["command"])
@@ -167,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "ranks.json")
     ap.add_argument("--plot", action="store_true", help="draw docs/ranks_time.png and docs/ranks_rss.png")
     ap.add_argument("--plot-only", action="store_true", help="only draw the plots from --json")
+    ap.add_argument(
+        "--plot-labels", nargs="+", metavar="LABEL", help="plot these labels' runs only (default: every label)"
+    )
     ap.add_argument("--sample-s", type=float, default=0.05)
     args = ap.parse_args(argv)
 
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.json.parent.mkdir(parents=True, exist_ok=True)
                             args.json.write_text(json.dumps(results, indent=1) + "\n")
     if args.plot or args.plot_only:
-        plot(results, args.json.parent)
+        plot(results, args.json.parent, args.plot_labels)
     return 0
 
 
