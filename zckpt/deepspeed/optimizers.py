@@ -40,14 +40,19 @@ def deepspeed_own_optimizer(ds_config: dict[str, Any]) -> str | None:
     kind = str(section.get("type", "")).lower()
     if deepspeed_adam_w_mode(ds_config) is not None:
         return "adam"
-    zero = ds_config.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-    offloaded = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")  # zero_use_cpu_optimizer
-    if kind == "adagrad" and offloaded:
+    if kind == "adagrad" and _optimizer_offloaded(ds_config):
         return "cpu_adagrad"
     if kind in ("lion", "muon"):
         return kind
     return None
+
+
+def _optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
+    """The optimizer offloaded to CPU or NVMe (the engine's ``zero_use_cpu_optimizer``), where
+    DeepSpeed builds its CPU optimizers."""
+    zero = ds_config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    return isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
 
 
 def muon_adam_w_mode(ds_config: dict[str, Any]) -> bool:
@@ -124,13 +129,11 @@ def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None
     if not isinstance(section, dict) or not isinstance(section.get("type"), str):
         return None, "the run's optimizer is the training script's own (the config has no optimizer section)"
     kind = section["type"]
-    params = dict(section.get("params") or {})
     if not isinstance(section.get("params") or {}, dict):
         return None, f"the config's optimizer params are a {type(section['params']).__name__}"
+    params = dict(section.get("params") or {})
     lower = kind.lower()
-    zero = ds_config.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-    offloaded = isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme")
+    offloaded = _optimizer_offloaded(ds_config)
     if lower in ADAM_TYPES:
         adam_w_mode = lower == "adamw" or bool(params.get("adam_w_mode", True))
         torch_adam = bool(params.get("torch_adam", False))
