@@ -292,8 +292,6 @@ def _run_rank(request: dict, rank: int, port: int, fds: list[int], base_path: li
 
 
 def _kill_groups(pids: set[int], sig: int) -> None:
-    import signal as _signal  # noqa: F401
-
     for pid in pids:
         try:
             os.killpg(pid, sig)

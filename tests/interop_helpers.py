@@ -105,15 +105,11 @@ def fast_torchrun_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     less per launch on 2 cores. ``ZCKPT_FAST_TORCHRUN=0`` runs plain torchrun instead; without
     DeepSpeed, or when the zygote does not start within 3 minutes, launches run plain torchrun."""
     var = _fast_torchrun.ENV_VAR
-    if (
-        os.environ.get(var) == "0"
-        or importlib.util.find_spec("deepspeed") is None
-        and not os.environ.get("ZCKPT_DS_PYTHON")
-    ):
+    python = _deepspeed_python()
+    if os.environ.get(var) == "0" or python is None:
         os.environ.pop(var, None)
         yield
         return
-    python = sys.executable if importlib.util.find_spec("deepspeed") is not None else os.environ["ZCKPT_DS_PYTHON"]
     folder = Path(tempfile.mkdtemp(prefix="zft-"))  # short: a socket path holds at most 107 bytes
     sock = folder / "s"
     log = tmp_path_factory.getbasetemp() / "fast_torchrun.log"
@@ -152,12 +148,18 @@ def fast_torchrun_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def ds_python() -> str:
     """An interpreter with DeepSpeed: this one if it imports deepspeed, else ``$ZCKPT_DS_PYTHON``;
     skips the calling test when there is none."""
+    python = _deepspeed_python()
+    if python is None:
+        pytest.skip("DeepSpeed is not installed here and ZCKPT_DS_PYTHON is not set")
+    return python
+
+
+def _deepspeed_python() -> str | None:
+    """:func:`ds_python`'s answer, None where there is none."""
     if importlib.util.find_spec("deepspeed") is not None:
         return sys.executable
     env = os.environ.get("ZCKPT_DS_PYTHON")
-    if env and Path(env).exists():
-        return env
-    pytest.skip("DeepSpeed is not installed here and ZCKPT_DS_PYTHON is not set")
+    return env if env and Path(env).exists() else None
 
 
 @functools.lru_cache(maxsize=None)
