@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import same_bits, sample
+from helpers import copy_checkpoint, same_bits, sample
 from zckpt.deepspeed.reader import open_training_state
+from zckpt.deepspeed.zenflow import overlapped, topk_ratio, unsaved_moments_note, zenflow_settings
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
 from zckpt.ops.consolidate import consolidate
@@ -123,3 +124,38 @@ def test_a_layout_without_16bit_weights_says_it_does_not_keep_them(tmp_path: Pat
         assert "ZenFlow" in note and f"not kept in {where}" in note and "zckpt reshard" in note
     plain = reshard(sample("z2_fp32_ws2_cpuadagrad").checkpoint, tmp_path / "plain", world_size=2, stage=3)
     assert plain.notes == ()
+
+
+def _config(**zenflow: object) -> dict:
+    return {"zero_optimization": {"stage": 2, "zenflow": zenflow}}
+
+
+def test_settings_overlap_and_ratio_are_read_from_the_saved_config() -> None:
+    """overlap_step (the masters stepped in ZenFlow's optimizer process, whose moments no file
+    holds: a real run's base_optimizer_state was {'state': {}, ...}, tests/test_interop/
+    test_interop_zenflow.py) is the one setting that changes what the files hold."""
+    assert zenflow_settings({"zero_optimization": {"stage": 2}}) is None
+    assert zenflow_settings(_config()) == {}
+    assert not overlapped(None) and not overlapped({}) and not overlapped({"overlap_step": False})
+    assert overlapped({"overlap_step": True})
+    assert topk_ratio({}) == 0.1 and topk_ratio({"topk_ratio": 0.3}) == 0.3 and topk_ratio({"topk_ratio": True}) == 0.1
+    assert unsaved_moments_note(_config(select_strategy="epoch")) is None
+    assert unsaved_moments_note({"zero_optimization": {"stage": 2}}) is None
+    note = unsaved_moments_note(_config(overlap_step=True))
+    assert note is not None and "overlap_step" in note and "does not save" in note
+
+
+def test_verify_with_overlap_step_skips_the_module_weights(tmp_path: Path) -> None:
+    """The sample's saved config set to overlap_step: the module weights, a step behind the
+    masters in such a run, are not judged; its moments are in the files, so nothing is said of
+    unsaved ones (the real overlap_step run, which saves none, is the interop test's)."""
+    tag = copy_checkpoint(tmp_path, CASE)
+    model = tag / "mp_rank_00_model_states.pt"
+    state = torch.load(model, weights_only=False)
+    state["ds_config"]["zero_optimization"]["zenflow"]["overlap_step"] = True
+    torch.save(state, model)
+    report = verify(tag.parent)
+    assert report.ok, report.problems
+    check = next(c for c in report.checks if c.name == "module weights")
+    assert check.ok is None and "overlap_step" in check.detail, check
+    assert not any("does not save" in n for n in report.notes), report.notes

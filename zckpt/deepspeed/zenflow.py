@@ -7,6 +7,10 @@ whole) in the 16-bit params after the masters were copied back
 weights are the live engine's, not the masters rounded. A layout that holds no 16-bit weights
 (ZeRO-3, whose module states are placeholders; a universal folder, fp32 only) cannot keep them:
 a run loading it starts from the masters rounded.
+
+With ``overlap_step`` (DeepSpeed's ``ZenFlowZeroOptimizerParallel``) the masters are stepped by a
+separate process whose Adam moments are never saved, and the 16-bit weights lag the masters by a
+step (:func:`overlapped`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,43 @@ def topk_ratio(zenflow: dict) -> float:
     """ZenFlow's share of selected columns (DeepSpeed's default 0.1, zenflow_config.py)."""
     ratio = zenflow.get("topk_ratio", DEFAULT_TOPK_RATIO)
     return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else DEFAULT_TOPK_RATIO
+
+
+def overlapped(zenflow: dict | None) -> bool:
+    """Whether a ZenFlow run stepped its masters in another process (``overlap_step``), which
+    leaves two things in its files unlike any other ZeRO-1/2 run (DeepSpeed 0.19.8; real run,
+    issue 35: ZeRO-2 bf16, 2 ranks, 6 micro-steps, update_interval 2).
+
+    - **No optimizer state**: ``ZenFlowZeroOptimizer.create`` picks ``ZenFlowZeroOptimizerParallel``
+      (``runtime/zenflow/zenflow_stage_1_and_2.py:88-92``), whose step submits the Adam update to
+      the process (``:757-776``, ``:820-826``); that process allocates the moments itself, two sets
+      used on alternate steps (``runtime/zenflow/zenflow_utils.py:125-131``;
+      ``ops/csrc/adam/cpu_adam_impl.cpp`` ``ZenFlowAdam::run_step``), and the engine's own
+      ``ZenFlowCPUAdam`` never steps (``ops/adam/zenflow_cpu_adam.py:15-19``), so each optimizer
+      file's ``base_optimizer_state`` is ``{'state': {}, 'param_groups': [...]}``: no ``exp_avg``,
+      ``exp_avg_sq`` or ``step``. A run loading the checkpoint starts the moments from zero.
+    - **16-bit weights a step behind**: at each accumulation boundary the 16-bit partitions are
+      set from the snapshot of the masters the process took after its *previous* step
+      (``stale_param``, ``wait_last_update_and_copy``, ``zenflow_stage_1_and_2.py:710-752``), and
+      only then is the next step submitted (``:823-826``); the selective optimizer steps its
+      columns on top. Measured: 3,900 of 4,323 module elements differ from the saved masters
+      rounded, in every column. Nothing saved bounds that, so verify does not judge them.
+
+    ``save_checkpoint`` does not wait for a step in flight: the masters saved are those the
+    process has written when the file is (in the real run, the live masters after the last step)."""
+    return zenflow is not None and bool(zenflow.get("overlap_step"))
+
+
+def unsaved_moments_note(ds_config: object) -> str | None:
+    """The note that a ZenFlow ``overlap_step`` run's files hold no optimizer moments (see
+    :func:`overlapped`), or None for any other run."""
+    if not overlapped(zenflow_settings(ds_config)):
+        return None
+    return (
+        "a ZenFlow run with overlap_step (zero_optimization.zenflow): its Adam moments and step lived in "
+        "ZenFlow's optimizer process, which DeepSpeed does not save, so the optimizer files hold none; "
+        "a run loading this checkpoint (or zckpt's outputs of it) starts them from zero"
+    )
 
 
 def module_weights_note(ds_config: object, where: str) -> str | None:

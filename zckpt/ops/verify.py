@@ -29,7 +29,8 @@ from ..core.state import TrainingState
 from ..deepspeed import swap_folder as swap
 from ..deepspeed.reader import survey
 from ..deepspeed.survey import Survey
-from ..deepspeed.zenflow import topk_ratio, zenflow_settings
+from ..deepspeed.zenflow import overlapped as zenflow_overlapped
+from ..deepspeed.zenflow import topk_ratio, unsaved_moments_note, zenflow_settings
 from ..io.checksums import Record, RecordChecker, archive_records, crc32_combine, crc_mismatch, piece_crc
 from ..io.jobs import JobSync, job_share, share_of
 from ..io.materialize import CHUNK_BYTES
@@ -196,9 +197,8 @@ def _verify_checkpoint(
     judged = state is not None and not found.universal  # the checks of rank files' copies
     copies = state.index.rounded_copies if state is not None and judged else ()
     zenflow = zenflow_settings(state.ds_config) if state is not None else None
-    # ZenFlow with overlap_step: a separate process steps the masters while the engine trains on
-    # the last step's weights (ZenFlowZeroOptimizerParallel), so the two are of different steps
-    overlapped = zenflow is not None and bool(zenflow.get("overlap_step"))
+    # ZenFlow with overlap_step: the 16-bit weights are a step behind the masters (zenflow.overlapped)
+    overlapped = zenflow_overlapped(zenflow)
     if copies and zenflow is None:
         differences = _rounding_differences(copies, workers, job, checker)
     elif copies and not overlapped:
@@ -229,6 +229,9 @@ def _verify_checkpoint(
                 f"{count} further cop{'ies' if count != 1 else 'y'} of optimizer states that several ranks "
                 "keep whole (DeepSpeed's Muon momentum of a param two partitions touch) equal the one read",
             )
+        moments = unsaved_moments_note(state.ds_config)
+        if moments and not state.state_names:  # a ZenFlow overlap_step run's moments are in no file
+            findings.notes.append(moments)
         if copies and overlapped:
             findings.add(
                 "module weights",
