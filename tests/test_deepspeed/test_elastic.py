@@ -6,13 +6,25 @@ parametrized over every sample; DeepSpeed's loads of the outputs: test_interop_e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from helpers import Sample, deepspeed_base_state, load_with_stand_ins, same_bits, sample
+from helpers import Sample, copy_checkpoint, deepspeed_base_state, load_with_stand_ins, same_bits, sample
+from zckpt import load_state_dict
+from zckpt.core.errors import LayoutError
+from zckpt.deepspeed.optimizers import engine_param_group
+from zckpt.deepspeed.writer import carry
+from zckpt.ops.consolidate import consolidate
+from zckpt.ops.dcp import to_dcp
 from zckpt.ops.inspect import inspect_path
 from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
+from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
 
 ELASTIC = [sample("z2_bf16_ws2_elastic"), sample("z1_fp32_ws3_elastic")]
 
@@ -41,9 +53,11 @@ def test_inspect_lists_the_states_and_says_what_is_not_saved(case: Sample) -> No
 
 
 @pytest.mark.parametrize("case", ELASTIC, ids=lambda s: s.name)
-def test_identity_reshard_writes_the_rigid_layout_of_deepspeeds_states(case: Sample, tmp_path: Path) -> None:
-    """The rigid files zckpt writes hold DeepSpeed's saved states (each padded partition's elements
-    as saved, then zeros) and the groups DeepSpeed saved for the same optimizer config in a rigid run."""
+def test_identity_reshard_writes_deepspeeds_elastic_files(case: Sample, tmp_path: Path) -> None:
+    """ZeRO-1/2 output of an elastic run is written in its layout, which DeepSpeed's loaders fill
+    from the engine's own groups: every rank's per-group states as DeepSpeed saved them (less the
+    padding), and base_optimizer_state_step None (torch's AdamW keeps its step per param; the
+    elastic loader asserts the key, stage_1_and_2.py:3580)."""
     reshard(case.checkpoint, tmp_path / "out", world_size=case.meta["world_size"], stage=case.meta["zero_stage"])
     theirs = _optim_files(case.checkpoint / case.meta["tag"])
     ours = _optim_files(tmp_path / "out" / case.meta["tag"])
@@ -51,9 +65,33 @@ def test_identity_reshard_writes_the_rigid_layout_of_deepspeeds_states(case: Sam
     for a_path, b_path in zip(theirs, ours):
         a = load_with_stand_ins(a_path)["optimizer_state_dict"]
         b = load_with_stand_ins(b_path)["optimizer_state_dict"]
+        assert list(b) == [*list(a)[:5], "base_optimizer_state_step", *list(a)[5:]]
+        assert b["base_optimizer_state_step"] is None
+        assert len(a["base_optimizer_state"]) == len(b["base_optimizer_state"])
+        for saved, written in zip(a["base_optimizer_state"], b["base_optimizer_state"]):
+            assert list(saved) == list(written)
+            for key in saved:
+                assert same_bits(saved[key], written[key]), (b_path.name, key)
+        for x, y in zip(a["single_partition_of_fp32_groups"], b["single_partition_of_fp32_groups"]):
+            assert same_bits(x, y)
+        assert a["group_paddings"] == b["group_paddings"]
+
+
+def test_reshard_with_elastic_checkpoint_off_writes_the_rigid_layout(tmp_path: Path) -> None:
+    """A target config without elastic_checkpoint gets the rigid layout: DeepSpeed's saved states
+    (each padded partition's elements as saved, then zeros) and the groups DeepSpeed saved for the
+    same optimizer config in a rigid run."""
+    case = ELASTIC[0]
+    off = {"zero_optimization": {"elastic_checkpoint": False}}
+    reshard(case.checkpoint, tmp_path / "out", world_size=case.meta["world_size"], config=off)
+    theirs = _optim_files(case.checkpoint / case.meta["tag"])
+    ours = _optim_files(tmp_path / "out" / case.meta["tag"])
+    for a_path, b_path in zip(theirs, ours):
+        a = load_with_stand_ins(a_path)["optimizer_state_dict"]
+        b = load_with_stand_ins(b_path)["optimizer_state_dict"]
         rigid = deepspeed_base_state(a)  # DeepSpeed's per-group states, its rigid run's groups
         base = b["base_optimizer_state"]
-        assert isinstance(base, dict)
+        assert isinstance(base, dict) and "base_optimizer_state_step" not in b
         assert base["param_groups"] == rigid["param_groups"]
         for g, saved in rigid["state"].items():
             assert list(base["state"][g]) == list(saved)
@@ -63,5 +101,149 @@ def test_identity_reshard_writes_the_rigid_layout_of_deepspeeds_states(case: Sam
                 assert same_bits(base["state"][g][key][:n], saved[key]), (b_path.name, g, key)
                 assert not base["state"][g][key][n:].any()
                 assert base["state"][g][key].numel() == n + a["group_paddings"][g]
-        for x, y in zip(a["single_partition_of_fp32_groups"], b["single_partition_of_fp32_groups"]):
-            assert same_bits(x, y)
+
+
+def _edit_config(tag: Path, change, inner=None) -> None:  # noqa: ANN001
+    """Apply `change` to the ds_config every file of the tag folder holds (and `inner` to each
+    optimizer file's optimizer_state_dict), as the run that saved them would have."""
+    for path in sorted(tag.glob("*model_states.pt")):
+        state = torch.load(path, weights_only=False)
+        change(state["ds_config"])
+        torch.save(state, path)
+    for path in _optim_files(tag):
+        tree = carry(torchfile.load(path))
+        change(tree["ds_config"])
+        if inner is not None:
+            inner(tree["optimizer_state_dict"])
+        scratch = tag.parent / "scratch"
+        scratch.mkdir(exist_ok=True)
+        torchsave.save(tree, scratch / path.name)
+        os.replace(scratch / path.name, path)
+
+
+def _scripts_own_optimizer(tmp_path: Path) -> Path:
+    """A real elastic run's files as a run whose training script built its own optimizer saves
+    them: the same files, the config without an optimizer section (DeepSpeed's engine then takes
+    the client's, runtime/engine.py _configure_optimizer)."""
+    tag = copy_checkpoint(tmp_path, ELASTIC[0])
+    _edit_config(tag, lambda config: config.pop("optimizer"))
+    return tag.parent
+
+
+def test_the_scripts_own_optimizer_is_read_and_written_where_no_hyperparameters_are_needed(tmp_path: Path) -> None:
+    """inspect, verify, consolidate, diff need no hyperparameters; ZeRO-1/2 (elastic) and universal
+    outputs leave them to the loading engine (universal: groups of ``params`` only, which
+    DeepSpeed's universal loader sets no key from, runtime/base_optimizer.py:377-380)."""
+    checkpoint = _scripts_own_optimizer(tmp_path)
+    report = inspect_path(str(checkpoint))
+    assert report["complete"], report["problems"]
+    assert any("training script's own" in note for note in report["notes"])
+    assert verify(checkpoint).ok
+    consolidate(checkpoint, tmp_path / "weights")
+    consolidate(checkpoint, tmp_path / "lightning", format="lightning")  # weights only: no groups needed
+    theirs = load_state_dict(ELASTIC[0].checkpoint, dtype="fp32")
+    ours = load_state_dict(checkpoint, dtype="fp32")
+    assert sorted(theirs) == sorted(ours) and all(same_bits(theirs[n], ours[n]) for n in theirs)
+    reshard(checkpoint, tmp_path / "ws3", world_size=3)
+    for path in _optim_files(tmp_path / "ws3" / ELASTIC[0].meta["tag"]):
+        inner = load_with_stand_ins(path)["optimizer_state_dict"]
+        assert isinstance(inner["base_optimizer_state"], list) and inner["base_optimizer_state_step"] is None
+    to_universal(checkpoint, tmp_path / "uc")
+    folder = tmp_path / "uc" / (tmp_path / "uc" / "latest_universal").read_text().strip()
+    groups = load_with_stand_ins(folder / "zero" / "optimizer_state.pt")["param_groups"]
+    assert [sorted(g) for g in groups] == [["params"]]
+    to_universal(checkpoint, tmp_path / "uc3", target_stage=3)  # the ZeRO-3 flavour: the same groups
+    folder = tmp_path / "uc3" / (tmp_path / "uc3" / "latest_universal").read_text().strip()
+    groups = load_with_stand_ins(folder / "zero" / "optimizer_state.pt")["optimizer_state_dict"]["param_groups"]
+    assert [sorted(g) for g in groups] == [["params"]]
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda c, o: reshard(c, o, world_size=2, stage=3),
+        lambda c, o: reshard(c, o, world_size=3, config={"zero_optimization": {"elastic_checkpoint": False}}),
+        lambda c, o: to_dcp(c, o),
+        lambda c, o: consolidate(c, o, format="lightning", optimizer_states=True),
+    ],
+    ids=["zero3", "rigid", "dcp", "lightning"],
+)
+def test_outputs_that_hold_the_scripts_hyperparameters_are_refused_in_one_line(write, tmp_path: Path) -> None:  # noqa: ANN001
+    checkpoint = _scripts_own_optimizer(tmp_path)
+    with pytest.raises(LayoutError) as refused:
+        write(checkpoint, tmp_path / "out")
+    message = str(refused.value)
+    assert "\n" not in message and "elastic_checkpoint" in message and "no optimizer section" in message
+    assert "to-universal" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepspeeds_lion_groups_come_from_its_source_defaults(tmp_path: Path) -> None:
+    """An elastic run of DeepSpeed's FusedLion (type Lion, not offloaded: GPU only), which keeps a
+    group step (fused_lion.py:77-78, saved as base_optimizer_state_step): its groups are
+    FusedLion's defaults over the config's params, for the outputs that hold them (to-universal
+    here); reshard carries the group step."""
+    tag = copy_checkpoint(tmp_path, ELASTIC[0])
+    _edit_config(
+        tag,
+        lambda config: config.update(optimizer={"type": "Lion", "params": {"lr": 2e-4}}),
+        lambda inner: inner.update(base_optimizer_state_step=0),
+    )
+    to_universal(tag.parent, tmp_path / "uc")
+    folder = tmp_path / "uc" / (tmp_path / "uc" / "latest_universal").read_text().strip()
+    groups = load_with_stand_ins(folder / "zero" / "optimizer_state.pt")["param_groups"]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == [
+        {"lr": 2e-4, "betas": (0.9, 0.999), "weight_decay": 0.0, "step": 0}
+    ]
+    reshard(tag.parent, tmp_path / "ws3", world_size=3)
+    for path in _optim_files(tmp_path / "ws3" / ELASTIC[0].meta["tag"]):
+        assert load_with_stand_ins(path)["optimizer_state_dict"]["base_optimizer_state_step"] == 0
+
+
+@pytest.mark.parametrize(
+    ("section", "offload", "expected"),
+    [
+        ({"type": "Lion", "params": {"lr": 1e-4}}, True, {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0}),
+        (
+            {"type": "Adagrad", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            True,
+            {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.01, "amsgrad": False},
+        ),
+        (
+            {"type": "Lamb", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
+            False,
+            {
+                "lr": 1e-3,
+                "bias_correction": True,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+                "max_grad_norm": 0.0,
+                "max_coeff": 10.0,
+                "min_coeff": 0.01,
+            },
+        ),
+    ],
+    ids=["cpu_lion", "cpu_adagrad", "fused_lamb"],
+)
+def test_deepspeeds_own_optimizers_groups(section: dict, offload: bool, expected: dict) -> None:
+    """DeepSpeedCPULion (cpu_lion.py:15,38), DeepSpeedCPUAdagrad (cpu_adagrad.py:14-16), FusedLamb
+    (fused_lamb.py:41-65): their __init__'s group keys and defaults under the config's params."""
+    config = {"optimizer": section, "zero_optimization": {"stage": 2}}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert engine_param_group(config) == (expected, section["type"])
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        ({}, "no optimizer section"),
+        ({"optimizer": {"type": "Muon", "params": {"lr": 1e-2}}}, "Muon"),
+        ({"optimizer": {"type": "Lion", "params": {"lr": 1e-3, "eps": 1e-8}}}, "['eps']"),
+    ],
+    ids=["client", "muon", "unknown-param"],
+)
+def test_groups_zckpt_cannot_tell_say_why(config: dict, why: str) -> None:
+    hyper, reason = engine_param_group(config)
+    assert hyper is None and why in reason

@@ -84,28 +84,6 @@ def test_zero_quantized_nontrainable_weights_are_refused(tmp_path: Path) -> None
     assert "zero_pp_rank_0_mp_rank_00_model_states.pt" in message and "zero_quantized_nontrainable_weights" in message
 
 
-def test_elastic_checkpoint_of_an_optimizer_without_known_groups_is_refused(tmp_path: Path) -> None:
-    """ZeRO-1/2 elastic_checkpoint saves one state per param group without padding and no param
-    groups (stage_1_and_2.py:3375-3382; real samples *_elastic, read in test_elastic.py): where
-    the config's optimizer is one whose group defaults zckpt does not know (DeepSpeed's Lion),
-    refused in one line, not written with groups DeepSpeed could not step."""
-    tag = copy_checkpoint(tmp_path, Z2)
-
-    def elastic_lion(state: dict) -> None:
-        state["ds_config"]["zero_optimization"].update(elastic_checkpoint=True)
-        state["ds_config"]["optimizer"] = {"type": "Lion", "params": {"lr": 1e-3}}
-
-    _edit_model_states(tag, elastic_lion)
-
-    def lean(inner: dict) -> None:
-        base = inner["base_optimizer_state"]
-        inner["base_optimizer_state"] = [base["state"][g["params"][0]] for g in base["param_groups"]]
-
-    _edit_optim_states(tag, lean)
-    message = _refusal(tag.parent)
-    assert "elastic_checkpoint" in message and "Lion" in message and "optim_states.pt" in message
-
-
 def test_partial_offload_without_the_gpu_sub_groups_state_is_refused(tmp_path: Path) -> None:
     """ZeRO-Offload++ (offload_optimizer.ratio < 1) steps its first sub-groups on the GPU with a
     second optimizer whose state is not saved (stage3.py:1100-1108, :1254-1258, :3443)."""

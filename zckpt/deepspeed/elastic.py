@@ -1,16 +1,25 @@
 """ZeRO-1/2 files saved with ``zero_optimization.elastic_checkpoint`` read as the ordinary (rigid)
-layout. DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py ``state_dict``, :3375-3382) then saves
-``base_optimizer_state`` as a list, one dict per param group of the group's flat partition states
-less the group's padding (``_get_base_optimizer_state``, :3348-3356: a 0-d ``step`` as is), and
-``base_optimizer_state_step`` only where the optimizer keeps a ``step`` in its groups (FusedAdam:
-0; torch's optimizers keep theirs per param); the groups' hyperparameters are not saved. Its
-loaders rebuild the optimizer from the engine's own groups (``_restore_base_optimizer_state``,
-:3589-3611: each group's ``step`` set to the saved one).
+layout, and written back in their own layout. DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py
+``state_dict``, :3375-3382) then saves ``base_optimizer_state`` as a list, one dict per param group
+of the group's flat partition states less the group's padding (``_get_base_optimizer_state``,
+:3348-3356: a 0-d ``step`` or an int as is), and ``base_optimizer_state_step`` only where the
+optimizer keeps a ``step`` in its groups (FusedAdam, FusedLion: :3378; torch's optimizers and
+DeepSpeed's CPU Adam, Lion and Adagrad keep theirs per param); the groups' hyperparameters are in
+no file. DeepSpeed's loaders take every group's hyperparameters from the engine the training
+script built (``_restore_base_optimizer_state``, :3589-3611: only the states, and each group's
+``step`` set to ``base_optimizer_state_step``; the elastic loader asserts that key is saved,
+``_restore_step_from_elastic_checkpoint``, :3579-3583, so a run without a group step cannot
+resume its own elastic files).
 
 :func:`rigid_views` gives each rank's optimizer dict the rigid ``{state, param_groups}`` (state
 ``g`` the group's dict as saved; its per-element states are the partition less the padding, which
-the reader takes as it takes the unpadded fp32 partitions) with the groups' hyperparameters those
-of the optimizer the engine built from the saved config (:func:`.optimizers.engine_param_group`).
+the reader takes as it takes the unpadded fp32 partitions) with each group's hyperparameters those
+of the optimizer the engine built from the saved config (:func:`.optimizers.engine_param_group`)
+where the config tells them, none otherwise: reading weights and states needs none. Writers ask
+:func:`missing_hyperparameters` before writing a layout that holds them (ZeRO-3, rigid ZeRO-1/2,
+DCP, Lightning; a universal folder then keeps each group's step only, which DeepSpeed's universal
+loaders accept), and write ZeRO-1/2 output in the elastic layout (:func:`elastic_output`), which
+holds none, as DeepSpeed does.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.errors import LayoutError
+from ..core.state import TrainingState
 from . import names as N
 from .optimizers import engine_param_group
 
@@ -39,22 +49,11 @@ def rigid_views(
     they are."""
     if not any(is_elastic(state) for state in inner.values()):
         return inner, None, []
-    path0 = optim_paths.get(0, next(iter(optim_paths.values()), ""))
     mixed = [rank for rank, state in inner.items() if not is_elastic(state)]
     if mixed:
         return inner, LayoutError(optim_paths[mixed[0]], "a rigid ZeRO file among elastic_checkpoint ones"), []
     config = ds_config if isinstance(ds_config, dict) else {}
     hyper, why = engine_param_group(config)
-    if hyper is None:
-        return (
-            inner,
-            LayoutError(
-                path0,
-                "a ZeRO-1/2 run with zero_optimization.elastic_checkpoint saves no param group hyperparameters, "
-                f"and zckpt cannot tell them from its config: {why}",
-            ),
-            [],
-        )
     views: dict[int, dict] = {}
     for rank, state in inner.items():
         groups = state[N.BASE_OPTIMIZER_STATE]
@@ -71,7 +70,9 @@ def rigid_views(
                 [],
             )
         step = state.get(BASE_OPTIMIZER_STATE_STEP)
-        group_hyper = {**hyper, "step": step} if BASE_OPTIMIZER_STATE_STEP in state else hyper
+        group_hyper = dict(hyper or {})
+        if BASE_OPTIMIZER_STATE_STEP in state:
+            group_hyper["step"] = step
         view = {k: v for k, v in state.items() if k != BASE_OPTIMIZER_STATE_STEP}
         view[ELASTIC_VIEW] = True
         view[N.BASE_OPTIMIZER_STATE] = {
@@ -79,9 +80,71 @@ def rigid_views(
             "param_groups": [{**group_hyper, "params": [g]} for g in range(len(groups))],
         }
         views[rank] = view
-    notes = [
-        f"saved with zero_optimization.elastic_checkpoint, which keeps no param group hyperparameters: "
-        f"each group's are those DeepSpeed built its {why} with from the saved config (values a training "
-        "script gave its own groups, or a scheduler's current lr, are not in the files)"
-    ]
+    if hyper is not None:
+        notes = [
+            f"saved with zero_optimization.elastic_checkpoint, which keeps no param group hyperparameters: "
+            f"each group's are those DeepSpeed built its {why} with from the saved config (values a training "
+            "script gave its own groups, or a scheduler's current lr, are not in the files): ZeRO-1/2 outputs are "
+            "written with elastic_checkpoint, whose loader keeps the engine's own groups; ZeRO-3, universal, DCP "
+            "and Lightning outputs hold these values"
+        ]
+    else:
+        notes = [
+            "saved with zero_optimization.elastic_checkpoint, which keeps no param group hyperparameters, "
+            f"and the config does not tell them ({why}): weights and optimizer states are read; ZeRO-1/2 outputs "
+            "(written with elastic_checkpoint) and universal folders (groups without hyperparameters) leave them to "
+            "the engine that loads them, as DeepSpeed's loaders do; outputs that hold them (ZeRO-3, DCP, Lightning) "
+            "are refused"
+        ]
     return views, None, notes
+
+
+def elastic_run(ds_config: Any, stage: int | None) -> bool:
+    """A ZeRO-1/2 run configured with elastic_checkpoint, whose DeepSpeedZeroOptimizer saves the
+    elastic layout (stage_1_and_2.py:3375; ZeRO-3 and BF16_Optimizer have none)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    return stage in (1, 2) and isinstance(zero, dict) and zero.get("elastic_checkpoint") is True
+
+
+def elastic_input(state: TrainingState) -> bool:
+    """The training state was read from elastic_checkpoint files (a DeepSpeedZeroOptimizer run
+    configured with it: BF16_Optimizer saves the rigid layout, runtime/bf16_optimizer.py)."""
+    return state.optimizer_kind == "zero" and elastic_run(state.ds_config, state.index.zero_stage)
+
+
+def missing_hyperparameters(state: TrainingState, output: str) -> LayoutError | None:
+    """The one-line refusal for an `output` that holds each param group's hyperparameters, where
+    the input is an elastic_checkpoint run (no file holds them) whose config does not tell them
+    (:func:`.optimizers.engine_param_group`); None where they are known or not needed."""
+    if not elastic_input(state):
+        return None
+    ds_config = state.ds_config
+    hyper, why = engine_param_group(ds_config)
+    if hyper is not None:
+        return None
+    return LayoutError(
+        None,
+        f"{output} holds each optimizer param group's hyperparameters (lr, ...), which a run saved with "
+        f"zero_optimization.elastic_checkpoint keeps in no file and its config does not tell ({why}); "
+        "reshard to ZeRO-1/2 (written with elastic_checkpoint, the groups left to the loading engine) or "
+        "to-universal, which DeepSpeed resumes with the training script's own groups",
+    )
+
+
+def elastic_output(ds_config: Any, stage: int, bf16_optimizer: bool) -> bool:
+    """Whether a ZeRO-1/2 output for this config is written in the elastic layout: the config
+    (the input's, with the user's overrides) has elastic_checkpoint, as the run that loads it
+    would save it; DeepSpeed loads it into an elastic engine at any world size and into a rigid
+    one at the output's (stage_1_and_2.py:3746-3757)."""
+    return not bf16_optimizer and elastic_run(ds_config, stage)
+
+
+def elastic_base_state(groups: list[dict], hyperparams: list[dict]) -> dict[str, Any]:
+    """``base_optimizer_state`` (one state dict per flat group, already cut to the partition less
+    its padding) and ``base_optimizer_state_step`` as DeepSpeed's ``state_dict`` writes them
+    (:3375-3382). The step is the groups' saved one; where the optimizer keeps none in its groups
+    it is None, which DeepSpeed's elastic loader requires to be present (:3580) and then sets as
+    every group's ``step``, a key torch's optimizers do not read: the files then load, where
+    DeepSpeed's own would fail its assert."""
+    steps = [h["step"] for h in hyperparams if "step" in h]
+    return {N.BASE_OPTIMIZER_STATE: groups, BASE_OPTIMIZER_STATE_STEP: steps[0] if steps else None}

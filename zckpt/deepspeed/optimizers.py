@@ -114,17 +114,48 @@ _CPU_ADAM_DEFAULTS = {
 # the config keys DeepSpeed's engine takes out of the optimizer's params before building it
 # (engine._configure_basic_optimizer, get_optimizer_configuration)
 _ENGINE_KEYS = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
+# DeepSpeed's other own optimizers' group keys, in the order their __init__ makes them, with their
+# defaults (0.19.8; runtime/engine.py:2495-2511 builds them from the config's params): the
+# __init__ arguments that are not group keys (fp32_optimizer_states, eps_inside_sqrt, amsgrad of
+# FusedLamb, set_grad_none) are taken and dropped
+_DS_OWN_DEFAULTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    # ops/lion/cpu_lion.py:15,38 (DeepSpeedCPULion, the optimizer offloaded)
+    "cpu_lion": ({"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0}, ("fp32_optimizer_states",)),
+    # ops/lion/fused_lion.py:36-38 (FusedLion); its step keeps group['step'] too (:77-78)
+    "fused_lion": ({"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}, ("set_grad_none",)),
+    # ops/adagrad/cpu_adagrad.py:14-16 (DeepSpeedCPUAdagrad, the optimizer offloaded)
+    "cpu_adagrad": (
+        {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0, "amsgrad": False},
+        ("fp32_optimizer_states",),
+    ),
+    # ops/lamb/fused_lamb.py:41-65 (FusedLamb)
+    "fused_lamb": (
+        {
+            "lr": 1e-3,
+            "bias_correction": True,
+            "betas": (0.9, 0.999),
+            "eps": 1e-8,
+            "weight_decay": 0.0,
+            "max_grad_norm": 0.0,
+            "max_coeff": 10.0,
+            "min_coeff": 0.01,
+        },
+        ("eps_inside_sqrt", "amsgrad"),
+    ),
+}
 
 
 def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """The hyperparameters of a param group of the optimizer DeepSpeed's engine built from the
-    config's ``optimizer`` section (0.19.8, ``_configure_basic_optimizer``) where the training
-    script gave its groups no values of their own, and the optimizer's name; (None, why) where
-    zckpt cannot tell them: a client's optimizer (no ``optimizer`` section), DeepSpeed's Lamb,
-    Lion, Muon, MuP optimizers or CPU Adagrad. torch's optimizers (type Adam/AdamW with
+    config's ``optimizer`` section (0.19.8, ``_configure_basic_optimizer``, runtime/engine.py:2476-2548)
+    where the training script gave its groups no values of their own, and the optimizer's name;
+    (None, why) where zckpt cannot tell them: a client's optimizer (no ``optimizer`` section),
+    DeepSpeed's Muon (each group split into a Muon and an Adam half, engine.py:2440-2470) and the
+    MuP optimizers (the ``mup`` package's). torch's optimizers (type Adam/AdamW with
     ``torch_adam``, Adagrad not offloaded, any other ``torch.optim`` class by name) are built on
-    a stand-in param, as the engine builds them; FusedAdam and DeepSpeedCPUAdam from their
-    ``__init__``'s defaults. Used where a checkpoint saves no param groups (elastic_checkpoint)."""
+    a stand-in param, as the engine builds them; FusedAdam, DeepSpeedCPUAdam, FusedLion,
+    DeepSpeedCPULion, DeepSpeedCPUAdagrad and FusedLamb from their ``__init__``'s defaults
+    (``_DS_OWN_DEFAULTS``). Used where a checkpoint saves no param groups (elastic_checkpoint)."""
     section = ds_config.get("optimizer")
     if not isinstance(section, dict) or not isinstance(section.get("type"), str):
         return None, "the run's optimizer is the training script's own (the config has no optimizer section)"
@@ -151,8 +182,19 @@ def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None
         import torch
 
         return _named(_torch_group(torch.optim.Adagrad, params), kind)
-    if lower in ("adagrad", "lamb", "lion", "muon", "muadam", "muadamw", "musgd"):
-        return None, f"DeepSpeed built its own {kind} optimizer, whose group defaults zckpt does not know"
+    own = {"lamb": "fused_lamb", "lion": "cpu_lion" if offloaded else "fused_lion", "adagrad": "cpu_adagrad"}.get(lower)
+    if own is not None:
+        defaults, init_only = _DS_OWN_DEFAULTS[own]
+        kwargs = {k: v for k, v in params.items() if k not in init_only}
+        unknown = [k for k in kwargs if k not in defaults]
+        if unknown:  # the engine would have failed to build it with these
+            return None, f"the config's {kind} params {unknown} are not DeepSpeed's {kind}'s"
+        return {k: kwargs.get(k, v) for k, v in defaults.items()}, kind
+    if lower in ("muon", "muadam", "muadamw", "musgd"):
+        return (
+            None,
+            f"DeepSpeed built its {kind} optimizer, whose groups it makes per param (not from the config alone)",
+        )
     import torch
 
     optimizer = getattr(torch.optim, kind, None)

@@ -31,6 +31,13 @@ from ..torchfile.reader import PickledEnumMember, PickledObject, TorchDevice, To
 from ..torchfile.save import Copy, GlobalName, OutTensor, PickledEnum, PickledInstance, PickledReduce, Zeros, torch_size
 from . import muon
 from . import names as N
+from .elastic import (
+    BASE_OPTIMIZER_STATE_STEP,
+    elastic_base_state,
+    elastic_input,
+    elastic_output,
+    missing_hyperparameters,
+)
 from .engine_config import static_loss_scaler
 from .layout import (
     LayoutParam,
@@ -402,6 +409,10 @@ class OptimPlanner:
             f for f, g in enumerate(layout.flat_groups) if swap is not None and swap.swapped(g.partition)
         )
         self.ds_ids = _ds_ids(state) if layout.stage == 3 else {}
+        # an elastic_checkpoint input keeps no group hyperparameters: ZeRO-1/2 is written in its
+        # layout, which holds none either (.elastic)
+        self.elastic_in = elastic_input(state)
+        self.elastic_out = self.elastic_in and elastic_output(target.ds_config, target.stage, target.bf16_optimizer)
 
     def file(self, rank: int) -> dict:
         inner = self._zero3(rank) if self.target.stage == 3 else self._zero12(rank)
@@ -418,8 +429,13 @@ class OptimPlanner:
         keys = saved.state_keys or list(saved.scalars) + self.state.state_names
         return [k for k in keys if k not in saved.scalars and all(k in self.params[i].states for i in group.params)]
 
-    def _torch_state(self, rank: int) -> dict:
+    def _torch_state(self, rank: int, universal: bool = False) -> dict:
         """The torch optimizer's state_dict over this rank's flat groups."""
+        return {"state": self._flat_states(rank), "param_groups": self._param_groups(universal)}
+
+    def _flat_states(self, rank: int, lean: bool = False) -> dict[int, dict]:
+        """Each flat group's optimizer state on this rank; `lean`: each per-element state cut to
+        the partition less its padding, as elastic_checkpoint saves it (.elastic)."""
         state: dict[int, dict] = {}
         for flat, group in enumerate(self.layout.flat_groups):
             saved = self.state.groups[group.param_group]
@@ -443,11 +459,14 @@ class OptimPlanner:
                 elif key in element_states:
                     sources = self.state_sources[key]
                     entry[key] = _flat(
-                        pieces, sources, group.partition, sources[group.params[0]].dtype if group.params else FP32
+                        pieces,
+                        sources,
+                        group.saved[rank] if lean else group.partition,
+                        sources[group.params[0]].dtype if group.params else FP32,
                     )
             if entry:
                 state[flat] = entry
-        return {"state": state, "param_groups": self._param_groups()}
+        return state
 
     def _whole_param_buffer(self, key: str, pieces: list) -> OutTensor | None:
         """A rank's Muon momentum_buffer (ZeRO-1/2): the full state of every param its partition
@@ -494,15 +513,25 @@ class OptimPlanner:
                 files.append(PlannedFile(f"{folder}/{name}", RawFile(raw), rank))
         return files
 
-    def _param_groups(self) -> list[dict]:
-        """The torch optimizer's param groups: hyperparameters, and the flat groups as params."""
+    def _param_groups(self, universal: bool = False) -> list[dict]:
+        """The torch optimizer's param groups: hyperparameters, and the flat groups as params.
+        An elastic_checkpoint input whose config does not tell its groups' hyperparameters has
+        each group's saved ``step`` only: a universal folder keeps just that, as DeepSpeed's
+        universal loaders set only the keys a group holds (runtime/base_optimizer.py:377-380,
+        zero/stage3.py:3685-3691) and the engine keeps the training script's groups; the other
+        layouts that hold groups (ZeRO-3, rigid ZeRO-1/2) are refused (.elastic)."""
+        if self.elastic_in and not universal:
+            what = "a ZeRO-3 optimizer file" if self.target.stage == 3 else "a rigid ZeRO-1/2 optimizer file"
+            refusal = missing_hyperparameters(self.state, what)
+            if refusal is not None:
+                raise refusal
         param_groups = []
         for g, saved in enumerate(self.state.groups):
             members = [f for f, group in enumerate(self.layout.flat_groups) if group.param_group == g]
             param_groups.append({**carry(saved.hyperparams), "params": members})
         return param_groups
 
-    def _zero12(self, rank: int) -> dict:
+    def _zero12(self, rank: int, universal: bool = False) -> dict:
         world = self.target.world_size
         fp32, paddings, mappings = [], [], []
         for flat, group in enumerate(self.layout.flat_groups):
@@ -530,7 +559,7 @@ class OptimPlanner:
             out: dict[str, Any] = {N.CLIP_GRAD: extras[N.CLIP_GRAD]}
             out.update(
                 {
-                    N.BASE_OPTIMIZER_STATE: self._torch_state(rank),
+                    N.BASE_OPTIMIZER_STATE: self._torch_state(rank, universal),
                     N.SINGLE_PARTITION_OF_FP32_GROUPS: fp32,
                     N.GROUP_PADDINGS: paddings,
                     N.PARTITION_COUNT: count,
@@ -543,7 +572,16 @@ class OptimPlanner:
         for key in (N.DYNAMIC_LOSS_SCALE, N.OVERFLOW):
             out[key] = extras.get(key, False)
         out[N.CLIP_GRAD] = extras[N.CLIP_GRAD]
-        out[N.BASE_OPTIMIZER_STATE] = self._torch_state(rank)
+        if self.elastic_out:
+            lean = self._flat_states(rank, lean=True)
+            out.update(
+                elastic_base_state(
+                    [lean.get(f, {}) for f in range(len(self.layout.flat_groups))],
+                    [g.hyperparams for g in self.state.groups],
+                )
+            )
+        else:
+            out[N.BASE_OPTIMIZER_STATE] = self._torch_state(rank, universal)
         out[N.SINGLE_PARTITION_OF_FP32_GROUPS] = fp32
         out[N.ZERO_STAGE] = PickledEnum(ZERO_STAGE_ENUM, self.target.stage)
         out[N.GROUP_PADDINGS] = paddings
@@ -554,7 +592,7 @@ class OptimPlanner:
         out[N.PARAM_SLICE_MAPPINGS] = mappings
         return out
 
-    def _zero3(self, rank: int) -> dict:
+    def _zero3(self, rank: int, universal: bool = False) -> dict:
         extras = self.state.optimizer_extras
         fp32 = []
         for flat, group in enumerate(self.layout.flat_groups):
@@ -580,7 +618,7 @@ class OptimPlanner:
             N.DYNAMIC_LOSS_SCALE: extras.get(N.DYNAMIC_LOSS_SCALE, False),
             N.OVERFLOW: extras.get(N.OVERFLOW, False),
             N.PARTITION_COUNT: self.target.world_size,
-            N.OPTIMIZER_STATE_DICT: self._torch_state(rank),
+            N.OPTIMIZER_STATE_DICT: self._torch_state(rank, universal),
             N.FP32_FLAT_GROUPS: fp32,
         }
 
@@ -589,14 +627,19 @@ class OptimPlanner:
         its partitions, plus the param groups, as ``ds_to_universal`` writes it. For ZeRO-3 the
         torch state keeps only the per-group scalars (``step``, which the loader reads); rank 0's
         partitions, which ds_to_universal also copies in, are left out."""
-        param_groups = self._param_groups()
+        param_groups = self._param_groups(universal=True)
         if self.target.stage == 3:
-            out = self._zero3(0)
+            out = self._zero3(0, universal=True)
             del out[N.FP32_FLAT_GROUPS]
             out[N.OPTIMIZER_STATE_DICT] = {"state": self._scalar_state(), "param_groups": param_groups}
         else:
-            dropped = (N.BASE_OPTIMIZER_STATE, N.PARAM_SLICE_MAPPINGS, N.SINGLE_PARTITION_OF_FP32_GROUPS)
-            out = {k: v for k, v in self._zero12(0).items() if k not in dropped}
+            dropped = (
+                N.BASE_OPTIMIZER_STATE,
+                BASE_OPTIMIZER_STATE_STEP,
+                N.PARAM_SLICE_MAPPINGS,
+                N.SINGLE_PARTITION_OF_FP32_GROUPS,
+            )
+            out = {k: v for k, v in self._zero12(0, universal=True).items() if k not in dropped}
             # scalar states beside the step (NAdam's mu_product) have no file in this flavour and
             # DeepSpeed's loader restores none (ops/universal says so first); kept here, in the
             # ZeRO-3 flavour's place, so that zckpt reading the folder keeps them

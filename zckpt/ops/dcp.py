@@ -44,6 +44,7 @@ from ..core.dtypes import FP32, DType, DTypeLike, output_dtype
 from ..core.errors import CorruptFileError, LayoutError, OutputError, UsageError
 from ..core.index import TensorRef, TensorSource
 from ..core.state import ScalarState, TrainingState
+from ..deepspeed.elastic import missing_hyperparameters
 from ..deepspeed.optimizers import deepspeed_adam_w_mode, deepspeed_own_optimizer, muon_adam_w_mode
 from ..deepspeed.reader import open_training_state
 from ..io.checksums import RecordChecker
@@ -141,6 +142,9 @@ def plan_dcp(state: TrainingState, dtype: DTypeLike = "fp32") -> DcpPlan:
                     state.index.tag_dir, f"{param.name}: optimizer state {key!r} is both per group and per param"
                 )
             tensors.append(DcpTensor(("optim", "state", param.name, key), source.shape, source.dtype, source))
+    refusal = missing_hyperparameters(state, "a torch optimizer state dict (DCP, Lightning)")
+    if refusal is not None:  # an elastic_checkpoint run's groups, in no file (.deepspeed.elastic)
+        raise refusal
     groups = tuple(
         {**torch_group(group.hyperparams, state.ds_config), "params": list(group.params)} for group in state.groups
     )
