@@ -126,7 +126,8 @@ make_sample_ckpts' model with two param groups of their own lr (1e-2, 3e-3), sav
 elastic_checkpoint after 3 steps (MODE save), or such a checkpoint loaded (load, load_universal)
 and what the engine then holds captured as ds_probe captures it, then one more step. OPTIMIZER
 sgd: the script's own torch SGD (momentum 0.9), no optimizer section in the config; lion:
-DeepSpeed's CPU Lion (type Lion, lr 1e-3, the optimizer offloaded)."""
+DeepSpeed's CPU Lion (type Lion, lr 1e-3, the optimizer offloaded); muon: DeepSpeed's Muon (its
+save also captures what the engine held, Muon's whole-param momenta included)."""
 import importlib.util, json, sys
 from pathlib import Path
 
@@ -155,6 +156,8 @@ case = gen.Case(f"elastic_{kind}", "ds19", 2, "fp32", world, groups=True, zero_e
 config = gen.ds_config(case)
 if kind == "lion":
     config["optimizer"] = {"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+elif kind == "muon":
+    config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.9}}
 else:
     del config["optimizer"]
     config["zero_allow_untested_optimizer"] = True
@@ -162,7 +165,7 @@ if mode == "load_universal":
     config["checkpoint"] = {"load_universal": True}
 model = gen.build_model(case)
 groups = gen.param_groups(model, case)
-if kind == "lion":
+if kind != "sgd":
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
 else:
     optimizer = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
@@ -171,6 +174,12 @@ out.mkdir(parents=True, exist_ok=True)
 if mode == "save":
     probe.train(engine, case, rank, 3)
     engine.save_checkpoint(checkpoint)
+    if kind == "muon":
+        names_of, params = gen.params_by_identity(engine.module)
+        got = probe.capture(engine, 2, names_of, params)
+        if rank == 0:
+            save_file(got["live"], str(out / "live.safetensors"))
+            save_file(got["optim"], str(out / "live_optimizer.safetensors"))
 else:
     engine.load_checkpoint(checkpoint)
     names_of, params = gen.params_by_identity(engine.module)
@@ -200,8 +209,10 @@ def _run(tmp_path: Path, mode: str, kind: str, checkpoint: Path, world_size: int
     cmd += [str(script), str(ROOT), mode, kind, str(checkpoint), str(out)]
     returncode = run_logged(cmd, ds_env(world_size, python), out / "run.log", 300)
     assert returncode == 0, (out / "run.log").read_text()[-3000:]
-    if mode == "save":
+    if not (out / "live.safetensors").exists():
         return {}, {}, {}
+    if mode == "save":
+        return load_file(out / "live.safetensors"), load_file(out / "live_optimizer.safetensors"), {}
     state = json.loads((out / "state.json").read_text())
     return load_file(out / "live.safetensors"), load_file(out / "live_optimizer.safetensors"), state
 
@@ -293,3 +304,38 @@ def test_deepspeed_resumes_the_reshard_of_an_elastic_cpu_lion_run(tmp_path: Path
     reshard(tmp_path / "saved", tmp_path / "ws3", world_size=3)
     live, optim, state = _run(tmp_path, "load", "lion", tmp_path / "ws3", 3, tmp_path / "load")
     _check_resumed(saved, live, optim, state, 3, [3, 3])
+
+
+def test_an_elastic_muon_run_is_read_exactly_and_not_resharded(tmp_path: Path) -> None:
+    """DeepSpeed's Muon keeps each touched param's whole momentum (ZeRO-1/2), which
+    elastic_checkpoint cuts by the group's padding like any state (stage_1_and_2.py:3334-3342):
+    the cut elements are in the saved storage, and zckpt reads every master and momentum as the
+    engine held them. DeepSpeed's elastic loader would give every rank rank 0's momentum
+    (:3566-3568) and no file holds the Muon groups: reshard refuses in one line."""
+    from zckpt.deepspeed.reader import open_training_state
+    from zckpt.io.materialize import read_tensor
+    from zckpt.io.reading import FileReader
+
+    live, optim, _ = _run(tmp_path, "save", "muon", tmp_path / "saved", 2, tmp_path / "save")
+    tag = tmp_path / "saved" / "global_step3"
+    inners = [load_with_stand_ins(p)["optimizer_state_dict"] for p in tag.glob("*optim_states.pt")]
+    cut = [
+        inner["group_paddings"][g]
+        for inner in inners
+        for g, group in enumerate(inner["base_optimizer_state"])
+        if "momentum_buffer" in group
+    ]
+    assert any(cut)  # a Muon momentum_buffer was cut
+    state = open_training_state(tmp_path / "saved")
+    assert any(k.endswith(".momentum_buffer") for k in optim)
+    with FileReader() as reader:
+        for param in state.params:
+            assert same_bits(read_tensor(reader, param.master), live[param.name]), param.name
+            assert param.states and all(
+                same_bits(read_tensor(reader, source), optim[f"{param.name}.{key}"])
+                for key, source in param.states.items()
+            ), param.name
+    with pytest.raises(LayoutError) as refused:
+        reshard(tmp_path / "saved", tmp_path / "ws3", world_size=3)
+    assert "\n" not in str(refused.value) and "rank 0's Muon momentum_buffer" in str(refused.value)
+    assert not (tmp_path / "ws3").exists()

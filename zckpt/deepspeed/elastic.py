@@ -27,9 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.errors import LayoutError
+from ..core.index import TensorRef
 from ..core.state import TrainingState
+from ..io.checksums import archive_records
+from . import muon
 from . import names as N
-from .optimizers import engine_param_group
+from .optimizers import _optimizer_offloaded, deepspeed_own_optimizer, engine_param_group
 
 BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"  # stage_1_and_2.py:3382
 # set in a rank's rigid view: its per-element states are the partition less the tail padding
@@ -54,6 +57,7 @@ def rigid_views(
         return inner, LayoutError(optim_paths[mixed[0]], "a rigid ZeRO file among elastic_checkpoint ones"), []
     config = ds_config if isinstance(ds_config, dict) else {}
     hyper, why = engine_param_group(config)
+    whole_momentum = _whole_muon_momentum(config)
     views: dict[int, dict] = {}
     for rank, state in inner.items():
         groups = state[N.BASE_OPTIMIZER_STATE]
@@ -75,9 +79,17 @@ def rigid_views(
             group_hyper["step"] = step
         view = {k: v for k, v in state.items() if k != BASE_OPTIMIZER_STATE_STEP}
         view[ELASTIC_VIEW] = True
+        states = {g: dict(group) for g, group in enumerate(groups)}
+        flags: list[dict] = [{} for _ in groups]
+        if whole_momentum:
+            paddings = state.get(N.GROUP_PADDINGS) or [0] * len(groups)
+            for g, group in states.items():
+                flags[g] = {muon.MUON_FLAG: _muon_half(group)}
+                if flags[g][muon.MUON_FLAG] and isinstance(group.get(muon.MOMENTUM), TensorRef) and paddings[g]:
+                    group[muon.MOMENTUM] = _uncut(group[muon.MOMENTUM], paddings[g])
         view[N.BASE_OPTIMIZER_STATE] = {
-            "state": {g: dict(group) for g, group in enumerate(groups)},
-            "param_groups": [{**group_hyper, "params": [g]} for g in range(len(groups))],
+            "state": states,
+            "param_groups": [{**group_hyper, **flags[g], "params": [g]} for g in range(len(groups))],
         }
         views[rank] = view
     if hyper is not None:
@@ -97,6 +109,37 @@ def rigid_views(
             "are refused"
         ]
     return views, None, notes
+
+
+def _whole_muon_momentum(ds_config: dict) -> bool:
+    """DeepSpeed's Muon at ZeRO-1/2 keeps a whole-param momentum_buffer (.muon), unless the
+    optimizer is offloaded (then per element of the partition)."""
+    return deepspeed_own_optimizer(ds_config) == "muon" and not muon.momentum_per_element(
+        False, _optimizer_offloaded(ds_config)
+    )
+
+
+def _muon_half(group: dict) -> bool:
+    """A group state of MuonWithAuxAdam's Muon half: a momentum_buffer and no Adam moments (the
+    Adam half keeps step, exp_avg, exp_avg_sq; runtime/zero/muon/original_muon.py)."""
+    return muon.MOMENTUM in group and "exp_avg" not in group
+
+
+def _uncut(ref: TensorRef, padding: int) -> TensorRef:
+    """Muon's whole-param momentum_buffer as the engine held it, before ``_get_state_without_padding``
+    cut the group's padding off it (stage_1_and_2.py:3334-3342 cuts every state of a dimension,
+    here the last `padding` elements of the last param's momentum): torch.save wrote the view's
+    whole storage, so they are in the file's record, which this widens the view to. Left as is
+    where the record does not hold them (the reader then refuses the short buffer)."""
+    end = ref.offset + (ref.numel + padding) * ref.dtype.itemsize
+    if len(ref.shape) != 1 or not ref.is_contiguous:
+        return ref
+    for record in archive_records(ref.path):
+        if record.start <= ref.offset < record.start + record.size:
+            if end <= record.start + record.size:
+                return TensorRef(ref.path, ref.offset, ref.dtype, (ref.numel + padding,), (1,), ref.attributes)
+            break
+    return ref
 
 
 def elastic_run(ds_config: Any, stage: int | None) -> bool:
@@ -122,12 +165,21 @@ def missing_hyperparameters(state: TrainingState, output: str) -> LayoutError | 
     hyper, why = engine_param_group(ds_config)
     if hyper is not None:
         return None
+    if _whole_muon_momentum(ds_config):
+        route = (
+            "and DeepSpeed's elastic loader would give every rank rank 0's Muon momentum_buffer "
+            "(stage_1_and_2.py:3566-3568: a state not of the partition's size), so no ZeRO-1/2 output is "
+            "written either; inspect, verify, consolidate and diff read it"
+        )
+    else:
+        route = (
+            "reshard to ZeRO-1/2 (written with elastic_checkpoint, the groups left to the loading engine) or "
+            "to-universal, which DeepSpeed resumes with the training script's own groups"
+        )
     return LayoutError(
         None,
         f"{output} holds each optimizer param group's hyperparameters (lr, ...), which a run saved with "
-        f"zero_optimization.elastic_checkpoint keeps in no file and its config does not tell ({why}); "
-        "reshard to ZeRO-1/2 (written with elastic_checkpoint, the groups left to the loading engine) or "
-        "to-universal, which DeepSpeed resumes with the training script's own groups",
+        f"zero_optimization.elastic_checkpoint keeps in no file and its config does not tell ({why}); {route}",
     )
 
 
@@ -135,8 +187,9 @@ def elastic_output(ds_config: Any, stage: int, bf16_optimizer: bool) -> bool:
     """Whether a ZeRO-1/2 output for this config is written in the elastic layout: the config
     (the input's, with the user's overrides) has elastic_checkpoint, as the run that loads it
     would save it; DeepSpeed loads it into an elastic engine at any world size and into a rigid
-    one at the output's (stage_1_and_2.py:3746-3757)."""
-    return not bf16_optimizer and elastic_run(ds_config, stage)
+    one at the output's (stage_1_and_2.py:3746-3757). Not for DeepSpeed's Muon keeping whole-param
+    momenta: that loader gives every rank rank 0's (stage_1_and_2.py:3566-3568)."""
+    return not bf16_optimizer and elastic_run(ds_config, stage) and not _whole_muon_momentum(ds_config)
 
 
 def elastic_base_state(groups: list[dict], hyperparams: list[dict]) -> dict[str, Any]:
