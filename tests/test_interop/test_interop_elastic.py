@@ -1,7 +1,7 @@
 """Real DeepSpeed loads zckpt's outputs from real ZeRO-1/2 runs saved with
 ``zero_optimization.elastic_checkpoint`` (samples z2_bf16_ws2_elastic, z1_fp32_ws3_elastic; issue 35):
 a reshard at another world size, written in the elastic layout (ZeRO-1/2; DeepSpeed's elastic loader
-re-partitions it, stage_1_and_2.py:3746-3752) or the rigid one (ZeRO-3), and a universal folder
+re-partitions it, stage_1_and_2.py:3743-3753) or the rigid one (ZeRO-3), and a universal folder
 through load_universal. The engine then holds the live masters and Adam moments, the run's step,
 and param groups equal to those DeepSpeed saved for the same optimizer config in a rigid run
 (z2_fp32_ws1: the elastic files save none).
@@ -74,7 +74,7 @@ def _check_elastic(name: str, state: dict, live: dict, optim: dict, world_size: 
 
 def _without_group_step(hyper: dict, stage: int) -> dict:
     """A group's hyperparameters less the ``step`` DeepSpeed's elastic loader sets in every group
-    (stage_1_and_2.py:3610-3611): None, as zckpt writes ``base_optimizer_state_step`` for an
+    (stage_1_and_2.py:3609-3610): None, as zckpt writes ``base_optimizer_state_step`` for an
     optimizer that keeps its step per param (torch's), which DeepSpeed's loader requires."""
     if stage in (1, 2):
         assert hyper.pop("step") is None
@@ -308,7 +308,7 @@ def test_deepspeed_resumes_the_reshard_of_an_elastic_cpu_lion_run(tmp_path: Path
 
 def test_an_elastic_muon_run_is_read_exactly_and_not_resharded(tmp_path: Path) -> None:
     """DeepSpeed's Muon keeps each touched param's whole momentum (ZeRO-1/2), which
-    elastic_checkpoint cuts by the group's padding like any state (stage_1_and_2.py:3334-3342):
+    elastic_checkpoint cuts by the group's padding like any state (stage_1_and_2.py:3336-3343):
     the cut elements are in the saved storage, and zckpt reads every master and momentum as the
     engine held them. DeepSpeed's elastic loader would give every rank rank 0's momentum
     (:3566-3568) and no file holds the Muon groups: reshard refuses in one line."""

@@ -2,11 +2,11 @@
 layout, and written back in their own layout. DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py
 ``state_dict``, :3375-3382) then saves ``base_optimizer_state`` as a list, one dict per param group
 of the group's flat partition states less the group's padding (``_get_base_optimizer_state``,
-:3348-3356: a 0-d ``step`` or an int as is), and ``base_optimizer_state_step`` only where the
+:3349-3356: a 0-d ``step`` or an int as is), and ``base_optimizer_state_step`` only where the
 optimizer keeps a ``step`` in its groups (FusedAdam, FusedLion: :3378; torch's optimizers and
 DeepSpeed's CPU Adam, Lion and Adagrad keep theirs per param); the groups' hyperparameters are in
 no file. DeepSpeed's loaders take every group's hyperparameters from the engine the training
-script built (``_restore_base_optimizer_state``, :3589-3611: only the states, and each group's
+script built (``_restore_base_optimizer_state``, :3585-3610: only the states, and each group's
 ``step`` set to ``base_optimizer_state_step``; the elastic loader asserts that key is saved,
 ``_restore_step_from_elastic_checkpoint``, :3579-3583, so a run without a group step cannot
 resume its own elastic files).
@@ -32,7 +32,7 @@ from ..core.state import TrainingState
 from ..io.checksums import archive_records
 from . import muon
 from . import names as N
-from .optimizers import _optimizer_offloaded, deepspeed_own_optimizer, engine_param_group
+from .optimizers import optimizer_offloaded, deepspeed_own_optimizer, engine_param_group
 
 BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"  # stage_1_and_2.py:3382
 # set in a rank's rigid view: its per-element states are the partition less the tail padding
@@ -115,7 +115,7 @@ def _whole_muon_momentum(ds_config: dict) -> bool:
     """DeepSpeed's Muon at ZeRO-1/2 keeps a whole-param momentum_buffer (.muon), unless the
     optimizer is offloaded (then per element of the partition)."""
     return deepspeed_own_optimizer(ds_config) == "muon" and not muon.momentum_per_element(
-        False, _optimizer_offloaded(ds_config)
+        False, optimizer_offloaded(ds_config)
     )
 
 
@@ -127,7 +127,7 @@ def _muon_half(group: dict) -> bool:
 
 def _uncut(ref: TensorRef, padding: int) -> TensorRef:
     """Muon's whole-param momentum_buffer as the engine held it, before ``_get_state_without_padding``
-    cut the group's padding off it (stage_1_and_2.py:3334-3342 cuts every state of a dimension,
+    cut the group's padding off it (stage_1_and_2.py:3336-3343 cuts every state of a dimension,
     here the last `padding` elements of the last param's momentum): torch.save wrote the view's
     whole storage, so they are in the file's record, which this widens the view to. Left as is
     where the record does not hold them (the reader then refuses the short buffer)."""
@@ -187,7 +187,7 @@ def elastic_output(ds_config: Any, stage: int, bf16_optimizer: bool) -> bool:
     """Whether a ZeRO-1/2 output for this config is written in the elastic layout: the config
     (the input's, with the user's overrides) has elastic_checkpoint, as the run that loads it
     would save it; DeepSpeed loads it into an elastic engine at any world size and into a rigid
-    one at the output's (stage_1_and_2.py:3746-3757). Not for DeepSpeed's Muon keeping whole-param
+    one at the output's (stage_1_and_2.py:3743-3757). Not for DeepSpeed's Muon keeping whole-param
     momenta: that loader gives every rank rank 0's (stage_1_and_2.py:3566-3568)."""
     return not bf16_optimizer and elastic_run(ds_config, stage) and not _whole_muon_momentum(ds_config)
 

@@ -40,14 +40,14 @@ def deepspeed_own_optimizer(ds_config: dict[str, Any]) -> str | None:
     kind = str(section.get("type", "")).lower()
     if deepspeed_adam_w_mode(ds_config) is not None:
         return "adam"
-    if kind == "adagrad" and _optimizer_offloaded(ds_config):
+    if kind == "adagrad" and optimizer_offloaded(ds_config):
         return "cpu_adagrad"
     if kind in ("lion", "muon"):
         return kind
     return None
 
 
-def _optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
+def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
     """The optimizer offloaded to CPU or NVMe (the engine's ``zero_use_cpu_optimizer``), where
     DeepSpeed builds its CPU optimizers."""
     zero = ds_config.get("zero_optimization")
@@ -150,7 +150,7 @@ def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None
     config's ``optimizer`` section (0.19.8, ``_configure_basic_optimizer``, runtime/engine.py:2476-2548)
     where the training script gave its groups no values of their own, and the optimizer's name;
     (None, why) where zckpt cannot tell them: a client's optimizer (no ``optimizer`` section),
-    DeepSpeed's Muon (each group split into a Muon and an Adam half, engine.py:2440-2470) and the
+    DeepSpeed's Muon (each group split into a Muon and an Adam half, engine.py:2425-2474) and the
     MuP optimizers (the ``mup`` package's). torch's optimizers (type Adam/AdamW with
     ``torch_adam``, Adagrad not offloaded, any other ``torch.optim`` class by name) are built on
     a stand-in param, as the engine builds them; FusedAdam, DeepSpeedCPUAdam, FusedLion,
@@ -164,7 +164,7 @@ def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None
         return None, f"the config's optimizer params are a {type(section['params']).__name__}"
     params = dict(section.get("params") or {})
     lower = kind.lower()
-    offloaded = _optimizer_offloaded(ds_config)
+    offloaded = optimizer_offloaded(ds_config)
     if lower in ADAM_TYPES:
         adam_w_mode = lower == "adamw" or bool(params.get("adam_w_mode", True))
         torch_adam = bool(params.get("torch_adam", False))
