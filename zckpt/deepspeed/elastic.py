@@ -32,7 +32,7 @@ from ..core.state import TrainingState
 from ..io.checksums import archive_records
 from . import muon
 from . import names as N
-from .optimizers import optimizer_offloaded, deepspeed_own_optimizer, engine_param_group
+from .optimizers import deepspeed_own_optimizer, engine_param_group, optimizer_offloaded
 
 BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"  # stage_1_and_2.py:3382
 # set in a rank's rigid view: its per-element states are the partition less the tail padding
