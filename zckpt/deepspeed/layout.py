@@ -30,9 +30,12 @@ concatenates its shares of the sub-group's params. Same params, world size 3::
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from functools import cached_property
 
 from .partition import zero2_align, zero3_partition, zero3_sub_groups
 
@@ -119,37 +122,150 @@ class FlatGroup:
             object.__setattr__(self, "ranks", tuple(range(self.partition_count)))
 
 
+@dataclass(frozen=True, eq=True)
+class Zero3Pieces(Sequence[Piece]):
+    """ZeRO-3's pieces as columns, each :class:`Piece` made when asked for.
+
+    Why: ZeRO-3 cuts every param across every rank, so a checkpoint of 4,096 ranks and 723 params
+    has 3 million pieces; as objects they were most of a reader's memory there. Each is a function
+    of four numbers per param: param `i` holds ``shares[i]`` elements per rank (``ceil(numel /
+    world_size)``, :func:`~.partition.zero3_partition`) at element ``offsets[i]`` of every rank's
+    flat group ``flats[i]``, on ranks ``0 .. ceil(numel / share) - 1`` (the others hold padding).
+    `members[f]` lists flat group f's params in flat order. Ordered by param, then rank, as a
+    tuple of pieces would be."""
+
+    world_size: int
+    numels: tuple[int, ...]
+    flats: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shares: tuple[int, ...]
+    members: tuple[tuple[int, ...], ...]
+
+    def holders(self, param: int) -> int:
+        """The ranks holding any of `param` (the lowest ones)."""
+        share = self.shares[param]
+        return -(-self.numels[param] // share) if share else 0
+
+    def _piece(self, param: int, rank: int) -> Piece:
+        share = self.shares[param]
+        start = rank * share
+        return Piece(param, rank, self.flats[param], self.offsets[param], start, min(share, self.numels[param] - start))
+
+    def of_param(self, param: int) -> list[Piece]:
+        return [self._piece(param, rank) for rank in range(self.holders(param))]
+
+    def in_rank(self, rank: int, flat: int) -> list[Piece]:
+        """Rank `rank`'s pieces of flat group `flat`, by flat offset (the members' order)."""
+        return [self._piece(param, rank) for param in self.members[flat] if rank < self.holders(param)]
+
+    @cached_property
+    def _starts(self) -> list[int]:
+        """The position of each param's first piece in the sequence (an int per param)."""
+        return list(itertools.accumulate((self.holders(i) for i in range(len(self.numels))), initial=0))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, position):  # type: ignore[override]
+        if isinstance(position, slice):
+            return [self[i] for i in range(*position.indices(len(self)))]
+        if position < 0:
+            position += len(self)
+        if not 0 <= position < len(self):
+            raise IndexError(position)
+        param = bisect.bisect_right(self._starts, position) - 1
+        return self._piece(param, position - self._starts[param])
+
+    def __iter__(self) -> Iterator[Piece]:
+        for param in range(len(self.numels)):
+            yield from self.of_param(param)
+
+
+class _RankPieces(Mapping[tuple[int, int], list[Piece]]):
+    """``ZeroLayout.by_rank()`` of a ZeRO-3 layout: each (rank, flat group)'s pieces computed
+    when looked up, not held for every rank at once (a writer asks for one rank at a time)."""
+
+    def __init__(self, pieces: Zero3Pieces) -> None:
+        self._pieces = pieces
+
+    def __getitem__(self, key: tuple[int, int]) -> list[Piece]:
+        rank, flat = key
+        if not (0 <= rank < self._pieces.world_size and 0 <= flat < len(self._pieces.members)):
+            raise KeyError(key)
+        found = self._pieces.in_rank(rank, flat)
+        if not found:
+            raise KeyError(key)
+        return found
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for rank in range(self._pieces.world_size):
+            for flat, members in enumerate(self._pieces.members):
+                if any(rank < self._pieces.holders(param) for param in members):
+                    yield (rank, flat)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 @dataclass(frozen=True)
 class ZeroLayout:
     stage: int
     world_size: int
     params: tuple[LayoutParam, ...]
     flat_groups: tuple[FlatGroup, ...]
-    pieces: tuple[Piece, ...]  # ordered by param, then rank
+    pieces: Sequence[Piece]  # ordered by param, then rank; ZeRO-3's as columns (Zero3Pieces)
 
     def pieces_of(self, param: int) -> list[Piece]:
         """The pieces of one param, in element order (they concatenate to the whole param)."""
+        if isinstance(self.pieces, Zero3Pieces):
+            return self.pieces.of_param(param)
         return [p for p in self.pieces if p.param == param]
 
     def pieces_in(self, rank: int, flat: int) -> list[Piece]:
         """The pieces stored in one rank's flat tensor of one flat group, by flat offset."""
+        if isinstance(self.pieces, Zero3Pieces):
+            return self.pieces.in_rank(rank, flat)
         return sorted((p for p in self.pieces if p.rank == rank and p.flat == flat), key=lambda p: p.flat_offset)
 
-    def by_param(self) -> list[list[Piece]]:
-        """pieces_of for every param at once (one pass, for large layouts)."""
+    def by_param(self) -> Sequence[list[Piece]]:
+        """pieces_of for every param at once (one pass, for large layouts; ZeRO-3's made one
+        param at a time as they are iterated)."""
+        if isinstance(self.pieces, Zero3Pieces):
+            return _ByParam(self.pieces)
         grouped: list[list[Piece]] = [[] for _ in self.params]
         for piece in self.pieces:
             grouped[piece.param].append(piece)
         return grouped
 
-    def by_rank(self) -> dict[tuple[int, int], list[Piece]]:
-        """pieces_in for every (rank, flat group) at once."""
+    def by_rank(self) -> Mapping[tuple[int, int], list[Piece]]:
+        """pieces_in for every (rank, flat group) holding any (ZeRO-3's made per lookup)."""
+        if isinstance(self.pieces, Zero3Pieces):
+            return _RankPieces(self.pieces)
         grouped: dict[tuple[int, int], list[Piece]] = {}
         for piece in self.pieces:
             grouped.setdefault((piece.rank, piece.flat), []).append(piece)
         for pieces in grouped.values():
             pieces.sort(key=lambda p: p.flat_offset)
         return grouped
+
+
+class _ByParam(Sequence[list[Piece]]):
+    """``ZeroLayout.by_param()`` of a ZeRO-3 layout: each param's pieces made when asked for."""
+
+    def __init__(self, pieces: Zero3Pieces) -> None:
+        self._pieces = pieces
+
+    def __len__(self) -> int:
+        return len(self._pieces.numels)
+
+    def __getitem__(self, param):  # type: ignore[override]
+        if isinstance(param, slice):
+            return [self[i] for i in range(*param.indices(len(self)))]
+        if param < 0:
+            param += len(self)
+        if not 0 <= param < len(self):
+            raise IndexError(param)
+        return self._pieces.of_param(param)
 
 
 def round_robin_order(count: int, world_size: int) -> list[int]:
@@ -270,7 +386,10 @@ def zero3_layout_of_sub_groups(
     _check_world(world_size)
     params: list[LayoutParam] = []
     flat_groups: list[FlatGroup] = []
-    pieces: list[Piece] = []
+    flats: list[int] = []
+    offsets: list[int] = []
+    shares: list[int] = []
+    members_of: list[tuple[int, ...]] = []
     for flat, members in enumerate(sub_groups):
         group = param_groups[flat] if param_groups is not None else (members[0].group if members else 0)
         indices = []
@@ -280,12 +399,11 @@ def zero3_layout_of_sub_groups(
             params.append(LayoutParam(member.name, member.numel, group))
             indices.append(index)
             share = zero3_partition(member.numel, world_size)[0]
-            # only the first ceil(numel / share) ranks hold any of it (the rest padding): the cost
-            # is the pieces', not the world size's
-            for rank in range(-(-member.numel // share) if share else 0):
-                length = min(share, member.numel - rank * share)
-                pieces.append(Piece(index, rank, flat, offset, rank * share, length))
+            flats.append(flat)
+            offsets.append(offset)
+            shares.append(share)
             offset += share
+        members_of.append(tuple(indices))
         flat_groups.append(
             FlatGroup(
                 group,
@@ -297,8 +415,10 @@ def zero3_layout_of_sub_groups(
                 tuple(range(world_size)),
             )
         )
-    pieces.sort(key=lambda p: (p.param, p.rank))
-    return ZeroLayout(3, world_size, tuple(params), tuple(flat_groups), tuple(pieces))
+    pieces = Zero3Pieces(
+        world_size, tuple(p.numel for p in params), tuple(flats), tuple(offsets), tuple(shares), tuple(members_of)
+    )
+    return ZeroLayout(3, world_size, tuple(params), tuple(flat_groups), pieces)
 
 
 def _check_world(world_size: int) -> None:
