@@ -821,5 +821,5 @@ def deepspeed_base_state(inner: dict) -> dict:
 
 
 def is_elastic(case: Sample) -> bool:
-    """A run saved with zero_optimization.elastic_checkpoint (zckpt writes the rigid layout)."""
+    """A run saved with zero_optimization.elastic_checkpoint (base_optimizer_state a list per group)."""
     return bool(case.meta.get("ds_config", {}).get("zero_optimization", {}).get("elastic_checkpoint"))
