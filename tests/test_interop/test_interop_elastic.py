@@ -42,7 +42,7 @@ from interop_helpers import (  # noqa: E402
     shm_leak_safety_net,  # noqa: F401 (autouse fixture)
     torch_extensions_dir,
 )
-from zckpt.core.errors import LayoutError  # noqa: E402
+from zckpt.core.errors import LayoutError, ZckptError  # noqa: E402
 from zckpt.ops.dcp import to_dcp  # noqa: E402
 from zckpt.ops.reshard import reshard  # noqa: E402
 from zckpt.ops.universal import to_universal  # noqa: E402
@@ -339,3 +339,7 @@ def test_an_elastic_muon_run_is_read_exactly_and_not_resharded(tmp_path: Path) -
         reshard(tmp_path / "saved", tmp_path / "ws3", world_size=3)
     assert "\n" not in str(refused.value) and "rank 0's Muon momentum_buffer" in str(refused.value)
     assert not (tmp_path / "ws3").exists()
+    with pytest.raises(ZckptError) as refused:  # nor does a universal folder's refusal send the user there
+        to_universal(tmp_path / "saved", tmp_path / "uni")
+    assert "\n" not in str(refused.value) and "keeps every state" not in str(refused.value), refused.value
+    assert not (tmp_path / "uni").exists()

@@ -183,6 +183,17 @@ def missing_hyperparameters(state: TrainingState, output: str) -> LayoutError | 
     )
 
 
+def reshard_refused(state: TrainingState) -> bool:
+    """No reshard of this input is written (:func:`missing_hyperparameters` refuses every
+    output): an elastic_checkpoint run of DeepSpeed's Muon keeping whole-param momenta. Other
+    refusals point at reshard as the route that keeps every state; these must not."""
+    return (
+        elastic_input(state)
+        and _whole_muon_momentum(state.ds_config)
+        and engine_param_group(state.ds_config)[0] is None
+    )
+
+
 def elastic_output(ds_config: Any, stage: int, bf16_optimizer: bool) -> bool:
     """Whether a ZeRO-1/2 output for this config is written in the elastic layout: the config
     (the input's, with the user's overrides) has elastic_checkpoint, as the run that loads it

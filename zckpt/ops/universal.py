@@ -16,6 +16,7 @@ from typing import Callable
 
 from ..core.errors import UsageError
 from ..core.state import TrainingState
+from ..deepspeed.elastic import reshard_refused
 from ..deepspeed.muon import momentum_per_element
 from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import write_checkpoint
@@ -108,7 +109,12 @@ def to_universal(
     if loss and not allow_state_loss:
         raise UsageError(
             os.fspath(checkpoint),
-            f"{loss.describe()}; `zckpt reshard` to the new world size keeps every state"
+            f"{loss.describe()}; "
+            + (
+                "no reshard of this elastic_checkpoint Muon run is written either (see `zckpt reshard`)"
+                if reshard_refused(source)
+                else "`zckpt reshard` to the new world size keeps every state"
+            )
             + ("" if loss.missing else ", or pass --allow-state-loss to write the universal folder anyway"),
         )
     index = source.index
