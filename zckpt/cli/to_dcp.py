@@ -114,7 +114,7 @@ def to_dcp(
         f"{len(result.source.params)} trainable params ({result.dtype.short}) with their optimizer states, "
         f"{result.tensors} tensors, {format_size(result.bytes_written)} -> {output_dir}"
     )
-    notes = swap_notes(swap_folder, source.notes)
+    notes = [*swap_notes(swap_folder, source.notes), *result.notes]
     obj = write_report(
         "to-dcp",
         inputs=source_inputs(checkpoint, source, swap_folder),

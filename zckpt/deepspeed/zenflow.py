@@ -15,6 +15,8 @@ step (:func:`overlapped`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 DEFAULT_TOPK_RATIO = 0.1  # deepspeed/runtime/zenflow/zenflow_config.py
 
 
@@ -60,10 +62,11 @@ def overlapped(zenflow: dict | None) -> bool:
     return zenflow is not None and bool(zenflow.get("overlap_step"))
 
 
-def unsaved_moments_note(ds_config: object) -> str | None:
+def unsaved_moments_note(ds_config: object, state_names: Sequence[str] = ()) -> str | None:
     """The note that a ZenFlow ``overlap_step`` run's files hold no optimizer moments (see
-    :func:`overlapped`), or None for any other run."""
-    if not overlapped(zenflow_settings(ds_config)):
+    :func:`overlapped`), or None for any other run and for one whose files hold `state_names`
+    (the setting changed in the saved config after a sequential run: the moments are there)."""
+    if state_names or not overlapped(zenflow_settings(ds_config)):
         return None
     return (
         "a ZenFlow run with overlap_step (zero_optimization.zenflow): its Adam moments and step lived in "

@@ -47,6 +47,7 @@ from ..core.state import ScalarState, TrainingState
 from ..deepspeed.elastic import missing_hyperparameters
 from ..deepspeed.optimizers import deepspeed_adam_w_mode, deepspeed_own_optimizer, muon_adam_w_mode
 from ..deepspeed.reader import open_training_state
+from ..deepspeed.zenflow import unsaved_moments_note
 from ..io.checksums import RecordChecker
 from ..io.interrupts import signals_deferred
 from ..io.jobs import JobFailed, job_share, share_of
@@ -107,6 +108,7 @@ class DcpResult:
     tensors: int  # tensors written (model and optimizer)
     bytes_written: int  # the DCP files' and the sidecar's sizes
     files: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # what the input itself lacks (a ZenFlow overlap_step run's moments, in no file)
 
 
 def plan_dcp(state: TrainingState, dtype: DTypeLike = "fp32") -> DcpPlan:
@@ -484,7 +486,8 @@ def to_dcp(
             lock.release()
     files = tuple(sorted(n for n in os.listdir(output_dir) if not n.startswith(".zckpt")))
     written = sum(os.path.getsize(os.path.join(output_dir, n)) for n in files)
-    return DcpResult(output_dir, source, plan.dtype, len(plan.tensors), written, files)
+    moments = unsaved_moments_note(source.ds_config, source.state_names)
+    return DcpResult(output_dir, source, plan.dtype, len(plan.tensors), written, files, (moments,) if moments else ())
 
 
 __all__ = [

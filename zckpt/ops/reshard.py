@@ -34,7 +34,7 @@ from ..deepspeed.tensor_parallel_writer import (
     vocabulary_rules,
 )
 from ..deepspeed.writer import CheckpointPlan, Target, plan_checkpoint, plan_target
-from ..deepspeed.zenflow import module_weights_note
+from ..deepspeed.zenflow import module_weights_note, unsaved_moments_note
 from ..io.jobs import job_share
 from ..io.output import is_inside, path_inside, refuse_output_inside_input, replace_atomically
 
@@ -52,9 +52,9 @@ class ReshardResult:
     bytes_written: int
     carried: tuple[str, ...]  # files copied from beside the input's tag folders (HF Trainer's, ...)
     dropped: tuple[str, ...]  # carried files left out (RNG states of processes the target lacks)
-    notes: tuple[
-        str, ...
-    ] = ()  # what the new layout does not keep of the input (a ZenFlow run's 16-bit weights at ZeRO-3)
+    # what the new layout does not keep of the input (a ZenFlow run's 16-bit weights at ZeRO-3), and
+    # what the input itself lacks (a ZenFlow overlap_step run's moments, which no file holds)
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,9 @@ def reshard(
         before_latest=copy_carried,
         wait=wait,
     )
-    note = module_weights_note(source.ds_config, "a ZeRO-3 checkpoint") if plan.target.stage == 3 else None
+    # what the output cannot hold of a ZenFlow run: 16-bit weights at ZeRO-3; overlap_step's unsaved moments
+    weights = module_weights_note(source.ds_config, "a ZeRO-3 checkpoint") if plan.target.stage == 3 else None
+    notes = tuple(n for n in (weights, unsaved_moments_note(source.ds_config, source.state_names)) if n)
     return ReshardResult(
         output_dir,
         plan.tag,
@@ -327,5 +329,5 @@ def reshard(
         result.bytes_written,
         tuple(carried),
         tuple(dropped),
-        (note,) if note else (),
+        notes,
     )

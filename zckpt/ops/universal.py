@@ -22,7 +22,7 @@ from ..deepspeed.reader import open_training_state
 from ..deepspeed.save import write_checkpoint
 from ..deepspeed.universal import UniversalLoss, plan_universal, universal_loss
 from ..deepspeed.writer import CheckpointPlan
-from ..deepspeed.zenflow import module_weights_note
+from ..deepspeed.zenflow import module_weights_note, unsaved_moments_note
 from ..io.jobs import job_share
 from ..io.output import is_inside, refuse_output_inside_input
 
@@ -37,7 +37,9 @@ class UniversalResult:
     bytes_written: int
     # what DeepSpeed's universal loader of that stage will not restore (written with allow_state_loss)
     loss: UniversalLoss | None = None
-    notes: tuple[str, ...] = ()  # what the folder does not keep beyond optimizer state (a ZenFlow run's 16-bit weights)
+    # what the folder does not keep beyond optimizer state (a ZenFlow run's 16-bit weights), and what
+    # the input itself lacks (a ZenFlow overlap_step run's moments, which no file holds)
+    notes: tuple[str, ...] = ()
 
 
 def plan_to_universal(
@@ -137,7 +139,8 @@ def to_universal(
         verify=verify,
         wait=wait,
     )
-    note = module_weights_note(source.ds_config, "a universal folder")
+    weights = module_weights_note(source.ds_config, "a universal folder")
+    notes = tuple(n for n in (weights, unsaved_moments_note(source.ds_config, source.state_names)) if n)
     return UniversalResult(
         output_dir,
         plan.tag,
@@ -146,5 +149,5 @@ def to_universal(
         result.files,
         result.bytes_written,
         loss or None,
-        (note,) if note else (),
+        notes,
     )
