@@ -5,6 +5,7 @@ round trip. Real DeepSpeed loading the outputs is in test_interop_universal.py."
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -29,14 +30,17 @@ from helpers import (
     sample,
     tag_files,
 )
+from zckpt.cli.inspect import render
 from zckpt.core.errors import UsageError
 from zckpt.deepspeed.reader import open_training_state
+from zckpt.deepspeed.writer import carry
 from zckpt.io.reading import FileReader
 from zckpt.ops.consolidate import consolidate
 from zckpt.ops.inspect import inspect_path
 from zckpt.ops.reshard import reshard
 from zckpt.ops.universal import to_universal
 from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
 
 WITH_LIVE_OPTIMIZER = [s for s in SAMPLE_LIST if (s.folder / "reference" / "live_optimizer.safetensors").exists()]
 
@@ -328,12 +332,12 @@ def test_damaged_zero_input_leaves_nothing(copy_checkpoint, tmp_path: Path) -> N
         ("z3_fp32_ws2_amsgrad", 3, "max_exp_avg_sq would not be restored"),
         ("z1_bf16_ws2_nadam", 1, "mu_product would not be restored"),
         ("z1_bf16_ws2_nadam", 3, "mu_product would not be restored"),
-        ("z3_fp32_ws2_sgd_coupled_wd", 3, "its load fails, this optimizer keeping no exp_avg, exp_avg_sq, step"),
+        ("z3_fp32_ws2_sgd_coupled_wd", 3, "its load fails, this checkpoint holding no exp_avg, exp_avg_sq, step"),
         # DeepSpeed's Muon: the ZeRO-1/2 loader lays its per-param momentum out per element; ZeRO-3's
         # reads no momentum_buffer and needs exp_avg of every param (and a step of every group)
         ("z1_bf16_ws2_muon", 1, "it lays Muon's momentum_buffer out per element of the partition"),
         ("z2_fp32_ws3_muon", 3, "momentum_buffer would not be restored"),
-        ("z2_fp32_ws3_muon", 3, "its load fails, this optimizer keeping no exp_avg, exp_avg_sq, step"),
+        ("z2_fp32_ws3_muon", 3, "its load fails, this checkpoint holding no exp_avg, exp_avg_sq, step"),
     ],
 )
 def test_state_loss_is_said_before_writing(name: str, target_stage: int, lost: str, tmp_path: Path) -> None:
@@ -359,6 +363,76 @@ def test_what_a_zero12_loader_restores_is_written_without_a_word(name: str, tmp_
     result = to_universal(sample(name).checkpoint, tmp_path / "u", target_stage=1)
     assert result.loss is None
     assert inspect_path(str(sample(name).checkpoint))["training_state"]["universal_loss"]["zero1_2"] is None
+
+
+ZERO12_ALL = "a ZeRO-1/2 run's universal load restores every state"
+
+
+@pytest.mark.parametrize(
+    "name,lines",
+    [
+        ("z2_fp32_ws1", []),  # Adam: every loader restores it all, nothing said
+        # DeepSpeed's CPU Adagrad keeps exp_avg_sq only; torch's Adagrad sum
+        ("z2_fp32_ws2_cpuadagrad", [ZERO12_ALL, "a ZeRO-3 run's universal load fails (no exp_avg)"]),
+        (
+            "z3_fp32_ws2_adagrad",
+            [ZERO12_ALL, "a ZeRO-3 run's universal load fails (no exp_avg, exp_avg_sq) and would not read sum"],
+        ),
+        (
+            "z3_fp32_ws2_sgd_coupled_wd",
+            [
+                ZERO12_ALL,
+                "a ZeRO-3 run's universal load fails (no exp_avg, exp_avg_sq, step) and would not read momentum_buffer",
+            ],
+        ),
+        ("z3_fp32_ws2_amsgrad", [ZERO12_ALL, "a ZeRO-3 run's universal load would lose max_exp_avg_sq"]),
+        (
+            "z1_bf16_ws2_nadam",
+            [
+                "a ZeRO-1/2 run's universal load would lose mu_product",
+                "a ZeRO-3 run's universal load would lose mu_product",
+            ],
+        ),
+        # BF16_Optimizer keeps Muon's momentum per element, as the loader lays it out; ZeRO-2 does not
+        (
+            "z1_bf16_ws3_muon_bf16optimizer",
+            [
+                "a ZeRO-1 BF16_Optimizer run's universal load restores every state",
+                "a ZeRO-2 or other ZeRO-1 run's universal load would misread momentum_buffer "
+                "(laid out per element of the partition)",
+                "a ZeRO-3 run's universal load fails (no exp_avg, exp_avg_sq, step) and would not read momentum_buffer",
+            ],
+        ),
+    ],
+)
+def test_inspect_says_what_each_stages_universal_loader_does(name: str, lines: list[str]) -> None:
+    """Once one loader would not restore all of the optimizer state, inspect says what each does
+    (so ZeRO-3's failing is not read as ZeRO-1/2's), as to-universal judges it for that stage."""
+    shown = render(inspect_path(str(sample(name).checkpoint))).splitlines()
+    assert [line.removeprefix("  universal      ") for line in shown if line.startswith("  universal ")] == lines
+
+
+def test_a_checkpoint_without_optimizer_state(tmp_path: Path) -> None:
+    """No per-param state and no step (what torch's SGD without momentum saves; a ZenFlow
+    overlap_step run's files, test_zenflow.py): the ZeRO-1/2 loader reads the files a param's
+    folder has, so its folder restores the masters; ZeRO-3's wants exp_avg, exp_avg_sq and a step."""
+    case = sample("z2_fp32_ws1")
+    checkpoint = tmp_path / case.name
+    shutil.copytree(case.checkpoint, checkpoint)
+    path = checkpoint / case.meta["tag"] / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    tree = carry(torchfile.load(str(path)))
+    tree["optimizer_state_dict"]["base_optimizer_state"]["state"] = {}
+    torchsave.save(tree, str(path) + ".new")  # the tensors are read from `path` as it is written
+    os.replace(str(path) + ".new", path)
+    shown = render(inspect_path(str(checkpoint))).splitlines()
+    assert [line.removeprefix("  universal      ") for line in shown if line.startswith("  universal ")] == [
+        "a ZeRO-1/2 run's universal load restores the masters; the checkpoint holds no optimizer state",
+        "a ZeRO-3 run's universal load fails (no exp_avg, exp_avg_sq, step)",
+    ]
+    assert to_universal(checkpoint, tmp_path / "u2").loss is None
+    with pytest.raises(UsageError) as caught:
+        to_universal(checkpoint, tmp_path / "u3", target_stage=3)
+    assert "its load fails, this checkpoint holding no exp_avg, exp_avg_sq, step" in str(caught.value)
 
 
 # --------------------------------------------------------------------------------------

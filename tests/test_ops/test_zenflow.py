@@ -7,6 +7,8 @@ values captured before the save (reference/live*.safetensors), zero_to_fp32's ou
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,15 +16,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import copy_checkpoint, same_bits, sample
+from helpers import copy_checkpoint, runner, same_bits, sample
+from zckpt.cli.app import app
+from zckpt.cli.inspect import render
 from zckpt.deepspeed.reader import open_training_state
+from zckpt.deepspeed.writer import carry
 from zckpt.deepspeed.zenflow import overlapped, topk_ratio, unsaved_moments_note, zenflow_settings
 from zckpt.io.materialize import read_tensor
 from zckpt.io.reading import FileReader
 from zckpt.ops.consolidate import consolidate
+from zckpt.ops.dcp import to_dcp
 from zckpt.ops.inspect import inspect_path
 from zckpt.ops.reshard import reshard
+from zckpt.ops.universal import to_universal
 from zckpt.ops.verify import verify
+from zckpt.torchfile import reader as torchfile
+from zckpt.torchfile import save as torchsave
 
 CASE = sample("z2_bf16_ws2_zenflow")
 TAG = CASE.meta["tag"]
@@ -159,3 +168,56 @@ def test_verify_with_overlap_step_skips_the_module_weights(tmp_path: Path) -> No
     check = next(c for c in report.checks if c.name == "module weights")
     assert check.ok is None and "overlap_step" in check.detail, check
     assert not any("does not save" in n for n in report.notes), report.notes
+    assert reshard(tag.parent, tmp_path / "out", world_size=3).notes == ()
+    assert unsaved_moments_note(state["ds_config"], ["exp_avg", "exp_avg_sq"]) is None
+
+
+def _overlap_run(tmp_path: Path) -> Path:
+    """The sample as a ZenFlow overlap_step run saves it (the real one: tests/test_interop/
+    test_interop_zenflow.py): overlap_step in the saved config, and each rank's
+    base_optimizer_state ``{'state': {}, 'param_groups': [...]}``, the Adam moments and step having
+    lived in ZenFlow's optimizer process. Returns the checkpoint folder."""
+    tag = copy_checkpoint(tmp_path, CASE)
+    for path in sorted(tag.glob("*.pt")):
+        tree = carry(torchfile.load(str(path)))
+        tree["ds_config"]["zero_optimization"]["zenflow"]["overlap_step"] = True
+        if "optimizer_state_dict" in tree:
+            tree["optimizer_state_dict"]["base_optimizer_state"]["state"] = {}
+        torchsave.save(tree, str(path) + ".new")  # the tensors are read from `path` as it is written
+        os.replace(str(path) + ".new", path)
+    return tag.parent
+
+
+def test_outputs_of_an_overlap_step_run_say_its_moments_are_not_saved(tmp_path: Path) -> None:
+    """reshard, to-universal and to-dcp of an overlap_step run carry verify's note that no file
+    holds its moments (a run loading any output starts them from zero), after what the layout
+    itself does not keep; the CLI prints it as a note and puts it in --json's notes."""
+    checkpoint = _overlap_run(tmp_path)
+    assert open_training_state(checkpoint).state_names == []
+    moments = unsaved_moments_note({"zero_optimization": {"zenflow": {"overlap_step": True}}})
+    assert reshard(checkpoint, tmp_path / "z2", world_size=3).notes == (moments,)
+    weights, also = reshard(checkpoint, tmp_path / "z3", world_size=2, stage=3).notes
+    assert "not kept in a ZeRO-3 checkpoint" in weights and also == moments
+    weights, also = to_universal(checkpoint, tmp_path / "universal").notes
+    assert "not kept in a universal folder" in weights and also == moments
+    assert to_dcp(checkpoint, tmp_path / "dcp").notes == (moments,)
+    shown = runner.invoke(app, ["reshard", str(checkpoint), str(tmp_path / "cli"), "--world-size", "1"])
+    assert shown.exit_code == 0 and f"note: {moments}" in shown.stderr, shown.stderr
+    shown = runner.invoke(app, ["to-dcp", str(checkpoint), str(tmp_path / "cli-dcp"), "--json"])
+    assert shown.exit_code == 0 and moments in json.loads(shown.stdout)["notes"], shown.stdout
+    quiet = runner.invoke(app, ["reshard", str(checkpoint), str(tmp_path / "quiet"), "--world-size", "1", "-q"])
+    assert quiet.exit_code == 0 and quiet.stdout == quiet.stderr == ""
+
+
+def test_inspect_of_an_overlap_step_run_says_which_universal_loader_fails(tmp_path: Path) -> None:
+    """No optimizer state: DeepSpeed's ZeRO-1/2 universal loader restores the masters (it reads
+    the files a param's folder has; DeepSpeed loaded such a folder into a ZeRO-2 engine), its
+    ZeRO-3 loader fails wanting exp_avg, exp_avg_sq and a step; the note says why there are none."""
+    report = inspect_path(_overlap_run(tmp_path))
+    assert report["training_state"]["optimizer_states"] == []
+    lines = [line.strip() for line in render(report).splitlines() if line.startswith("  universal ")]
+    assert lines == [
+        "universal      a ZeRO-1/2 run's universal load restores the masters; the checkpoint holds no optimizer state",
+        "universal      a ZeRO-3 run's universal load fails (no exp_avg, exp_avg_sq, step)",
+    ]
+    assert any("overlap_step" in note and "does not save" in note for note in report["notes"]), report["notes"]

@@ -80,6 +80,39 @@ def _shown(value: Any) -> str:
     return "unknown" if value is None else str(value)
 
 
+def _universal_load(loss: dict[str, Any] | None, has_states: bool) -> str:
+    """What one ZeRO stage's universal loader makes of the checkpoint's optimizer state (a
+    report's ``universal_loss`` entry), as the end of a sentence."""
+    if loss is None:
+        return "restores every state" if has_states else "restores the masters; the checkpoint holds no optimizer state"
+    misread = loss.get("per_param", [])
+    lost = [s for s in loss["states"] if s not in misread] + loss["scalars"]
+    parts = [f"lose {', '.join(lost)}"] if lost else []
+    parts += [f"misread {', '.join(misread)} (laid out per element of the partition)"] if misread else []
+    if loss["missing"]:
+        skipped = f" and would not read {', '.join(lost)}" if lost else ""
+        return f"fails (no {', '.join(loss['missing'])}){skipped}"
+    return f"would {' and '.join(parts)}"
+
+
+def _universal_lines(training: dict[str, Any]) -> list[str]:
+    """What each ZeRO stage's universal loader makes of the optimizer state, once one of them
+    would not restore all of it (every stage then, so that one loader's failing is not read as
+    all's); none when each restores it all."""
+    losses = training.get("universal_loss") or {}
+    if not any(losses.values()):
+        return []
+    has_states = bool(training["optimizer_states"])
+    loads = {key: _universal_load(losses.get(key), has_states) for key in ("zero1_2", "zero3", "zero1_bf16_optimizer")}
+    if "zero1_bf16_optimizer" in losses and loads["zero1_bf16_optimizer"] != loads["zero1_2"]:
+        rows = [("ZeRO-1 BF16_Optimizer", "zero1_bf16_optimizer"), ("ZeRO-2 or other ZeRO-1", "zero1_2")]
+    else:
+        rows = [("ZeRO-1/2", "zero1_2")]
+    return [
+        f"  universal      a {stages} run's universal load {loads[key]}" for stages, key in (*rows, ("ZeRO-3", "zero3"))
+    ]
+
+
 def render(report: dict[str, Any], max_rows: int = 40) -> str:
     """The readable summary of a report."""
     lines = []
@@ -122,12 +155,7 @@ def render(report: dict[str, Any], max_rows: int = 40) -> str:
                 f"  optimizer      {', '.join(training['optimizer_states']) or 'no state'} in {len(training['param_groups'])} param group(s), "
                 f"step {'/'.join(steps)}; global step {training['global_steps']}, {training['skipped_steps']} skipped"
             )
-            for key, stages in (("zero1_2", "ZeRO-1/2"), ("zero3", "ZeRO-3")):
-                loss = (training.get("universal_loss") or {}).get(key)
-                if loss:
-                    lost = ", ".join(loss["states"] + loss["scalars"]) or "nothing"
-                    fails = f"; its load fails (no {', '.join(loss['missing'])})" if loss["missing"] else ""
-                    lines.append(f"  universal      a {stages} run's universal load would lose {lost}{fails}")
+            lines += _universal_lines(training)
             lines.append(
                 f"  saved          loss scaler: {'none' if scaler is None else scaler['class'].rsplit('.', 1)[-1] + ' ' + str(scaler.get('cur_scale'))}; "
                 f"lr scheduler: {'yes' if training['lr_scheduler'] else 'no'}; client state: {', '.join(training['client_state']) or 'none'}"

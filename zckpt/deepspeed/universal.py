@@ -79,14 +79,12 @@ class UniversalLoss:
         if self.stage == 3:
             reads = "DeepSpeed's ZeRO-3 universal loader reads fp32, exp_avg, exp_avg_sq and a step only"
         else:
-            reads = (
-                f"DeepSpeed's ZeRO-{self.stage} universal loader reads each param's per-element states and step only"
-            )
+            reads = "DeepSpeed's ZeRO-1/2 universal loader reads each param's per-element states and step only"
         parts = []
         if self.states or self.scalars:
             parts.append(f"{', '.join((*self.states, *self.scalars))} would not be restored")
         if self.missing:
-            parts.append(f"its load fails, this optimizer keeping no {', '.join(self.missing)}")
+            parts.append(f"its load fails, this checkpoint holding no {', '.join(self.missing)}")
         if self.per_param:
             parts.append(
                 f"it lays Muon's {', '.join(self.per_param)} out per element of the partition, while Muon keeps "

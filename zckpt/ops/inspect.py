@@ -24,6 +24,7 @@ from ..deepspeed.locate import list_tags, tag_named_in
 from ..deepspeed.muon import momentum_per_element
 from ..deepspeed.reader import survey
 from ..deepspeed.universal import UniversalLoss, universal_loss
+from ..deepspeed.zenflow import unsaved_moments_note
 from ..hf import names as hf
 from ..hf.safetensors import TIED_METADATA_KEY, read_header
 from ..io.checksums import check_archive
@@ -268,6 +269,8 @@ def inspect_checkpoint(
             ],
         }
     )
+    moments = unsaved_moments_note(found.state.ds_config, found.state.state_names) if found.state is not None else None
+    report["notes"] += [moments] if moments else []  # why a ZenFlow overlap_step run holds no optimizer state
     try:
         report["training_state"] = _training_state(found.state) if found.state is not None else None
     except ZckptError as exc:  # a damaged step counter: described, not raised
@@ -321,19 +324,22 @@ def _training_state(state: TrainingState) -> dict[str, Any]:
             else:
                 steps.append(scalar.value)
     scaler = state.loss_scaler
-    # ZeRO-1 as the run's own config has it: BF16_Optimizer (bf16 + fp32 gradient accumulation) and an
-    # offloaded optimizer keep Muon's momentum per element, as the universal loader lays it out
-    per_element = momentum_per_element(state.optimizer_kind == "bf16_optimizer", state.index.offload != "none")
-    losses = {stage: universal_loss(state, stage, stage == 1 and per_element) for stage in (1, 3)}
+    # what DeepSpeed's universal loader of a ZeRO-1/2 and of a ZeRO-3 run would not restore. A ZeRO-1/2
+    # run offloading its optimizer (taken as this one does) keeps Muon's momentum per element, as the
+    # loader lays it out, and so does BF16_Optimizer (bf16 + fp32 gradient accumulation, ZeRO-1 only):
+    # a run that used it gets a ZeRO-1 entry of its own, as ZeRO-2 (and ZeRO-1 without it) may differ
+    offloaded = state.index.offload != "none"
+    universal = {
+        "zero1_2": _loss(universal_loss(state, 2, momentum_per_element(False, offloaded))),
+        "zero3": _loss(universal_loss(state, 3)),
+    }
+    if state.optimizer_kind == "bf16_optimizer":
+        universal["zero1_bf16_optimizer"] = _loss(universal_loss(state, 1, momentum_per_element(True, offloaded)))
     return {
         "optimizer_states": state.state_names,
         # per-group values that are not per element (step, NAdam's mu_product, ...)
         "optimizer_scalars": list(dict.fromkeys(k for g in state.groups for k in g.scalars)),
-        # what DeepSpeed's universal loader of a ZeRO-1/2 and of a ZeRO-3 run would not restore
-        "universal_loss": {
-            "zero1_2": _loss(losses[1]),
-            "zero3": _loss(losses[3]),
-        },
+        "universal_loss": universal,
         "param_groups": [
             {
                 "params": len(g.params),
@@ -370,6 +376,7 @@ def _loss(loss: UniversalLoss) -> dict[str, Any] | None:
         "states": list(loss.states),
         "scalars": list(loss.scalars),
         "missing": list(loss.missing),
+        "per_param": list(loss.per_param),  # of `states`: restored, laid out wrongly (Muon's momentum)
         "why": loss.describe(),
     }
 
