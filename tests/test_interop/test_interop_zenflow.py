@@ -197,7 +197,8 @@ def test_zenflow_overlap_step_run_is_read_and_resharded(overlap: Sample, tmp_pat
     for name in live16:
         assert same_bits(ours[name], masters[name]), name
 
-    reshard(case.checkpoint, tmp_path / "out", world_size=1, stage=2)
+    resharded = reshard(case.checkpoint, tmp_path / "out", world_size=1, stage=2)
+    assert any("overlap_step" in note and "does not save" in note for note in resharded.notes), resharded.notes
     live, optim, state = run_probe(OVERLAP, tmp_path / "out", 1, tmp_path / "probe", stage=2, train_steps=2)
     assert state["optimizer_class"].startswith("ZenFlowZeroOptimizerParallel"), state["optimizer_class"]
     assert optim == {}  # nothing to load: the engine starts the moments from zero
