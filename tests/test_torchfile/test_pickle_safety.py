@@ -660,6 +660,19 @@ def test_numpy_arrays_dtypes_and_scalars_read_as_numpy_does(tmp_path: Path) -> N
     assert loaded["dtype"] == expected["dtype"] and loaded["same"] is loaded["c"]
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_sparse_tensors_are_refused_naming_them(layout: str, tmp_path: Path) -> None:
+    """A sparse tensor (DeepSpeed ZeRO-0's SGD momentum of an nn.Embedding(sparse=True), issue 35
+    item 4) is refused in one line that names it, not as an unknown global (a payload?)."""
+    dense = torch.tensor([[0.0, 1.5], [2.0, 0.0]])
+    torch.save(
+        {"momentum_buffer": dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()}, tmp_path / "s.pt"
+    )
+    with pytest.raises(UnsafePickleError, match=rf"sparse tensor \(torch.{layout}; nn.Embedding\(sparse=True\)") as err:
+        torchfile.load(tmp_path / "s.pt")
+    assert "payload" not in str(err.value)
+
+
 def test_enums_sizes_devices_and_classes_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     enums = _megatron_enums(monkeypatch)
     state = {
