@@ -11,7 +11,8 @@ load there.
 A fresh run with ``overlap_step`` (ZenFlowZeroOptimizerParallel, ZeRO-1; generated here, ~40 s)
 checks what that mode saves against its live engine: no optimizer moments (they live in ZenFlow's
 optimizer process), 16-bit module weights a step behind the masters; and that DeepSpeed loads
-zckpt's reshard of it at another world size and stage and trains on."""
+zckpt's reshard of it at another world size and stage and trains on, and its universal folder
+into a ZeRO-2 engine (masters only, as inspect says)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ from interop_helpers import (  # noqa: E402
     sample_generator,
     shm_leak_safety_net,  # noqa: F401 (autouse fixture)
 )
+from zckpt.cli.inspect import render  # noqa: E402
 from zckpt.ops.consolidate import consolidate  # noqa: E402
+from zckpt.ops.inspect import inspect_path  # noqa: E402
 from zckpt.ops.reshard import reshard  # noqa: E402
+from zckpt.ops.universal import to_universal  # noqa: E402
 from zckpt.ops.verify import verify  # noqa: E402
 
 GEN = sample_generator()
@@ -210,3 +214,21 @@ def test_zenflow_overlap_step_run_is_read_and_resharded(overlap: Sample, tmp_pat
     assert (state["global_steps"], state["zero_stage"], state["world_size"]) == (3, 2, 1)
     train = state["train"]
     assert train["global_steps_after"] == 4 and all(torch.isfinite(torch.tensor(train["losses_mean"])))
+
+
+def test_zenflow_overlap_step_universal_folder_loads_at_zero12(overlap: Sample, tmp_path: Path) -> None:
+    """No optimizer state: inspect says a ZeRO-1/2 run's universal load restores the masters and a
+    ZeRO-3 run's fails; DeepSpeed's ZeRO-1/2 loader loads zckpt's universal folder into a ZeRO-2
+    engine with the saved masters bit for bit and no moments (ZeRO-3's, without ZenFlow, which
+    needs CUDA there, stopped on the step optimizer_state.pt lacks: KeyError 0, stage3.py:3664)."""
+    lines = [line for line in render(inspect_path(overlap.checkpoint)).splitlines() if line.startswith("  universal ")]
+    assert "ZeRO-1/2 run's universal load restores the masters" in lines[0], lines
+    assert "ZeRO-3 run's universal load fails (no exp_avg, exp_avg_sq, step)" in lines[1], lines
+    result = to_universal(overlap.checkpoint, tmp_path / "uc", target_stage=2)
+    assert any("does not save" in note for note in result.notes), result.notes
+    live, optim, state = run_probe(OVERLAP, tmp_path / "uc", 1, tmp_path / "probe", stage=2, load_universal=True)
+    assert state["optimizer_class"].startswith("ZenFlowZeroOptimizerParallel"), state["optimizer_class"]
+    assert optim == {}
+    masters = overlap.live()
+    for name in overlap.live_params16():  # trainable params (a universal load skips buffers)
+        assert same_bits(live[name], masters[name]), name
