@@ -105,4 +105,24 @@ def feature_notes(model0: dict) -> list[str]:
             "a SuperOffload run (offload_optimizer.super_offload): DeepSpeed saves the fp32 masters but not the "
             "Adam moments, which its worker process holds; these files (and zckpt's outputs) restart Adam"
         )
+    if _autocast_gradscaler_unsaved(model0.get(N.DS_CONFIG), zero):
+        notes.append(
+            "a torch_autocast float16 run without ZeRO: DeepSpeed does not save its torch GradScaler, so a resume "
+            "from these files (or zckpt's outputs) restarts the loss scale at torch's default"
+        )
     return notes
+
+
+# DeepSpeed's DtypeEnum.fp16 spellings (runtime/config.py:146), read by get_torch_autocast_dtype (:186-195)
+_FP16_NAMES = ("torch.float16", "fp16", "float16", "half")
+
+
+def _autocast_gradscaler_unsaved(config: Any, zero: Any) -> bool:
+    """torch_autocast with float16 and ZeRO off: the engine scales the loss with its own
+    ``torch.amp.GradScaler`` (runtime/engine.py:666-672, stepped at :3507-3514), which neither the
+    model states (``_common_checkpoint_state``, :5017-5038) nor the torch optimizer's state dict
+    hold: its scale and growth tracker are lost at every save (measured: a 2-rank run's files hold
+    no scaler at all)."""
+    autocast = _section(config, "torch_autocast")
+    stage = _section(zero, "stage") or 0
+    return _on(_section(autocast, "enabled")) and _section(autocast, "dtype") in _FP16_NAMES and stage == 0

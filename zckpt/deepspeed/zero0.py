@@ -37,6 +37,7 @@ from ..io.reading import FileReader, source_of
 from ..torchfile.records import PickledObject, record_class
 from . import names as N
 from .engine_config import DYNAMIC_LOSS_SCALER, LOSS_SCALER
+from .features import feature_notes
 from .model_states import declare, describe, module_entries, rounded_copies, tied_entries, whole
 from .optim_state import saved_run_state
 from .survey import Survey
@@ -330,6 +331,7 @@ def read_zero0(
             else "; the torch optimizer's state, saved by index, named in module order (each state's shape checked)"
         )
     )
+    result.notes.extend(feature_notes(model))  # torch_autocast's unsaved GradScaler (.features)
     if result.problems:
         return
     result.index = CheckpointIndex(
