@@ -200,11 +200,16 @@ def test_outputs_of_an_overlap_step_run_say_its_moments_are_not_saved(tmp_path: 
     assert "not kept in a ZeRO-3 checkpoint" in weights and also == moments
     weights, also = to_universal(checkpoint, tmp_path / "universal").notes
     assert "not kept in a universal folder" in weights and also == moments
-    assert to_dcp(checkpoint, tmp_path / "dcp").notes == (moments,)
+    weights, also = to_dcp(checkpoint, tmp_path / "dcp").notes
+    assert "the DCP model holds the fp32 masters, not the run's saved 16-bit module weights" in weights
+    assert also == moments
     shown = runner.invoke(app, ["reshard", str(checkpoint), str(tmp_path / "cli"), "--world-size", "1"])
     assert shown.exit_code == 0 and f"note: {moments}" in shown.stderr, shown.stderr
     shown = runner.invoke(app, ["to-dcp", str(checkpoint), str(tmp_path / "cli-dcp"), "--json"])
     assert shown.exit_code == 0 and moments in json.loads(shown.stdout)["notes"], shown.stdout
+    shown = runner.invoke(app, ["to-dcp", str(checkpoint), str(tmp_path / "cli-dcp2"), "--dtype", "bf16"])
+    assert "without optimizer state (the checkpoint holds none)" in shown.stdout, shown.stdout
+    assert "the DCP model holds the masters rounded to bf16" in shown.stderr, shown.stderr
     quiet = runner.invoke(app, ["reshard", str(checkpoint), str(tmp_path / "quiet"), "--world-size", "1", "-q"])
     assert quiet.exit_code == 0 and quiet.stdout == quiet.stderr == ""
 

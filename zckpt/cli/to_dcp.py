@@ -111,7 +111,8 @@ def to_dcp(
     source = result.source.index
     text = (
         f"wrote DCP of {source.tag} (ZeRO-{source.zero_stage}, world size {source.world_size}): "
-        f"{len(result.source.params)} trainable params ({result.dtype.short}) with their optimizer states, "
+        f"{len(result.source.params)} trainable params ({result.dtype.short}) "
+        f"{'with their optimizer states' if result.source.state_names else 'without optimizer state (the checkpoint holds none)'}, "
         f"{result.tensors} tensors, {format_size(result.bytes_written)} -> {output_dir}"
     )
     notes = [*swap_notes(swap_folder, source.notes), *result.notes]

@@ -75,6 +75,19 @@ def unsaved_moments_note(ds_config: object, state_names: Sequence[str] = ()) -> 
     )
 
 
+def dcp_weights_note(ds_config: object, dtype: str) -> str | None:
+    """The note for a DCP folder of a ZenFlow run (its model is the masters, in `dtype`), or None
+    when the run did not use ZenFlow: the run's saved 16-bit module weights differ from the
+    masters rounded in the columns ZenFlow stepped after them (see :func:`module_weights_note`)."""
+    if zenflow_settings(ds_config) is None:
+        return None
+    held = "the fp32 masters" if dtype == "fp32" else f"the masters rounded to {dtype}"
+    return (
+        f"a ZenFlow run: the DCP model holds {held}, not the run's saved 16-bit module weights (the "
+        f"selected columns ZenFlow stepped after the masters); `zckpt reshard` to ZeRO-1 or 2 keeps them"
+    )
+
+
 def module_weights_note(ds_config: object, where: str) -> str | None:
     """The note for writing a ZenFlow run into `where` (a layout without 16-bit weights), or None
     when the run did not use ZenFlow."""

@@ -47,7 +47,7 @@ from ..core.state import ScalarState, TrainingState
 from ..deepspeed.elastic import missing_hyperparameters
 from ..deepspeed.optimizers import deepspeed_adam_w_mode, deepspeed_own_optimizer, muon_adam_w_mode
 from ..deepspeed.reader import open_training_state
-from ..deepspeed.zenflow import unsaved_moments_note
+from ..deepspeed.zenflow import dcp_weights_note, unsaved_moments_note
 from ..io.checksums import RecordChecker
 from ..io.interrupts import signals_deferred
 from ..io.jobs import JobFailed, job_share, share_of
@@ -486,8 +486,11 @@ def to_dcp(
             lock.release()
     files = tuple(sorted(n for n in os.listdir(output_dir) if not n.startswith(".zckpt")))
     written = sum(os.path.getsize(os.path.join(output_dir, n)) for n in files)
-    moments = unsaved_moments_note(source.ds_config, source.state_names)
-    return DcpResult(output_dir, source, plan.dtype, len(plan.tensors), written, files, (moments,) if moments else ())
+    notes = (
+        dcp_weights_note(source.ds_config, plan.dtype.short),
+        unsaved_moments_note(source.ds_config, source.state_names),
+    )
+    return DcpResult(output_dir, source, plan.dtype, len(plan.tensors), written, files, tuple(n for n in notes if n))
 
 
 __all__ = [
