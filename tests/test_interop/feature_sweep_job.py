@@ -27,18 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-OUT, CASE = Path(ARGS[0]), ARGS[1]
 VOCAB, DIM = 32, 16
-
-import deepspeed  # noqa: E402
-
-deepspeed.init_distributed(dist_backend="gloo")
-_spec = importlib.util.spec_from_file_location(
-    "ds_probe", Path(__file__).resolve().parents[2] / "scripts" / "ds_probe.py"
-)
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
 
 
 class Block(nn.Module):
@@ -219,4 +208,16 @@ def main() -> None:
         deepspeed.comm.barrier()
 
 
-main()
+if __name__ == "__main__":  # run by torchrun; pytest's doctest collection only imports it
+    ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    OUT, CASE = Path(ARGS[0]), ARGS[1]
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    _spec = importlib.util.spec_from_file_location(
+        "ds_probe", Path(__file__).resolve().parents[2] / "scripts" / "ds_probe.py"
+    )
+    probe = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(probe)
+    main()
