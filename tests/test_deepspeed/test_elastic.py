@@ -15,7 +15,7 @@ import torch
 from helpers import Sample, copy_checkpoint, deepspeed_base_state, load_with_stand_ins, same_bits, sample
 from zckpt import load_state_dict
 from zckpt.core.errors import LayoutError
-from zckpt.deepspeed.optimizers import engine_param_group
+from zckpt.deepspeed.optimizers import engine_param_group, muon_param_groups
 from zckpt.deepspeed.writer import carry
 from zckpt.ops.consolidate import consolidate
 from zckpt.ops.dcp import to_dcp
@@ -247,3 +247,48 @@ def test_deepspeeds_own_optimizers_groups(section: dict, offload: bool, expected
 def test_groups_zckpt_cannot_tell_say_why(config: dict, why: str) -> None:
     hyper, reason = engine_param_group(config)
     assert hyper is None and why in reason
+
+
+MUON_RIGID = [sample("z1_bf16_ws2_muon"), sample("z2_fp32_ws3_muon"), sample("z2_fp32_ws3_muon_cpuoffload")]
+
+
+@pytest.mark.parametrize("case", MUON_RIGID, ids=lambda s: s.name)
+def test_muon_groups_from_the_config_are_those_deepspeed_saved(case: Sample) -> None:
+    """An elastic Muon run keeps no groups; for one script group they are the config's
+    (engine._muon_param_groups): equal, keys in order, to those the rigid Muon samples saved
+    (FusedAdam's Adam half; DeepSpeedCPUAdam's where the optimizer is offloaded)."""
+    (path,) = (case.checkpoint / case.meta["tag"]).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    saved = load_with_stand_ins(path)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    expected = [{k: v for k, v in g.items() if k != "params"} for g in saved]
+    groups, why = muon_param_groups(case.meta["ds_config"], [True, False], [True, True])
+    assert groups is not None, why
+    assert [list(g.items()) for g in groups] == [list(g.items()) for g in expected]
+
+
+def test_muon_groups_take_each_halfs_lr_and_muonwithauxadams_defaults() -> None:
+    """muon_lr / adam_lr over lr, each half only its own keys, MuonWithAuxAdam's defaults
+    (original_muon.py:381-396); FusedAdam's group step only once stepped (fused_adam.py:132-133)."""
+    config = {"optimizer": {"type": "Muon", "params": {"lr": 1e-2, "muon_lr": 5e-2, "adam_lr": 1e-3, "eps": 1e-8}}}
+    groups, _ = muon_param_groups(config, [True, False], [True, False])
+    assert groups == [
+        {"use_muon": True, "name": "muon-params", "lr": 5e-2, "momentum": 0.95, "weight_decay": 0, "ns_method": "gram"},
+        {
+            "use_muon": False,
+            "name": "adam-params",
+            "lr": 1e-3,
+            "eps": 1e-8,
+            "betas": (0.9, 0.95),
+            "weight_decay": 0,
+            "bias_correction": True,
+        },
+    ]
+    torch_adam = {"optimizer": {"type": "Muon", "params": {"lr": 1e-2, "torch_adam": True}}}
+    groups, _ = muon_param_groups(torch_adam, [False], [True])
+    assert groups is not None and groups[0]["lr"] == 1e-2 and "amsgrad" in groups[0] and "step" not in groups[0]
+
+
+@pytest.mark.parametrize("halves", [[True, False, False], [True, False, True, False], [False, True]])
+def test_muon_groups_not_of_one_script_group_are_not_told(halves: list[bool]) -> None:
+    """Several script groups (own values) or MoE regrouping: names and values in no file."""
+    groups, why = muon_param_groups({"optimizer": {"type": "Muon", "params": {}}}, halves, [True] * len(halves))
+    assert groups is None and "flat groups" in why

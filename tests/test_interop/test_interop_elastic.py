@@ -127,11 +127,14 @@ elastic_checkpoint after 3 steps (MODE save), or such a checkpoint loaded (load,
 and what the engine then holds captured as ds_probe captures it, then one more step. OPTIMIZER
 sgd: the script's own torch SGD (momentum 0.9), no optimizer section in the config; lion:
 DeepSpeed's CPU Lion (type Lion, lr 1e-3, the optimizer offloaded); muon: DeepSpeed's Muon (its
-save also captures what the engine held, Muon's whole-param momenta included)."""
+save also captures what the engine held, Muon's whole-param momenta included); muon_config: Muon
+with one group (model.parameters(): the groups are the config's), its groups captured at save and
+those a fresh engine built before a load (groups.json). STAGE: the ZeRO stage of the run."""
 import importlib.util, json, sys
 from pathlib import Path
 
 root, mode, kind, checkpoint, out = Path(sys.argv[1]), *sys.argv[2:4], sys.argv[4], Path(sys.argv[5])
+stage = int(sys.argv[6]) if len(sys.argv) > 6 else 2
 
 
 def module(name):
@@ -152,12 +155,16 @@ rank, world = dist.get_rank(), dist.get_world_size()
 zero = (("elastic_checkpoint", True),)
 if kind == "lion":
     zero += (("offload_optimizer", {"device": "cpu"}),)
-case = gen.Case(f"elastic_{kind}", "ds19", 2, "fp32", world, groups=True, zero_extra=zero)
+if stage == 3:
+    zero = (("reduce_scatter", False),)  # stage3.py refuses Muon with it
+case = gen.Case(f"elastic_{kind}", "ds19", stage, "fp32", world, groups=kind != "muon_config", zero_extra=zero)
 config = gen.ds_config(case)
 if kind == "lion":
     config["optimizer"] = {"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.01}}
 elif kind == "muon":
     config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.9}}
+elif kind == "muon_config":
+    config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01, "adam_lr": 3e-3}}
 else:
     del config["optimizer"]
     config["zero_allow_untested_optimizer"] = True
@@ -171,20 +178,23 @@ else:
     optimizer = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 out.mkdir(parents=True, exist_ok=True)
+built = probe.group_state(engine, stage)
 if mode == "save":
     probe.train(engine, case, rank, 3)
     engine.save_checkpoint(checkpoint)
-    if kind == "muon":
+    if kind.startswith("muon"):
         names_of, params = gen.params_by_identity(engine.module)
-        got = probe.capture(engine, 2, names_of, params)
+        got = probe.capture(engine, stage, names_of, params)
         if rank == 0:
             save_file(got["live"], str(out / "live.safetensors"))
             save_file(got["optim"], str(out / "live_optimizer.safetensors"))
+            groups = {"saved": probe.group_state(engine, stage)}
+            (out / "groups.json").write_text(json.dumps(groups, default=str))
 else:
     engine.load_checkpoint(checkpoint)
     names_of, params = gen.params_by_identity(engine.module)
-    got = probe.capture(engine, 2, names_of, params)
-    state = {"param_groups": probe.group_state(engine, 2), "global_steps": engine.global_steps}
+    got = probe.capture(engine, stage, names_of, params)
+    state = {"param_groups": probe.group_state(engine, stage), "global_steps": engine.global_steps, "built": built}
     state["train"] = probe.train(engine, case, rank, 1)
     if rank == 0:
         save_file(got["live"], str(out / "live.safetensors"))
@@ -197,7 +207,9 @@ dist.barrier()
 SCRIPT_LR = [1e-2, 3e-3]
 
 
-def _run(tmp_path: Path, mode: str, kind: str, checkpoint: Path, world_size: int, out: Path) -> tuple[dict, dict, dict]:
+def _run(
+    tmp_path: Path, mode: str, kind: str, checkpoint: Path, world_size: int, out: Path, stage: int = 2
+) -> tuple[dict, dict, dict]:
     """One launch of ``_RUN``; what the loaded engine held (masters, states, state.json) after a load."""
     from safetensors.torch import load_file
 
@@ -206,7 +218,7 @@ def _run(tmp_path: Path, mode: str, kind: str, checkpoint: Path, world_size: int
     script.write_text(_RUN)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*launcher(python), "--nproc-per-node", str(world_size), "--master-port", str(free_port())]
-    cmd += [str(script), str(ROOT), mode, kind, str(checkpoint), str(out)]
+    cmd += [str(script), str(ROOT), mode, kind, str(checkpoint), str(out), str(stage)]
     returncode = run_logged(cmd, ds_env(world_size, python), out / "run.log", 300)
     assert returncode == 0, (out / "run.log").read_text()[-3000:]
     if not (out / "live.safetensors").exists():
@@ -306,12 +318,13 @@ def test_deepspeed_resumes_the_reshard_of_an_elastic_cpu_lion_run(tmp_path: Path
     _check_resumed(saved, live, optim, state, 3, [3, 3])
 
 
-def test_an_elastic_muon_run_is_read_exactly_and_not_resharded(tmp_path: Path) -> None:
+def test_an_elastic_muon_run_of_the_scripts_own_groups_is_read_exactly_and_not_resharded(tmp_path: Path) -> None:
     """DeepSpeed's Muon keeps each touched param's whole momentum (ZeRO-1/2), which
     elastic_checkpoint cuts by the group's padding like any state (stage_1_and_2.py:3336-3343):
     the cut elements are in the saved storage, and zckpt reads every master and momentum as the
     engine held them. DeepSpeed's elastic loader would give every rank rank 0's momentum
-    (:3566-3568) and no file holds the Muon groups: reshard refuses in one line."""
+    (:3566-3568), and the script's two groups (own lr) make three flat groups whose values no file
+    or config holds: reshard refuses in one line."""
     from zckpt.deepspeed.reader import open_training_state
     from zckpt.io.materialize import read_tensor
     from zckpt.io.reading import FileReader
@@ -343,3 +356,39 @@ def test_an_elastic_muon_run_is_read_exactly_and_not_resharded(tmp_path: Path) -
         to_universal(tmp_path / "saved", tmp_path / "uni")
     assert "\n" not in str(refused.value) and "keeps every state" not in str(refused.value), refused.value
     assert not (tmp_path / "uni").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_resumes_the_rigid_reshard_of_an_elastic_muon_run(stage: int, tmp_path: Path) -> None:
+    """A Muon run of one group (model.parameters()): its Muon and Adam halves' hyperparameters are
+    the config's (engine._muon_param_groups), so zckpt writes them, and the reshard at 3 ranks is
+    rigid (ZeRO-2: the elastic loader would give every rank rank 0's momentum; ZeRO-3). DeepSpeed
+    loads every master, momentum_buffer and Adam moment bit for bit as the run held them, groups
+    equal to those the saving engine held and to those a fresh engine of the config builds (less
+    FusedAdam's group step, set at its first step), and trains a step."""
+    live, optim, _ = _run(tmp_path, "save", "muon_config", tmp_path / "saved", 2, tmp_path / "save")
+    saved_groups = json.loads((tmp_path / "save" / "groups.json").read_text())["saved"]
+    if stage == 2:  # DeepSpeed's universal loader lays whole-param momenta out per element: reshard instead
+        with pytest.raises(ZckptError) as refused:
+            to_universal(tmp_path / "saved", tmp_path / "uni")
+        assert "\n" not in str(refused.value) and "`zckpt reshard`" in str(refused.value), refused.value
+    reshard(tmp_path / "saved", tmp_path / "ws3", world_size=3, stage=stage)
+    inners = [load_with_stand_ins(p)["optimizer_state_dict"] for p in (tmp_path / "ws3").rglob("*optim_states.pt")]
+    if stage == 2:
+        assert inners and all(isinstance(i["base_optimizer_state"], dict) for i in inners)  # rigid
+    got_live, got_optim, state = _run(tmp_path, "load", "muon_config", tmp_path / "ws3", 3, tmp_path / "load", stage)
+    assert set(got_live) == set(live) and set(got_optim) == set(optim)
+    assert any(k.endswith(".momentum_buffer") for k in optim) and any(k.endswith(".exp_avg") for k in optim)
+    for key, value in live.items():
+        assert same_bits(got_live[key], value), key
+    for key, value in optim.items():
+        assert same_bits(got_optim[key].flatten(), value.flatten()), key
+    loaded = [g["hyperparameters"] for g in state["param_groups"]]
+    assert loaded == [g["hyperparameters"] for g in saved_groups]
+    fresh = [g["hyperparameters"] for g in state["built"]]
+    assert [{k: v for k, v in g.items() if k != "step"} for g in loaded] == fresh
+    assert [g["name"] for g in loaded] == ["muon-params", "adam-params"]
+    assert [set(g["step"]) for g in state["param_groups"]] == [{None}, {3}]  # Muon keeps no step
+    assert state["global_steps"] == 3
+    train = state["train"]
+    assert train["global_steps_after"] == 4 and all(math.isfinite(x) for x in train["losses_per_rank"][0])

@@ -14,12 +14,15 @@ resume its own elastic files).
 :func:`rigid_views` gives each rank's optimizer dict the rigid ``{state, param_groups}`` (state
 ``g`` the group's dict as saved; its per-element states are the partition less the padding, which
 the reader takes as it takes the unpadded fp32 partitions) with each group's hyperparameters those
-of the optimizer the engine built from the saved config (:func:`.optimizers.engine_param_group`)
-where the config tells them, none otherwise: reading weights and states needs none. Writers ask
+of the optimizer the engine built from the saved config (:func:`.optimizers.engine_param_group`;
+for DeepSpeed's Muon each flat group's half, :func:`.optimizers.muon_param_groups`, the halves told
+by their states) where the config tells them, none otherwise: reading weights and states needs
+none. Writers ask
 :func:`missing_hyperparameters` before writing a layout that holds them (ZeRO-3, rigid ZeRO-1/2,
 DCP, Lightning; a universal folder then keeps each group's step only, which DeepSpeed's universal
 loaders accept), and write ZeRO-1/2 output in the elastic layout (:func:`elastic_output`), which
-holds none, as DeepSpeed does.
+holds none, as DeepSpeed does; a Muon run keeping whole-param momenta is written rigid, with its
+groups, as the elastic loader would misplace its momenta (refused where its groups are not told).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..core.state import TrainingState
 from ..io.checksums import archive_records
 from . import muon
 from . import names as N
-from .optimizers import deepspeed_own_optimizer, engine_param_group, optimizer_offloaded
+from .optimizers import deepspeed_own_optimizer, engine_param_group, muon_param_groups, optimizer_offloaded
 
 BASE_OPTIMIZER_STATE_STEP = "base_optimizer_state_step"  # stage_1_and_2.py:3382
 # set in a rank's rigid view: its per-element states are the partition less the tail padding
@@ -58,6 +61,10 @@ def rigid_views(
     config = ds_config if isinstance(ds_config, dict) else {}
     hyper, why = engine_param_group(config)
     whole_momentum = _whole_muon_momentum(config)
+    halves = _muon_halves(inner) if deepspeed_own_optimizer(config) == "muon" else None
+    per_group: list[dict] | None = None
+    if halves is not None:
+        per_group, why = muon_param_groups(config, [h for h, _ in halves], [s for _, s in halves])
     views: dict[int, dict] = {}
     for rank, state in inner.items():
         groups = state[N.BASE_OPTIMIZER_STATE]
@@ -74,9 +81,10 @@ def rigid_views(
                 [],
             )
         step = state.get(BASE_OPTIMIZER_STATE_STEP)
-        group_hyper = dict(hyper or {})
+        group_hypers = [dict(per_group[g] if per_group is not None else hyper or {}) for g in range(len(groups))]
         if BASE_OPTIMIZER_STATE_STEP in state:
-            group_hyper["step"] = step
+            for group_hyper in group_hypers:
+                group_hyper["step"] = step
         view = {k: v for k, v in state.items() if k != BASE_OPTIMIZER_STATE_STEP}
         view[ELASTIC_VIEW] = True
         states = {g: dict(group) for g, group in enumerate(groups)}
@@ -84,15 +92,25 @@ def rigid_views(
         if whole_momentum:
             paddings = state.get(N.GROUP_PADDINGS) or [0] * len(groups)
             for g, group in states.items():
-                flags[g] = {muon.MUON_FLAG: _muon_half(group)}
+                # the run's own flag where told (a rank touching no Muon param has no buffer)
+                flags[g] = {muon.MUON_FLAG: halves[g][0] if halves is not None else _muon_half(group)}
                 if flags[g][muon.MUON_FLAG] and isinstance(group.get(muon.MOMENTUM), TensorRef) and paddings[g]:
                     group[muon.MOMENTUM] = _uncut(group[muon.MOMENTUM], paddings[g])
         view[N.BASE_OPTIMIZER_STATE] = {
             "state": states,
-            "param_groups": [{**group_hyper, **flags[g], "params": [g]} for g in range(len(groups))],
+            "param_groups": [{**group_hypers[g], **flags[g], "params": [g]} for g in range(len(groups))],
         }
         views[rank] = view
-    if hyper is not None:
+    if per_group is not None and whole_momentum:
+        notes = [
+            "saved with zero_optimization.elastic_checkpoint, which keeps no param group hyperparameters: each "
+            "group's are those DeepSpeed's engine built its Muon and Adam halves with from the saved config "
+            "(engine._muon_param_groups; values a training script gave its own group, or a scheduler's current "
+            "lr, are not in the files); ZeRO-1/2 outputs are written in the rigid layout, holding them, as "
+            "DeepSpeed's elastic loader would give every rank rank 0's Muon momentum_buffer "
+            "(stage_1_and_2.py:3566-3567); DeepSpeed loads rigid files into an elastic engine too (:3743-3747)"
+        ]
+    elif hyper is not None or per_group is not None:
         notes = [
             f"saved with zero_optimization.elastic_checkpoint, which keeps no param group hyperparameters: "
             f"each group's are those DeepSpeed built its {why} with from the saved config (values a training "
@@ -117,6 +135,27 @@ def _whole_muon_momentum(ds_config: dict) -> bool:
     return deepspeed_own_optimizer(ds_config) == "muon" and not muon.momentum_per_element(
         False, optimizer_offloaded(ds_config)
     )
+
+
+def _muon_halves(inner: dict[int, dict]) -> list[tuple[bool, bool]] | None:
+    """Each flat group of an elastic Muon run: whether it is the Muon half, and whether it has
+    been stepped, told by its states on any rank (:func:`_muon_half`; a rank whose partition
+    touches no Muon param has an empty state, stage_1_and_2.py:2724-2729). None where a group has
+    no state on any rank (never stepped), or the ranks disagree."""
+    counts = {len(state[N.BASE_OPTIMIZER_STATE]) for state in inner.values()}
+    if len(counts) != 1:
+        return None
+    out: list[tuple[bool, bool]] = []
+    for g in range(counts.pop()):
+        seen = {
+            _muon_half(group)
+            for state in inner.values()
+            if isinstance(group := state[N.BASE_OPTIMIZER_STATE][g], dict) and group
+        }
+        if len(seen) != 1:
+            return None
+        out.append((seen.pop(), True))
+    return out
 
 
 def _muon_half(group: dict) -> bool:
@@ -158,12 +197,13 @@ def elastic_input(state: TrainingState) -> bool:
 def missing_hyperparameters(state: TrainingState, output: str) -> LayoutError | None:
     """The one-line refusal for an `output` that holds each param group's hyperparameters, where
     the input is an elastic_checkpoint run (no file holds them) whose config does not tell them
-    (:func:`.optimizers.engine_param_group`); None where they are known or not needed."""
+    (:func:`.optimizers.engine_param_group`; a Muon run's, :func:`.optimizers.muon_param_groups`,
+    where the script gave one group); None where they are known or not needed."""
     if not elastic_input(state):
         return None
     ds_config = state.ds_config
     hyper, why = engine_param_group(ds_config)
-    if hyper is not None:
+    if hyper is not None or _muon_groups_told(state):
         return None
     if _whole_muon_momentum(ds_config):
         route = (
@@ -185,12 +225,24 @@ def missing_hyperparameters(state: TrainingState, output: str) -> LayoutError | 
 
 def reshard_refused(state: TrainingState) -> bool:
     """No reshard of this input is written (:func:`missing_hyperparameters` refuses every
-    output): an elastic_checkpoint run of DeepSpeed's Muon keeping whole-param momenta. Other
-    refusals point at reshard as the route that keeps every state; these must not."""
+    output): an elastic_checkpoint run of DeepSpeed's Muon keeping whole-param momenta whose
+    groups are not told (the script's own). Other refusals point at reshard as the route that
+    keeps every state; these must not."""
     return (
         elastic_input(state)
         and _whole_muon_momentum(state.ds_config)
         and engine_param_group(state.ds_config)[0] is None
+        and not _muon_groups_told(state)
+    )
+
+
+def _muon_groups_told(state: TrainingState) -> bool:
+    """An elastic Muon run whose groups the reader filled from its config (:func:`rigid_views`,
+    :func:`.optimizers.muon_param_groups`: each then names its half)."""
+    return (
+        deepspeed_own_optimizer(state.ds_config) == "muon"
+        and bool(state.groups)
+        and all("name" in group.hyperparams and "lr" in group.hyperparams for group in state.groups)
     )
 
 
@@ -199,7 +251,8 @@ def elastic_output(ds_config: Any, stage: int, bf16_optimizer: bool) -> bool:
     (the input's, with the user's overrides) has elastic_checkpoint, as the run that loads it
     would save it; DeepSpeed loads it into an elastic engine at any world size and into a rigid
     one at the output's (stage_1_and_2.py:3743-3757). Not for DeepSpeed's Muon keeping whole-param
-    momenta: that loader gives every rank rank 0's (stage_1_and_2.py:3566-3568)."""
+    momenta: that loader gives every rank rank 0's (stage_1_and_2.py:3566-3568), so its output is
+    rigid, which an elastic engine loads too (:3743-3747: a rigid file is detected per file)."""
     return not bf16_optimizer and elastic_run(ds_config, stage) and not _whole_muon_momentum(ds_config)
 
 

@@ -150,8 +150,8 @@ def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None
     config's ``optimizer`` section (0.19.8, ``_configure_basic_optimizer``, runtime/engine.py:2476-2548)
     where the training script gave its groups no values of their own, and the optimizer's name;
     (None, why) where zckpt cannot tell them: a client's optimizer (no ``optimizer`` section),
-    DeepSpeed's Muon (each group split into a Muon and an Adam half, engine.py:2425-2474) and the
-    MuP optimizers (the ``mup`` package's). torch's optimizers (type Adam/AdamW with
+    DeepSpeed's Muon (each group split into a Muon and an Adam half, engine.py:2425-2474: one
+    group per half, :func:`muon_param_groups`) and the MuP optimizers (the ``mup`` package's). torch's optimizers (type Adam/AdamW with
     ``torch_adam``, Adagrad not offloaded, any other ``torch.optim`` class by name) are built on
     a stand-in param, as the engine builds them; FusedAdam, DeepSpeedCPUAdam, FusedLion,
     DeepSpeedCPULion, DeepSpeedCPUAdagrad and FusedLamb from their ``__init__``'s defaults
@@ -190,7 +190,13 @@ def engine_param_group(ds_config: dict[str, Any]) -> tuple[dict[str, Any] | None
         if unknown:  # the engine would have failed to build it with these
             return None, f"the config's {kind} params {unknown} are not DeepSpeed's {kind}'s"
         return {k: kwargs.get(k, v) for k, v in defaults.items()}, kind
-    if lower in ("muon", "muadam", "muadamw", "musgd"):
+    if lower == "muon":
+        return (
+            None,
+            f"DeepSpeed built its {kind} optimizer, whose Muon and Adam halves are the config's only where the "
+            "training script passed one group (muon_param_groups; here several groups, MoE, or a half never stepped)",
+        )
+    if lower in ("muadam", "muadamw", "musgd"):
         return (
             None,
             f"DeepSpeed built its {kind} optimizer, whose groups it makes per param (not from the config alone)",
@@ -215,3 +221,84 @@ def _torch_group(optimizer: Any, params: dict[str, Any]) -> dict[str, Any] | Non
     except (TypeError, ValueError):  # params torch's optimizer refuses: the engine would have too
         return None
     return {k: v for k, v in group.items() if k != "params"}
+
+
+# MuonWithAuxAdam.__init__'s defaults for each half (runtime/zero/muon/original_muon.py:381-396),
+# set as ``group[k] = group.get(k, default)`` in this order
+_MUON_HALF_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0, "ns_method": "gram"}
+_MUON_ADAM_HALF_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0}
+# engine._MUON_HALF_KEYS / _ADAM_HALF_KEYS (runtime/engine.py:2412-2413): the config keys each half takes
+_MUON_HALF_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
+_ADAM_HALF_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def muon_param_groups(
+    ds_config: dict[str, Any], halves: list[bool], stepped: list[bool]
+) -> tuple[list[dict[str, Any]] | None, str]:
+    """Each flat group's hyperparameters as DeepSpeed's engine built them for its Muon optimizer
+    from the config alone (0.19.8: ``_muon_param_groups``, runtime/engine.py:2425-2474, the Muon
+    branch of ``_configure_basic_optimizer``, :2530-2546, ``MuonWithAuxAdam.__init__``,
+    runtime/zero/muon/muon_optimizer.py:18-41 and original_muon.py:376-397), where the training
+    script passed one group of its own values (``model.parameters()``): `halves` says which flat
+    group is the Muon half (``use_muon``), `stepped` which has been stepped. Its ``[Muon, Adam]``
+    halves are named ``muon-params`` / ``adam-params`` and take the config's lr (``muon_lr`` /
+    ``adam_lr`` over it) and their own keys, then MuonWithAuxAdam's defaults; the Adam half then
+    the defaults of the Adam built for it (FusedAdam, DeepSpeedCPUAdam offloaded, torch's with
+    ``torch_adam``), and FusedAdam's ``step: 0`` once stepped (ops/adam/fused_adam.py:132-133).
+    (None, why) where the flat groups are not one group's halves (several script groups, MoE:
+    their names and values are the script's) or the config is not one the engine builds."""
+    section = ds_config.get("optimizer")
+    params = section.get("params") if isinstance(section, dict) else None
+    if not isinstance(params or {}, dict):
+        return None, f"the config's optimizer params are a {type(params).__name__}"
+    if halves not in ([True, False], [True], [False]):
+        return None, (
+            f"its {len(halves)} flat groups are not the Muon and Adam halves of one group: the training script "
+            "(or MoE) made several, whose names and values the files do not keep"
+        )
+    zero = ds_config.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("zenflow"):
+        return None, "a ZenFlow run's Muon (its Adam is ZenFlowCPUAdam)"
+    params = dict(params or {})
+    params.pop("adam_w_mode", None)
+    adam_w_mode = bool((section.get("params") or {}).get("adam_w_mode", True))
+    torch_adam = bool(params.pop("torch_adam", False))  # engine.get_optimizer_configuration, :2374-2378
+    params.pop("fp32_optimizer_states", None)
+    foreach = params.pop("foreach", None) if torch_adam else None
+    groups: list[dict[str, Any]] = []
+    for use_muon, was_stepped in zip(halves, stepped):
+        keys, override = (_MUON_HALF_KEYS, "muon_lr") if use_muon else (_ADAM_HALF_KEYS, "adam_lr")
+        group: dict[str, Any] = {"use_muon": use_muon, "name": "muon-params" if use_muon else "adam-params"}
+        group.update({k: params[k] for k in keys if k in params})
+        if override in params:
+            group["lr"] = params[override]
+        for key, default in (_MUON_HALF_DEFAULTS if use_muon else _MUON_ADAM_HALF_DEFAULTS).items():
+            group[key] = group.get(key, default)
+        if not use_muon:
+            if torch_adam:
+                import torch
+
+                built = _torch_group_of(torch.optim.AdamW if adam_w_mode else torch.optim.Adam, group, foreach)
+                if built is None:
+                    return None, "torch's Adam refuses the config's Adam half"
+                group = built
+            else:
+                for key, default in (
+                    _CPU_ADAM_DEFAULTS if optimizer_offloaded(ds_config) else _FUSED_ADAM_DEFAULTS
+                ).items():
+                    group.setdefault(key, default)
+                if was_stepped and not optimizer_offloaded(ds_config):
+                    group["step"] = 0
+        groups.append(group)
+    return groups, "Muon"
+
+
+def _torch_group_of(optimizer: Any, group: dict[str, Any], foreach: Any) -> dict[str, Any] | None:
+    """`group` as torch's `optimizer` completes it (its defaults after the group's own keys)."""
+    import torch
+
+    try:
+        built = optimizer([{**group, "params": [torch.zeros(1)]}], foreach=foreach).param_groups[0]
+    except (TypeError, ValueError):
+        return None
+    return {k: v for k, v in built.items() if k != "params"}
