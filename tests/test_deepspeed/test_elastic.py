@@ -292,3 +292,37 @@ def test_muon_groups_not_of_one_script_group_are_not_told(halves: list[bool]) ->
     """Several script groups (own values) or MoE regrouping: names and values in no file."""
     groups, why = muon_param_groups({"optimizer": {"type": "Muon", "params": {}}}, halves, [True] * len(halves))
     assert groups is None and "flat groups" in why
+
+
+def test_elastic_muon_views_take_the_config_groups_told_by_any_ranks_states() -> None:
+    """rigid_views: the halves are told by their states on any rank (a rank whose partition
+    touches no Muon param keeps an empty state, stage_1_and_2.py:2724-2729), each view then has
+    both halves' groups; three flat groups (the script's own) get none, and the note says why."""
+    from zckpt.deepspeed.elastic import rigid_views
+
+    config = {
+        "optimizer": {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.9}},
+        "zero_optimization": {"stage": 2, "elastic_checkpoint": True},
+    }
+    adam = {"step": 3, "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+
+    def rank(muon: dict, groups: int = 2) -> dict:
+        return {
+            "base_optimizer_state": [muon, *[dict(adam) for _ in range(groups - 1)]],
+            "single_partition_of_fp32_groups": [torch.zeros(4)] * groups,
+            "group_paddings": [0] * groups,
+        }
+
+    inner = {0: rank({"momentum_buffer": torch.zeros(6)}), 1: rank({})}
+    views, refusal, notes = rigid_views(inner, config, {0: "a", 1: "b"})
+    expected, _ = muon_param_groups(config, [True, False], [True, True])
+    assert refusal is None and "_muon_param_groups" in notes[0]
+    for view in views.values():
+        groups = view["base_optimizer_state"]["param_groups"]
+        assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == expected
+    inner = {0: rank({"momentum_buffer": torch.zeros(6)}, 3), 1: rank({}, 3)}
+    views, refusal, notes = rigid_views(inner, config, {0: "a", 1: "b"})
+    assert refusal is None and "flat groups" in notes[0]
+    groups = views[1]["base_optimizer_state"]["param_groups"]
+    assert [set(g) for g in groups] == [{"use_muon", "params"}] * 3
+    assert [g["use_muon"] for g in groups] == [True, False, False]  # rank 1's empty state: told by rank 0's
