@@ -12,7 +12,11 @@ own lr) and DeepSpeed's CPU Lion (two groups with their own lr over the config's
 resumes zckpt's reshard at another world size and (the script's optimizer) its universal folder:
 every master and state bit for bit as DeepSpeed saved them, the script's groups, and one step on.
 (DeepSpeed's FusedLion and FusedLamb do not run on the CPU accelerator: "This op had not been
-implemented on CPU backend".)"""
+implemented on CPU backend".)
+
+DeepSpeed's Muon: a run of one group (the config's values) is resharded rigid (ZeRO-2, ZeRO-3) with
+the groups its engine built, and resumed bit for bit; a run of the script's own groups is read
+exactly and its reshard refused."""
 
 from __future__ import annotations
 
