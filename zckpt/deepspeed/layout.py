@@ -169,10 +169,7 @@ class Zero3Pieces(Sequence[Piece]):
     def __getitem__(self, position):  # type: ignore[override]
         if isinstance(position, slice):
             return [self[i] for i in range(*position.indices(len(self)))]
-        if position < 0:
-            position += len(self)
-        if not 0 <= position < len(self):
-            raise IndexError(position)
+        position = _checked_index(position, len(self))
         param = bisect.bisect_right(self._starts, position) - 1
         return self._piece(param, position - self._starts[param])
 
@@ -261,11 +258,15 @@ class _ByParam(Sequence[list[Piece]]):
     def __getitem__(self, param):  # type: ignore[override]
         if isinstance(param, slice):
             return [self[i] for i in range(*param.indices(len(self)))]
-        if param < 0:
-            param += len(self)
-        if not 0 <= param < len(self):
-            raise IndexError(param)
-        return self._pieces.of_param(param)
+        return self._pieces.of_param(_checked_index(param, len(self)))
+
+
+def _checked_index(index: int, size: int) -> int:
+    """A sequence index as a list takes it (negative from the end), or IndexError."""
+    position = index + size if index < 0 else index
+    if not 0 <= position < size:
+        raise IndexError(index)
+    return position
 
 
 def round_robin_order(count: int, world_size: int) -> list[int]:
