@@ -64,7 +64,8 @@ def rigid_views(
     halves = _muon_halves(inner) if deepspeed_own_optimizer(config) == "muon" else None
     per_group: list[dict] | None = None
     if halves is not None:
-        per_group, why = muon_param_groups(config, [h for h, _ in halves], [s for _, s in halves])
+        # every group stepped: _muon_halves tells none that has no state on any rank
+        per_group, why = muon_param_groups(config, halves, [True] * len(halves))
     views: dict[int, dict] = {}
     for rank, state in inner.items():
         groups = state[N.BASE_OPTIMIZER_STATE]
@@ -93,7 +94,7 @@ def rigid_views(
             paddings = state.get(N.GROUP_PADDINGS) or [0] * len(groups)
             for g, group in states.items():
                 # the run's own flag where told (a rank touching no Muon param has no buffer)
-                flags[g] = {muon.MUON_FLAG: halves[g][0] if halves is not None else _muon_half(group)}
+                flags[g] = {muon.MUON_FLAG: halves[g] if halves is not None else _muon_half(group)}
                 if flags[g][muon.MUON_FLAG] and isinstance(group.get(muon.MOMENTUM), TensorRef) and paddings[g]:
                     group[muon.MOMENTUM] = _uncut(group[muon.MOMENTUM], paddings[g])
         view[N.BASE_OPTIMIZER_STATE] = {
@@ -137,15 +138,15 @@ def _whole_muon_momentum(ds_config: dict) -> bool:
     )
 
 
-def _muon_halves(inner: dict[int, dict]) -> list[tuple[bool, bool]] | None:
-    """Each flat group of an elastic Muon run: whether it is the Muon half, and whether it has
-    been stepped, told by its states on any rank (:func:`_muon_half`; a rank whose partition
-    touches no Muon param has an empty state, stage_1_and_2.py:2724-2729). None where a group has
-    no state on any rank (never stepped), or the ranks disagree."""
+def _muon_halves(inner: dict[int, dict]) -> list[bool] | None:
+    """Each flat group of an elastic Muon run: whether it is the Muon half, told by its states on
+    any rank (:func:`_muon_half`; a rank whose partition touches no Muon param has an empty state,
+    stage_1_and_2.py:2724-2729). None where a group has no state on any rank (never stepped), or
+    the ranks disagree."""
     counts = {len(state[N.BASE_OPTIMIZER_STATE]) for state in inner.values()}
     if len(counts) != 1:
         return None
-    out: list[tuple[bool, bool]] = []
+    out: list[bool] = []
     for g in range(counts.pop()):
         seen = {
             _muon_half(group)
@@ -154,7 +155,7 @@ def _muon_halves(inner: dict[int, dict]) -> list[tuple[bool, bool]] | None:
         }
         if len(seen) != 1:
             return None
-        out.append((seen.pop(), True))
+        out.append(seen.pop())
     return out
 
 
@@ -170,9 +171,9 @@ def _uncut(ref: TensorRef, padding: int) -> TensorRef:
     here the last `padding` elements of the last param's momentum): torch.save wrote the view's
     whole storage, so they are in the file's record, which this widens the view to. Left as is
     where the record does not hold them (the reader then refuses the short buffer)."""
-    end = ref.offset + (ref.numel + padding) * ref.dtype.itemsize
     if len(ref.shape) != 1 or not ref.is_contiguous:
         return ref
+    end = ref.offset + (ref.numel + padding) * ref.dtype.itemsize
     for record in archive_records(ref.path):
         if record.start <= ref.offset < record.start + record.size:
             if end <= record.start + record.size:
