@@ -820,6 +820,18 @@ def deepspeed_base_state(inner: dict) -> dict:
     }
 
 
+def rewrite_torch_file(path: Path, change) -> None:  # noqa: ANN001
+    """Apply `change` to the object tree of a torch file (tensors carried as saved) and write it
+    back in place: written beside, then renamed, as its tensors are read from `path` while the
+    new file is written."""
+    tree = carry(torchfile.load(path))
+    change(tree)
+    scratch = path.parent.parent / "scratch"
+    scratch.mkdir(exist_ok=True)
+    torchsave.save(tree, scratch / path.name)
+    os.replace(scratch / path.name, path)
+
+
 def is_elastic(case: Sample) -> bool:
     """A run saved with zero_optimization.elastic_checkpoint (base_optimizer_state a list per group)."""
     return bool(case.meta.get("ds_config", {}).get("zero_optimization", {}).get("elastic_checkpoint"))

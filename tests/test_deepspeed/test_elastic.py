@@ -6,25 +6,29 @@ parametrized over every sample; DeepSpeed's loads of the outputs: test_interop_e
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import Sample, copy_checkpoint, deepspeed_base_state, load_with_stand_ins, same_bits, sample
+from helpers import (
+    Sample,
+    copy_checkpoint,
+    deepspeed_base_state,
+    load_with_stand_ins,
+    rewrite_torch_file,
+    same_bits,
+    sample,
+)
 from zckpt import load_state_dict
 from zckpt.core.errors import LayoutError
 from zckpt.deepspeed.optimizers import engine_param_group, muon_param_groups
-from zckpt.deepspeed.writer import carry
 from zckpt.ops.consolidate import consolidate
 from zckpt.ops.dcp import to_dcp
 from zckpt.ops.inspect import inspect_path
 from zckpt.ops.reshard import reshard
 from zckpt.ops.universal import to_universal
 from zckpt.ops.verify import verify
-from zckpt.torchfile import reader as torchfile
-from zckpt.torchfile import save as torchsave
 
 ELASTIC = [sample("z2_bf16_ws2_elastic"), sample("z1_fp32_ws3_elastic")]
 
@@ -110,15 +114,14 @@ def _edit_config(tag: Path, change, inner=None) -> None:  # noqa: ANN001
         state = torch.load(path, weights_only=False)
         change(state["ds_config"])
         torch.save(state, path)
-    for path in _optim_files(tag):
-        tree = carry(torchfile.load(path))
+
+    def both(tree: dict) -> None:
         change(tree["ds_config"])
         if inner is not None:
             inner(tree["optimizer_state_dict"])
-        scratch = tag.parent / "scratch"
-        scratch.mkdir(exist_ok=True)
-        torchsave.save(tree, scratch / path.name)
-        os.replace(scratch / path.name, path)
+
+    for path in _optim_files(tag):
+        rewrite_torch_file(path, both)
 
 
 def _scripts_own_optimizer(tmp_path: Path) -> Path:

@@ -16,14 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import as_saved_to_a_stream, copy_checkpoint, same_bits, sample
+from helpers import as_saved_to_a_stream, copy_checkpoint, rewrite_torch_file, same_bits, sample
 from zckpt import load_state_dict
 from zckpt.core.errors import LayoutError
 from zckpt.deepspeed.reader import open_checkpoint
-from zckpt.deepspeed.writer import carry
 from zckpt.ops.inspect import inspect_path
-from zckpt.torchfile import reader as torchfile
-from zckpt.torchfile import save as torchsave
 
 Z3_FROZEN = sample("z3_fp32_ws2_tied_frozen")
 Z3_SUB_GROUPS = sample("z3_bf16_ws3_subgroups_groups")
@@ -39,12 +36,7 @@ def _edit_model_states(tag: Path, change) -> None:  # noqa: ANN001
 
 def _edit_optim_states(tag: Path, change) -> None:  # noqa: ANN001
     for path in sorted(tag.glob("*optim_states.pt")):
-        tree = carry(torchfile.load(path))
-        change(tree["optimizer_state_dict"])
-        scratch = tag.parent / "scratch"
-        scratch.mkdir(exist_ok=True)
-        torchsave.save(tree, scratch / path.name)
-        os.replace(scratch / path.name, path)
+        rewrite_torch_file(path, lambda tree: change(tree["optimizer_state_dict"]))
 
 
 def _refusal(checkpoint: Path) -> str:
